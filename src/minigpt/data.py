@@ -1,0 +1,145 @@
+"""Built-in corpora, user text, deterministic train/val/test splits and batch sampling.
+
+Nothing is downloaded. ``python-docs`` (the pretraining domain) is the reference documentation
+that every CPython ships as ``pydoc_data.topics``. ``forecasts`` (the fine-tuning domain) is a
+seeded generator of terse weather bulletins: digits, units and place names in a fixed register that
+the Python docs never use, so an adapter's gain on it is easy to see.
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .errors import InputError
+
+BUILTIN_PREFIX = "builtin:"
+TEXT_SUFFIXES = {".txt", ".md", ".rst", ".text", ""}
+
+
+def python_docs_documents() -> list[str]:
+    """The paragraphs of CPython's pydoc topics, in a fixed (sorted-topic) order."""
+    from pydoc_data.topics import topics
+
+    paragraphs: list[str] = []
+    for key in sorted(topics):
+        paragraphs.extend(p.strip("\n") for p in topics[key].split("\n\n") if p.strip())
+    return paragraphs
+
+
+_PLACES = ["Bergen", "Oslo", "Tromso", "Stavanger", "Aberdeen", "Shetland", "Faroe", "Malin",
+           "Dover", "Plymouth", "Cork", "Galway", "Reykjavik", "Torshavn", "Kiel", "Gdansk"]
+_WINDS = ["north", "north-east", "east", "south-east", "south", "south-west", "west", "north-west"]
+_SKY = ["clear", "fair", "cloudy", "overcast", "fog patches", "drizzle", "rain", "showers", "sleet", "snow"]
+_TREND = ["rising slowly", "rising", "steady", "falling", "falling quickly"]
+_SEA = ["smooth", "slight", "moderate", "rough", "very rough", "high"]
+_MONTHS = ["Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct", "Nov", "Dec"]
+
+
+def forecast_documents(n: int = 4000, seed: int = 28) -> list[str]:
+    """n weather bulletins drawn from a seeded generator (identical on every machine)."""
+    rng = random.Random(seed)
+    docs = []
+    for _ in range(n):
+        place, wind = rng.choice(_PLACES), rng.choice(_WINDS)
+        force = rng.randint(1, 9)
+        temp = rng.randint(-8, 24)
+        docs.append(
+            f"{place}, {rng.randint(1, 28)} {rng.choice(_MONTHS)}: wind {wind} {force}"
+            f"{' to ' + str(force + 1) if rng.random() < 0.4 else ''}, {rng.choice(_SKY)}, "
+            f"{temp} C, pressure {rng.randint(960, 1040)} hPa {rng.choice(_TREND)}. "
+            f"Sea state {rng.choice(_SEA)}. Visibility {rng.choice(['good', 'moderate', 'poor'])}."
+        )
+    return docs
+
+
+BUILTIN = {"python-docs": python_docs_documents, "forecasts": forecast_documents}
+
+
+def read_user_documents(path: Path) -> list[str]:
+    """A text file, or every text file under a folder (sorted), split into paragraphs."""
+    if not path.exists():
+        raise InputError(f"{path}: data file or folder not found")
+    files = [path] if path.is_file() else sorted(
+        p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES and not p.name.startswith(".")
+    )
+    docs: list[str] = []
+    for f in files:
+        try:
+            text = f.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            raise InputError(f"{f}: not UTF-8 text") from None
+        docs.extend(p.strip("\n") for p in text.split("\n\n") if p.strip())
+    if not docs:
+        raise InputError(f"{path}: no text found (empty data)")
+    return docs
+
+
+def load_documents(source: str | Path) -> list[str]:
+    """``builtin:NAME`` or a path to the user's text file or folder."""
+    s = str(source)
+    if s.startswith(BUILTIN_PREFIX):
+        name = s[len(BUILTIN_PREFIX):]
+        if name not in BUILTIN:
+            raise InputError(f"unknown built-in corpus {name!r}; valid: {sorted(BUILTIN)}")
+        return BUILTIN[name]()
+    return read_user_documents(Path(s))
+
+
+@dataclass
+class Splits:
+    train: str
+    val: str
+    test: str
+
+
+def split_documents(docs: list[str], period: int = 20) -> Splits:
+    """Deterministic split: of every `period` documents, one goes to val and one to test.
+
+    With fewer than `period` documents, the joined text is cut into `period` equal pieces first.
+    """
+    if not docs or not any(d.strip() for d in docs):
+        raise InputError("the data is empty")
+    if len(docs) < period:
+        text = "\n\n".join(docs)
+        step = max(1, len(text) // period)
+        docs = [text[i : i + step] for i in range(0, len(text), step)]
+    parts: dict[str, list[str]] = {"train": [], "val": [], "test": []}
+    for i, d in enumerate(docs):
+        r = i % period
+        parts["val" if r == period - 2 else "test" if r == period - 1 else "train"].append(d)
+    return Splits(**{k: "\n\n".join(v) + "\n\n" for k, v in parts.items()})
+
+
+def encode_split(text: str, tokenizer, block_size: int, name: str) -> torch.Tensor:
+    ids = torch.tensor(tokenizer.encode(text), dtype=torch.long)
+    if ids.numel() < block_size + 2:
+        raise InputError(f"the {name} split has {ids.numel()} tokens, fewer than block_size + 2 = {block_size + 2}")
+    return ids
+
+
+def sample_batch(data: torch.Tensor, batch_size: int, block_size: int, generator: torch.Generator):
+    """Random windows (nanoGPT's get_batch): inputs x and next-token targets y, each (B, T)."""
+    ix = torch.randint(data.numel() - block_size - 1, (batch_size,), generator=generator)
+    offsets = torch.arange(block_size + 1)
+    windows = data[ix[:, None] + offsets]  # (B, T+1)
+    return windows[:, :-1], windows[:, 1:]
+
+
+def eval_batches(data: torch.Tensor, batch_size: int, block_size: int, max_batches: int):
+    """Fixed, non-overlapping windows from the start of a split: the same every call."""
+    n = min((data.numel() - 1) // block_size, batch_size * max_batches)
+    starts = torch.arange(n) * block_size
+    offsets = torch.arange(block_size + 1)
+    for i in range(0, n, batch_size):
+        w = data[starts[i : i + batch_size, None] + offsets]
+        yield w[:, :-1], w[:, 1:]
+
+
+def unigram_entropy(ids: torch.Tensor, vocab_size: int) -> float:
+    """Entropy (nats/token) of the empirical token distribution: the loss of a context-free model."""
+    counts = torch.bincount(ids, minlength=vocab_size).double()
+    p = counts[counts > 0] / counts.sum()
+    return float(-(p * p.log()).sum())

@@ -1,0 +1,76 @@
+"""Atomic file writes and the base-model folder format (config.json + model.safetensors)."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save
+
+from .errors import InputError
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write to a temporary file in the same folder, fsync, then rename: never a partial file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".tmp-{path.name}.")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def atomic_save_safetensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict | None = None) -> None:
+    data = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
+    atomic_write_bytes(path, save(data, metadata=metadata))
+
+
+def load_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    """Load a safetensors file; a missing, truncated or foreign file is an InputError."""
+    path = Path(path)
+    if not path.is_file():
+        raise InputError(f"{path}: file not found")
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+        raise InputError(f"{path}: not a readable safetensors file ({str(e).splitlines()[0]})") from None
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def read_json(path: Path) -> dict:
+    path = Path(path)
+    try:
+        d = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise InputError(f"{path}: file not found") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise InputError(f"{path}: malformed JSON ({e})") from None
+    if not isinstance(d, dict):
+        raise InputError(f"{path}: expected a JSON object")
+    return d
+
+
+def write_json(path: Path, d: dict) -> None:
+    atomic_write_text(Path(path), json.dumps(d, indent=2, sort_keys=False) + "\n")
+

@@ -1,0 +1,56 @@
+"""The ``minituner`` command line: one module per subcommand under ``minituner/commands``.
+
+A user's mistake (bad flag, missing file, corrupt adapter, wrong shape, NaN) ends in one line on
+stderr and exit code 2, never a traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from minigpt.errors import InputError
+
+# Subcommand name -> module in minituner.commands exposing HELP, add_arguments(parser), run(args) -> int.
+COMMANDS = ("pretrain", "generate")
+
+EXIT_USAGE = 2
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, not usage + message
+        print(f"{self.prog}: error: {message}", file=sys.stderr)
+        raise SystemExit(EXIT_USAGE)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="minituner", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    for name in COMMANDS:
+        module = importlib.import_module(f"minituner.commands.{name.replace('-', '_')}")
+        p = sub.add_parser(name, help=module.HELP, description=module.HELP)
+        module.add_arguments(p)
+        p.set_defaults(_run=module.run)
+    return parser
+
+
+def user_errors() -> tuple[type[BaseException], ...]:
+    """Exception types that mean the user's input was wrong (not a bug in minituner)."""
+    return (InputError, OSError, FloatingPointError)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args._run(args) or 0)
+    except user_errors() as e:
+        message = str(e).splitlines()[0] if str(e) else type(e).__name__
+        print(f"minituner {args.command}: error: {message}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("minituner: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

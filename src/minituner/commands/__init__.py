@@ -1,0 +1,1 @@
+"""One module per CLI subcommand: HELP, add_arguments(parser), run(args) -> exit code."""

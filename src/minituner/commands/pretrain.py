@@ -1,0 +1,39 @@
+"""minituner pretrain: train the base MiniGPT on the built-in Python docs (or --data)."""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from minigpt.checkpoint import WEIGHTS
+from minigpt.pretrain import DEFAULT_DATA, pretrain
+from minigpt.train import TrainConfig
+
+from ._common import positive_float, positive_int, prepare_out_dir
+
+HELP = "pretrain the base MiniGPT and write config.json, model.safetensors, tokenizer.json, manifest.json"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    d = TrainConfig()
+    p.add_argument("--data", default=DEFAULT_DATA, help="text file or folder, or builtin:NAME (default %(default)s)")
+    p.add_argument("--out", type=Path, default=Path("artifacts/base"))
+    p.add_argument("--steps", type=positive_int, default=d.steps)
+    p.add_argument("--batch-size", type=positive_int, default=d.batch_size)
+    p.add_argument("--lr", type=positive_float, default=d.lr)
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--block-size", type=int, default=128)
+    p.add_argument("--n-layer", type=int, default=4)
+    p.add_argument("--n-head", type=int, default=4)
+    p.add_argument("--d-model", type=int, default=64)
+    p.add_argument("--overwrite", action="store_true", help="replace a base already in --out")
+    p.add_argument("--no-progress", action="store_true")
+
+
+def run(args: argparse.Namespace) -> int:
+    prepare_out_dir(args.out, WEIGHTS, args.overwrite)
+    cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
+                      eval_every=max(1, min(250, args.steps)))
+    overrides = {"block_size": args.block_size, "n_layer": args.n_layer, "n_head": args.n_head, "d_model": args.d_model}
+    pretrain(args.out, args.data, overrides, cfg, progress=not args.no_progress)
+    print(f"wrote {args.out}/")
+    return 0
