@@ -160,6 +160,8 @@ class MiniGPT(nn.Module):
         generator: torch.Generator | None = None,
     ) -> torch.Tensor:
         """Sample max_new_tokens continuations of idx (B, T); temperature 0 means greedy."""
+        was_training = self.training
+        self.eval()
         for _ in range(max_new_tokens):
             context = idx[:, -self.config.block_size :]
             logits = self(context)[:, -1, :]  # (B, V)
@@ -173,4 +175,5 @@ class MiniGPT(nn.Module):
                 probs = F.softmax(logits, dim=-1)
                 nxt = torch.multinomial(probs, 1, generator=generator)
             idx = torch.cat([idx, nxt], dim=1)
+        self.train(was_training)
         return idx

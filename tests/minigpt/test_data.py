@@ -1,0 +1,71 @@
+import math
+
+import pytest
+import torch
+
+from minigpt.data import (
+    encode_split, forecast_documents, load_documents, python_docs_documents, sample_batch, split_documents,
+    unigram_entropy,
+)
+from minigpt.errors import InputError
+
+
+def test_builtin_corpora_are_deterministic_and_distinct():
+    docs = python_docs_documents()
+    assert len(docs) > 1000 and docs == python_docs_documents()
+    fc = forecast_documents()
+    assert fc == forecast_documents() and len(fc) == 4000
+    assert "hPa" in fc[0] and not any("hPa" in d for d in docs[:500])
+
+
+def test_split_is_deterministic_and_disjoint():
+    docs = [f"doc {i}" for i in range(100)]
+    s = split_documents(docs)
+    assert s == split_documents(docs)
+    assert "doc 18\n" in s.val and "doc 19\n" in s.test and "doc 18\n" not in s.train
+    assert s.train.count("doc") == 90 and s.val.count("doc") == 5 and s.test.count("doc") == 5
+
+
+def test_user_file_and_folder(tmp_path):
+    (tmp_path / "a.txt").write_text("first paragraph\n\nsecond one\n")
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "b.md").write_text("third\n")
+    assert load_documents(tmp_path) == ["first paragraph", "second one", "third"]
+    assert load_documents(tmp_path / "a.txt") == ["first paragraph", "second one"]
+
+
+@pytest.mark.parametrize("make", ["missing", "empty", "blank", "binary"])
+def test_bad_data_is_input_error(tmp_path, make):
+    p = tmp_path / "data.txt"
+    if make == "empty":
+        p.write_text("")
+    elif make == "blank":
+        p.write_text("\n\n   \n")
+    elif make == "binary":
+        p.write_bytes(b"\xff\xfe\x00\x81")
+    with pytest.raises(InputError):
+        load_documents(p)
+
+
+def test_unknown_builtin():
+    with pytest.raises(InputError, match="python-docs"):
+        load_documents("builtin:nope")
+
+
+def test_batches_are_next_token_windows():
+    data = torch.arange(100)
+    x, y = sample_batch(data, 4, 8, torch.Generator().manual_seed(0))
+    assert x.shape == y.shape == (4, 8)
+    assert torch.equal(y, x + 1)
+
+
+def test_too_short_split_is_input_error():
+    from minigpt.tokenizer import CharTokenizer
+
+    with pytest.raises(InputError, match="fewer than block_size"):
+        encode_split("abc", CharTokenizer.train("abc"), 16, "val")
+
+
+def test_unigram_entropy_uniform():
+    ids = torch.arange(8).repeat(10)
+    assert abs(unigram_entropy(ids, 8) - math.log(8)) < 1e-12
