@@ -6,12 +6,12 @@ from pathlib import Path
 
 import torch
 
-from minigpt.checkpoint import load_base
 from minigpt.errors import InputError
 
+from ..base_model import load_base_model, load_tokenizer
 from ._common import positive_int
 
-HELP = "print samples from a base model folder"
+HELP = "print samples from a base model folder (minituner base or Hugging Face GPT-2)"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -25,9 +25,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    model, tokenizer = load_base(args.base)
+    model, tokenizer = load_base_model(args.base)
     if tokenizer is None:
-        raise InputError(f"{args.base}: no tokenizer.json beside the model")
+        raise InputError(load_tokenizer(args.base, model.config.vocab_size)[1])
     if not args.prompt:
         raise InputError("--prompt is empty")
     gen = torch.Generator().manual_seed(args.seed)
