@@ -1,0 +1,178 @@
+"""QuantizedLinear: a Linear whose weight is stored quantized (int8 / int4 per group, or NF4).
+
+Schemes (the name says codes and group size):
+    int8_per_group_<G>   symmetric int8, one float32 scale per G input features of each row
+    int4_per_group_<G>   symmetric int4 (two codes per byte), one float32 scale per G input features
+    nf4_per_group_<G>    NF4 in flattened blocks of G values, byte-identical to bitsandbytes
+                         (G in 32, 64, ..., 4096 as bitsandbytes allows; QLoRA uses 64)
+
+The quantized weight lives in buffers, never parameters, so optimizers and `requires_grad` never see
+it; the bias (if any) is a frozen float buffer. Buffer names (they are the state_dict keys):
+    int8: weight_q (out, in) int8,              weight_scale (out, ceil(in/G)) float32
+    int4: weight_packed (ceil(out*in/2),) uint8, weight_scale (out, ceil(in/G)) float32
+    nf4:  weight_packed (ceil(out*in/2),) uint8, weight_absmax (ceil(out*in/G),) float32
+    bias: (out,) in the original Linear's dtype, absent when the Linear had none
+The scheme and the original weight dtype are constructor arguments, not state: build the module with
+`QuantizedLinear(in, out, scheme, bias=..., weight_dtype=...)` and `load_state_dict` into it.
+
+forward(x) dequantizes the weight to x's dtype, computes x @ W^T + b and drops W. Its backward
+dequantizes W again to return the gradient for x only: nothing dequantized is kept for backward
+(only the quantized buffers are saved, which costs no memory and catches in-place changes).
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .errors import QuantizationError
+from .int_quant import IntQuantized, dequantize_symmetric_per_group, quantize_symmetric_per_group
+from .nf4 import NF4Tensor, dequantize_nf4, quantize_nf4
+
+NF4_BLOCKSIZES = (32, 64, 128, 256, 512, 1024, 2048, 4096)  # the block sizes bitsandbytes accepts
+VALID_SCHEMES = (
+    "int8_per_group_<G>, int4_per_group_<G> (G a positive integer), nf4_per_group_<G> (G in 32, 64, ..., 4096)"
+)
+_SCHEME_RE = re.compile(r"(int8|int4|nf4)_per_group_([1-9][0-9]*)")
+
+
+@dataclass(frozen=True)
+class QuantScheme:
+    kind: str  # "int8", "int4" or "nf4"
+    group_size: int  # values per scale (per block for nf4)
+
+    @property
+    def name(self) -> str:
+        return f"{self.kind}_per_group_{self.group_size}"
+
+
+def parse_scheme(name: str) -> QuantScheme:
+    """'int4_per_group_32' -> QuantScheme('int4', 32); anything else raises QuantizationError listing valid ones."""
+    m = _SCHEME_RE.fullmatch(name) if isinstance(name, str) else None
+    if m is None or (m.group(1) == "nf4" and int(m.group(2)) not in NF4_BLOCKSIZES):
+        raise QuantizationError(f"unknown quantization scheme {name!r}; valid: {VALID_SCHEMES}")
+    return QuantScheme(m.group(1), int(m.group(2)))
+
+
+def _buffer_shapes(scheme: QuantScheme, out_features: int, in_features: int) -> dict[str, tuple[tuple, torch.dtype]]:
+    """Name -> (shape, dtype) of the quantized weight buffers, in the order dequantize_from takes them."""
+    n, g = out_features * in_features, scheme.group_size
+    scale = ((out_features, -(-in_features // g)), torch.float32)
+    if scheme.kind == "int8":
+        return {"weight_q": ((out_features, in_features), torch.int8), "weight_scale": scale}
+    if scheme.kind == "int4":
+        return {"weight_packed": ((-(-n // 2),), torch.uint8), "weight_scale": scale}
+    return {"weight_packed": ((-(-n // 2),), torch.uint8), "weight_absmax": ((-(-n // g),), torch.float32)}
+
+
+class DequantLinearFunction(torch.autograd.Function):
+    """y = x @ W^T + b with W dequantized on the fly in forward and again in backward; grad for x only."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, bias: Tensor | None, layer: "QuantizedLinear", *qtensors: Tensor) -> Tensor:
+        w = layer.dequantize_from(qtensors, x.dtype)  # (out, in), transient
+        ctx.layer, ctx.dtype = layer, x.dtype
+        ctx.save_for_backward(*qtensors)  # the quantized buffers only: no extra memory
+        return F.linear(x, w, None if bias is None else bias.to(x.dtype))  # (..., out)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out: Tensor):
+        qtensors = ctx.saved_tensors  # raises if a buffer was modified in place since forward
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            w = ctx.layer.dequantize_from(qtensors, ctx.dtype)  # (out, in), recomputed
+            grad_x = grad_out @ w  # (..., out) @ (out, in) -> (..., in)
+        return (grad_x, None, None) + (None,) * len(qtensors)
+
+
+class QuantizedLinear(nn.Module):
+    """A frozen Linear with a quantized weight (see the module docstring for schemes and buffers)."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        scheme: str,
+        bias: bool = True,
+        weight_dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self._scheme = parse_scheme(scheme)
+        self.scheme = self._scheme.name
+        self.weight_dtype = weight_dtype  # dtype of the original weight; default for dequantize()
+        for name, (shape, dtype) in _buffer_shapes(self._scheme, out_features, in_features).items():
+            self.register_buffer(name, torch.zeros(shape, dtype=dtype, device=device))
+        self.register_buffer("bias", torch.zeros(out_features, dtype=weight_dtype, device=device) if bias else None)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, scheme: str) -> "QuantizedLinear":
+        """Quantize an nn.Linear's weight (the Linear itself is left unchanged)."""
+        w = linear.weight.detach()
+        layer = cls(linear.in_features, linear.out_features, scheme, linear.bias is not None, w.dtype, w.device)
+        layer.quantize_weight_(w)
+        if linear.bias is not None:
+            layer.bias.copy_(linear.bias.detach())
+        return layer
+
+    @torch.no_grad()
+    def quantize_weight_(self, weight: Tensor) -> None:
+        """Quantize a float (out, in) weight into this layer's buffers."""
+        if tuple(weight.shape) != (self.out_features, self.in_features):
+            expected = (self.out_features, self.in_features)
+            raise QuantizationError(f"weight of shape {tuple(weight.shape)} does not fit {expected}")
+        s = self._scheme
+        if s.kind == "nf4":
+            q = quantize_nf4(weight, blocksize=s.group_size)
+            self.weight_packed.copy_(q.packed)
+            self.weight_absmax.copy_(q.absmax)
+        else:
+            q = quantize_symmetric_per_group(weight, 8 if s.kind == "int8" else 4, s.group_size)
+            getattr(self, "weight_q" if s.kind == "int8" else "weight_packed").copy_(q.qweight)
+            self.weight_scale.copy_(q.scales)
+
+    def quantized_tensors(self) -> tuple[Tensor, ...]:
+        """The quantized weight buffers, in the order `dequantize_from` takes them."""
+        return tuple(getattr(self, name) for name in _buffer_shapes(self._scheme, 1, 1))
+
+    def dequantize_from(self, qtensors: tuple[Tensor, ...], dtype: torch.dtype) -> Tensor:
+        """(out, in) weight from the given quantized buffers; raises if the result is not finite."""
+        s, shape = self._scheme, torch.Size((self.out_features, self.in_features))
+        if s.kind == "nf4":
+            w = dequantize_nf4(NF4Tensor(qtensors[0], qtensors[1], shape, self.weight_dtype, s.group_size), dtype)
+        else:
+            bits = 8 if s.kind == "int8" else 4
+            q = IntQuantized(qtensors[0], qtensors[1], shape, self.weight_dtype, bits, s.group_size)
+            w = dequantize_symmetric_per_group(q, dtype)
+        if not torch.isfinite(w).all():
+            raise QuantizationError(
+                f"dequantized {self.scheme} weight has NaN/Inf values (corrupt buffers or {dtype} overflow)"
+            )
+        return w
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> Tensor:
+        """The (out, in) weight in `dtype` (default: the original weight's dtype); a new tensor, no grad."""
+        with torch.no_grad():
+            return self.dequantize_from(self.quantized_tensors(), dtype or self.weight_dtype)
+
+    def storage_bytes(self) -> int:
+        """Exact bytes of the quantized weight buffers (codes and scales; the bias is not counted)."""
+        return sum(t.numel() * t.element_size() for t in self.quantized_tensors())
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.shape[-1] != self.in_features:
+            raise QuantizationError(
+                f"expected input with last dimension {self.in_features}, got shape {tuple(x.shape)}"
+            )
+        return DequantLinearFunction.apply(x, self.bias, self, *self.quantized_tensors())  # (..., out)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"scheme={self.scheme}, bias={self.bias is not None}"
+        )
