@@ -35,6 +35,7 @@ install-dev: $(VENV)/.dev
 demo: $(VENV)/.base
 	$(PY) -m minituner pretrain --out $(ARTIFACTS)/base --overwrite
 	$(PY) -m minituner generate --base $(ARTIFACTS)/base --prompt "The " --num-samples 3 --max-new-tokens 120
+	$(PY) experiments/28-lora-counts/count.py
 
 test: $(VENV)/.dev
 	$(PY) -m pytest tests

@@ -1,0 +1,78 @@
+"""minituner count: trainable/frozen parameters and memory of full FT, LoRA and QLoRA, by arithmetic."""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from minigpt.errors import InputError
+from minituner.planner import (ALL_LINEAR, PRESETS, MemoryConfig, default_regimes, load_config_shape, minigpt_vocab,
+                               plan, preset_shape)
+from minituner.planner.memory import ACTIVATION_MODELS, FULL_PRECISIONS
+from minituner.planner.presets import MINIGPT_SIZES
+from minituner.planner.report import describe, regime_table
+
+from ._common import positive_float, positive_int
+
+HELP = "count trainable/frozen parameters and memory (weights, grads, optimizer, activations) per regime"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--preset", choices=PRESETS, help="built-in shape (default minigpt)")
+    src.add_argument("--config", type=Path, help="config.json (or its folder): Hugging Face gpt2/llama/mistral/qwen2 or a MiniGPT base")
+    p.add_argument("--tokenizer", type=Path, help="tokenizer.json giving MiniGPT presets their vocab_size "
+                   "(default artifacts/base/tokenizer.json if present, else rebuilt from the built-in corpus)")
+    p.add_argument("--rank", action="append", metavar="R[,R...]",
+                   help="LoRA rank(s), repeatable (default: the seed's full, LoRA 4/8/16, QLoRA 8)")
+    p.add_argument("--alpha", type=positive_float, help="lora_alpha (shown; scales the update, changes no count)")
+    p.add_argument("--target", action="append", metavar="NAME[,NAME...]",
+                   help=f"LoRA target module names, or {ALL_LINEAR} (default; never the output head)")
+    p.add_argument("--batch-size", type=positive_int, default=MemoryConfig.batch_size)
+    p.add_argument("--seq-len", type=positive_int, default=MemoryConfig.seq_len)
+    p.add_argument("--double-quant", action="store_true", help="QLoRA double quantization of the absmax constants")
+    p.add_argument("--full-precision", choices=FULL_PRECISIONS, default="mixed",
+                   help="full FT: fp16 + fp32 master (mixed, default) or plain fp32")
+    p.add_argument("--activations", choices=ACTIVATION_MODELS, default="seed",
+                   help="activation estimate: the seed's B*T*d*L*16 bytes or Korthikanti et al. 2022")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+
+
+def parse_ranks(values: list[str] | None) -> list[int] | None:
+    """["8", "16"] or ["8,16"] -> [8, 16]; anything else (0, -1, "x") is an InputError."""
+    if not values:
+        return None
+    ranks = []
+    for text in (t.strip() for v in values for t in v.split(",")):
+        try:
+            r = int(text)
+        except ValueError:
+            r = None
+        if r is None or r < 1:
+            raise InputError(f"--rank must be positive integers such as 8 or 8,16, got {text!r}")
+        ranks.append(r)
+    return ranks
+
+
+def run(args: argparse.Namespace) -> int:
+    ranks = parse_ranks(args.rank)
+    if args.config is not None:
+        if args.tokenizer is not None:
+            raise InputError("--tokenizer applies to the MiniGPT presets, not to --config")
+        shape = load_config_shape(args.config)
+    else:
+        name = args.preset or "minigpt"
+        if args.tokenizer is not None and name not in MINIGPT_SIZES:
+            raise InputError(f"--tokenizer applies to the MiniGPT presets ({', '.join(MINIGPT_SIZES)}), not {name}")
+        vocab = minigpt_vocab(args.tokenizer).size if name in MINIGPT_SIZES else None
+        shape = preset_shape(name, vocab)
+    cfg = MemoryConfig(batch_size=args.batch_size, seq_len=args.seq_len, double_quant=args.double_quant,
+                       full_precision=args.full_precision, activations=args.activations)
+    result = plan(shape, default_regimes(ranks), args.target or ALL_LINEAR, cfg)
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=2))
+    else:
+        print(describe(result, args.alpha))
+        print()
+        print(regime_table(result))
+    return 0

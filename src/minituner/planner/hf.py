@@ -1,0 +1,145 @@
+"""Shapes of Hugging Face ``config.json`` files of the gpt2, llama, mistral and qwen2 families.
+
+Each reader mirrors the family's modeling code in transformers, including the defaults its config
+class fills in for a missing key, so the count equals ``sum(p.numel())`` of the instantiated model:
+GPT-2's fused ``c_attn`` (a Conv1D of h -> 3h) and biased Conv1Ds/LayerNorms with learned positions;
+LLaMA/Mistral/Qwen2's GQA (k/v width = num_key_value_heads * head_dim), SwiGLU MLPs
+(gate/up/down), RMSNorms without bias, rotary positions without parameters; LLaMA's optional
+``attention_bias``/``mlp_bias``; Qwen2's biased q/k/v (not o); tied or untied embeddings.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from minigpt.errors import InputError
+from minigpt.io import read_json
+from minigpt.model import GPTConfig
+
+from .shapes import ATTENTION, MLP, LinearShape, ModelShape, NormShape, minigpt_shape
+
+FAMILIES = ("gpt2", "llama", "minigpt", "mistral", "qwen2")
+
+
+def _int(cfg: dict, key: str, default, where: str, aliases: tuple[str, ...] = ()) -> int:
+    """A positive integer from cfg[key] (or an alias), else the family's default."""
+    value = cfg.get(key)
+    for alias in aliases:
+        if value is None:
+            value = cfg.get(alias)
+    if value is None:
+        value = default
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise InputError(f"{where}: {key} must be a positive integer, got {value!r}")
+    return value
+
+
+def _bool(cfg: dict, key: str, default: bool, where: str) -> bool:
+    value = cfg.get(key, default)
+    if value is None:
+        value = default
+    if not isinstance(value, bool):
+        raise InputError(f"{where}: {key} must be true or false, got {value!r}")
+    return value
+
+
+def _gpt2(cfg: dict, where: str) -> ModelShape:
+    # GPT2Config defaults; attribute_map lets a config say hidden_size for n_embd, etc.
+    h = _int(cfg, "n_embd", 768, where, ("hidden_size",))
+    n_layer = _int(cfg, "n_layer", 12, where, ("num_hidden_layers",))
+    n_head = _int(cfg, "n_head", 12, where, ("num_attention_heads",))
+    if h % n_head:
+        raise InputError(f"{where}: n_head={n_head} does not divide n_embd={h}")
+    if _bool(cfg, "add_cross_attention", False, where):
+        raise InputError(f"{where}: add_cross_attention is not supported (decoder-only GPT-2 only)")
+    ff = cfg.get("n_inner")
+    ff = 4 * h if ff is None else _int(cfg, "n_inner", None, where)
+    linears = (
+        LinearShape("attn.c_attn", ATTENTION, h, 3 * h, True),  # fused q, k, v
+        LinearShape("attn.c_proj", ATTENTION, h, h, True),
+        LinearShape("mlp.c_fc", MLP, h, ff, True),
+        LinearShape("mlp.c_proj", MLP, ff, h, True),
+    )
+    return ModelShape(
+        family="gpt2", name=where, vocab_size=_int(cfg, "vocab_size", 50257, where), d_model=h,
+        n_layer=n_layer, n_head=n_head, n_kv_head=n_head, head_dim=h // n_head, d_ff=ff,
+        n_positions=_int(cfg, "n_positions", 1024, where, ("max_position_embeddings",)),
+        tie_embeddings=_bool(cfg, "tie_word_embeddings", True, where), linears=linears,
+        norms=(NormShape("ln_1", h, True), NormShape("ln_2", h, True)), final_norm=NormShape("ln_f", h, True),
+    )
+
+
+# Config-class defaults of the rotary, SwiGLU, RMSNorm families (transformers' *Config dataclasses).
+_DEFAULTS = {
+    "llama": {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
+              "num_attention_heads": 32, "num_key_value_heads": None},
+    "mistral": {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+                "num_attention_heads": 32, "num_key_value_heads": 8},
+    "qwen2": {"vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 22016, "num_hidden_layers": 32,
+              "num_attention_heads": 32, "num_key_value_heads": 32},
+}
+
+
+def _rotary(cfg: dict, family: str, where: str) -> ModelShape:
+    dflt = _DEFAULTS[family]
+    h = _int(cfg, "hidden_size", dflt["hidden_size"], where)
+    n_head = _int(cfg, "num_attention_heads", dflt["num_attention_heads"], where)
+    n_kv = _int(cfg, "num_key_value_heads", dflt["num_key_value_heads"] or n_head, where)
+    if n_head % n_kv:
+        raise InputError(f"{where}: num_key_value_heads={n_kv} does not divide num_attention_heads={n_head}")
+    # head_dim: the config's if given, else hidden_size // num_attention_heads (as the modeling code does)
+    head_dim = _int(cfg, "head_dim", h // n_head or None, where)
+    if family == "llama" and h % n_head:  # LlamaConfig.validate_architecture
+        raise InputError(f"{where}: num_attention_heads={n_head} does not divide hidden_size={h}")
+    ff = _int(cfg, "intermediate_size", dflt["intermediate_size"], where)
+    if family == "llama":
+        qkv_bias = o_bias = _bool(cfg, "attention_bias", False, where)
+        mlp_bias = _bool(cfg, "mlp_bias", False, where)
+    elif family == "qwen2":
+        qkv_bias, o_bias, mlp_bias = True, False, False
+    else:  # mistral
+        qkv_bias = o_bias = mlp_bias = False
+    q_out, kv_out = n_head * head_dim, n_kv * head_dim
+    linears = (
+        LinearShape("self_attn.q_proj", ATTENTION, h, q_out, qkv_bias),
+        LinearShape("self_attn.k_proj", ATTENTION, h, kv_out, qkv_bias),
+        LinearShape("self_attn.v_proj", ATTENTION, h, kv_out, qkv_bias),
+        LinearShape("self_attn.o_proj", ATTENTION, q_out, h, o_bias),
+        LinearShape("mlp.gate_proj", MLP, h, ff, mlp_bias),
+        LinearShape("mlp.up_proj", MLP, h, ff, mlp_bias),
+        LinearShape("mlp.down_proj", MLP, ff, h, mlp_bias),
+    )
+    return ModelShape(
+        family=family, name=where, vocab_size=_int(cfg, "vocab_size", dflt["vocab_size"], where), d_model=h,
+        n_layer=_int(cfg, "num_hidden_layers", dflt["num_hidden_layers"], where), n_head=n_head, n_kv_head=n_kv,
+        head_dim=head_dim, d_ff=ff, n_positions=0, tie_embeddings=_bool(cfg, "tie_word_embeddings", False, where),
+        linears=linears, norms=(NormShape("input_layernorm", h, False), NormShape("post_attention_layernorm", h, False)),
+        final_norm=NormShape("norm", h, False),
+    )
+
+
+def shape_from_config(cfg: dict, name: str = "config") -> ModelShape:
+    """A ModelShape from a config dict: a Hugging Face config.json or a MiniGPT base's config.json."""
+    if not isinstance(cfg, dict):
+        raise InputError(f"{name}: expected a JSON object")
+    family = cfg.get("model_type")
+    if family not in FAMILIES:
+        raise InputError(f"{name}: model_type {family!r} is not supported; valid: {', '.join(FAMILIES)}")
+    if family == "gpt2":
+        return _gpt2(cfg, name)
+    if family == "minigpt":
+        fields = {k: v for k, v in cfg.items() if k != "model_type"}
+        try:
+            return minigpt_shape(GPTConfig.from_dict(fields), name)
+        except TypeError as e:
+            raise InputError(f"{name}: {e}") from None
+        except InputError as e:
+            raise InputError(f"{name}: {e}") from None
+    return _rotary(cfg, family, name)
+
+
+def load_config_shape(path: str | Path) -> ModelShape:
+    """Read config.json (or a folder holding one) into a ModelShape; a missing or bad file is an InputError."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "config.json"
+    return shape_from_config(read_json(path), str(path))

@@ -1,0 +1,193 @@
+"""Bytes per bucket (weights, grads, optimizer, activations) for full fine-tuning, LoRA and QLoRA.
+
+Per base parameter N and LoRA parameter P (bytes):
+- full, mixed precision: fp16 weights 2N, fp16 grads 2N, optimizer 12N = fp32 master copy + Adam m
+  + Adam v (the 16 bytes/param of ZeRO, Rajbhandari et al. 2020). full, fp32: 4N + 4N + 8N.
+- LoRA r: frozen fp16 base 2N, LoRA A/B in fp16 2P, fp16 grads 2P, fp32 Adam m and v 8P (for the
+  LoRA parameters only: frozen weights have neither grads nor optimizer state).
+- QLoRA r: every Linear inside the blocks in NF4 (what bitsandbytes' load_in_4bit quantizes: all of
+  them, whichever LoRA targets) = 0.5 byte/param + one fp32 absmax per block of 64 (0.0625
+  byte/param); with double quantization the absmax is 8-bit in blocks of 256 with one fp32 constant
+  each (0.127 bit/param instead of 0.5; Dettmers et al. 2023). Everything not quantized (embeddings,
+  norms, biases, an untied head) stays fp16; LoRA as above.
+- activations, the same in every regime: the seed's estimate batch x seq x d_model x n_layer x 16
+  bytes, or Korthikanti et al. 2022's s*b*h*(34 + 5*a*s/h) bytes per layer.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from minigpt.errors import InputError
+
+from .counts import ALL_LINEAR, check_rank, lora_trainable_params, parse_targets, resolve_targets, total_params
+from .shapes import ModelShape
+
+NF4_BLOCK = 64  # weights per fp32 absmax (bitsandbytes' default blocksize for 4-bit)
+DQ_BLOCK = 256  # absmax values per fp32 constant under double quantization
+SEED_ACT_BYTES = 16  # the seed's bytes per (batch, seq, d_model, layer) element
+DEFAULT_RANKS = (4, 8, 16)  # the seed's LoRA regimes; its QLoRA regime uses r = 8
+FULL_PRECISIONS = ("mixed", "fp32")
+ACTIVATION_MODELS = ("seed", "korthikanti")
+
+
+@dataclass(frozen=True)
+class MemoryConfig:
+    batch_size: int = 16  # sequences per step (the seed's default)
+    seq_len: int = 32  # tokens per sequence (the seed's default)
+    double_quant: bool = False  # QLoRA: quantize the absmax constants too
+    full_precision: str = "mixed"  # "mixed": fp16 weights/grads + fp32 master + Adam; "fp32": all fp32
+    activations: str = "seed"  # which estimate fills the activations bucket: "seed" or "korthikanti"
+
+    def __post_init__(self) -> None:
+        for name in ("batch_size", "seq_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise InputError(f"{name} must be a positive integer, got {value!r}")
+        if self.full_precision not in FULL_PRECISIONS:
+            raise InputError(f"full_precision must be one of {', '.join(FULL_PRECISIONS)}, got {self.full_precision!r}")
+        if self.activations not in ACTIVATION_MODELS:
+            raise InputError(f"activations must be one of {', '.join(ACTIVATION_MODELS)}, got {self.activations!r}")
+
+
+@dataclass(frozen=True)
+class Regime:
+    name: str  # "full", "lora" or "qlora"
+    rank: int | None = None  # LoRA rank r; None for full fine-tuning
+
+    def __post_init__(self) -> None:
+        if self.name not in ("full", "lora", "qlora"):
+            raise InputError(f"regime must be full, lora or qlora, got {self.name!r}")
+        if self.name == "full" and self.rank is not None:
+            raise InputError("full fine-tuning has no rank")
+        if self.name != "full":
+            check_rank(self.rank)
+
+    @property
+    def label(self) -> str:
+        return "full FT" if self.name == "full" else f"{'LoRA' if self.name == 'lora' else 'QLoRA'} r={self.rank}"
+
+
+def default_regimes(ranks: Sequence[int] | None = None) -> list[Regime]:
+    """No ranks: the seed's five (full, LoRA 4/8/16, QLoRA 8). Ranks: full, LoRA each r, QLoRA each r."""
+    if ranks is None:
+        return [Regime("full"), *(Regime("lora", r) for r in DEFAULT_RANKS), Regime("qlora", 8)]
+    ranks = [check_rank(r) for r in ranks]
+    if not ranks:
+        raise InputError("give at least one LoRA rank")
+    return [Regime("full"), *(Regime("lora", r) for r in ranks), *(Regime("qlora", r) for r in ranks)]
+
+
+@dataclass(frozen=True)
+class Buckets:
+    weights: int
+    grads: int
+    optimizer: int
+    activations: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.grads + self.optimizer + self.activations
+
+    def to_dict(self) -> dict:
+        return {"weights": self.weights, "grads": self.grads, "optimizer": self.optimizer,
+                "activations": self.activations, "total": self.total}
+
+
+@dataclass(frozen=True)
+class RegimePlan:
+    regime: Regime
+    trainable_params: int  # full: every base parameter; LoRA/QLoRA: the LoRA parameters
+    frozen_params: int
+    bytes: Buckets
+    ratio_vs_full: float  # trainable_params / trainable_params of full fine-tuning
+
+    def to_dict(self) -> dict:
+        return {"name": self.regime.name, "rank": self.regime.rank, "trainable_params": self.trainable_params,
+                "frozen_params": self.frozen_params, "bytes": self.bytes.to_dict(),
+                "ratio_vs_full": self.ratio_vs_full}
+
+
+@dataclass(frozen=True)
+class Plan:
+    shape: ModelShape
+    total_params: int
+    targets: tuple[str, ...]  # LoRA targets as given (names or all-linear)
+    config: MemoryConfig
+    regimes: tuple[RegimePlan, ...]
+
+    def to_dict(self) -> dict:
+        """The `minituner count --json` contract."""
+        return {"model": self.shape.to_dict(), "total_params": self.total_params,
+                "regimes": [r.to_dict() for r in self.regimes]}
+
+
+def nf4_bytes(numel: int, double_quant: bool = False) -> int:
+    """Bytes of one NF4 tensor: packed 4-bit codes + absmax per 64 (fp32, or 8-bit + fp32 per 256)."""
+    blocks = -(-numel // NF4_BLOCK)
+    packed = -(-numel // 2)
+    if not double_quant:
+        return packed + 4 * blocks
+    return packed + blocks + 4 * -(-blocks // DQ_BLOCK)
+
+
+def quantized_params(shape: ModelShape) -> int:
+    """Parameters QLoRA stores in NF4: the weights of every Linear inside the blocks."""
+    return shape.n_layer * sum(lin.weight_params for lin in shape.linears)
+
+
+def nf4_weight_bytes(shape: ModelShape, double_quant: bool = False) -> int:
+    return shape.n_layer * sum(nf4_bytes(lin.weight_params, double_quant) for lin in shape.linears)
+
+
+def seed_activation_bytes(shape: ModelShape, batch_size: int, seq_len: int) -> int:
+    """The seed's estimate: batch x seq x d_model x n_layer x 16 bytes."""
+    return batch_size * seq_len * shape.d_model * shape.n_layer * SEED_ACT_BYTES
+
+
+def korthikanti_activation_bytes(shape: ModelShape, batch_size: int, seq_len: int) -> int:
+    """Korthikanti et al. 2022, eq. 1: s*b*h*(34 + 5*a*s/h) bytes per layer, times n_layer.
+
+    Assumes 16-bit activations, no recomputation and no tensor/sequence parallelism, a GPT block with
+    a 4h MLP, dropout masks of 1 byte, and attention that stores the a*s*s score matrix (no
+    FlashAttention); embeddings, the final norm and the logits are left out.
+    """
+    s, b, h, a = seq_len, batch_size, shape.d_model, shape.n_head
+    return shape.n_layer * (34 * s * b * h + 5 * a * s * s * b)
+
+
+def activation_bytes(shape: ModelShape, cfg: MemoryConfig) -> int:
+    fn = seed_activation_bytes if cfg.activations == "seed" else korthikanti_activation_bytes
+    return fn(shape, cfg.batch_size, cfg.seq_len)
+
+
+def regime_bytes(shape: ModelShape, regime: Regime, targets: str | Iterable[str] = ALL_LINEAR,
+                 cfg: MemoryConfig = MemoryConfig()) -> Buckets:
+    n = total_params(shape)
+    act = activation_bytes(shape, cfg)
+    if regime.name == "full":
+        if cfg.full_precision == "fp32":
+            return Buckets(weights=4 * n, grads=4 * n, optimizer=8 * n, activations=act)
+        return Buckets(weights=2 * n, grads=2 * n, optimizer=12 * n, activations=act)
+    p = lora_trainable_params(shape, regime.rank, targets)
+    if regime.name == "lora":
+        base = 2 * n
+    else:
+        q = quantized_params(shape)
+        base = nf4_weight_bytes(shape, cfg.double_quant) + 2 * (n - q)
+    return Buckets(weights=base + 2 * p, grads=2 * p, optimizer=8 * p, activations=act)
+
+
+def plan(shape: ModelShape, regimes: Sequence[Regime] | None = None, targets: str | Iterable[str] = ALL_LINEAR,
+         cfg: MemoryConfig = MemoryConfig()) -> Plan:
+    """Counts and bytes of each regime (default: the seed's five) for this shape and these LoRA targets."""
+    names = parse_targets(targets)
+    resolve_targets(shape, names)  # unknown names fail here, before any arithmetic
+    regimes = list(regimes) if regimes is not None else default_regimes()
+    n = total_params(shape)
+    rows = []
+    for regime in regimes:
+        trainable = n if regime.name == "full" else lora_trainable_params(shape, regime.rank, names)
+        frozen = 0 if regime.name == "full" else n
+        rows.append(RegimePlan(regime, trainable, frozen, regime_bytes(shape, regime, names, cfg), trainable / n))
+    return Plan(shape, n, names, cfg, tuple(rows))

@@ -1,0 +1,79 @@
+"""Markdown for plans: the regime table (with a "ratio vs full FT" column) and the per-kind count table.
+
+Sizes are in MiB or GiB, 1024-based, with the unit in every column header.
+"""
+from __future__ import annotations
+
+from .counts import KINDS, param_counts, resolve_targets, total_params
+from .memory import Plan
+from .shapes import ModelShape
+
+UNITS = {"KiB": 1024, "MiB": 1024**2, "GiB": 1024**3}
+
+
+def pick_unit(plan: Plan) -> str:
+    """MiB unless the largest regime needs 10 GiB or more."""
+    largest = max(r.bytes.total for r in plan.regimes)
+    return "GiB" if largest >= 10 * UNITS["GiB"] else "MiB"
+
+
+def size(n_bytes: int, unit: str, decimals: int = 2) -> str:
+    return f"{n_bytes / UNITS[unit]:,.{decimals}f}"
+
+
+def percent(x: float) -> str:
+    """Three significant figures, trailing zeros kept: 100%, 17.2%, 0.150%."""
+    v = 100 * float(x)
+    if v == 0 or v >= 100:
+        return f"{v:.0f}%"
+    return f"{v:#.3g}".rstrip(".") + "%"
+
+
+def regime_table(plan: Plan, unit: str | None = None) -> str:
+    unit = unit or pick_unit(plan)
+    largest = max(r.bytes.total for r in plan.regimes) / UNITS[unit]
+    dec = 3 if largest < 100 else 2  # small models: 0.001 MiB = 1 KiB resolution
+    full = next((r for r in plan.regimes if r.regime.name == "full"), None)
+    head = (f"| regime | trainable params | frozen params | ratio vs full FT | weights {unit} | grads {unit} "
+            f"| optimizer {unit} | activations {unit} | total {unit} | memory vs full FT |")
+    lines = [head, "|---" * 10 + "|"]
+    for r in plan.regimes:
+        b = r.bytes
+        mem = percent(b.total / full.bytes.total) if full else "n/a"
+        lines.append(
+            f"| {r.regime.label} | {r.trainable_params:,} | {r.frozen_params:,} | {percent(r.ratio_vs_full)} "
+            f"| {size(b.weights, unit, dec)} | {size(b.grads, unit, dec)} | {size(b.optimizer, unit, dec)} "
+            f"| {size(b.activations, unit, dec)} | {size(b.total, unit, dec)} | {mem} |"
+        )
+    return "\n".join(lines)
+
+
+def kinds_table(shape: ModelShape) -> str:
+    """Base parameters per module kind, with their share of the total."""
+    counts, n = param_counts(shape), total_params(shape)
+    lines = ["| module kind | params | share |", "|---|---|---|"]
+    for kind in KINDS:
+        note = " (tied: shares token_embedding)" if kind == "lm_head" and shape.tie_embeddings else ""
+        lines.append(f"| {kind}{note} | {counts[kind]:,} | {percent(counts[kind] / n)} |")
+    lines.append(f"| **total** | **{n:,}** | 100% |")
+    return "\n".join(lines)
+
+
+def describe(plan: Plan, alpha: float | None = None) -> str:
+    """One paragraph of assumptions to print above the table."""
+    s, c = plan.shape, plan.config
+    wrapped = resolve_targets(s, plan.targets)
+    precision = "fp16 weights and grads + fp32 master + Adam" if c.full_precision == "mixed" else "fp32 weights, grads, Adam"
+    act = "batch x seq x d_model x n_layer x 16 bytes" if c.activations == "seed" else "Korthikanti et al. 2022"
+    parts = [
+        f"{s.name} ({s.family}): {plan.total_params:,} parameters, d_model {s.d_model}, {s.n_layer} layers, "
+        f"vocab {s.vocab_size:,}, {'tied' if s.tie_embeddings else 'untied'} embeddings.",
+        f"LoRA targets {', '.join(plan.targets)} -> {len(wrapped)} Linears per block "
+        f"({', '.join(lin.path for lin in wrapped)}); biases frozen, not LoRA-ed.",
+        f"Full FT: {precision}. QLoRA: block Linears in NF4"
+        f"{' with double quantization' if c.double_quant else ''}, the rest fp16.",
+        f"Activations: {act}, batch {c.batch_size}, seq {c.seq_len}. Sizes 1024-based.",
+    ]
+    if alpha is not None:
+        parts.append(f"lora_alpha {alpha:g} scales the update (alpha/r) and changes no count or byte.")
+    return "\n".join(parts)

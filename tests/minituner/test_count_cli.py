@@ -1,0 +1,158 @@
+"""`minituner count`: the JSON contract, the Markdown table, errors (one line, exit 2), and exactness
+against transformers + PEFT for config.json files of each family as transformers writes them."""
+import json
+import subprocess
+import sys
+import warnings
+
+import pytest
+
+from minigpt.model import GPTConfig, MiniGPT
+from minigpt.tokenizer import CharTokenizer
+from minituner.cli import main
+from minituner.planner import builtin_vocab_size
+
+
+def count(capsys, *args):
+    rc = main(["count", *args])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def count_json(capsys, *args):
+    rc, out, err = count(capsys, *args, "--json")
+    assert rc == 0, err
+    return json.loads(out)
+
+
+@pytest.fixture(autouse=True)
+def no_artifacts(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # no artifacts/base/tokenizer.json: MiniGPT presets rebuild the vocabulary
+
+
+def test_default_is_the_seeds_five_regimes_for_minigpt(capsys):
+    d = count_json(capsys)
+    assert [(r["name"], r["rank"]) for r in d["regimes"]] == [
+        ("full", None), ("lora", 4), ("lora", 8), ("lora", 16), ("qlora", 8)]
+    vocab = builtin_vocab_size()
+    assert d["model"]["vocab_size"] == vocab
+    cfg = GPTConfig(vocab_size=vocab, block_size=128)
+    assert d["total_params"] == sum(p.numel() for p in MiniGPT(cfg).parameters())
+    assert d["regimes"][2]["trainable_params"] == 4 * 9_216
+
+
+def test_json_contract_is_exact(capsys):
+    d = count_json(capsys, "--preset", "llama-7b", "--rank", "8", "--rank", "16", "--target", "q_proj,v_proj")
+    assert list(d) == ["model", "total_params", "regimes"]
+    assert [(r["name"], r["rank"]) for r in d["regimes"]] == [
+        ("full", None), ("lora", 8), ("lora", 16), ("qlora", 8), ("qlora", 16)]
+    for r in d["regimes"]:
+        assert set(r) == {"name", "rank", "trainable_params", "frozen_params", "bytes", "ratio_vs_full"}
+        assert set(r["bytes"]) == {"weights", "grads", "optimizer", "activations", "total"}
+        assert isinstance(r["ratio_vs_full"], float)
+    assert d["regimes"][1]["trainable_params"] == 4_194_304
+    assert d == count_json(capsys, "--preset", "llama-7b", "--rank", "8,16", "--target", "q_proj", "--target", "v_proj")
+
+
+def test_flags_change_only_their_bucket(capsys):
+    base = count_json(capsys, "--preset", "minigpt-768", "--rank", "8")
+    dq = count_json(capsys, "--preset", "minigpt-768", "--rank", "8", "--double-quant")
+    assert dq["regimes"][2]["bytes"]["weights"] < base["regimes"][2]["bytes"]["weights"]
+    assert dq["regimes"][:2] == base["regimes"][:2]
+    act = count_json(capsys, "--preset", "minigpt-768", "--rank", "8", "--batch-size", "2", "--seq-len", "64")
+    assert act["regimes"][0]["bytes"]["activations"] == 2 * 64 * 768 * 12 * 16
+    assert act["regimes"][0]["bytes"]["weights"] == base["regimes"][0]["bytes"]["weights"]
+
+
+def test_markdown_output(capsys):
+    rc, out, _ = count(capsys, "--preset", "llama-70b", "--rank", "8", "--alpha", "16")
+    assert rc == 0
+    assert "| regime | trainable params | frozen params | ratio vs full FT |" in out
+    assert "| LoRA r=8 | 103,546,880 | 68,976,648,192 | 0.150% |" in out
+    assert "lora_alpha 16" in out
+
+
+def test_tokenizer_sets_minigpt_vocab(capsys, tmp_path):
+    CharTokenizer(list("abc")).save(tmp_path / "tok.json")
+    d = count_json(capsys, "--tokenizer", str(tmp_path / "tok.json"))
+    assert d["model"]["vocab_size"] == 4
+
+
+def test_minigpt_base_config(capsys, tmp_path):
+    cfg = GPTConfig(vocab_size=30, block_size=16, n_layer=2, n_head=2, d_model=16, bias=False, tie_weights=False)
+    (tmp_path / "base").mkdir()
+    (tmp_path / "base" / "config.json").write_text(json.dumps({"model_type": "minigpt", **cfg.to_dict()}))
+    d = count_json(capsys, "--config", str(tmp_path / "base"))
+    assert d["total_params"] == sum(p.numel() for p in MiniGPT(cfg).parameters())
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["--rank", "0"], "--rank must be positive integers"),
+    (["--rank", "8,-4"], "--rank must be positive integers"),
+    (["--rank", "eight"], "--rank must be positive integers"),
+    (["--target", "wq"], "valid: all-linear, fc1, fc2, k_proj, o_proj, q_proj, v_proj"),
+    (["--preset", "gpt2", "--target", "q_proj"], "unknown LoRA target q_proj for gpt2; valid: all-linear, c_attn"),
+    (["--config", "{tmp}/missing.json"], "file not found"),
+    (["--config", "{tmp}/bad.json"], "malformed JSON"),
+    (["--config", "{tmp}/falcon.json"], "model_type 'falcon' is not supported; valid: gpt2, llama, minigpt"),
+    (["--config", "{tmp}/neg.json"], "hidden_size must be a positive integer"),
+    (["--tokenizer", "{tmp}/missing.json"], "tokenizer file not found"),
+    (["--batch-size", "0"], "positive integer"),
+    (["--preset", "llama-13b"], "invalid choice"),
+])
+def test_errors_are_one_line_exit_2(args, fragment, tmp_path, capsys):
+    (tmp_path / "bad.json").write_text("{not json")
+    (tmp_path / "falcon.json").write_text('{"model_type": "falcon"}')
+    (tmp_path / "neg.json").write_text('{"model_type": "llama", "hidden_size": -4}')
+    if args[:2] == ["--preset", "gpt2"]:  # no such preset: give a gpt2 config instead
+        (tmp_path / "g.json").write_text('{"model_type": "gpt2", "n_embd": 8, "n_head": 2, "n_layer": 1}')
+        args = ["--config", str(tmp_path / "g.json"), *args[2:]]
+    args = [a.replace("{tmp}", str(tmp_path)) for a in args]
+    try:
+        rc = main(["count", *args])
+    except SystemExit as e:  # argparse's own errors
+        rc = e.code
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert fragment in lines[0], lines[0]
+
+
+def test_the_installed_command_exits_2_without_traceback(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "minituner", "count", "--rank", "8", "--target", "q_proj,nope"],
+                       capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.strip() == ("minituner count: error: unknown LoRA target nope for minigpt; "
+                                "valid: all-linear, fc1, fc2, k_proj, o_proj, q_proj, v_proj")
+
+
+FAMILY_CONFIGS = {
+    "gpt2": {"n_embd": 24, "n_head": 3, "n_layer": 2, "n_positions": 20, "vocab_size": 51, "n_inner": 40},
+    "llama": {"hidden_size": 32, "intermediate_size": 40, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "vocab_size": 53, "attention_bias": True, "tie_word_embeddings": True},
+    "mistral": {"hidden_size": 32, "intermediate_size": 44, "num_hidden_layers": 3, "num_attention_heads": 4,
+                "num_key_value_heads": 1, "head_dim": 12, "vocab_size": 47},
+    "qwen2": {"hidden_size": 48, "intermediate_size": 20, "num_hidden_layers": 2, "num_attention_heads": 6,
+              "num_key_value_heads": 2, "vocab_size": 61},
+}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILY_CONFIGS))
+def test_cli_matches_transformers_and_peft(family, tmp_path, capsys):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    cfg = transformers.AutoConfig.for_model(family, **FAMILY_CONFIGS[family])
+    cfg.save_pretrained(tmp_path)  # a real config.json, defaults left out as transformers writes it
+    targets = "c_attn,c_proj" if family == "gpt2" else "q_proj,v_proj"
+    for target in (targets, "all-linear"):
+        d = count_json(capsys, "--config", str(tmp_path / "config.json"), "--rank", "8", "--target", target)
+        with warnings.catch_warnings(), torch.device("meta"):
+            warnings.simplefilter("ignore")
+            model = transformers.AutoModelForCausalLM.from_config(cfg)
+            assert d["total_params"] == sum(p.numel() for p in model.parameters())
+            lora_targets = target if target == "all-linear" else target.split(",")
+            wrapped = peft.get_peft_model(model, peft.LoraConfig(r=8, target_modules=lora_targets))
+        trainable = sum(p.numel() for p in wrapped.parameters() if p.requires_grad)
+        assert [r["trainable_params"] for r in d["regimes"]] == [d["total_params"], trainable, trainable]
