@@ -36,6 +36,7 @@ demo: $(VENV)/.base
 	$(PY) -m minituner pretrain --out $(ARTIFACTS)/base --overwrite
 	$(PY) -m minituner generate --base $(ARTIFACTS)/base --prompt "The " --num-samples 3 --max-new-tokens 120
 	$(PY) experiments/28-lora-counts/count.py
+	$(PY) experiments/28-lora-finetune/lab02.py --base $(ARTIFACTS)/base
 
 test: $(VENV)/.dev
 	$(PY) -m pytest tests

@@ -12,7 +12,7 @@ import sys
 from minigpt.errors import InputError
 
 # Subcommand name -> module in minituner.commands exposing HELP, add_arguments(parser), run(args) -> int.
-COMMANDS = ("pretrain", "generate", "count")
+COMMANDS = ("pretrain", "generate", "count", "finetune")
 
 EXIT_USAGE = 2
 

@@ -1,0 +1,82 @@
+"""minituner finetune: train a LoRA adapter (or every parameter, --full) on top of a base folder."""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from minigpt.errors import InputError
+from minigpt.train import TrainConfig
+
+from ..finetune import BASE_DOMAIN, DEFAULT_DATA, RUN_MARKERS, FinetuneConfig, default_train_config, finetune
+from ..lora import ALL_LINEAR, LoRAConfig
+from ._common import positive_float, positive_int
+
+HELP = ("fine-tune a base model with LoRA (default) or fully; writes adapter_final.safetensors, a PEFT folder, "
+        "metrics.jsonl, loss_curve.png and manifest.json")
+
+
+def rank(text: str) -> int:
+    """r is validated by the library (r <= 0, r > min(in, out) are one-line errors), so any integer parses."""
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer rank, got {text!r}") from None
+
+
+def number(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    d, lora = default_train_config(), LoRAConfig()
+    p.add_argument("--base", type=Path, default=Path("artifacts/base"), help="base model folder (default %(default)s)")
+    p.add_argument("--data", default=DEFAULT_DATA, help="text file or folder, or builtin:NAME (default %(default)s)")
+    p.add_argument("--out", type=Path, required=True, help="run folder to write")
+    p.add_argument("--rank", type=rank, default=lora.r, help="LoRA rank r (default %(default)s)")
+    p.add_argument("--alpha", type=number, default=lora.alpha, help="lora_alpha; scaling = alpha/r (default %(default)s)")
+    p.add_argument("--dropout", type=float, default=lora.dropout, help="dropout on the LoRA path (default %(default)s)")
+    p.add_argument("--target", default=ALL_LINEAR,
+                   help="comma-separated module names (q_proj,v_proj), path suffixes, or all-linear (default)")
+    p.add_argument("--use-rslora", action="store_true", help="scale by alpha/sqrt(r) instead of alpha/r")
+    p.add_argument("--full", action="store_true", help="full fine-tuning: train every parameter, save a base folder")
+    p.add_argument("--init-adapter", type=Path, help="start from this adapter (file, run folder or PEFT folder)")
+    length = p.add_mutually_exclusive_group()
+    length.add_argument("--steps", type=positive_int, help=f"optimizer steps (default {d.steps})")
+    length.add_argument("--epochs", type=positive_float, help="passes over the training split instead of --steps")
+    p.add_argument("--batch-size", type=positive_int, default=d.batch_size)
+    p.add_argument("--lr", type=positive_float, default=d.lr)
+    p.add_argument("--schedule", choices=("cosine", "constant"), default=d.schedule)
+    p.add_argument("--warmup-steps", type=int, default=d.warmup_steps)
+    p.add_argument("--grad-clip", type=float, default=d.grad_clip, help="max grad norm; 0 disables")
+    p.add_argument("--eval-every", type=positive_int, default=d.eval_every)
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--base-domain", default=BASE_DOMAIN,
+                   help="also report val loss on this data before/after (forgetting); 'none' skips (default %(default)s)")
+    p.add_argument("--overwrite", action="store_true", help="replace a run already in --out")
+    p.add_argument("--no-progress", action="store_true")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.out.exists() and not args.out.is_dir():
+        raise InputError(f"{args.out}: exists and is not a folder")
+    held = [m for m in RUN_MARKERS if (args.out / m).exists()]
+    if held and not args.overwrite:
+        raise InputError(f"{args.out} already holds a run ({held[0]}); pass --overwrite to replace it")
+    if args.full and args.init_adapter:
+        raise InputError("--init-adapter needs LoRA, not --full")
+    d = default_train_config()
+    steps = args.steps or d.steps
+    train = TrainConfig(steps=steps, batch_size=args.batch_size, lr=args.lr, warmup_steps=min(args.warmup_steps, steps),
+                        schedule=args.schedule, grad_clip=args.grad_clip, eval_every=min(args.eval_every, steps),
+                        eval_batches=d.eval_batches, seed=args.seed)
+    lora = LoRAConfig(r=args.rank, alpha=args.alpha, dropout=args.dropout, target_modules=args.target,
+                      use_rslora=args.use_rslora)
+    cfg = FinetuneConfig(data=args.data, method="full" if args.full else "lora", lora=lora, train=train,
+                         epochs=args.epochs, init_adapter=str(args.init_adapter) if args.init_adapter else None,
+                         base_domain=None if args.base_domain.lower() == "none" else args.base_domain)
+    finetune(args.base, args.out, cfg, progress=not args.no_progress)
+    print(f"wrote {args.out}/")
+    return 0

@@ -1,0 +1,164 @@
+"""Fine-tune a base MiniGPT folder with LoRA (or fully) on new text, reusing minigpt.train.train.
+
+A LoRA run writes ``adapter_final.safetensors`` (minituner-lora-v1, see adapter_io), ``adapter_peft/``
+(a PEFT folder), ``metrics.jsonl``, ``loss_curve.png`` and ``manifest.json`` (sha256 of base and adapter).
+A full fine-tune writes a complete base folder instead of the adapter.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from minigpt.checkpoint import MANIFEST, WEIGHTS, load_base, save_base
+from minigpt.data import encode_split, load_documents, split_documents
+from minigpt.errors import InputError
+from minigpt.io import sha256_file
+from minigpt.manifest import seed_everything, write_manifest
+from minigpt.tokenizer import CharTokenizer
+from minigpt.train import TrainConfig, evaluate, train
+
+from .adapter_io import ADAPTER_FILE, load_adapter, save_adapter
+from .lora import LoRAConfig, apply_lora, trainable_numel
+from .peft_format import save_peft_adapter
+
+DEFAULT_DATA = "builtin:forecasts"
+BASE_DOMAIN = "builtin:python-docs"
+PEFT_DIR = "adapter_peft"
+RUN_MARKERS = (MANIFEST, "metrics.jsonl", ADAPTER_FILE, WEIGHTS)  # any of these: the folder holds a run
+
+
+def default_train_config() -> TrainConfig:
+    """Fine-tuning defaults: fewer steps and a short warmup; LoRA on MiniGPT tolerates a high LR."""
+    return TrainConfig(steps=300, batch_size=32, lr=5e-3, warmup_steps=20, eval_every=50)
+
+
+@dataclass
+class FinetuneConfig:
+    data: str = DEFAULT_DATA  # builtin:NAME, a text file or a folder of text files
+    method: str = "lora"  # "lora" (train adapters only) or "full" (every parameter)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    train: TrainConfig = field(default_factory=default_train_config)
+    epochs: float | None = None  # if set, steps = ceil(epochs · train tokens / (batch_size · block_size))
+    init_adapter: str | None = None  # start LoRA from this adapter (file, run folder or PEFT folder)
+    base_domain: str | None = BASE_DOMAIN  # also report val loss here before/after (forgetting); None skips
+
+    def validate(self) -> None:
+        if self.method not in ("lora", "full"):
+            raise InputError(f"method must be 'lora' or 'full', got {self.method!r}")
+        if self.epochs is not None and not (self.epochs > 0 and math.isfinite(self.epochs)):
+            raise InputError(f"epochs must be a positive number, got {self.epochs}")
+        if self.method == "lora":
+            self.lora.validate()
+        self.train.validate()
+
+
+@dataclass
+class FinetuneResult:
+    model: nn.Module  # the trained model (LoRA-wrapped for method "lora")
+    tokenizer: CharTokenizer
+    summary: dict  # the numbers written to manifest.json["results"]
+
+
+def encode_domain(source: str, tokenizer: CharTokenizer, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Train and val token ids of a corpus, encoded with the base's tokenizer."""
+    splits = split_documents(load_documents(source))
+    return (encode_split(splits.train, tokenizer, block_size, "train"),
+            encode_split(splits.val, tokenizer, block_size, "val"))
+
+
+def domain_val_loss(model: nn.Module, tokenizer: CharTokenizer, source: str, train_cfg: TrainConfig) -> float:
+    """Validation loss (nats/token) of `model` on the val split of a corpus."""
+    block = model.config.block_size
+    _, val_ids = encode_domain(source, tokenizer, block)
+    return evaluate(model, val_ids, block, train_cfg.batch_size, train_cfg.eval_batches)
+
+
+def steps_for_epochs(epochs: float, train_tokens: int, batch_size: int, block_size: int) -> int:
+    return max(1, math.ceil(epochs * train_tokens / (batch_size * block_size)))
+
+
+def finetune(base: str | Path, out: str | Path, cfg: FinetuneConfig, progress: bool = True, log=print) -> FinetuneResult:
+    """Fine-tune the base folder `base` on cfg.data, write the run to `out`, return the model and numbers."""
+    cfg.validate()
+    start = time.perf_counter()
+    base, out = Path(base), Path(out)
+    if out.resolve() == base.resolve():
+        raise InputError("--out must differ from --base (the base folder is never written)")
+    seed_everything(cfg.train.seed)
+    model, tokenizer = load_base(base)
+    if tokenizer is None:
+        raise InputError(f"{base}: no tokenizer.json beside the model")
+    block = model.config.block_size
+    train_ids, val_ids = encode_domain(cfg.data, tokenizer, block)
+    unk = float((train_ids == 0).float().mean())
+    if unk > 0.01:
+        log(f"warning: {unk:.1%} of the training characters are unknown to the base tokenizer (<unk>)")
+    train_cfg = cfg.train
+    if cfg.epochs is not None:
+        train_cfg = TrainConfig(**{**asdict(train_cfg), "steps": steps_for_epochs(cfg.epochs, train_ids.numel(),
+                                                                                 train_cfg.batch_size, block)})
+    n_params = sum(p.numel() for p in model.parameters())
+    val_before = evaluate(model, val_ids, block, train_cfg.batch_size, train_cfg.eval_batches)
+    base_before = domain_val_loss(model, tokenizer, cfg.base_domain, train_cfg) if cfg.base_domain else None
+
+    lora_cfg = cfg.lora
+    if cfg.method == "lora":
+        if cfg.init_adapter:
+            load_adapter(model, cfg.init_adapter, config=lora_cfg)
+        else:
+            apply_lora(model, lora_cfg)
+    else:
+        model.requires_grad_(True)
+    trainable = trainable_numel(model)
+    log(f"{cfg.method}: {trainable:,} of {n_params:,} parameters trainable ({trainable / n_params:.2%}); "
+        f"{train_ids.numel():,} train / {val_ids.numel():,} val tokens from {cfg.data}; {train_cfg.steps} steps")
+
+    out.mkdir(parents=True, exist_ok=True)
+    result = train(model, train_ids, val_ids, train_cfg, out_dir=out, progress=progress)
+    if not math.isfinite(result.final_val_loss):
+        raise FloatingPointError(f"validation loss is {result.final_val_loss}; nothing was saved")
+    base_after = domain_val_loss(model, tokenizer, cfg.base_domain, train_cfg) if cfg.base_domain else None
+
+    if cfg.method == "lora":
+        artifact = save_adapter(model, out / ADAPTER_FILE)
+        save_peft_adapter(model, out / PEFT_DIR, base_model_name_or_path=str(base))
+    else:
+        save_base(model, tokenizer, out)
+        artifact = out / WEIGHTS
+    summary = {
+        "method": cfg.method,
+        "params_total": n_params,
+        "params_trainable": trainable,
+        "trainable_fraction": trainable / n_params,
+        "steps": train_cfg.steps,
+        "train_tokens": train_ids.numel(),
+        "val_tokens": val_ids.numel(),
+        "unk_fraction": unk,
+        "val_loss_before": val_before,
+        "val_loss_after": result.final_val_loss,
+        "base_domain": cfg.base_domain,
+        "base_domain_val_loss_before": base_before,
+        "base_domain_val_loss_after": base_after,
+        "base_bytes": (base / WEIGHTS).stat().st_size,
+        "artifact_bytes": artifact.stat().st_size,
+        "train_wall_time_s": result.wall_time_s,
+    }
+    write_manifest(
+        out / MANIFEST,
+        seed=train_cfg.seed,
+        config={"base": str(base), "data": cfg.data, "method": cfg.method, "epochs": cfg.epochs,
+                "init_adapter": cfg.init_adapter, "lora": lora_cfg.to_dict() if cfg.method == "lora" else None,
+                "train": asdict(train_cfg), "model": model.config.to_dict()},
+        wall_time_s=time.perf_counter() - start,
+        base_weights=base / WEIGHTS,
+        adapter=artifact if cfg.method == "lora" else None,
+        extra={"results": summary, **({} if cfg.method == "lora" else {"finetuned_sha256": sha256_file(artifact)})},
+    )
+    log(f"val loss on {cfg.data}: {val_before:.3f} -> {result.final_val_loss:.3f} nats/token"
+        + (f"; on {cfg.base_domain}: {base_before:.3f} -> {base_after:.3f}" if cfg.base_domain else ""))
+    return FinetuneResult(model, tokenizer, summary)

@@ -1,0 +1,380 @@
+"""LoRA: y = W·x + b + (alpha/r)·B·A·x, with W frozen, A (r × in) random and B (out × r) zero at step 0.
+
+``LoRALinear`` wraps a base layer (an ``nn.Linear`` or a quantized linear with ``in_features``,
+``out_features``, ``bias`` and ``dequantize()``) and holds one or more named adapters, laid out as PEFT
+lays them out: ``<path>.base_layer.*``, ``<path>.lora_A.<adapter>.weight``, ``<path>.lora_B.<adapter>.weight``.
+Adapter files drop the adapter name, as PEFT's do: ``<path>.lora_A.weight`` and ``<path>.lora_B.weight``,
+the same keys whether the base is float or quantized. Merging is explicit (``merge``/``unmerge``),
+idempotent, computed in fp32 and refused when the result is not finite.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+from typing import NamedTuple
+
+import torch
+import torch.nn as nn
+
+from minigpt.errors import InputError
+
+ALL_LINEAR = "all-linear"
+OUTPUT_HEADS = ("lm_head",)  # never a LoRA target: tied to the token embedding in MiniGPT
+
+
+@dataclass
+class LoRAConfig:
+    r: int = 8  # rank of the update B·A
+    alpha: float = 16.0  # scaling = alpha / r (alpha / sqrt(r) with use_rslora); PEFT's lora_alpha
+    dropout: float = 0.0  # dropout on the LoRA path's input only; the base path never sees it
+    target_modules: str | list[str] = ALL_LINEAR  # leaf names (q_proj), path suffixes or "all-linear"
+    use_rslora: bool = False  # rank-stabilised scaling alpha / sqrt(r)
+
+    def validate(self) -> None:
+        if not isinstance(self.r, int) or isinstance(self.r, bool) or self.r <= 0:
+            raise InputError(f"LoRA rank r must be a positive integer, got {self.r!r}")
+        if not isinstance(self.alpha, (int, float)) or not math.isfinite(self.alpha) or self.alpha <= 0:
+            raise InputError(f"LoRA alpha must be a positive number, got {self.alpha!r}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise InputError(f"LoRA dropout must be in [0, 1), got {self.dropout}")
+        if not self.target_modules:
+            raise InputError("LoRA target_modules is empty")
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / (math.sqrt(self.r) if self.use_rslora else self.r)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "LoRAConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise InputError(f"unknown LoRAConfig fields {unknown}; valid: {sorted(known)}")
+        return cls(**d)
+
+
+def is_linear_like(module: nn.Module) -> bool:
+    """An nn.Linear, or a quantized linear honouring the contract (in/out_features, bias, dequantize())."""
+    if isinstance(module, nn.Linear):
+        return True
+    return all(hasattr(module, a) for a in ("in_features", "out_features", "bias")) and callable(
+        getattr(module, "dequantize", None)
+    ) and not isinstance(module, LoRALinear)
+
+
+def _device(module: nn.Module) -> torch.device:
+    for t in (*module.parameters(), *module.buffers()):
+        return t.device
+    return torch.device("cpu")
+
+
+def _check_finite(t: torch.Tensor, what: str) -> torch.Tensor:
+    if not torch.isfinite(t).all():
+        raise FloatingPointError(f"{what}: the result has non-finite values (NaN or inf); nothing was changed")
+    return t
+
+
+class LoRALinear(nn.Module):
+    """A base linear layer plus named low-rank adapters: base_layer(x) + Σ w·scaling·B(A(dropout(x)))."""
+
+    def __init__(self, base_layer: nn.Module, r: int = 8, alpha: float = 16.0, dropout: float = 0.0,
+                 use_rslora: bool = False, adapter_name: str = "default") -> None:
+        super().__init__()
+        if not is_linear_like(base_layer):
+            raise TypeError(f"LoRALinear needs an nn.Linear or a quantized linear, got {type(base_layer).__name__}")
+        self.base_layer = base_layer
+        self.in_features, self.out_features = base_layer.in_features, base_layer.out_features
+        self.lora_A, self.lora_B, self.lora_dropout = nn.ModuleDict(), nn.ModuleDict(), nn.ModuleDict()
+        self.r: dict[str, int] = {}
+        self.lora_alpha: dict[str, float] = {}
+        self.use_rslora: dict[str, bool] = {}
+        self.scaling: dict[str, float] = {}
+        self.active_adapters: dict[str, float] = {}  # adapter name -> weight in the output
+        self.merged_adapters: dict[str, float] = {}  # what merge() added into the base weight
+        self.disabled = False  # True: output is the base layer's alone
+        self.train(base_layer.training)  # a wrapper in an eval()-mode model stays in eval mode
+        self.add_adapter(adapter_name, r, alpha, dropout, use_rslora)
+        self.active_adapters = {adapter_name: 1.0}
+
+    def add_adapter(self, name: str, r: int, alpha: float, dropout: float = 0.0, use_rslora: bool = False) -> None:
+        """A fresh adapter: A kaiming-uniform (a=√5, as PEFT), B zero, so it adds nothing until trained."""
+        if name in self.lora_A:
+            raise InputError(f"adapter {name!r} already exists")
+        if not 0 < r <= min(self.in_features, self.out_features):
+            raise InputError(f"LoRA rank r={r} must be in 1..min(in, out) = {min(self.in_features, self.out_features)}")
+        device = _device(self.base_layer)
+        self.lora_A[name] = nn.Linear(self.in_features, r, bias=False, device=device)  # weight (r, in)
+        self.lora_B[name] = nn.Linear(r, self.out_features, bias=False, device=device)  # weight (out, r)
+        nn.init.kaiming_uniform_(self.lora_A[name].weight, a=math.sqrt(5))
+        nn.init.zeros_(self.lora_B[name].weight)
+        self.lora_dropout[name] = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        self.lora_dropout[name].train(self.training)
+        self.r[name], self.lora_alpha[name], self.use_rslora[name] = r, float(alpha), use_rslora
+        self.scaling[name] = alpha / (math.sqrt(r) if use_rslora else r)
+
+    def delete_adapter(self, name: str) -> None:
+        if name in self.merged_adapters:
+            raise RuntimeError(f"adapter {name!r} is merged; unmerge first")
+        for d in (self.lora_A, self.lora_B, self.lora_dropout):
+            del d[name]
+        for d in (self.r, self.lora_alpha, self.use_rslora, self.scaling, self.active_adapters):
+            d.pop(name, None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base_layer(x)  # (..., out)
+        if self.disabled or self.merged_adapters:  # merged adapters already live in the base weight
+            return y
+        for name, weight in self.active_adapters.items():
+            if name not in self.lora_A:
+                continue
+            A, B = self.lora_A[name], self.lora_B[name]
+            h = self.lora_dropout[name](x.to(A.weight.dtype))  # (..., in)
+            y = y + (B(A(h)) * (self.scaling[name] * weight)).to(y.dtype)  # (..., r) -> (..., out)
+        return y
+
+    def delta_weight(self, adapters: dict[str, float] | None = None) -> torch.Tensor:
+        """Σ w·scaling·B·A over the given (default: active) adapters, in fp32, shape (out, in)."""
+        adapters = self.active_adapters if adapters is None else adapters
+        delta = torch.zeros(self.out_features, self.in_features, device=_device(self.base_layer))
+        for name, weight in adapters.items():
+            if name in self.lora_A:
+                B, A = self.lora_B[name].weight.float(), self.lora_A[name].weight.float()
+                delta += (weight * self.scaling[name]) * (B @ A)
+        return delta
+
+    def base_weight(self) -> torch.Tensor:
+        """The base weight (out, in) as a float tensor: nn.Linear's weight, or the dequantized one."""
+        if isinstance(self.base_layer, nn.Linear):
+            return self.base_layer.weight.detach()
+        return self.base_layer.dequantize().detach()
+
+    def merge(self) -> None:
+        """Add the active adapters into the nn.Linear base weight (fp32 arithmetic); a no-op if merged."""
+        if self.merged_adapters or self.disabled:
+            return
+        if not isinstance(self.base_layer, nn.Linear):
+            raise InputError("cannot merge into a quantized base in place; use merged_linear() (dequantize -> merge -> float layer)")
+        self._set_weight(self.delta_weight(), "merge")
+        self.merged_adapters = dict(self.active_adapters)
+
+    def unmerge(self) -> None:
+        """Subtract what merge() added; a no-op if nothing is merged."""
+        if not self.merged_adapters:
+            return
+        self._set_weight(-self.delta_weight(self.merged_adapters), "unmerge")
+        self.merged_adapters = {}
+
+    def _set_weight(self, delta: torch.Tensor, what: str) -> None:
+        w = self.base_layer.weight
+        new = _check_finite((w.detach().float() + delta).to(w.dtype), what)
+        with torch.no_grad():
+            w.copy_(new)
+
+    def merged_linear(self) -> nn.Linear:
+        """A new float nn.Linear holding W + ΔW; for a quantized base W is dequantize() (explicit, exact in fp32)."""
+        w = self.base_weight()
+        delta = torch.zeros_like(w, dtype=torch.float32) if self.merged_adapters or self.disabled else self.delta_weight()
+        dtype = w.dtype if w.is_floating_point() else torch.float32
+        merged = _check_finite((w.float() + delta).to(dtype), "merged_linear")
+        bias = self.base_layer.bias
+        layer = nn.Linear(self.in_features, self.out_features, bias=bias is not None, device=w.device, dtype=dtype)
+        with torch.no_grad():
+            layer.weight.copy_(merged)
+            if bias is not None:
+                layer.bias.copy_(bias.detach().to(dtype))
+        return layer
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, adapters={self.r}, active={self.active_adapters}"
+
+
+def lora_modules(model: nn.Module) -> dict[str, LoRALinear]:
+    return {name: m for name, m in model.named_modules() if isinstance(m, LoRALinear)}
+
+
+def _output_heads(model: nn.Module) -> set[str]:
+    heads = {n for n, _ in model.named_modules() if n.rsplit(".", 1)[-1] in OUTPUT_HEADS}
+    get = getattr(model, "get_output_embeddings", None)
+    out = get() if callable(get) else None
+    heads |= {n for n, m in model.named_modules() if out is not None and m is out}
+    return heads
+
+
+def linear_candidates(model: nn.Module) -> dict[str, nn.Module]:
+    """Every module a LoRA target may name: linear layers (float, quantized or wrapped), not the output head."""
+    wrapped = lora_modules(model)
+    inside = tuple(f"{p}." for p in wrapped)
+    heads = _output_heads(model)
+    return {n: m for n, m in model.named_modules()
+            if n and n not in heads and not n.startswith(inside) and (n in wrapped or is_linear_like(m))}
+
+
+def find_targets(model: nn.Module, target_modules: str | list[str]) -> list[str]:
+    """Module paths selected by target names (path == name or path ends with '.name'), or all-linear."""
+    candidates = linear_candidates(model)
+    if isinstance(target_modules, str):
+        target_modules = [t.strip() for t in target_modules.split(",") if t.strip()]
+    if any(t.lower() == ALL_LINEAR for t in target_modules):
+        return list(candidates)
+    valid = sorted({n.rsplit(".", 1)[-1] for n in candidates}) + [ALL_LINEAR]
+    chosen: set[str] = set()
+    for t in target_modules:
+        hits = [n for n in candidates if n == t or n.endswith("." + t)]
+        if not hits:
+            raise InputError(f"unknown LoRA target {t!r}; valid names: {valid} (or a path suffix such as blocks.0.attn.q_proj)")
+        chosen.update(hits)
+    return [n for n in candidates if n in chosen]  # model order
+
+
+def apply_lora(model: nn.Module, config: LoRAConfig, adapter_name: str = "default") -> list[str]:
+    """Wrap the targets in place (or add `adapter_name` to existing wrappers), freeze everything else,
+    make `adapter_name` the active, trainable adapter; return the wrapped module paths."""
+    config.validate()
+    if any(m.merged_adapters for m in lora_modules(model).values()):
+        raise InputError("adapters are merged into the base weights; unmerge before adding another")
+    paths = find_targets(model, config.target_modules)
+    for p in paths:  # check every target before changing anything
+        m = model.get_submodule(p)
+        if config.r > min(m.in_features, m.out_features):
+            raise InputError(f"LoRA rank r={config.r} exceeds min(in, out) = {min(m.in_features, m.out_features)} of {p}")
+        if isinstance(m, LoRALinear) and adapter_name in m.lora_A:
+            raise InputError(f"{p} already has an adapter named {adapter_name!r}")
+    for p in paths:
+        m = model.get_submodule(p)
+        if isinstance(m, LoRALinear):
+            m.add_adapter(adapter_name, config.r, config.alpha, config.dropout, config.use_rslora)
+        else:
+            parent, _, leaf = p.rpartition(".")
+            setattr(model.get_submodule(parent), leaf,
+                    LoRALinear(m, config.r, config.alpha, config.dropout, config.use_rslora, adapter_name))
+    activate(model, {adapter_name: 1.0})
+    return paths
+
+
+def activate(model: nn.Module, weights: dict[str, float]) -> None:
+    """Make exactly these adapters active (with output weights) and trainable; freeze every other parameter."""
+    if any(m.merged_adapters for m in lora_modules(model).values()):
+        raise InputError("adapters are merged into the base weights; unmerge before changing the active adapters")
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for m in lora_modules(model).values():
+        m.active_adapters = {n: float(w) for n, w in weights.items() if n in m.lora_A}
+        for n in m.active_adapters:
+            m.lora_A[n].weight.requires_grad_(True)
+            m.lora_B[n].weight.requires_grad_(True)
+
+
+def adapter_names(model: nn.Module) -> list[str]:
+    names: list[str] = []
+    for m in lora_modules(model).values():
+        names += [n for n in m.lora_A if n not in names]
+    return names
+
+
+def resolve_adapter(model: nn.Module, adapter_name: str | None) -> str:
+    """The named adapter, or (None) the only adapter / the only active one."""
+    names = adapter_names(model)
+    if not names:
+        raise InputError("the model has no LoRA adapter")
+    if adapter_name is not None:
+        if adapter_name not in names:
+            raise InputError(f"no adapter named {adapter_name!r}; adapters: {names}")
+        return adapter_name
+    if len(names) == 1:
+        return names[0]
+    active = {n for m in lora_modules(model).values() for n in m.active_adapters}
+    if len(active) != 1:
+        raise InputError(f"several adapters ({names}) and {len(active)} active: name the one you mean")
+    return active.pop()
+
+
+def lora_state_dict(model: nn.Module, adapter_name: str | None = None) -> dict[str, torch.Tensor]:
+    """One adapter's tensors, keyed '<module path>.lora_A.weight' / '.lora_B.weight' (detached, not copied)."""
+    name = resolve_adapter(model, adapter_name)
+    out: dict[str, torch.Tensor] = {}
+    for path, m in lora_modules(model).items():
+        if name in m.lora_A:
+            out[f"{path}.lora_A.weight"] = m.lora_A[name].weight.detach()
+            out[f"{path}.lora_B.weight"] = m.lora_B[name].weight.detach()
+    return out
+
+
+def adapter_config(model: nn.Module, adapter_name: str | None = None) -> LoRAConfig:
+    """The LoRAConfig of an adapter as it lives in the model (targets = the wrapped paths)."""
+    name = resolve_adapter(model, adapter_name)
+    mods = {p: m for p, m in lora_modules(model).items() if name in m.lora_A}
+    first = next(iter(mods.values()))
+    drop = first.lora_dropout[name]
+    return LoRAConfig(r=first.r[name], alpha=first.lora_alpha[name], dropout=drop.p if isinstance(drop, nn.Dropout) else 0.0,
+                      target_modules=list(mods), use_rslora=first.use_rslora[name])
+
+
+class LoadResult(NamedTuple):
+    missing_keys: list[str]
+    unexpected_keys: list[str]
+
+
+def _names(keys: list[str], limit: int = 4) -> str:
+    return "[" + ", ".join(keys[:limit]) + (f", ... {len(keys) - limit} more" if len(keys) > limit else "") + "]"
+
+
+def mismatch_error(missing: list[str], unexpected: list[str], wrong: list[str]) -> InputError:
+    return InputError(f"adapter does not fit this model: missing {_names(missing)}, "
+                      f"unexpected {_names(unexpected)}, wrong shape {_names(wrong, 2)}")
+
+
+def load_lora_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor], strict: bool = True,
+                         adapter_name: str | None = None) -> LoadResult:
+    """Copy adapter tensors into the model's LoRA parameters (nothing else is touched).
+
+    A wrong shape is always an InputError; missing or unexpected keys are one when strict. The error
+    names the keys, e.g. an adapter trained for another base or with another rank.
+    """
+    expected = lora_state_dict(model, adapter_name)
+    missing = sorted(set(expected) - set(state_dict))
+    unexpected = sorted(set(state_dict) - set(expected))
+    wrong = sorted(f"{k} (file {tuple(state_dict[k].shape)}, model {tuple(expected[k].shape)})"
+                   for k in set(expected) & set(state_dict) if state_dict[k].shape != expected[k].shape)
+    if wrong or (strict and (missing or unexpected)):
+        raise mismatch_error(missing, unexpected, wrong)
+    for k in set(expected) & set(state_dict):
+        if not torch.isfinite(state_dict[k]).all():
+            raise InputError(f"adapter tensor {k} has non-finite values (NaN or inf)")
+    with torch.no_grad():
+        for k in set(expected) & set(state_dict):
+            expected[k].copy_(state_dict[k])
+    return LoadResult(missing, unexpected)
+
+
+def merge_lora(model: nn.Module) -> None:
+    for m in lora_modules(model).values():
+        m.merge()
+
+
+def unmerge_lora(model: nn.Module) -> None:
+    for m in lora_modules(model).values():
+        m.unmerge()
+
+
+def merge_and_unload(model: nn.Module) -> nn.Module:
+    """Replace every LoRALinear by a float nn.Linear holding W + ΔW (dequantizing a quantized base)."""
+    for path, m in lora_modules(model).items():
+        parent, _, leaf = path.rpartition(".")
+        setattr(model.get_submodule(parent), leaf, m.merged_linear())
+    return model
+
+
+def unload(model: nn.Module) -> nn.Module:
+    """Remove the adapters: put every base layer back where its LoRALinear was (unmerging first)."""
+    for path, m in lora_modules(model).items():
+        m.unmerge()
+        parent, _, leaf = path.rpartition(".")
+        setattr(model.get_submodule(parent), leaf, m.base_layer)
+    return model
+
+
+def trainable_numel(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)

@@ -1,0 +1,118 @@
+"""PEFT-format adapter folders: ``adapter_config.json`` + ``adapter_model.safetensors``.
+
+Keys are ``base_model.model.<module path>.lora_A.weight`` / ``.lora_B.weight`` (PEFT drops the adapter
+name when saving), so ``peft.PeftModel.from_pretrained(<a MiniGPT>, folder)`` loads what we write, and
+we load what PEFT writes. Only plain LoRA is understood: DoRA, per-module rank/alpha patterns, LoRA
+biases or extra saved modules are refused with a one-line error rather than silently dropped.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from minigpt.errors import InputError
+from minigpt.io import atomic_save_safetensors, load_safetensors, read_json, write_json
+
+from .lora import ALL_LINEAR, LoRAConfig, adapter_config, lora_modules, lora_state_dict
+
+CONFIG_NAME = "adapter_config.json"
+WEIGHTS_NAME = "adapter_model.safetensors"
+LEGACY_WEIGHTS_NAME = "adapter_model.bin"
+PREFIX = "base_model.model."
+
+
+def peft_target_modules(model: nn.Module, paths: list[str]) -> list[str]:
+    """Leaf names (q_proj, ...) when PEFT's suffix matching would pick exactly `paths`, else the full paths."""
+    inside = tuple(f"{p}." for p in lora_modules(model))
+    leaves = {p.rsplit(".", 1)[-1] for p in paths}
+    picked = {n for n, _ in model.named_modules() if n and not n.startswith(inside) and n.rsplit(".", 1)[-1] in leaves}
+    return sorted(leaves) if picked == set(paths) else sorted(paths)
+
+
+def peft_config_dict(model: nn.Module, adapter_name: str | None = None, base_model_name_or_path: str | None = None) -> dict:
+    cfg = adapter_config(model, adapter_name)
+    return {
+        "peft_type": "LORA",
+        "task_type": None,
+        "base_model_name_or_path": base_model_name_or_path,
+        "r": cfg.r,
+        "lora_alpha": cfg.alpha,
+        "lora_dropout": cfg.dropout,
+        "target_modules": peft_target_modules(model, list(cfg.target_modules)),
+        "use_rslora": cfg.use_rslora,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "init_lora_weights": True,
+        "inference_mode": True,
+        "modules_to_save": None,
+        "rank_pattern": {},
+        "alpha_pattern": {},
+        "use_dora": False,
+        "layers_to_transform": None,
+        "layers_pattern": None,
+        "revision": None,
+    }
+
+
+def save_peft_adapter(model: nn.Module, folder: str | Path, adapter_name: str | None = None,
+                      base_model_name_or_path: str | None = None) -> Path:
+    """Write a PEFT adapter folder (weights first, config last: a folder with a config is complete)."""
+    folder = Path(folder)
+    if folder.exists() and not folder.is_dir():
+        raise InputError(f"{folder}: exists and is not a folder")
+    config = peft_config_dict(model, adapter_name, base_model_name_or_path)
+    tensors = {PREFIX + k: v for k, v in lora_state_dict(model, adapter_name).items()}
+    atomic_save_safetensors(tensors, folder / WEIGHTS_NAME, metadata={"format": "pt"})
+    write_json(folder / CONFIG_NAME, config)
+    return folder
+
+
+UNSUPPORTED = {  # field -> value PEFT writes when the feature is off
+    "use_dora": False, "rank_pattern": {}, "alpha_pattern": {}, "modules_to_save": None,
+    "bias": "none", "fan_in_fan_out": False, "lora_bias": False, "layer_replication": None,
+}
+
+
+def config_from_peft(d: dict, where: Path) -> LoRAConfig:
+    if d.get("peft_type") != "LORA":
+        raise InputError(f"{where}: peft_type is {d.get('peft_type')!r}, only LORA adapters are supported")
+    for key, off in UNSUPPORTED.items():
+        value = d.get(key)
+        if value is not None and value != off:
+            raise InputError(f"{where}: {key}={d[key]!r} is not supported (plain LoRA only)")
+    try:
+        targets = d.get("target_modules") or ALL_LINEAR
+        cfg = LoRAConfig(r=int(d["r"]), alpha=float(d["lora_alpha"]), dropout=float(d.get("lora_dropout", 0.0)),
+                         target_modules=targets if isinstance(targets, str) else list(targets),
+                         use_rslora=bool(d.get("use_rslora", False)))
+    except (KeyError, TypeError, ValueError) as e:
+        raise InputError(f"{where}: bad LoRA fields ({e})") from None
+    cfg.validate()
+    return cfg
+
+
+def read_peft_adapter(folder: str | Path) -> tuple[dict[str, torch.Tensor], LoRAConfig]:
+    """Tensors keyed '<module path>.lora_A.weight' (prefix and adapter name removed) and the LoRAConfig."""
+    from .adapter_io import load_pickled_tensors, normalize_keys
+
+    folder = Path(folder)
+    cfg = config_from_peft(read_json(folder / CONFIG_NAME), folder / CONFIG_NAME)
+    if (folder / WEIGHTS_NAME).is_file():
+        sd = load_safetensors(folder / WEIGHTS_NAME)
+    elif (folder / LEGACY_WEIGHTS_NAME).is_file():
+        sd = load_pickled_tensors(folder / LEGACY_WEIGHTS_NAME)
+    else:
+        raise InputError(f"{folder}: no {WEIGHTS_NAME} beside {CONFIG_NAME}")
+    return normalize_keys(sd), cfg
+
+
+def load_peft_adapter(model: nn.Module, folder: str | Path, adapter_name: str = "default") -> LoRAConfig:
+    """Wrap `model` with the adapter in a PEFT folder (ours or PEFT's) and load it; names bad keys."""
+    from .adapter_io import load_adapter
+
+    folder = Path(folder)
+    if not (folder / CONFIG_NAME).is_file():
+        raise InputError(f"{folder}: not a PEFT adapter folder (no {CONFIG_NAME})")
+    return load_adapter(model, folder, adapter_name=adapter_name)

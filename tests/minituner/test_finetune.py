@@ -1,0 +1,161 @@
+"""minituner.finetune and the `minituner finetune` command on a tiny base."""
+import json
+
+import pytest
+import torch
+
+from minigpt.checkpoint import load_base, save_base
+from minigpt.data import forecast_documents
+from minigpt.errors import InputError
+from minigpt.io import sha256_file
+from minigpt.model import GPTConfig, MiniGPT
+from minigpt.tokenizer import CharTokenizer
+from minigpt.train import TrainConfig, train
+from minituner.adapter_io import ADAPTER_FILE, load_adapter
+from minituner.cli import main
+from minituner.finetune import FinetuneConfig, finetune, steps_for_epochs
+from minituner.lora import LoRAConfig, lora_modules
+
+
+DOCS = "\n\n".join(f"The function f{i}(x) returns x plus {i}." for i in range(60))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models run fastest on one thread, and do not fight other test processes for the cores."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def make_base(folder, d_model=16, seed=0, pretrain_steps=0):
+    """A tiny base folder; with pretrain_steps it first learns DOCS (a random base's frozen, tiny-norm
+    embedding caps what LoRA alone can reach)."""
+    tok = CharTokenizer.train("\n\n".join(forecast_documents(200)) + DOCS)
+    torch.manual_seed(seed)
+    model = MiniGPT(GPTConfig(vocab_size=tok.vocab_size, block_size=32, n_layer=2, n_head=2, d_model=d_model))
+    if pretrain_steps:
+        ids = torch.tensor(tok.encode(DOCS))
+        train(model, ids, ids, quick(pretrain_steps, eval_every=pretrain_steps), progress=False)
+    save_base(model, tok, folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    return make_base(tmp_path_factory.mktemp("base"), pretrain_steps=60)
+
+
+@pytest.fixture(scope="module")
+def other_text(tmp_path_factory):
+    path = tmp_path_factory.mktemp("data") / "docs.txt"
+    path.write_text(DOCS, encoding="utf-8")
+    return path
+
+
+def quick(steps=30, **kw) -> TrainConfig:
+    return TrainConfig(**{"steps": steps, "batch_size": 8, "lr": 1e-2, "warmup_steps": 3, "eval_every": 10,
+                          "eval_batches": 4, **kw})
+
+
+def test_lora_finetune_writes_a_run_and_improves_val_loss(base, other_text, tmp_path):
+    base_sha = sha256_file(base / "model.safetensors")
+    cfg = FinetuneConfig(lora=LoRAConfig(r=4, alpha=8), train=quick(60), base_domain=str(other_text))
+    res = finetune(base, tmp_path / "run", cfg, progress=False, log=lambda *_: None)
+    run = tmp_path / "run"
+    for name in (ADAPTER_FILE, "adapter_peft/adapter_config.json", "adapter_peft/adapter_model.safetensors",
+                 "metrics.jsonl", "loss_curve.png", "manifest.json"):
+        assert (run / name).is_file(), name
+    s = res.summary
+    assert s["val_loss_after"] < s["val_loss_before"] - 0.2
+    assert s["params_trainable"] == sum(p.numel() for p in res.model.parameters() if p.requires_grad)
+    assert 0 < s["trainable_fraction"] < 0.5 and s["artifact_bytes"] < s["base_bytes"]
+    assert s["base_domain_val_loss_before"] > 0 and s["base_domain_val_loss_after"] > 0
+    manifest = json.loads((run / "manifest.json").read_text())
+    assert manifest["base_sha256"] == base_sha == sha256_file(base / "model.safetensors")  # base untouched
+    assert manifest["adapter_sha256"] == sha256_file(run / ADAPTER_FILE)
+    assert manifest["config"]["lora"]["r"] == 4 and manifest["results"]["steps"] == 60
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 60 and "val_loss" in rows[-1]
+    reloaded, _ = load_base(base)
+    load_adapter(reloaded, run / ADAPTER_FILE)
+    x = torch.randint(0, reloaded.config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
+    res.model.eval()
+    assert torch.equal(reloaded(x), res.model(x))
+    peft_copy, _ = load_base(base)
+    load_adapter(peft_copy, run / "adapter_peft")
+    assert torch.equal(peft_copy(x), res.model(x))
+
+
+def test_epochs_set_the_step_count(base, tmp_path):
+    cfg = FinetuneConfig(epochs=0.05, train=quick(), lora=LoRAConfig(r=2), base_domain=None)
+    res = finetune(base, tmp_path / "run", cfg, progress=False, log=lambda *_: None)
+    assert res.summary["steps"] == steps_for_epochs(0.05, res.summary["train_tokens"], 8, 32)
+    assert steps_for_epochs(1, 1000, 4, 25) == 10 and steps_for_epochs(0.001, 1000, 4, 25) == 1
+
+
+def test_full_finetune_writes_a_loadable_base(base, tmp_path):
+    cfg = FinetuneConfig(method="full", train=quick(5), base_domain=None)
+    res = finetune(base, tmp_path / "full", cfg, progress=False, log=lambda *_: None)
+    assert res.summary["trainable_fraction"] == 1.0 and not lora_modules(res.model)
+    model, tok = load_base(tmp_path / "full")
+    assert tok is not None and model.config == res.model.config
+    manifest = json.loads((tmp_path / "full" / "manifest.json").read_text())
+    assert manifest["finetuned_sha256"] == sha256_file(tmp_path / "full" / "model.safetensors")
+
+
+def test_out_must_differ_from_base(base):
+    with pytest.raises(InputError, match="differ"):
+        finetune(base, base, FinetuneConfig(train=quick(1), base_domain=None), progress=False)
+
+
+def cli(*args):
+    return main(["finetune", *map(str, args), "--no-progress", "--base-domain", "none"])
+
+
+def test_cli_runs_and_refuses_to_overwrite(base, tmp_path, capsys):
+    out = tmp_path / "run"
+    common = ("--base", base, "--out", out, "--rank", 2, "--alpha", 4, "--target", "q_proj,v_proj", "--steps", 3,
+              "--batch-size", 4)
+    assert cli(*common) == 0
+    assert (out / ADAPTER_FILE).is_file()
+    assert cli(*common) == 2
+    assert "already holds a run" in capsys.readouterr().err
+    assert cli(*common, "--overwrite") == 0
+    assert cli("--base", base, "--out", tmp_path / "more", "--rank", 2, "--alpha", 4, "--target", "q_proj,v_proj",
+               "--steps", 2, "--batch-size", 4, "--init-adapter", out) == 0
+
+
+@pytest.mark.parametrize("args,message", [
+    (("--rank", 0), "rank r must be a positive integer"),
+    (("--rank", 17), "exceeds min(in, out)"),
+    (("--alpha", 0), "alpha must be a positive number"),
+    (("--alpha", -1), "alpha must be a positive number"),
+    (("--target", "nope"), "valid names"),
+    (("--dropout", 1.5), "dropout"),
+    (("--data", "/no/such/file.txt"), "not found"),
+])
+def test_cli_bad_input_is_one_line_exit_2(base, tmp_path, capsys, args, message):
+    assert cli("--base", base, "--out", tmp_path / "r", "--steps", 1, "--batch-size", 2, *args) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_cli_adapter_for_another_rank_or_base_is_exit_2(base, tmp_path, capsys):
+    src = tmp_path / "src"
+    assert cli("--base", base, "--out", src, "--rank", 4, "--steps", 1, "--batch-size", 2) == 0
+    assert cli("--base", base, "--out", tmp_path / "r8", "--rank", 8, "--steps", 1, "--batch-size", 2,
+               "--init-adapter", src / ADAPTER_FILE) == 2
+    err = capsys.readouterr().err
+    assert "wrong shape [blocks.0.attn.k_proj.lora_A.weight (file (4, 16), model (8, 16))" in err and err.count("\n") == 1
+    wide = make_base(tmp_path / "wide", d_model=32)
+    assert cli("--base", wide, "--out", tmp_path / "w", "--rank", 4, "--steps", 1, "--batch-size", 2,
+               "--init-adapter", src) == 2
+    assert "wrong shape" in capsys.readouterr().err
+    assert not (tmp_path / "w" / ADAPTER_FILE).exists()
+
+
+def test_cli_missing_base_is_exit_2(tmp_path, capsys):
+    assert cli("--base", tmp_path / "nope", "--out", tmp_path / "r", "--steps", 1) == 2
+    assert "no such model folder" in capsys.readouterr().err

@@ -1,0 +1,105 @@
+"""Adapters move between minituner and PEFT with equal logits, in both directions."""
+import json
+
+import pytest
+import torch
+
+peft = pytest.importorskip("peft")
+
+from minigpt.errors import InputError
+from minigpt.model import GPTConfig, MiniGPT
+from minituner.adapter_io import load_adapter
+from minituner.lora import LoRAConfig, apply_lora, lora_modules, lora_state_dict
+from minituner.peft_format import CONFIG_NAME, WEIGHTS_NAME, load_peft_adapter, save_peft_adapter
+
+X = torch.randint(0, 21, (2, 16), generator=torch.Generator().manual_seed(7))
+
+
+def base_model() -> MiniGPT:
+    torch.manual_seed(0)
+    return MiniGPT(GPTConfig(vocab_size=21, block_size=16, n_layer=2, n_head=2, d_model=16)).eval()
+
+
+def trained_like(cfg: LoRAConfig) -> MiniGPT:
+    model = base_model()
+    apply_lora(model, cfg)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for m in lora_modules(model).values():
+            m.lora_B["default"].weight.copy_(torch.randn(m.lora_B["default"].weight.shape, generator=g) * 0.1)
+    return model
+
+
+@pytest.mark.parametrize("cfg", [
+    LoRAConfig(r=4, alpha=8),
+    LoRAConfig(r=8, alpha=4, use_rslora=True, target_modules="q_proj,v_proj"),
+    LoRAConfig(r=2, alpha=3, target_modules=["blocks.1.mlp.fc1", "blocks.0.attn.o_proj"]),
+])
+def test_peft_loads_our_adapter_with_equal_logits(tmp_path, cfg):
+    ours = trained_like(cfg)
+    save_peft_adapter(ours, tmp_path / "a", base_model_name_or_path="artifacts/base")
+    on_disk = json.loads((tmp_path / "a" / CONFIG_NAME).read_text())
+    assert on_disk["peft_type"] == "LORA" and on_disk["r"] == cfg.r and on_disk["use_rslora"] == cfg.use_rslora
+    theirs = peft.PeftModel.from_pretrained(base_model(), tmp_path / "a").eval()
+    assert not torch.equal(ours(X), base_model()(X))
+    torch.testing.assert_close(theirs(X), ours(X), rtol=0, atol=1e-5)
+    n_wrapped = sum(1 for _, m in theirs.named_modules() if isinstance(m, peft.tuners.lora.LoraLayer))
+    assert n_wrapped == len(lora_modules(ours))
+
+
+@pytest.mark.parametrize("use_rslora", [False, True])
+def test_we_load_an_adapter_peft_trained_with_equal_logits(tmp_path, use_rslora):
+    cfg = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, use_rslora=use_rslora,
+                          target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "fc1", "fc2"])
+    theirs = peft.get_peft_model(base_model(), cfg)
+    opt = torch.optim.AdamW([p for p in theirs.parameters() if p.requires_grad], lr=1e-2)
+    theirs.train()
+    for _ in range(3):
+        logits = theirs(X[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 21), X[:, 1:].reshape(-1))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    theirs.eval()
+    assert all(torch.count_nonzero(p) for n, p in theirs.named_parameters() if "lora_B" in n)
+    theirs.save_pretrained(tmp_path / "p")
+    ours = base_model()
+    loaded = load_peft_adapter(ours, tmp_path / "p")
+    assert (loaded.r, loaded.alpha, loaded.use_rslora) == (4, 8.0, use_rslora)
+    assert len(lora_modules(ours)) == 12
+    torch.testing.assert_close(ours(X), theirs(X), rtol=0, atol=1e-5)
+    peft_keys = {k.replace("base_model.model.", "").replace(".default", "") for k, p in theirs.named_parameters() if "lora_" in k}
+    assert set(lora_state_dict(ours)) == peft_keys
+
+
+def test_generic_loader_reads_peft_folders(tmp_path):
+    ours = trained_like(LoRAConfig(r=4, alpha=8))
+    save_peft_adapter(ours, tmp_path / "a")
+    again = base_model()
+    load_adapter(again, tmp_path / "a")  # a folder with adapter_config.json
+    assert torch.equal(again(X), ours(X))
+
+
+def test_peft_adapter_for_another_rank_names_keys(tmp_path):
+    save_peft_adapter(trained_like(LoRAConfig(r=4)), tmp_path / "a")
+    model = base_model()
+    with pytest.raises(InputError, match="wrong shape"):
+        load_adapter(model, tmp_path / "a", config=LoRAConfig(r=2))
+
+
+@pytest.mark.parametrize("field,value", [("use_dora", True), ("peft_type", "IA3"), ("rank_pattern", {"fc1": 2}),
+                                         ("modules_to_save", ["lm_head"]), ("bias", "all")])
+def test_unsupported_peft_features_are_refused(tmp_path, field, value):
+    save_peft_adapter(trained_like(LoRAConfig(r=4)), tmp_path / "a")
+    cfg = json.loads((tmp_path / "a" / CONFIG_NAME).read_text())
+    cfg[field] = value
+    (tmp_path / "a" / CONFIG_NAME).write_text(json.dumps(cfg))
+    with pytest.raises(InputError, match=field):
+        load_peft_adapter(base_model(), tmp_path / "a")
+
+
+def test_peft_folder_without_weights_is_input_error(tmp_path):
+    save_peft_adapter(trained_like(LoRAConfig(r=4)), tmp_path / "a")
+    (tmp_path / "a" / WEIGHTS_NAME).unlink()
+    with pytest.raises(InputError, match="no adapter_model"):
+        load_peft_adapter(base_model(), tmp_path / "a")
