@@ -32,7 +32,7 @@ $(VENV)/.dev: pyproject.toml $(VENV)/.base
 install: $(VENV)/.base
 install-dev: $(VENV)/.dev
 
-demo: $(VENV)/.base
+demo: $(VENV)/.dev
 	$(PY) -m minituner pretrain --out $(ARTIFACTS)/base --overwrite
 	$(PY) -m minituner generate --base $(ARTIFACTS)/base --prompt "The " --num-samples 3 --max-new-tokens 120
 	$(PY) experiments/28-lora-counts/count.py

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from minigpt.errors import InputError
@@ -43,6 +44,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args._run(args) or 0)
+    except BrokenPipeError:  # e.g. `minituner count --json | head`: the reader left, not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except user_errors() as e:
         message = str(e).splitlines()[0] if str(e) else type(e).__name__
         print(f"minituner {args.command}: error: {message}", file=sys.stderr)
