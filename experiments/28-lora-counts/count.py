@@ -79,7 +79,7 @@ What each bucket holds (bytes per base parameter N and per LoRA parameter P):
   is 4N + 4N + 8N, also 16 bytes/param, split differently.
 - **LoRA r**: frozen fp16 base 2N; A and B in fp16 2P, their fp16 grads 2P, fp32 Adam m and v 8P. Frozen
   weights have no grads and no optimizer state.
-- **QLoRA r**: every Linear inside the blocks in NF4, 0.5 byte/param + an fp32 absmax per block of
+- **QLoRA r**: the targeted Linears (here all six of every block) in NF4, 0.5 byte/param + an fp32 absmax per block of
   {NF4_BLOCK} weights (0.0625 byte/param); embeddings, norms and biases in fp16; LoRA as above.
 - **activations**: the seed's estimate batch × seq × d_model × n_layer × 16 bytes, the same in every
   regime ({B} × {T} × {shape.d_model} × {shape.n_layer} × 16 = {seed_act:,} bytes). Beside it, Korthikanti et al. [3] count
@@ -194,9 +194,10 @@ def sources_section(shape) -> str:
   of 256 with one fp32 constant each, 8/64 + 32/(64·256) = {float(dq_bits):.4f} bit/param of overhead instead of
   {32 / NF4_BLOCK} [2]: {dq:,} bytes for the same weights. Per-tensor constants (the 16-value NF4 code, the
   double-quant offset) are a few bytes per tensor and are left out.
-- **Which Linears QLoRA quantizes.** bitsandbytes' `load_in_4bit` quantizes every Linear except the output
-  head, whichever modules LoRA then targets; the planner does the same. With the seed's all-Linear
-  targets the two readings coincide.
+- **Which Linears QLoRA quantizes.** The issue stores the targeted Linears' weights in NF4, and so do
+  the planner and `wrap_minigpt_qlora`; bitsandbytes' `load_in_4bit` quantizes every Linear except the
+  output head, whichever modules LoRA then targets (`minituner count --quantize all-linear`). With the
+  seed's all-Linear targets the two readings coincide.
 - **Activations.** Korthikanti's formula gives {k / sd:.2f}× the seed's 16 bytes per (token, d_model, layer)
   here; the table follows the seed (the Lab's definition) and prints the other beside it. Neither counts
   LoRA's own small intermediate x·A.

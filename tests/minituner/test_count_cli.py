@@ -62,6 +62,11 @@ def test_flags_change_only_their_bucket(capsys):
     act = count_json(capsys, "--preset", "minigpt-768", "--rank", "8", "--batch-size", "2", "--seq-len", "64")
     assert act["regimes"][0]["bytes"]["activations"] == 2 * 64 * 768 * 12 * 16
     assert act["regimes"][0]["bytes"]["weights"] == base["regimes"][0]["bytes"]["weights"]
+    qv = count_json(capsys, "--preset", "minigpt-768", "--rank", "8", "--target", "q_proj,v_proj")
+    every = count_json(capsys, "--preset", "minigpt-768", "--rank", "8", "--target", "q_proj,v_proj",
+                       "--quantize", "all-linear")
+    assert every["regimes"][2]["bytes"]["weights"] < qv["regimes"][2]["bytes"]["weights"]
+    assert every["regimes"][:2] == qv["regimes"][:2]
 
 
 def test_markdown_output(capsys):

@@ -6,9 +6,9 @@ import pytest
 from minigpt.errors import InputError
 from minigpt.model import GPTConfig
 from minituner.planner import (MemoryConfig, Regime, default_regimes, korthikanti_activation_bytes,
-                               lora_trainable_params, minigpt_shape, nf4_bytes, plan, preset_shape, regime_bytes,
-                               seed_activation_bytes, total_params)
-from minituner.planner.report import kinds_table, percent, regime_table
+                               lora_trainable_params, minigpt_shape, nf4_bytes, plan, preset_shape, quantized_params,
+                               regime_bytes, seed_activation_bytes, total_params)
+from minituner.planner.report import describe, kinds_table, percent, regime_table
 
 LAB = GPTConfig(vocab_size=104, block_size=128)  # the Lab's MiniGPT: d 64, L 4, 214,912 params
 
@@ -46,11 +46,30 @@ def test_qlora_weights_by_hand(shape):
     assert (b.grads, b.optimizer) == (2 * p, 8 * p)
 
 
-def test_qlora_quantizes_every_block_linear_whatever_the_targets(shape):
-    all_lin = regime_bytes(shape, Regime("qlora", 8), "all-linear")
+def test_qlora_quantizes_the_targets_by_default(shape):
+    n, p = total_params(shape), lora_trainable_params(shape, 8, "q_proj,v_proj")
     qv = regime_bytes(shape, Regime("qlora", 8), "q_proj,v_proj")
+    quantized = 4 * 2 * 64 * 64  # q_proj and v_proj of 4 layers; k, o, fc1, fc2 stay fp16
+    assert quantized_params(shape, "q_proj,v_proj") == quantized
+    assert qv.weights == Fraction(quantized) * Fraction(9, 16) + 2 * (n - quantized) + 2 * p
+    # all-linear targets: both readings quantize the same Linears
+    assert regime_bytes(shape, Regime("qlora", 8)) == regime_bytes(shape, Regime("qlora", 8),
+                                                                   cfg=MemoryConfig(quantize="all-linear"))
+
+
+def test_qlora_all_linear_quantizes_every_block_linear_whatever_the_targets(shape):
+    cfg = MemoryConfig(quantize="all-linear")  # bitsandbytes' load_in_4bit
+    all_lin = regime_bytes(shape, Regime("qlora", 8), "all-linear", cfg)
+    qv = regime_bytes(shape, Regime("qlora", 8), "q_proj,v_proj", cfg)
     p_all, p_qv = lora_trainable_params(shape, 8), lora_trainable_params(shape, 8, "q_proj,v_proj")
     assert all_lin.weights - 2 * p_all == qv.weights - 2 * p_qv
+    assert qv.weights < regime_bytes(shape, Regime("qlora", 8), "q_proj,v_proj").weights
+
+
+def test_describe_says_which_linears_are_quantized(shape):
+    assert "QLoRA: the targeted Linears in NF4" in describe(plan(shape, targets="q_proj"))
+    text = describe(plan(shape, targets="q_proj", cfg=MemoryConfig(quantize="all-linear")))
+    assert "QLoRA: every block Linear (bitsandbytes load_in_4bit) in NF4" in text
 
 
 def test_nf4_storage_per_param():
@@ -103,7 +122,7 @@ def test_plan_json_contract(shape):
 
 
 @pytest.mark.parametrize("kwargs", [{"batch_size": 0}, {"seq_len": -1}, {"full_precision": "bf16"},
-                                    {"activations": "guess"}])
+                                    {"activations": "guess"}, {"quantize": "all"}])
 def test_bad_memory_config(kwargs):
     with pytest.raises(InputError):
         MemoryConfig(**kwargs)

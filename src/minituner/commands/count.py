@@ -8,7 +8,7 @@ from pathlib import Path
 from minigpt.errors import InputError
 from minituner.planner import (ALL_LINEAR, PRESETS, MemoryConfig, default_regimes, load_config_shape, minigpt_vocab,
                                plan, preset_shape)
-from minituner.planner.memory import ACTIVATION_MODELS, FULL_PRECISIONS
+from minituner.planner.memory import ACTIVATION_MODELS, FULL_PRECISIONS, QUANTIZE_CHOICES
 from minituner.planner.presets import MINIGPT_SIZES
 from minituner.planner.report import describe, regime_table
 
@@ -31,6 +31,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=positive_int, default=MemoryConfig.batch_size)
     p.add_argument("--seq-len", type=positive_int, default=MemoryConfig.seq_len)
     p.add_argument("--double-quant", action="store_true", help="QLoRA double quantization of the absmax constants")
+    p.add_argument("--quantize", choices=QUANTIZE_CHOICES, default="targets",
+                   help="QLoRA: NF4 for the LoRA targets (default) or every block Linear (bitsandbytes load_in_4bit)")
     p.add_argument("--full-precision", choices=FULL_PRECISIONS, default="mixed",
                    help="full FT: fp16 + fp32 master (mixed, default) or plain fp32")
     p.add_argument("--activations", choices=ACTIVATION_MODELS, default="seed",
@@ -67,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
         vocab = minigpt_vocab(args.tokenizer).size if name in MINIGPT_SIZES else None
         shape = preset_shape(name, vocab)
     cfg = MemoryConfig(batch_size=args.batch_size, seq_len=args.seq_len, double_quant=args.double_quant,
-                       full_precision=args.full_precision, activations=args.activations)
+                       full_precision=args.full_precision, activations=args.activations, quantize=args.quantize)
     result = plan(shape, default_regimes(ranks), args.target or ALL_LINEAR, cfg)
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))

@@ -5,8 +5,9 @@ Per base parameter N and LoRA parameter P (bytes):
   + Adam v (the 16 bytes/param of ZeRO, Rajbhandari et al. 2020). full, fp32: 4N + 4N + 8N.
 - LoRA r: frozen fp16 base 2N, LoRA A/B in fp16 2P, fp16 grads 2P, fp32 Adam m and v 8P (for the
   LoRA parameters only: frozen weights have neither grads nor optimizer state).
-- QLoRA r: every Linear inside the blocks in NF4 (what bitsandbytes' load_in_4bit quantizes: all of
-  them, whichever LoRA targets) = 0.5 byte/param + one fp32 absmax per block of 64 (0.0625
+- QLoRA r: the targeted Linears' weights in NF4 (the issue's recipe and what wrap_minigpt_qlora does;
+  MemoryConfig(quantize="all-linear") instead quantizes every Linear inside the blocks, whichever LoRA
+  targets, as bitsandbytes' load_in_4bit does) = 0.5 byte/param + one fp32 absmax per block of 64 (0.0625
   byte/param); with double quantization the absmax is 8-bit in blocks of 256 with one fp32 constant
   each (0.127 bit/param instead of 0.5; Dettmers et al. 2023). Everything not quantized (embeddings,
   norms, biases, an untied head) stays fp16; LoRA as above.
@@ -29,6 +30,7 @@ SEED_ACT_BYTES = 16  # the seed's bytes per (batch, seq, d_model, layer) element
 DEFAULT_RANKS = (4, 8, 16)  # the seed's LoRA regimes; its QLoRA regime uses r = 8
 FULL_PRECISIONS = ("mixed", "fp32")
 ACTIVATION_MODELS = ("seed", "korthikanti")
+QUANTIZE_CHOICES = ("targets", "all-linear")  # QLoRA: which block Linears are stored in NF4
 
 
 @dataclass(frozen=True)
@@ -38,6 +40,7 @@ class MemoryConfig:
     double_quant: bool = False  # QLoRA: quantize the absmax constants too
     full_precision: str = "mixed"  # "mixed": fp16 weights/grads + fp32 master + Adam; "fp32": all fp32
     activations: str = "seed"  # which estimate fills the activations bucket: "seed" or "korthikanti"
+    quantize: str = "targets"  # QLoRA NF4: the LoRA targets, or "all-linear" (every block Linear, bnb load_in_4bit)
 
     def __post_init__(self) -> None:
         for name in ("batch_size", "seq_len"):
@@ -48,6 +51,8 @@ class MemoryConfig:
             raise InputError(f"full_precision must be one of {', '.join(FULL_PRECISIONS)}, got {self.full_precision!r}")
         if self.activations not in ACTIVATION_MODELS:
             raise InputError(f"activations must be one of {', '.join(ACTIVATION_MODELS)}, got {self.activations!r}")
+        if self.quantize not in QUANTIZE_CHOICES:
+            raise InputError(f"quantize must be one of {', '.join(QUANTIZE_CHOICES)}, got {self.quantize!r}")
 
 
 @dataclass(frozen=True)
@@ -131,13 +136,13 @@ def nf4_bytes(numel: int, double_quant: bool = False) -> int:
     return packed + blocks + 4 * -(-blocks // DQ_BLOCK)
 
 
-def quantized_params(shape: ModelShape) -> int:
-    """Parameters QLoRA stores in NF4: the weights of every Linear inside the blocks."""
-    return shape.n_layer * sum(lin.weight_params for lin in shape.linears)
+def quantized_params(shape: ModelShape, targets: str | Iterable[str] = ALL_LINEAR) -> int:
+    """Parameters QLoRA stores in NF4: the weights of the block Linears these targets select."""
+    return shape.n_layer * sum(lin.weight_params for lin in resolve_targets(shape, targets))
 
 
-def nf4_weight_bytes(shape: ModelShape, double_quant: bool = False) -> int:
-    return shape.n_layer * sum(nf4_bytes(lin.weight_params, double_quant) for lin in shape.linears)
+def nf4_weight_bytes(shape: ModelShape, double_quant: bool = False, targets: str | Iterable[str] = ALL_LINEAR) -> int:
+    return shape.n_layer * sum(nf4_bytes(lin.weight_params, double_quant) for lin in resolve_targets(shape, targets))
 
 
 def seed_activation_bytes(shape: ModelShape, batch_size: int, seq_len: int) -> int:
@@ -173,8 +178,9 @@ def regime_bytes(shape: ModelShape, regime: Regime, targets: str | Iterable[str]
     if regime.name == "lora":
         base = 2 * n
     else:
-        q = quantized_params(shape)
-        base = nf4_weight_bytes(shape, cfg.double_quant) + 2 * (n - q)
+        quantized = targets if cfg.quantize == "targets" else ALL_LINEAR
+        q = quantized_params(shape, quantized)
+        base = nf4_weight_bytes(shape, cfg.double_quant, quantized) + 2 * (n - q)
     return Buckets(weights=base + 2 * p, grads=2 * p, optimizer=8 * p, activations=act)
 
 

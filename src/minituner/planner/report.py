@@ -70,8 +70,9 @@ def describe(plan: Plan, alpha: float | None = None) -> str:
         f"vocab {s.vocab_size:,}, {'tied' if s.tie_embeddings else 'untied'} embeddings.",
         f"LoRA targets {', '.join(plan.targets)} -> {len(wrapped)} Linears per block "
         f"({', '.join(lin.path for lin in wrapped)}); biases frozen, not LoRA-ed.",
-        f"Full FT: {precision}. QLoRA: block Linears in NF4"
-        f"{' with double quantization' if c.double_quant else ''}, the rest fp16.",
+        f"Full FT: {precision}. QLoRA: "
+        + ("the targeted Linears" if c.quantize == "targets" else "every block Linear (bitsandbytes load_in_4bit)")
+        + f" in NF4{' with double quantization' if c.double_quant else ''}, the rest fp16.",
         f"Activations: {act}, batch {c.batch_size}, seq {c.seq_len}. Sizes 1024-based.",
     ]
     if alpha is not None:
