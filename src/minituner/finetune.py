@@ -25,6 +25,7 @@ from minigpt.train import TrainConfig, evaluate, train
 from .adapter_io import ADAPTER_FILE, load_adapter, save_adapter
 from .lora import LoRAConfig, apply_lora, trainable_numel
 from .peft_format import save_peft_adapter
+from .qlora import add_finite_guards, check_qlora, check_scheme, quantize_targets
 
 DEFAULT_DATA = "builtin:forecasts"
 BASE_DOMAIN = "builtin:python-docs"
@@ -46,6 +47,7 @@ class FinetuneConfig:
     epochs: float | None = None  # if set, steps = ceil(epochs · train tokens / (batch_size · block_size))
     init_adapter: str | None = None  # start LoRA from this adapter (file, run folder or PEFT folder)
     base_domain: str | None = BASE_DOMAIN  # also report val loss here before/after (forgetting); None skips
+    quant_scheme: str | None = None  # QLoRA: quantize the LoRA targets (e.g. nf4_per_group_64) first; None: LoRA
 
     def validate(self) -> None:
         if self.method not in ("lora", "full"):
@@ -54,6 +56,10 @@ class FinetuneConfig:
             raise InputError(f"epochs must be a positive number, got {self.epochs}")
         if self.method == "lora":
             self.lora.validate()
+        if self.quant_scheme is not None:
+            if self.method != "lora":
+                raise InputError("QLoRA (quant_scheme) trains LoRA on a quantized base; it cannot be full fine-tuning")
+            check_scheme(self.quant_scheme)
         self.train.validate()
 
 
@@ -108,12 +114,17 @@ def finetune(base: str | Path, out: str | Path, cfg: FinetuneConfig, progress: b
 
     lora_cfg = cfg.lora
     if cfg.method == "lora":
+        if cfg.quant_scheme:  # QLoRA: quantize the targets first; LoRA then wraps the quantized layers
+            quantize_targets(model, lora_cfg.target_modules, cfg.quant_scheme)
         if cfg.init_adapter:
             load_adapter(model, cfg.init_adapter, config=lora_cfg)
         else:
             apply_lora(model, lora_cfg)
     else:
         model.requires_grad_(True)
+    if cfg.quant_scheme:
+        add_finite_guards(model)
+        check_qlora(model)  # the trainable set is exactly the LoRA factors
     trainable = trainable_numel(model)
     log(f"{cfg.method}: {trainable:,} of {n_params:,} parameters trainable ({trainable / n_params:.2%}); "
         f"{train_ids.numel():,} train / {val_ids.numel():,} val tokens from {cfg.data}; {train_cfg.steps} steps")
@@ -152,7 +163,8 @@ def finetune(base: str | Path, out: str | Path, cfg: FinetuneConfig, progress: b
         out / MANIFEST,
         seed=train_cfg.seed,
         config={"base": str(base), "data": cfg.data, "method": cfg.method, "epochs": cfg.epochs,
-                "init_adapter": cfg.init_adapter, "lora": lora_cfg.to_dict() if cfg.method == "lora" else None,
+                "init_adapter": cfg.init_adapter, "quant_scheme": cfg.quant_scheme,
+                "lora": lora_cfg.to_dict() if cfg.method == "lora" else None,
                 "train": asdict(train_cfg), "model": model.config.to_dict()},
         wall_time_s=time.perf_counter() - start,
         base_weights=base / WEIGHTS,

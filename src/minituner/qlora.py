@@ -46,6 +46,14 @@ def default_compute_dtype(device: torch.device) -> torch.dtype:
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
+def check_scheme(scheme: str) -> str:
+    """The scheme's name if miniquant knows it; otherwise an InputError listing the valid ones."""
+    try:
+        return parse_scheme(scheme).name
+    except QuantizationError as e:
+        raise InputError(str(e)) from None
+
+
 def quantized_modules(model: nn.Module) -> dict[str, QuantizedLinear]:
     return {name: m for name, m in model.named_modules() if isinstance(m, QuantizedLinear)}
 
@@ -61,6 +69,16 @@ def quantize_linears(model: nn.Module, paths: list[str], scheme: str = DEFAULT_S
         out[p] = QuantizedLinear.from_linear(model.get_submodule(p), scheme)
         setattr(model.get_submodule(parent), leaf, out[p])
     return out
+
+
+def quantize_targets(model: nn.Module, targets: str | list[str] = ALL_LINEAR, scheme: str = DEFAULT_SCHEME) -> list[str]:
+    """Quantize the Linears LoRA `targets` select (QLoRA's first step; wrap them with LoRA next); return their paths."""
+    check_scheme(scheme)
+    if lora_modules(model) or quantized_modules(model):
+        raise InputError("QLoRA needs a float base: this model already has LoRA or quantized layers")
+    paths = find_targets(model, targets)
+    quantize_linears(model, paths, scheme)
+    return paths
 
 
 @torch.no_grad()
@@ -144,10 +162,7 @@ def wrap_minigpt_qlora(
     """
     cfg = LoRAConfig(r=r, alpha=alpha, dropout=dropout, target_modules=targets, use_rslora=use_rslora)
     cfg.validate()
-    try:
-        parse_scheme(quant_scheme)
-    except QuantizationError as e:
-        raise InputError(str(e)) from None
+    check_scheme(quant_scheme)
     if lora_modules(model) or quantized_modules(model):
         raise InputError("wrap_minigpt_qlora needs a float base: this model already has LoRA or quantized layers")
     dev = resolve_device(device)

@@ -43,6 +43,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--use-rslora", action="store_true", help="scale by alpha/sqrt(r) instead of alpha/r")
     p.add_argument("--full", action="store_true", help="full fine-tuning: train every parameter, save a base folder")
     p.add_argument("--init-adapter", type=Path, help="start from this adapter (file, run folder or PEFT folder)")
+    p.add_argument("--qlora", action="store_true", help="QLoRA: quantize the targeted Linears (NF4) before adding LoRA")
+    p.add_argument("--quant-scheme", help="QLoRA's scheme: nf4_per_group_64 (default with --qlora), "
+                   "int8_per_group_<G> or int4_per_group_<G>; implies --qlora")
     length = p.add_mutually_exclusive_group()
     length.add_argument("--steps", type=positive_int, help=f"optimizer steps (default {d.steps})")
     length.add_argument("--epochs", type=positive_float, help="passes over the training split instead of --steps")
@@ -67,6 +70,9 @@ def run(args: argparse.Namespace) -> int:
         raise InputError(f"{args.out} already holds a run ({held[0]}); pass --overwrite to replace it")
     if args.full and args.init_adapter:
         raise InputError("--init-adapter needs LoRA, not --full")
+    quant_scheme = args.quant_scheme or ("nf4_per_group_64" if args.qlora else None)
+    if args.full and quant_scheme:
+        raise InputError("--qlora / --quant-scheme train LoRA on a quantized base, not --full")
     d = default_train_config()
     steps = args.steps or d.steps
     train = TrainConfig(steps=steps, batch_size=args.batch_size, lr=args.lr, warmup_steps=min(args.warmup_steps, steps),
@@ -75,6 +81,7 @@ def run(args: argparse.Namespace) -> int:
     lora = LoRAConfig(r=args.rank, alpha=args.alpha, dropout=args.dropout, target_modules=args.target,
                       use_rslora=args.use_rslora)
     cfg = FinetuneConfig(data=args.data, method="full" if args.full else "lora", lora=lora, train=train,
+                         quant_scheme=quant_scheme,
                          epochs=args.epochs, init_adapter=str(args.init_adapter) if args.init_adapter else None,
                          base_domain=None if args.base_domain.lower() == "none" else args.base_domain)
     finetune(args.base, args.out, cfg, progress=not args.no_progress)
