@@ -6,11 +6,12 @@ from dataclasses import asdict
 from pathlib import Path
 
 from .checkpoint import MANIFEST, WEIGHTS, save_base
+from .checkpointing import check_run_dir
 from .data import encode_split, load_documents, split_documents, unigram_entropy
 from .manifest import seed_everything, write_manifest
 from .model import GPTConfig, MiniGPT
 from .tokenizer import CharTokenizer
-from .train import TrainConfig, evaluate, train
+from .train import METRICS, TrainConfig, evaluate, train
 
 DEFAULT_DATA = "builtin:python-docs"
 
@@ -22,10 +23,18 @@ def pretrain(
     train_cfg: TrainConfig | None = None,
     progress: bool = True,
     log=print,
+    overwrite: bool = False,
+    resume: bool = False,
 ) -> dict:
-    """Build the tokenizer from the train split, train MiniGPT, save the base folder; return a summary."""
+    """Build the tokenizer from the train split, train MiniGPT, save the base folder; return a summary.
+
+    A folder that already holds a base is refused unless `overwrite`, or `resume` (continue from its newest
+    checkpoint, with the same data and settings).
+    """
     train_cfg = train_cfg or TrainConfig()
     start = time.perf_counter()
+    out = Path(out)
+    check_run_dir(out, (WEIGHTS, MANIFEST, METRICS), overwrite, resume)
     seed_everything(train_cfg.seed)
     splits = split_documents(load_documents(data))
     tokenizer = CharTokenizer.train(splits.train)
@@ -37,10 +46,10 @@ def pretrain(
     n_params = sum(p.numel() for p in model.parameters())
     log(f"MiniGPT: {n_params:,} parameters, vocab {tokenizer.vocab_size}, "
         f"{train_ids.numel():,} train / {val_ids.numel():,} val tokens from {data}")
-    out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     initial_val = evaluate(model, val_ids, cfg.block_size, train_cfg.batch_size, train_cfg.eval_batches)
-    result = train(model, train_ids, val_ids, train_cfg, out_dir=out, progress=progress)
+    result = train(model, train_ids, val_ids, train_cfg, out_dir=out, progress=progress, resume=resume,
+                   fingerprint={"data": str(data), "model": cfg.to_dict()}, log=log)
     save_base(model, tokenizer, out)
     summary = {
         "params": n_params,
@@ -49,6 +58,7 @@ def pretrain(
         "final_val_loss": result.final_val_loss,
         "final_train_loss": result.final_train_loss,
         "train_wall_time_s": result.wall_time_s,
+        "skipped_steps": result.skipped_steps,
     }
     write_manifest(
         out / MANIFEST,
@@ -56,7 +66,7 @@ def pretrain(
         config={"model": cfg.to_dict(), "train": asdict(train_cfg), "data": str(data)},
         wall_time_s=time.perf_counter() - start,
         base_weights=out / WEIGHTS,
-        extra={"results": summary},
+        extra={"results": summary, "resumes": result.resumes},
     )
     log(f"validation loss {result.final_val_loss:.3f} nats/token vs unigram entropy {entropy:.3f} "
         f"(untrained {initial_val:.3f}); {result.wall_time_s:.0f} s")

@@ -2,12 +2,16 @@
 
 AdamW over the parameters that require grad (nothing else gets optimizer state), warmup then cosine
 or constant LR, gradient clipping, evaluation every N steps, a progress bar, metrics.jsonl and a
-loss-curve PNG.
+loss-curve PNG. With an output folder it writes resumable checkpoints (minigpt.checkpointing) and
+``resume=True`` continues from the newest one, bit-identically on CPU. A non-finite loss or gradient
+stops the run naming the step (or, with ``skip_nonfinite``, skips that step).
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
+import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -17,8 +21,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from .checkpointing import (CHECKPOINT_DIR, TrainState, capture_rng, check_compatible, clear_checkpoints,
+                            latest_checkpoint, list_checkpoints, restore, save_checkpoint)
 from .data import eval_batches, sample_batch
 from .errors import InputError
+from .io import atomic_write_text, sha256_file
 
 
 @dataclass
@@ -34,10 +41,15 @@ class TrainConfig:
     eval_every: int = 250  # evaluate on val every N steps (and at the end)
     eval_batches: int = 16  # batches per evaluation
     seed: int = 1337
+    checkpoint_every: int = 0  # write a resumable checkpoint every N steps and at the end (needs out_dir); 0: none
+    keep_checkpoints: int = 2  # how many of the newest checkpoints stay on disk
+    skip_nonfinite: bool = False  # skip a step whose loss or gradients are NaN/inf instead of stopping the run
 
     def validate(self) -> None:
         if self.steps < 1 or self.batch_size < 1:
             raise InputError("steps and batch_size must be >= 1")
+        if self.checkpoint_every < 0 or self.keep_checkpoints < 1:
+            raise InputError("checkpoint_every must be >= 0 and keep_checkpoints >= 1")
         if not self.lr > 0 or not math.isfinite(self.lr):
             raise InputError(f"lr must be a positive number, got {self.lr}")
         if self.schedule not in ("cosine", "constant"):
@@ -74,17 +86,85 @@ def evaluate(model: nn.Module, data: torch.Tensor, block_size: int, batch_size: 
     return total / n
 
 
+RESUME_FREE = ("checkpoint_every", "keep_checkpoints", "skip_nonfinite")  # may change when a run is resumed
+METRICS = "metrics.jsonl"
+
+
+class NonFiniteError(FloatingPointError):
+    """A NaN or inf loss or gradient stopped the run; the CLI prints it as one line and exits with code 2."""
+
+
 @dataclass
 class TrainResult:
     steps: int
     final_train_loss: float
     final_val_loss: float
-    wall_time_s: float
+    wall_time_s: float  # summed over the run and its resumes
     history: list[dict] = field(default_factory=list)
+    skipped_steps: int = 0  # steps skipped for a non-finite loss or gradient (skip_nonfinite)
+    resumes: list[dict] = field(default_factory=list)  # one per resume: step, checkpoint, sha256
 
 
 def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
     return [p for p in model.parameters() if p.requires_grad]
+
+
+def named_trainable_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+
+
+def tensor_sha256(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.detach().cpu().contiguous().numpy().tobytes()).hexdigest()
+
+
+def run_identity(cfg: TrainConfig, train_ids: torch.Tensor, val_ids: torch.Tensor, fingerprint: dict | None) -> dict:
+    """What a checkpoint must share with the run that resumes it: the config (checkpoint options aside),
+    the data and the caller's fingerprint of the model (e.g. the base's sha256)."""
+    config = {k: v for k, v in asdict(cfg).items() if k not in RESUME_FREE}
+    data = {"train_ids_sha256": tensor_sha256(train_ids), "val_ids_sha256": tensor_sha256(val_ids)}
+    return {"config": config, "fingerprint": {**(fingerprint or {}), **data}}
+
+
+def read_metrics(path: Path, upto: int) -> list[dict]:
+    """The rows of metrics.jsonl for steps 1..upto; a row cut short by a kill, and every later row, is dropped."""
+    rows: list[dict] = []
+    if not path.is_file():
+        return rows
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            break
+        if not isinstance(row, dict) or not isinstance(row.get("step"), int) or row["step"] > upto:
+            break
+        rows.append(row)
+    return rows
+
+
+def grad_norm(params: list[nn.Parameter], clip: float) -> torch.Tensor:
+    """Global L2 norm of the gradients; with clip > 0 they are clipped to it (torch's clip_grad_norm_)."""
+    if clip > 0:
+        return torch.nn.utils.clip_grad_norm_(params, clip)
+    norms = [torch.linalg.vector_norm(p.grad.detach().float()) for p in params if p.grad is not None]
+    return torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
+
+
+def backward_checked(loss: torch.Tensor, params: list[nn.Parameter], clip: float) -> str | None:
+    """Backpropagate and clip; return what was not finite (loss or gradients), or None for a good step."""
+    if not torch.isfinite(loss):
+        return f"non-finite loss ({loss.item()})"
+    loss.backward()
+    norm = grad_norm(params, clip)
+    return None if torch.isfinite(norm) else f"non-finite gradients (norm {norm.item()})"
+
+
+def last_good_checkpoint(ckpt_dir: Path | None) -> str:
+    found = list_checkpoints(ckpt_dir) if ckpt_dir else []
+    if not found:
+        return "no checkpoint was written (checkpoint_every is 0); --skip-nonfinite skips such steps"
+    step, path = found[-1]
+    return (f"the last good checkpoint is {CHECKPOINT_DIR}/{path.name} (step {step}): --resume continues from it, "
+            "--skip-nonfinite skips such steps")
 
 
 def train(
@@ -95,22 +175,53 @@ def train(
     out_dir: Path | None = None,
     block_size: int | None = None,
     progress: bool = True,
+    resume: bool = False,
+    fingerprint: dict | None = None,
+    log=print,
 ) -> TrainResult:
-    """Train the parameters of `model` that require grad; write metrics.jsonl and loss_curve.png to out_dir."""
+    """Train the parameters of `model` that require grad; write metrics, loss curve and checkpoints to out_dir.
+
+    resume=True continues from the newest checkpoint in out_dir/checkpoints, which must come from a run with
+    the same config (checkpoint options aside), data and `fingerprint`; otherwise old checkpoints are removed.
+    """
     cfg.validate()
     block_size = block_size or model.config.block_size
-    params = trainable_parameters(model)
+    named = named_trainable_parameters(model)
+    params = [p for _, p in named]
     if not params:
         raise InputError("the model has no trainable parameters")
+    if (resume or cfg.checkpoint_every) and out_dir is None:
+        raise InputError("checkpoints and resume need an output folder")
     device = params[0].device
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
     gen = torch.Generator().manual_seed(cfg.seed)
+    identity = run_identity(cfg, train_ids, val_ids, fingerprint)
+    ckpt_dir = Path(out_dir) / CHECKPOINT_DIR if out_dir else None
     history: list[dict] = []
-    metrics = open(out_dir / "metrics.jsonl", "w") if out_dir else None
+    first, elapsed, skipped, resumes, loss_val = 0, 0.0, 0, [], float("nan")
+    if resume:
+        found = latest_checkpoint(ckpt_dir, log)
+        if found is None:
+            raise InputError(f"{ckpt_dir}: no checkpoint to resume from")
+        state, path = found
+        check_compatible(state.info, identity, path)
+        restore(state, named, opt, gen, path)
+        first, elapsed, skipped = state.step, state.info["elapsed_s"], state.info["skipped_steps"]
+        loss_val = float("nan") if state.info["val_loss"] is None else state.info["val_loss"]
+        resumes = state.info["resumes"] + [{"step": first, "checkpoint": f"{CHECKPOINT_DIR}/{path.name}",
+                                            "sha256": sha256_file(path)}]
+        history = read_metrics(Path(out_dir) / METRICS, first)
+        log(f"resuming from {CHECKPOINT_DIR}/{path.name}: step {first} of {cfg.steps}")
+    elif ckpt_dir is not None:
+        clear_checkpoints(ckpt_dir)
+    metrics = None
+    if out_dir:
+        atomic_write_text(Path(out_dir) / METRICS, "".join(json.dumps(r) + "\n" for r in history))
+        metrics = open(Path(out_dir) / METRICS, "a", encoding="utf-8")
     start = time.perf_counter()
     model.train()
-    loss_val = float("nan")
-    bar = tqdm(range(cfg.steps), disable=not progress, desc="train", dynamic_ncols=True)
+    bar = tqdm(range(first, cfg.steps), initial=first, total=cfg.steps, disable=not progress, desc="train",
+               dynamic_ncols=True)
     try:
         for step in bar:
             lr = lr_at(step, cfg)
@@ -118,27 +229,40 @@ def train(
                 group["lr"] = lr
             x, y = sample_batch(train_ids, cfg.batch_size, block_size, gen)
             loss = lm_loss(model, x.to(device), y.to(device))
-            if not torch.isfinite(loss):
-                raise FloatingPointError(f"non-finite loss {loss.item()} at step {step + 1}")
             opt.zero_grad(set_to_none=True)
-            loss.backward()
-            if cfg.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
-            opt.step()
-            row = {"step": step + 1, "lr": lr, "train_loss": loss.item()}
+            problem = backward_checked(loss, params, cfg.grad_clip)
+            if problem is None:
+                opt.step()
+                row = {"step": step + 1, "lr": lr, "train_loss": loss.item()}
+            elif cfg.skip_nonfinite:
+                opt.zero_grad(set_to_none=True)  # the weights and optimizer state stay as they were
+                skipped += 1
+                row = {"step": step + 1, "lr": lr, "train_loss": None, "skipped": problem}
+            else:
+                raise NonFiniteError(f"{problem} at step {step + 1}; the run stopped before updating the weights; "
+                                     + last_good_checkpoint(ckpt_dir))
             if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
                 loss_val = evaluate(model, val_ids, block_size, cfg.batch_size, cfg.eval_batches)
                 row["val_loss"] = loss_val
-                bar.set_postfix(train=f"{row['train_loss']:.3f}", val=f"{loss_val:.3f}")
+                bar.set_postfix(train=f"{loss.item():.3f}", val=f"{loss_val:.3f}")
             history.append(row)
             if metrics:
                 metrics.write(json.dumps(row) + "\n")
+            if cfg.checkpoint_every and ((step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps):
+                metrics.flush()
+                os.fsync(metrics.fileno())  # every row up to the checkpoint is on disk before it is
+                info = {**identity, "val_loss": loss_val if math.isfinite(loss_val) else None, "skipped_steps": skipped,
+                        "elapsed_s": elapsed + time.perf_counter() - start, "resumes": resumes}
+                save_checkpoint(ckpt_dir, TrainState(step + 1, dict(named), opt.state_dict(), capture_rng(gen), info),
+                                cfg.keep_checkpoints)
     finally:
         if metrics:
             metrics.close()
-    result = TrainResult(cfg.steps, history[-1]["train_loss"], loss_val, time.perf_counter() - start, history)
+    losses = [r["train_loss"] for r in history if r.get("train_loss") is not None]
+    result = TrainResult(cfg.steps, losses[-1] if losses else float("nan"), loss_val,
+                         elapsed + time.perf_counter() - start, history, skipped, resumes)
     if out_dir:
-        plot_loss_curve(history, out_dir / "loss_curve.png")
+        plot_loss_curve(history, Path(out_dir) / "loss_curve.png")
     return result
 
 
@@ -148,8 +272,9 @@ def plot_loss_curve(history: list[dict], path: Path, title: str = "training loss
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    steps = [r["step"] for r in history]
-    train = [r["train_loss"] for r in history]
+    rows = [r for r in history if r.get("train_loss") is not None]  # skipped (non-finite) steps have none
+    steps = [r["step"] for r in rows]
+    train = [r["train_loss"] for r in rows]
     k = max(1, len(train) // 50)  # moving average so the trend is readable
     smooth = [sum(train[max(0, i - k + 1) : i + 1]) / len(train[max(0, i - k + 1) : i + 1]) for i in range(len(train))]
     evals = [(r["step"], r["val_loss"]) for r in history if "val_loss" in r]

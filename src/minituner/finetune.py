@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 
 from minigpt.checkpoint import MANIFEST, WEIGHTS, load_base, save_base
+from minigpt.checkpointing import check_run_dir
 from minigpt.data import encode_split, load_documents, split_documents
 from minigpt.errors import InputError
 from minigpt.io import sha256_file
@@ -48,6 +49,7 @@ class FinetuneConfig:
     init_adapter: str | None = None  # start LoRA from this adapter (file, run folder or PEFT folder)
     base_domain: str | None = BASE_DOMAIN  # also report val loss here before/after (forgetting); None skips
     quant_scheme: str | None = None  # QLoRA: quantize the LoRA targets (e.g. nf4_per_group_64) first; None: LoRA
+    allow_unknown_chars: bool = False  # train on characters the base tokenizer never saw (as <unk>) instead of refusing
 
     def validate(self) -> None:
         if self.method not in ("lora", "full"):
@@ -88,13 +90,23 @@ def steps_for_epochs(epochs: float, train_tokens: int, batch_size: int, block_si
     return max(1, math.ceil(epochs * train_tokens / (batch_size * block_size)))
 
 
-def finetune(base: str | Path, out: str | Path, cfg: FinetuneConfig, progress: bool = True, log=print) -> FinetuneResult:
-    """Fine-tune the base folder `base` on cfg.data, write the run to `out`, return the model and numbers."""
+def unseen_characters(source: str, tokenizer: CharTokenizer) -> list[str]:
+    return sorted({c for doc in load_documents(source) for c in doc} - set(tokenizer.stoi))
+
+
+def finetune(base: str | Path, out: str | Path, cfg: FinetuneConfig, progress: bool = True, log=print,
+             overwrite: bool = False, resume: bool = False) -> FinetuneResult:
+    """Fine-tune the base folder `base` on cfg.data, write the run to `out`, return the model and numbers.
+
+    A folder that already holds a run is refused unless `overwrite` (start over) or `resume` (continue from
+    its newest checkpoint, bit-identically on CPU: cfg must be the one the run started with).
+    """
     cfg.validate()
     start = time.perf_counter()
     base, out = Path(base), Path(out)
     if out.resolve() == base.resolve():
         raise InputError("--out must differ from --base (the base folder is never written)")
+    check_run_dir(out, RUN_MARKERS, overwrite, resume)
     seed_everything(cfg.train.seed)
     model, tokenizer = load_base(base)
     if tokenizer is None:
@@ -102,6 +114,11 @@ def finetune(base: str | Path, out: str | Path, cfg: FinetuneConfig, progress: b
     block = model.config.block_size
     train_ids, val_ids = encode_domain(cfg.data, tokenizer, block)
     unk = float((train_ids == 0).float().mean())
+    if (unk > 0 or bool((val_ids == 0).any())) and not cfg.allow_unknown_chars:
+        chars = unseen_characters(cfg.data, tokenizer)
+        raise InputError(f"{cfg.data}: {len(chars)} characters the base tokenizer never saw "
+                         f"({', '.join(map(repr, chars[:5]))}{', ...' if len(chars) > 5 else ''}); they would train "
+                         "as <unk>: clean the data, or pass --allow-unknown-chars to train anyway")
     if unk > 0.01:
         log(f"warning: {unk:.1%} of the training characters are unknown to the base tokenizer (<unk>)")
     train_cfg = cfg.train
@@ -130,7 +147,9 @@ def finetune(base: str | Path, out: str | Path, cfg: FinetuneConfig, progress: b
         f"{train_ids.numel():,} train / {val_ids.numel():,} val tokens from {cfg.data}; {train_cfg.steps} steps")
 
     out.mkdir(parents=True, exist_ok=True)
-    result = train(model, train_ids, val_ids, train_cfg, out_dir=out, progress=progress)
+    fingerprint = {"base_sha256": sha256_file(base / WEIGHTS), **{k: v for k, v in asdict(cfg).items() if k != "train"}}
+    result = train(model, train_ids, val_ids, train_cfg, out_dir=out, progress=progress, resume=resume,
+                   fingerprint=fingerprint, log=log)
     if not math.isfinite(result.final_val_loss):
         raise FloatingPointError(f"validation loss is {result.final_val_loss}; nothing was saved")
     base_after = domain_val_loss(model, tokenizer, cfg.base_domain, train_cfg) if cfg.base_domain else None
@@ -158,6 +177,7 @@ def finetune(base: str | Path, out: str | Path, cfg: FinetuneConfig, progress: b
         "base_bytes": (base / WEIGHTS).stat().st_size,
         "artifact_bytes": artifact.stat().st_size,
         "train_wall_time_s": result.wall_time_s,
+        "skipped_steps": result.skipped_steps,
     }
     write_manifest(
         out / MANIFEST,
@@ -169,7 +189,8 @@ def finetune(base: str | Path, out: str | Path, cfg: FinetuneConfig, progress: b
         wall_time_s=time.perf_counter() - start,
         base_weights=base / WEIGHTS,
         adapter=artifact if cfg.method == "lora" else None,
-        extra={"results": summary, **({} if cfg.method == "lora" else {"finetuned_sha256": sha256_file(artifact)})},
+        extra={"results": summary, "resumes": result.resumes,
+               **({} if cfg.method == "lora" else {"finetuned_sha256": sha256_file(artifact)})},
     )
     log(f"val loss on {cfg.data}: {val_before:.3f} -> {result.final_val_loss:.3f} nats/token"
         + (f"; on {cfg.base_domain}: {base_before:.3f} -> {base_after:.3f}" if cfg.base_domain else ""))

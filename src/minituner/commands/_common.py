@@ -4,7 +4,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from minigpt.errors import InputError
+from minigpt.checkpointing import check_run_dir
+
+DEFAULT_CHECKPOINT_EVERY = 100  # steps between resumable checkpoints on the command line (the library default is none)
 
 
 def positive_int(text: str) -> int:
@@ -14,6 +16,16 @@ def positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
     return value
 
 
@@ -29,7 +41,25 @@ def positive_float(text: str) -> float:
 
 def prepare_out_dir(out: Path, marker: str, overwrite: bool, resume: bool = False) -> None:
     """Refuse to write into a folder that already holds a run, unless told to overwrite or resume."""
-    if out.exists() and not out.is_dir():
-        raise InputError(f"{out}: exists and is not a folder")
-    if out.is_dir() and (out / marker).exists() and not (overwrite or resume):
-        raise InputError(f"{out} already holds a run ({marker}); pass --overwrite to replace it or --resume")
+    check_run_dir(out, (marker,), overwrite, resume)
+
+
+def add_run_arguments(p: argparse.ArgumentParser, what: str = "run") -> None:
+    """--overwrite or --resume, and the checkpoint and non-finite options of a training command."""
+    again = p.add_mutually_exclusive_group()
+    again.add_argument("--overwrite", action="store_true", help=f"replace a {what} already in --out")
+    again.add_argument("--resume", action="store_true",
+                       help="continue the run in --out from its newest checkpoint (same flags; bit-identical on CPU)")
+    p.add_argument("--checkpoint-every", type=non_negative_int, default=DEFAULT_CHECKPOINT_EVERY, metavar="N",
+                   help="write a resumable checkpoint to --out/checkpoints every N steps and at the end; 0: none "
+                        "(default %(default)s)")
+    p.add_argument("--keep-checkpoints", type=positive_int, default=2, metavar="K",
+                   help="keep the newest K checkpoints (default %(default)s)")
+    p.add_argument("--skip-nonfinite", action="store_true",
+                   help="skip a step whose loss or gradients are NaN/inf instead of stopping the run")
+
+
+def checkpoint_options(args: argparse.Namespace) -> dict:
+    """The TrainConfig fields set by add_run_arguments."""
+    return {"checkpoint_every": args.checkpoint_every, "keep_checkpoints": args.keep_checkpoints,
+            "skip_nonfinite": args.skip_nonfinite}

@@ -7,9 +7,9 @@ from pathlib import Path
 from minigpt.errors import InputError
 from minigpt.train import TrainConfig
 
-from ..finetune import BASE_DOMAIN, DEFAULT_DATA, RUN_MARKERS, FinetuneConfig, default_train_config, finetune
+from ..finetune import BASE_DOMAIN, DEFAULT_DATA, FinetuneConfig, default_train_config, finetune
 from ..lora import ALL_LINEAR, LoRAConfig
-from ._common import positive_float, positive_int
+from ._common import add_run_arguments, checkpoint_options, positive_float, positive_int
 
 HELP = ("fine-tune a base model with LoRA (default) or fully; writes adapter_final.safetensors, a PEFT folder, "
         "metrics.jsonl, loss_curve.png and manifest.json")
@@ -58,16 +58,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--base-domain", default=BASE_DOMAIN,
                    help="also report val loss on this data before/after (forgetting); 'none' skips (default %(default)s)")
-    p.add_argument("--overwrite", action="store_true", help="replace a run already in --out")
+    p.add_argument("--allow-unknown-chars", action="store_true",
+                   help="train on characters the base tokenizer never saw (as <unk>) instead of refusing the data")
+    add_run_arguments(p)
     p.add_argument("--no-progress", action="store_true")
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.out.exists() and not args.out.is_dir():
-        raise InputError(f"{args.out}: exists and is not a folder")
-    held = [m for m in RUN_MARKERS if (args.out / m).exists()]
-    if held and not args.overwrite:
-        raise InputError(f"{args.out} already holds a run ({held[0]}); pass --overwrite to replace it")
     if args.full and args.init_adapter:
         raise InputError("--init-adapter needs LoRA, not --full")
     quant_scheme = args.quant_scheme or ("nf4_per_group_64" if args.qlora else None)
@@ -77,13 +74,14 @@ def run(args: argparse.Namespace) -> int:
     steps = args.steps or d.steps
     train = TrainConfig(steps=steps, batch_size=args.batch_size, lr=args.lr, warmup_steps=min(args.warmup_steps, steps),
                         schedule=args.schedule, grad_clip=args.grad_clip, eval_every=min(args.eval_every, steps),
-                        eval_batches=d.eval_batches, seed=args.seed)
+                        eval_batches=d.eval_batches, seed=args.seed, **checkpoint_options(args))
     lora = LoRAConfig(r=args.rank, alpha=args.alpha, dropout=args.dropout, target_modules=args.target,
                       use_rslora=args.use_rslora)
     cfg = FinetuneConfig(data=args.data, method="full" if args.full else "lora", lora=lora, train=train,
                          quant_scheme=quant_scheme,
                          epochs=args.epochs, init_adapter=str(args.init_adapter) if args.init_adapter else None,
-                         base_domain=None if args.base_domain.lower() == "none" else args.base_domain)
-    finetune(args.base, args.out, cfg, progress=not args.no_progress)
+                         base_domain=None if args.base_domain.lower() == "none" else args.base_domain,
+                         allow_unknown_chars=args.allow_unknown_chars)
+    finetune(args.base, args.out, cfg, progress=not args.no_progress, overwrite=args.overwrite, resume=args.resume)
     print(f"wrote {args.out}/")
     return 0

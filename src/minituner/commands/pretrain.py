@@ -4,11 +4,10 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from minigpt.checkpoint import WEIGHTS
 from minigpt.pretrain import DEFAULT_DATA, pretrain
 from minigpt.train import TrainConfig
 
-from ._common import positive_float, positive_int, prepare_out_dir
+from ._common import add_run_arguments, checkpoint_options, positive_float, positive_int
 
 HELP = "pretrain the base MiniGPT and write config.json, model.safetensors, tokenizer.json, manifest.json"
 
@@ -25,15 +24,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--n-layer", type=int, default=4)
     p.add_argument("--n-head", type=int, default=4)
     p.add_argument("--d-model", type=int, default=64)
-    p.add_argument("--overwrite", action="store_true", help="replace a base already in --out")
+    add_run_arguments(p, "base")
     p.add_argument("--no-progress", action="store_true")
 
 
 def run(args: argparse.Namespace) -> int:
-    prepare_out_dir(args.out, WEIGHTS, args.overwrite)
     cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
-                      eval_every=max(1, min(250, args.steps)))
+                      eval_every=max(1, min(250, args.steps)), **checkpoint_options(args))
     overrides = {"block_size": args.block_size, "n_layer": args.n_layer, "n_head": args.n_head, "d_model": args.d_model}
-    pretrain(args.out, args.data, overrides, cfg, progress=not args.no_progress)
+    pretrain(args.out, args.data, overrides, cfg, progress=not args.no_progress, overwrite=args.overwrite,
+             resume=args.resume)
     print(f"wrote {args.out}/")
     return 0
