@@ -11,8 +11,12 @@ Per base parameter N and LoRA parameter P (bytes):
   byte/param); with double quantization the absmax is 8-bit in blocks of 256 with one fp32 constant
   each (0.127 bit/param instead of 0.5; Dettmers et al. 2023). Everything not quantized (embeddings,
   norms, biases, an untied head) stays fp16; LoRA as above.
-- activations, the same in every regime: the seed's estimate batch x seq x d_model x n_layer x 16
-  bytes, or Korthikanti et al. 2022's s*b*h*(34 + 5*a*s/h) bytes per layer.
+- activations: the seed's estimate batch x seq x d_model x n_layer x 16 bytes or Korthikanti et al.
+  2022's s*b*h*(34 + 5*a*s/h) bytes per layer (both the same in every regime), or "exact": the bytes
+  MiniGPT's forward saves for backward in this regime (planner/activations.py, checked by memory-check).
+- MemoryConfig.dtype (default fp16) is the float storage of LoRA/QLoRA's frozen weights, LoRA factors and
+  grads and of the exact model's activations; "fp32" describes a plain fp32 run (minituner on CPU, or
+  with bf16 autocast, which keeps fp32 weights). Adam's m and v are fp32 whatever it says.
 """
 from __future__ import annotations
 
@@ -21,6 +25,7 @@ from dataclasses import dataclass
 
 from minigpt.errors import InputError
 
+from .activations import minigpt_activation_bytes
 from .counts import ALL_LINEAR, check_rank, lora_trainable_params, parse_targets, resolve_targets, total_params
 from .shapes import ModelShape
 
@@ -29,7 +34,8 @@ DQ_BLOCK = 256  # absmax values per fp32 constant under double quantization
 SEED_ACT_BYTES = 16  # the seed's bytes per (batch, seq, d_model, layer) element
 DEFAULT_RANKS = (4, 8, 16)  # the seed's LoRA regimes; its QLoRA regime uses r = 8
 FULL_PRECISIONS = ("mixed", "fp32")
-ACTIVATION_MODELS = ("seed", "korthikanti")
+ACTIVATION_MODELS = ("seed", "korthikanti", "exact")
+DTYPE_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}
 QUANTIZE_CHOICES = ("targets", "all-linear")  # QLoRA: which block Linears are stored in NF4
 
 
@@ -41,6 +47,7 @@ class MemoryConfig:
     full_precision: str = "mixed"  # "mixed": fp16 weights/grads + fp32 master + Adam; "fp32": all fp32
     activations: str = "seed"  # which estimate fills the activations bucket: "seed" or "korthikanti"
     quantize: str = "targets"  # QLoRA NF4: the LoRA targets, or "all-linear" (every block Linear, bnb load_in_4bit)
+    dtype: str = "fp16"  # LoRA/QLoRA float weights, LoRA A/B, grads, exact-model activations: fp16, bf16 or fp32
 
     def __post_init__(self) -> None:
         for name in ("batch_size", "seq_len"):
@@ -53,6 +60,8 @@ class MemoryConfig:
             raise InputError(f"activations must be one of {', '.join(ACTIVATION_MODELS)}, got {self.activations!r}")
         if self.quantize not in QUANTIZE_CHOICES:
             raise InputError(f"quantize must be one of {', '.join(QUANTIZE_CHOICES)}, got {self.quantize!r}")
+        if self.dtype not in DTYPE_BYTES:
+            raise InputError(f"dtype must be one of {', '.join(DTYPE_BYTES)}, got {self.dtype!r}")
 
 
 @dataclass(frozen=True)
@@ -161,7 +170,11 @@ def korthikanti_activation_bytes(shape: ModelShape, batch_size: int, seq_len: in
     return shape.n_layer * (34 * s * b * h + 5 * a * s * s * b)
 
 
-def activation_bytes(shape: ModelShape, cfg: MemoryConfig) -> int:
+def activation_bytes(shape: ModelShape, cfg: MemoryConfig, regime: Regime = Regime("full"),
+                     targets: str | Iterable[str] = ALL_LINEAR) -> int:
+    if cfg.activations == "exact":  # depends on the regime: what needs grad decides what is saved
+        return minigpt_activation_bytes(shape, cfg.batch_size, cfg.seq_len, regime.name, regime.rank, targets,
+                                        DTYPE_BYTES[cfg.dtype])
     fn = seed_activation_bytes if cfg.activations == "seed" else korthikanti_activation_bytes
     return fn(shape, cfg.batch_size, cfg.seq_len)
 
@@ -169,19 +182,19 @@ def activation_bytes(shape: ModelShape, cfg: MemoryConfig) -> int:
 def regime_bytes(shape: ModelShape, regime: Regime, targets: str | Iterable[str] = ALL_LINEAR,
                  cfg: MemoryConfig = MemoryConfig()) -> Buckets:
     n = total_params(shape)
-    act = activation_bytes(shape, cfg)
+    act = activation_bytes(shape, cfg, regime, targets)
     if regime.name == "full":
         if cfg.full_precision == "fp32":
             return Buckets(weights=4 * n, grads=4 * n, optimizer=8 * n, activations=act)
         return Buckets(weights=2 * n, grads=2 * n, optimizer=12 * n, activations=act)
-    p = lora_trainable_params(shape, regime.rank, targets)
+    p, b = lora_trainable_params(shape, regime.rank, targets), DTYPE_BYTES[cfg.dtype]
     if regime.name == "lora":
-        base = 2 * n
+        base = b * n
     else:
         quantized = targets if cfg.quantize == "targets" else ALL_LINEAR
         q = quantized_params(shape, quantized)
-        base = nf4_weight_bytes(shape, cfg.double_quant, quantized) + 2 * (n - q)
-    return Buckets(weights=base + 2 * p, grads=2 * p, optimizer=8 * p, activations=act)
+        base = nf4_weight_bytes(shape, cfg.double_quant, quantized) + b * (n - q)
+    return Buckets(weights=base + b * p, grads=b * p, optimizer=8 * p, activations=act)
 
 
 def plan(shape: ModelShape, regimes: Sequence[Regime] | None = None, targets: str | Iterable[str] = ALL_LINEAR,

@@ -64,7 +64,8 @@ def describe(plan: Plan, alpha: float | None = None) -> str:
     s, c = plan.shape, plan.config
     wrapped = resolve_targets(s, plan.targets)
     precision = "fp16 weights and grads + fp32 master + Adam" if c.full_precision == "mixed" else "fp32 weights, grads, Adam"
-    act = "batch x seq x d_model x n_layer x 16 bytes" if c.activations == "seed" else "Korthikanti et al. 2022"
+    act = {"seed": "batch x seq x d_model x n_layer x 16 bytes", "korthikanti": "Korthikanti et al. 2022",
+           "exact": f"saved for backward by MiniGPT's forward ({c.dtype})"}[c.activations]
     parts = [
         f"{s.name} ({s.family}): {plan.total_params:,} parameters, d_model {s.d_model}, {s.n_layer} layers, "
         f"vocab {s.vocab_size:,}, {'tied' if s.tie_embeddings else 'untied'} embeddings.",

@@ -1,0 +1,92 @@
+"""minituner memory-check: the planner's prediction beside the measured memory of real training steps."""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from minigpt.errors import InputError
+from minigpt.io import read_json
+from minigpt.model import GPTConfig, MiniGPT
+
+from ..base_model import load_base_model
+from ..device import DEVICES, PRECISIONS, resolve_device
+from ..hf_gpt2 import config_from_gpt2
+from ..lora import ALL_LINEAR
+from ..memory_check import REGIMES, CheckConfig, describe, format_table, memory_check
+from ..planner import minigpt_vocab
+from ..planner.presets import MINIGPT_SIZES
+from ._common import positive_float, positive_int
+
+HELP = ("build a model, train a few steps and print the planner's memory prediction beside the measurement "
+        "(weights, grads, optimizer, activations, peak) with the error of each")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--preset", choices=tuple(MINIGPT_SIZES), help="MiniGPT size, random weights (default minigpt)")
+    src.add_argument("--config", type=Path,
+                     help="config.json (or its folder) of a Hugging Face GPT-2 or a MiniGPT base; random weights")
+    src.add_argument("--base", type=Path, help="model folder (minituner base or Hugging Face GPT-2), its weights loaded")
+    p.add_argument("--tokenizer", type=Path, help="tokenizer.json giving a --preset its vocab_size")
+    d = CheckConfig()
+    p.add_argument("--regime", choices=REGIMES, default=d.regime)
+    p.add_argument("--rank", type=positive_int, default=d.rank, help="LoRA rank (default %(default)s)")
+    p.add_argument("--alpha", type=positive_float, default=d.alpha)
+    p.add_argument("--target", default=ALL_LINEAR, help="LoRA targets, e.g. q_proj,v_proj (default %(default)s)")
+    p.add_argument("--batch-size", type=positive_int, default=d.batch_size)
+    p.add_argument("--seq-len", type=positive_int, default=d.seq_len)
+    p.add_argument("--steps", type=positive_int, default=d.steps, help="training steps (default %(default)s)")
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--device", choices=DEVICES, default="auto", help="auto: cuda if available, else cpu")
+    p.add_argument("--precision", choices=PRECISIONS, default=d.precision,
+                   help="fp32, or bf16-autocast (CUDA; weights, grads and Adam stay fp32)")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+
+
+def config_from_file(path: Path) -> GPTConfig:
+    """A GPT-2 or MiniGPT config.json -> the GPTConfig of the MiniGPT that memory-check builds."""
+    path = path / "config.json" if path.is_dir() else path
+    d = read_json(path)
+    kind = d.get("model_type", "minigpt")
+    if kind == "gpt2":
+        return config_from_gpt2(d, str(path))
+    if kind != "minigpt":
+        raise InputError(f"{path}: memory-check builds the model, so it takes gpt2 or minigpt configs, not {kind!r} "
+                         "(`minituner count` plans any family)")
+    try:
+        return GPTConfig.from_dict({k: v for k, v in d.items() if k != "model_type"})
+    except TypeError as e:
+        raise InputError(f"{path}: {e}") from None
+
+
+def run(args: argparse.Namespace) -> int:
+    device = resolve_device(args.device)
+    if args.tokenizer is not None and (args.config or args.base):
+        raise InputError("--tokenizer applies to --preset, not to --config or --base")
+    if args.base is not None:
+        name = str(args.base)
+        build = lambda: load_base_model(args.base, device)[0]  # noqa: E731
+    else:
+        if args.config is not None:
+            cfg, name = config_from_file(args.config), str(args.config)
+        else:
+            name = args.preset or "minigpt"
+            cfg = GPTConfig(vocab_size=minigpt_vocab(args.tokenizer).size, **MINIGPT_SIZES[name])
+        cfg.dropout = 0.0
+
+        def build() -> MiniGPT:
+            with device:
+                return MiniGPT(cfg)
+
+    check = CheckConfig(regime=args.regime, rank=args.rank, alpha=args.alpha, targets=args.target,
+                        batch_size=args.batch_size, seq_len=args.seq_len, steps=args.steps, seed=args.seed,
+                        precision=args.precision)
+    result = memory_check(build, check, device, name)
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=2))
+    else:
+        print(describe(result))
+        print()
+        print(format_table(result))
+    return 0

@@ -1,0 +1,132 @@
+"""Exact activation memory of MiniGPT (and GPT-2 imported into it): the bytes its forward saves for backward.
+
+Derived from what ``minigpt.model.MiniGPT`` + ``minigpt.train.lm_loss`` actually save, op by op, and
+checked against ``torch.autograd.graph.saved_tensors_hooks`` by ``minituner memory-check`` (each
+storage counted once, parameters and buffers excluded). Autograd records an op only when one of its
+inputs requires grad, and then saves only what the gradients it must compute need, so what is saved
+depends on the regime: in full fine-tuning everything is "hot" from the embeddings on; in LoRA the
+frozen embeddings feed a stream that needs no grad until the first LoRA layer of block 0.
+
+With N = batch·seq tokens, C = d_model, F = d_ff, h = n_head, V = vocab, e = bytes per activation
+element (4 for an fp32 run), the terms are:
+
+- ``token/position ids``: the embedding lookups save their int64 indices, N·8 + seq·8, in full FT only
+  (frozen embeddings record nothing).
+- ``layernorm input`` N·C·e and ``layernorm mean/rstd`` 2·N·e, for ln_1, ln_2 (each block) and ln_f,
+  whenever the norm's output needs grad (its input does, or its affine weights train).
+- ``linear input`` N·C·e (or N·F·e for fc2): a Linear whose weight trains (full FT) or that carries a
+  LoRA A (A saves its input) keeps its input; q/k/v share one input (ln_1's output), counted once. A
+  frozen Linear saves only its weight (a parameter, not an activation). o_proj's input is the attention
+  output's storage, already counted when attention was recorded.
+- ``LoRA A output`` N·r·e per LoRA layer: B saves A's output for its weight grad.
+- ``attention q, k, v`` 3·N·C·e, ``attention output`` N·C·e and ``attention logsumexp`` h·N·4 (fp32):
+  ``F.scaled_dot_product_attention`` without dropout runs the fused (flash) kernel, which keeps its
+  inputs, its output and one logsumexp per query and head, never the h·seq² score matrix. Its output is
+  laid out (B, T, h, hs), so ``transpose(1, 2).contiguous()`` is a view and o_proj saves no new storage.
+- ``gelu input`` N·F·e: GELU keeps fc1's output; fc2 (or its LoRA A) keeps GELU's output (``linear input``).
+- ``log-softmax output`` N·V·4: ``lm_loss`` upcasts the logits to fp32 and cross-entropy keeps the
+  log-probabilities; ``targets`` N·8 (int64) and the fp32 ``loss total_weight`` (4 bytes) of nll_loss.
+- dropout is 0 (MiniGPT's default; memory-check sets it): with dropout, masks and the unfused attention
+  path would add to this.
+
+Assumptions: the run's float activations share one dtype (no autocast), the inputs x and y are
+contiguous (B, T) tensors, no activation checkpointing. On CUDA the memory-efficient attention kernel
+pads the logsumexp to a multiple of 32 positions and keeps two RNG scalars per layer (not modelled; a
+few bytes per layer). The seed's B·T·d·L·16 and Korthikanti et al.'s 34·sbh + 5·as²b stay available
+as estimates for comparison.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable
+
+from minigpt.errors import InputError
+
+from .counts import ALL_LINEAR, resolve_targets
+from .shapes import ModelShape
+
+INDEX_BYTES = 8  # int64 token ids, positions and targets
+FP32 = 4  # logsumexp, log-softmax output, nll_loss's total_weight
+QKV = ("attn.q_proj", "attn.k_proj", "attn.v_proj")
+BLOCK_LINEARS = (*QKV, "attn.o_proj", "mlp.fc1", "mlp.fc2")
+EXACT_FAMILIES = ("minigpt",)  # GPT-2 folders are imported into MiniGPT, whose shape is family "minigpt"
+
+
+def lora_paths(shape: ModelShape, targets: str | Iterable[str]) -> frozenset[str]:
+    """Block paths (attn.q_proj, ...) carrying a LoRA adapter for these targets."""
+    return frozenset(lin.path for lin in resolve_targets(shape, targets))
+
+
+def minigpt_activation_terms(shape: ModelShape, batch_size: int, seq_len: int, regime: str = "full",
+                             rank: int | None = None, targets: str | Iterable[str] = ALL_LINEAR,
+                             act_bytes: int = 4) -> dict[str, int]:
+    """Bytes saved for backward by one MiniGPT training forward, per term (see the module docstring)."""
+    if shape.family not in EXACT_FAMILIES:
+        raise InputError(f"{shape.name}: the exact activation model covers MiniGPT (and GPT-2 imported into it), "
+                         f"not {shape.family}; use the seed or korthikanti estimate")
+    if tuple(lin.path for lin in shape.linears) != BLOCK_LINEARS:
+        raise InputError(f"{shape.name}: not a MiniGPT block ({', '.join(BLOCK_LINEARS)})")
+    if regime not in ("full", "lora", "qlora"):
+        raise InputError(f"regime must be full, lora or qlora, got {regime!r}")
+    full = regime == "full"
+    lora = frozenset() if full else lora_paths(shape, targets)
+    r = rank or 0
+    N, C, F, h, e = batch_size * seq_len, shape.d_model, shape.d_ff, shape.n_head, act_bytes
+    terms: Counter[str] = Counter()
+
+    def trains(path: str) -> bool:  # the layer's weight trains or a LoRA A reads its input
+        return full or path in lora
+
+    def layernorm(hot: bool) -> None:
+        if hot:
+            terms["layernorm input"] += N * C * e
+            terms["layernorm mean/rstd"] += 2 * N * e
+
+    def lora_out(path: str) -> None:
+        if path in lora:
+            terms["LoRA A output"] += N * r * e
+
+    if full:
+        terms["token/position ids"] += N * INDEX_BYTES + (seq_len * INDEX_BYTES if shape.n_positions else 0)
+    hot = full  # does the residual stream need grad?
+    for _ in range(shape.n_layer):
+        layernorm(hot or full)  # ln_1 (its affine weights train in full FT)
+        ln1_hot = hot or full
+        if any(trains(p) for p in QKV):
+            terms["linear input"] += N * C * e  # ln_1's output, shared by q/k/v
+        for p in QKV:
+            lora_out(p)
+        attn_hot = ln1_hot or any(trains(p) for p in QKV)
+        if attn_hot:
+            terms["attention q, k, v"] += 3 * N * C * e
+            terms["attention output"] += N * C * e
+            terms["attention logsumexp"] += h * N * FP32
+        elif trains("attn.o_proj"):
+            terms["linear input"] += N * C * e  # the attention output, not saved by attention itself
+        lora_out("attn.o_proj")
+        hot = hot or attn_hot or trains("attn.o_proj")
+        layernorm(hot or full)  # ln_2
+        if trains("mlp.fc1"):
+            terms["linear input"] += N * C * e
+        lora_out("mlp.fc1")
+        fc1_hot = hot or full or trains("mlp.fc1")
+        if fc1_hot:
+            terms["gelu input"] += N * F * e
+        if trains("mlp.fc2"):
+            terms["linear input"] += N * F * e  # GELU's output
+        lora_out("mlp.fc2")
+        hot = hot or fc1_hot or trains("mlp.fc2")
+    layernorm(hot or full)  # ln_f
+    if full:
+        terms["linear input"] += N * C * e  # the (tied) head trains: it keeps ln_f's output
+    terms["log-softmax output"] += N * shape.vocab_size * FP32
+    terms["targets"] += N * INDEX_BYTES
+    terms["loss total_weight"] += FP32
+    return dict(terms)
+
+
+def minigpt_activation_bytes(shape: ModelShape, batch_size: int, seq_len: int, regime: str = "full",
+                             rank: int | None = None, targets: str | Iterable[str] = ALL_LINEAR,
+                             act_bytes: int = 4) -> int:
+    """Total bytes saved for backward by one MiniGPT training forward."""
+    return sum(minigpt_activation_terms(shape, batch_size, seq_len, regime, rank, targets, act_bytes).values())

@@ -1,0 +1,115 @@
+"""memory-check: the planner's buckets equal the measured ones exactly on tiny models (fp32, CPU)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from minigpt.checkpoint import save_base
+from minigpt.io import write_json
+from minigpt.model import GPTConfig, MiniGPT
+from minituner.cli import main
+from minituner.hf_gpt2 import gpt2_config_dict
+from minituner.memory_check import BUCKETS, CheckConfig, SavedTensors, memory_check
+from minituner.planner import MemoryConfig, Regime, minigpt_shape, regime_bytes, total_params
+from minituner.planner.activations import minigpt_activation_terms
+
+CPU = torch.device("cpu")
+TINY = dict(vocab_size=40, block_size=16, n_layer=2, n_head=2, d_model=16)
+
+
+def check(cfg: GPTConfig, **kw):
+    return memory_check(lambda: MiniGPT(cfg), CheckConfig(batch_size=3, seq_len=7, rank=2, **kw), CPU)
+
+
+@pytest.mark.parametrize("cfg", [GPTConfig(**TINY),
+                                 GPTConfig(**{**TINY, "n_layer": 3, "bias": False, "tie_weights": False, "d_ff": 24})])
+@pytest.mark.parametrize("regime,targets", [("full", "all-linear"), ("lora", "all-linear"), ("lora", "q_proj,v_proj"),
+                                            ("lora", "k_proj"), ("lora", "o_proj,fc1"), ("lora", "fc2")])
+def test_buckets_are_exact(cfg, regime, targets):
+    r = check(cfg, regime=regime, targets=targets)
+    for b in BUCKETS:
+        assert r.predicted[b] == r.measured[b], (b, r.predicted[b], r.measured[b])
+    assert r.measured["activations"] > 0 and r.measured["weights"] > 0
+    # full FT: weights and grads are 4 bytes per parameter, Adam 8 (tied lm_head counted once)
+    if regime == "full":
+        n = total_params(minigpt_shape(cfg))
+        assert (r.measured["weights"], r.measured["grads"], r.measured["optimizer"]) == (4 * n, 4 * n, 8 * n)
+
+
+@pytest.mark.parametrize("targets", ["all-linear", "q_proj,v_proj,fc1"])
+def test_qlora_buckets_are_exact(targets):
+    r = check(GPTConfig(**{**TINY, "d_model": 64, "n_head": 4}), regime="qlora", targets=targets)
+    for b in BUCKETS:
+        assert r.predicted[b] == r.measured[b], (b, r.predicted[b], r.measured[b])
+
+
+def test_activation_terms_follow_the_regime():
+    shape = minigpt_shape(GPTConfig(**TINY))
+    full = minigpt_activation_terms(shape, 2, 8, "full")
+    lora = minigpt_activation_terms(shape, 2, 8, "lora", 4, "all-linear")
+    assert "token/position ids" in full and "token/position ids" not in lora  # frozen embeddings record nothing
+    assert lora["LoRA A output"] == 2 * 6 * 2 * 8 * 4 * 4  # layers x Linears x N x r x 4 bytes
+    # block 0's ln_1 sees no grad-requiring input under LoRA: one layernorm input fewer than full FT
+    assert full["layernorm input"] - lora["layernorm input"] == 2 * 8 * 16 * 4
+    assert full["log-softmax output"] == 2 * 8 * 40 * 4
+
+
+def test_planner_dtype_scales_lora_buckets():
+    shape, regime = minigpt_shape(GPTConfig(**TINY)), Regime("lora", 2)
+    fp16 = regime_bytes(shape, regime, cfg=MemoryConfig())
+    fp32 = regime_bytes(shape, regime, cfg=MemoryConfig(dtype="fp32"))
+    assert (fp32.weights, fp32.grads, fp32.optimizer) == (2 * fp16.weights, 2 * fp16.grads, fp16.optimizer)
+
+
+def test_saved_tensors_count_each_storage_once():
+    model = torch.nn.Linear(4, 4)
+    x = torch.randn(3, 4, requires_grad=True)
+    with SavedTensors(model) as saved:
+        y = model(x)  # saves x (and the weight, a parameter: excluded)
+        z = (y * y).sum()  # saves y twice: one storage
+        (y.exp() > 0).all()  # exp saves its output, freed with the temporary: not counted
+    assert saved.bytes == x.numel() * 4 + y.numel() * 4
+    z.backward()
+
+
+def test_cli_gpt2_config_json(tmp_path, capsys):
+    d = gpt2_config_dict(GPTConfig(**{**TINY, "activation": "gelu_tanh"}))
+    write_json(tmp_path / "config.json", d)
+    assert main(["memory-check", "--config", str(tmp_path), "--regime", "full", "--batch-size", "2",
+                 "--seq-len", "8", "--device", "cpu", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    rows = {r["bucket"]: r for r in out["rows"]}
+    for b in BUCKETS:
+        assert rows[b]["error_percent"] == 0.0 and rows[b]["measured_bytes"] > 0
+    assert out["trainable_params"] == out["params"]
+
+
+def test_cli_base_folder_and_table(tmp_path, capsys):
+    save_base(MiniGPT(GPTConfig(**TINY)), None, tmp_path / "base")
+    assert main(["memory-check", "--base", str(tmp_path / "base"), "--target", "q_proj", "--rank", "2",
+                 "--batch-size", "2", "--seq-len", "8", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "| activations | " in out and "seed estimate" in out and "peak (planner total)" in out
+
+
+def test_cli_refuses_what_it_cannot_build(tmp_path, capsys):
+    write_json(tmp_path / "config.json", {"model_type": "llama", "hidden_size": 16})
+    assert main(["memory-check", "--config", str(tmp_path), "--device", "cpu"]) == 2
+    assert "gpt2 or minigpt" in capsys.readouterr().err
+    assert main(["memory-check", "--seq-len", "9999", "--device", "cpu"]) == 2
+    assert "block_size" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("precision", ["fp32", "bf16-autocast"])
+def test_cuda_buckets(precision):
+    cfg = GPTConfig(**{**TINY, "d_model": 64, "n_head": 4})
+    r = memory_check(lambda: MiniGPT(cfg).cuda(), CheckConfig(regime="lora", batch_size=2, seq_len=8,
+                                                              precision=precision), torch.device("cuda"))
+    for b in ("weights", "grads", "optimizer"):  # autocast leaves weights, grads and Adam in fp32
+        assert r.predicted[b] == r.measured[b]
+    assert r.measured["peak"] >= r.measured["weights"] and r.peak_source.startswith("torch.cuda")
+    if precision == "fp32":
+        assert abs(r.predicted["activations"] - r.measured["activations"]) <= 0.1 * r.measured["activations"]
