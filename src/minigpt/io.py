@@ -34,9 +34,24 @@ def atomic_write_text(path: Path, text: str) -> None:
     atomic_write_bytes(path, text.encode("utf-8"))
 
 
+def sorted_metadata(blob: bytes) -> bytes:
+    """safetensors writes ``__metadata__`` in hash order, which differs from process to process (safetensors
+    issue #584); rewrite the header with its keys sorted, so equal tensors and metadata give equal bytes."""
+    n = int.from_bytes(blob[:8], "little")
+    header = json.loads(blob[8 : 8 + n])
+    meta = header.get("__metadata__")
+    if not meta or len(meta) < 2:
+        return blob
+    header["__metadata__"] = dict(sorted(meta.items()))
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    if len(text) > n:  # not expected: the same content in another order has the same length
+        return blob
+    return blob[:8] + text.ljust(n) + blob[8 + n :]  # the format allows trailing spaces in the header
+
+
 def atomic_save_safetensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict | None = None) -> None:
     data = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
-    atomic_write_bytes(path, save(data, metadata=metadata))
+    atomic_write_bytes(path, sorted_metadata(save(data, metadata=metadata)))
 
 
 def load_safetensors(path: Path) -> dict[str, torch.Tensor]:
