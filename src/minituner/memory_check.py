@@ -271,7 +271,7 @@ def memory_check(build: Callable[[], MiniGPT], check: CheckConfig, device: torch
     vocab, activations, losses = model.config.vocab_size, 0, []
     for _ in range(check.steps):
         ids = torch.randint(vocab, (check.batch_size, check.seq_len + 1), generator=gen)
-        x, y = ids[:, :-1].contiguous().to(device), ids[:, 1:].contiguous().to(device)  # (B, T) each
+        x, y = ids[:, :-1].clone().to(device), ids[:, 1:].clone().to(device)  # (B, T) each, own storages
         with SavedTensors(model) as saved, autocast(device, check.precision):
             loss = lm_loss(model, x, y)
         activations = max(activations, saved.bytes)

@@ -113,3 +113,10 @@ def test_cuda_buckets(precision):
     assert r.measured["peak"] >= r.measured["weights"] and r.peak_source.startswith("torch.cuda")
     if precision == "fp32":
         assert abs(r.predicted["activations"] - r.measured["activations"]) <= 0.1 * r.measured["activations"]
+
+
+def test_batch_of_one_is_exact():
+    """A (1, T) slice is 'contiguous' yet shares its window's storage: memory-check feeds its own storages."""
+    cfg = GPTConfig(**TINY)
+    r = memory_check(lambda: MiniGPT(cfg), CheckConfig(batch_size=1, seq_len=5, rank=2), CPU)
+    assert r.predicted["activations"] == r.measured["activations"]
