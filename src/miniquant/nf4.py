@@ -19,8 +19,13 @@ Dequantization is code value x block absmax in float32, then a cast to the outpu
 bitsandbytes' pure-PyTorch default backend (its native CPU kernel in 0.50.2 is wrong when blocks
 straddle rows; see tests/miniquant/test_nf4_bnb.py).
 
-Work is done in chunks of whole blocks (`CHUNK_ELEMENTS` values at a time), so the extra memory is
-bounded by a few chunk-sized float32 buffers whatever the tensor's size.
+Two paths compute the same bytes. On CPU tensors of at least `NATIVE_MIN_ELEMENTS` values the whole
+blocks go through one native kernel each way (native.py: C compiled on first use, threads over blocks):
+quantization reads w once and writes only its outputs, dequantization writes its output once. Everything
+else (small tensors, the partial last block, other devices, no C compiler, or MINIQUANT_NATIVE=0) takes
+the eager PyTorch path, which works in chunks of whole blocks (`CHUNK_ELEMENTS` values at a time), so its
+extra memory is bounded by a few chunk-sized float32 buffers whatever the tensor's size.
+tests/miniquant/test_nf4_native.py checks that both paths give the same bytes.
 """
 from __future__ import annotations
 
@@ -32,8 +37,9 @@ import torch
 from torch import Tensor
 
 from .blockwise8 import dequantize_blockwise_8bit, quantize_blockwise_8bit
+from . import native
 from .errors import QuantizationError
-from .packing import pack_nibbles, unpack_nibbles
+from .packing import pack_nibbles
 
 NF4_OFFSET = 0.9677083  # outermost quantile; norm.ppf(0.9677083) ~ 1.848 sets the code range (bitsandbytes)
 ABSMAX_FLOOR = 1e-38  # bitsandbytes clamps absmax to this before dividing: an all-zero block scales to 0
@@ -41,6 +47,7 @@ DOUBLE_QUANT_BLOCKSIZE = 256  # block size for quantizing the absmax values to 8
 CHUNK_ELEMENTS = 1 << 20  # values processed per chunk (rounded to whole, even-length runs of blocks)
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 NF4_ZERO_CODE = 7  # index of the value 0.0 in the code table
+NATIVE_MIN_ELEMENTS = 1 << 14  # smaller tensors stay eager (and never trigger the one-off native build)
 
 
 @lru_cache(maxsize=None)
@@ -177,24 +184,49 @@ def _chunk_elements(blocksize: int) -> int:
     return (blocks + blocks % 2) * blocksize
 
 
+def _native_for(t: Tensor, numel: int, blocksize: int, dtype: torch.dtype) -> native.NativeKernels | None:
+    """The native kernels when they apply: a large enough CPU tensor, an even block size, a supported dtype."""
+    if t.device.type != "cpu" or numel < NATIVE_MIN_ELEMENTS or blocksize % 2 or blocksize > 4096:
+        return None
+    k = native.kernels()
+    return k if k is not None and dtype in k.dtypes else None
+
+
 def quantize_nf4(w: Tensor, blocksize: int = 64, double_quant: bool = False) -> NF4Tensor:
     """Quantize w to NF4 in blocks of `blocksize` values; NaN/Inf input raises QuantizationError."""
     _check_input(w, blocksize)
     flat = w.detach().reshape(-1)  # a view when w is contiguous (a non-contiguous w is copied once)
     n = flat.numel()
-    packed = torch.empty(-(-n // 2), dtype=torch.uint8, device=w.device)
-    absmax = torch.empty(-(-n // blocksize), dtype=torch.float32, device=w.device)
+    full = n - n % blocksize
+    kernels = _native_for(flat, n, blocksize, flat.dtype) if full else None
+    if kernels is not None and full == n:  # whole blocks only: the kernel's outputs are the result
+        packed, absmax = kernels.quantize(flat.view(-1, blocksize), nf4_midpoints())
+        packed = packed.view(-1)
+    else:
+        packed = torch.empty(-(-n // 2), dtype=torch.uint8, device=w.device)
+        absmax = torch.empty(-(-n // blocksize), dtype=torch.float32, device=w.device)
+        done = 0
+        if kernels is not None:  # whole blocks native, the partial last block eager
+            head_packed, head_absmax = kernels.quantize(flat[:full].view(-1, blocksize), nf4_midpoints())
+            packed[: full // 2], absmax[: full // blocksize], done = head_packed.view(-1), head_absmax, full
+        _quantize_eager(flat, blocksize, packed, absmax, done)
+    if not torch.isfinite(absmax).all():  # amax propagates NaN, so this sees every NaN/Inf
+        raise QuantizationError("cannot quantize a tensor with NaN or Inf values")
+    q = NF4Tensor(packed=packed, absmax=absmax, shape=w.shape, dtype=w.dtype, blocksize=blocksize)
+    return double_quantize(q) if double_quant else q
+
+
+def _quantize_eager(flat: Tensor, blocksize: int, packed: Tensor, absmax: Tensor, begin: int) -> None:
+    """Quantize flat[begin:] (begin on a block boundary) into packed/absmax, chunk by chunk."""
     step = _chunk_elements(blocksize)
-    for start in range(0, n, step):
+    for start in range(begin, flat.numel(), step):
         chunk = flat[start : start + step].float()  # (<= step,)
         chunk_absmax = block_absmax(chunk, blocksize)
-        if not torch.isfinite(chunk_absmax).all():  # amax propagates NaN, so this sees every NaN/Inf
+        if not torch.isfinite(chunk_absmax).all():  # stop early: the rest would be thrown away
             raise QuantizationError("cannot quantize a tensor with NaN or Inf values")
         codes = nearest_nf4_code(scale_blocks(chunk, chunk_absmax, blocksize))
         absmax[start // blocksize : start // blocksize + chunk_absmax.numel()] = chunk_absmax
         packed[start // 2 : start // 2 + -(-chunk.numel() // 2)] = pack_nibbles(codes, pad=NF4_ZERO_CODE)
-    q = NF4Tensor(packed=packed, absmax=absmax, shape=w.shape, dtype=w.dtype, blocksize=blocksize)
-    return double_quantize(q) if double_quant else q
 
 
 def double_quantize(q: NF4Tensor) -> NF4Tensor:
@@ -206,14 +238,22 @@ def double_quantize(q: NF4Tensor) -> NF4Tensor:
     return NF4Tensor(q.packed, codes, q.shape, q.dtype, q.blocksize, absmax_scale=scale, absmax_offset=offset)
 
 
-def _times_block_scale(values: Tensor, scales: Tensor, blocksize: int) -> Tensor:
-    """(n,) float32 code values x their block's scale, in float32 (partial last block allowed)."""
-    n = values.numel()
-    full = n - n % blocksize
-    out = (values[:full].view(-1, blocksize) * scales[: full // blocksize, None]).reshape(-1)
-    if full < n:
-        out = torch.cat([out, values[full:] * scales[-1]])
-    return out
+@lru_cache(maxsize=None)
+def _byte_values_cpu() -> Tensor:
+    """(256, 2) float32: the code values of a byte's high and low nibble, so one lookup decodes a byte."""
+    code = _nf4_code_cpu()
+    return torch.stack([code.repeat_interleave(16), code.repeat(16)], dim=1).contiguous()
+
+
+def _dequantize_eager(packed: Tensor, count: int, scales: Tensor, blocksize: int) -> Tensor:
+    """First `count` values of packed bytes (starting on a block boundary) as code x scale, float32."""
+    table = _byte_values_cpu().to(packed.device)
+    values = table.index_select(0, packed.int()).view(-1)[:count]  # (count,) float32, a fresh tensor
+    full = count - count % blocksize
+    values[:full].view(-1, blocksize).mul_(scales[: full // blocksize, None])
+    if full < count:
+        values[full:].mul_(scales[-1])
+    return values
 
 
 def dequantize_nf4(q: NF4Tensor, dtype: torch.dtype | None = None) -> Tensor:
@@ -226,12 +266,19 @@ def dequantize_nf4(q: NF4Tensor, dtype: torch.dtype | None = None) -> Tensor:
             f"got {q.packed.numel()} and {q.absmax.numel()}"
         )
     scales = q.block_scales()
-    code = nf4_code_table(q.packed.device)
+    full = n - n % bs
+    kernels = _native_for(q.packed, n, bs, dtype) if full else None
+    if kernels is not None:
+        head = kernels.dequantize(q.packed[: full // 2].view(-1, bs // 2), scales, nf4_code_table(), dtype)
+        if full == n:
+            return head.view(q.shape)  # written once
     out = torch.empty(n, dtype=dtype, device=q.packed.device)
+    done = 0
+    if kernels is not None:  # whole blocks native, the partial last block eager
+        out[:full], done = head.view(-1), full
     step = _chunk_elements(bs)
-    for start in range(0, n, step):
+    for start in range(done, n, step):
         stop = min(start + step, n)
-        codes = unpack_nibbles(q.packed[start // 2 : -(-stop // 2)], stop - start)
-        values = torch.take(code, codes.long())  # (stop - start,) float32
-        out[start:stop] = _times_block_scale(values, scales[start // bs : -(-stop // bs)], bs)
+        chunk = q.packed[start // 2 : -(-stop // 2)]
+        out[start:stop] = _dequantize_eager(chunk, stop - start, scales[start // bs : -(-stop // bs)], bs)
     return out.view(q.shape)

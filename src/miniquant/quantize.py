@@ -68,6 +68,13 @@ def _buffer_shapes(scheme: QuantScheme, out_features: int, in_features: int) -> 
     return {"weight_packed": ((-(-n // 2),), torch.uint8), "weight_absmax": ((-(-n // g),), torch.float32)}
 
 
+def _nf4_surely_finite(absmax: Tensor, dtype: torch.dtype) -> bool:
+    """True when every NF4 value code x absmax is finite in dtype: |code| <= 1, so finite scales no larger
+    than dtype's largest value are enough. False means "look at the values" (it does not mean non-finite)."""
+    peak = absmax.abs().max()
+    return bool(torch.isfinite(peak)) and float(peak) <= torch.finfo(dtype).max
+
+
 class DequantLinearFunction(torch.autograd.Function):
     """y = x @ W^T + b with W dequantized on the fly in forward and again in backward; grad for x only."""
 
@@ -76,7 +83,7 @@ class DequantLinearFunction(torch.autograd.Function):
         w = layer.dequantize_from(qtensors, x.dtype)  # (out, in), transient
         ctx.layer, ctx.dtype = layer, x.dtype
         ctx.save_for_backward(*qtensors)  # the quantized buffers only: no extra memory
-        return F.linear(x, w, None if bias is None else bias.to(x.dtype))  # (..., out)
+        return F.linear(x, w, None if bias is None else bias.to(x.dtype))  # (N, in) -> (N, out)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -85,7 +92,7 @@ class DequantLinearFunction(torch.autograd.Function):
         grad_x = None
         if ctx.needs_input_grad[0]:
             w = ctx.layer.dequantize_from(qtensors, ctx.dtype)  # (out, in), recomputed
-            grad_x = grad_out @ w  # (..., out) @ (out, in) -> (..., in)
+            grad_x = grad_out @ w  # (N, out) @ (out, in) -> (N, in)
         return (grad_x, None, None) + (None,) * len(qtensors)
 
 
@@ -145,6 +152,8 @@ class QuantizedLinear(nn.Module):
         s, shape = self._scheme, torch.Size((self.out_features, self.in_features))
         if s.kind == "nf4":
             w = dequantize_nf4(NF4Tensor(qtensors[0], qtensors[1], shape, self.weight_dtype, s.group_size), dtype)
+            if _nf4_surely_finite(qtensors[1], dtype):  # one look at the scales instead of a pass over w
+                return w
         else:
             bits = 8 if s.kind == "int8" else 4
             q = IntQuantized(qtensors[0], qtensors[1], shape, self.weight_dtype, bits, s.group_size)
@@ -169,7 +178,9 @@ class QuantizedLinear(nn.Module):
             raise QuantizationError(
                 f"expected input with last dimension {self.in_features}, got shape {tuple(x.shape)}"
             )
-        return DequantLinearFunction.apply(x, self.bias, self, *self.quantized_tensors())  # (..., out)
+        # the Function sees 2-D tensors, so its output is not a view (callers such as LoRA may add into it in place)
+        y = DequantLinearFunction.apply(x.reshape(-1, self.in_features), self.bias, self, *self.quantized_tensors())
+        return y.view(*x.shape[:-1], self.out_features)  # (..., out)
 
     def extra_repr(self) -> str:
         return (

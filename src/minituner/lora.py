@@ -132,7 +132,14 @@ class LoRALinear(nn.Module):
                 continue
             A, B = self.lora_A[name], self.lora_B[name]
             h = self.lora_dropout[name](x.to(A.weight.dtype))  # (..., in)
-            y = y + (B(A(h)) * (self.scaling[name] * weight)).to(y.dtype)  # (..., r) -> (..., out)
+            scale = self.scaling[name] * weight
+            if y.dtype == B.weight.dtype and y.is_contiguous():
+                # y += scale · A(h) · Bᵀ inside y's buffer: one pass over the output, no (..., out) temporaries.
+                # The base output is not saved for its backward, so updating it in place is safe for autograd.
+                a = A(h)  # (..., r)
+                y.view(-1, self.out_features).addmm_(a.reshape(-1, a.shape[-1]), B.weight.t(), alpha=scale)
+            else:
+                y = y + (B(A(h)) * scale).to(y.dtype)  # (..., r) -> (..., out)
         return y
 
     def delta_weight(self, adapters: dict[str, float] | None = None) -> torch.Tensor:

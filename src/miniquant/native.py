@@ -1,0 +1,399 @@
+"""Native NF4 kernels: a small C file compiled on first use with the system C compiler, called via ctypes.
+
+Each kernel works on whole blocks in one pass: quantization reads w once and writes the packed bytes and
+the absmax (no temporaries); dequantization writes its output once. The arithmetic is the eager path's
+(see nf4.py), so the bytes are the same: the absmax is the largest |value| (taken as the largest bit
+pattern with the sign cleared, which orders non-negative floats exactly as their values and puts Inf and
+NaN above every finite value), the scaled value is value x (1 / max(absmax, 1e-38)) clamped to [-1, 1],
+and the code is the number of the 15 midpoints strictly below it. Dequantization is code value x scale
+in float32, then a round-to-nearest-even cast. No fast-math flags: float results are IEEE-exact.
+
+The shared library is cached under $MINIQUANT_CACHE (default: <tmp>/miniquant-<uid>), keyed by a hash
+of the source, the flags, the compiler and the CPU's feature flags (it is built with -march=native).
+Blocks are split across `torch.get_num_threads()` Python threads; ctypes releases the GIL during a call.
+`kernels()` returns None when there is no compiler, the build fails, or MINIQUANT_NATIVE=0: the callers
+then use the eager PyTorch path, which gives the same bytes.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import itertools
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+NATIVE_ENV = "MINIQUANT_NATIVE"  # set to 0 to never build or use the native kernels
+CACHE_ENV = "MINIQUANT_CACHE"  # folder for the compiled library
+MIN_BLOCKS_PER_THREAD = 256  # below this many blocks a call stays on the calling thread
+CHUNKS_PER_THREAD = 8  # work is cut into this many chunks per thread, taken as threads get free
+HUGE_PAGE_MIN_BYTES = 8 << 20  # fresh outputs at least this large ask for transparent huge pages
+CFLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-ffp-contract=off", "-fno-fast-math", "-std=gnu11"]
+
+# dtype codes shared with the C source
+_DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+_SOURCE = r"""
+#include <stdint.h>
+#include <string.h>
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+#define MAX_BLOCK 4096
+#if defined(__FLT16_MAX__)
+#define HAVE_F16 1
+#else
+#define HAVE_F16 0
+#endif
+
+enum { F32 = 0, BF16 = 1, F16 = 2 };
+
+int nf4_has_f16(void) {
+#ifdef __AVX512F__
+    return 1;
+#else
+    return HAVE_F16;
+#endif
+}
+
+/* Ask for transparent huge pages on a fresh buffer before its first write: one page fault per 2 MiB
+   instead of per 4 KiB. Advisory; ignored where unsupported. */
+void nf4_advise_huge_pages(void* p, int64_t nbytes) {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+    const uintptr_t huge = (uintptr_t)1 << 21;
+    uintptr_t start = ((uintptr_t)p + huge - 1) & ~(huge - 1), stop = ((uintptr_t)p + (uintptr_t)nbytes) & ~(huge - 1);
+    if (stop > start) madvise((void*)start, stop - start, MADV_HUGEPAGE);
+#endif
+}
+
+static inline float f32_from_bits(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+static inline uint32_t bits_from_f32(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+
+/* float -> bfloat16 bits, round to nearest even; NaN -> 0x7FC0 (PyTorch's rule) */
+static inline uint16_t bf16_from_f32(float f) {
+    uint32_t u = bits_from_f32(f);
+    if (f != f) return 0x7FC0;
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* x[first : first + n] (dtype 0 float32, 1 bfloat16, 2 float16) as float32 in buf; exact */
+static void load_block(const void* x, int dtype, int64_t first, int64_t n, float* buf) {
+    if (dtype == F32) {
+        memcpy(buf, (const float*)x + first, (size_t)n * sizeof(float));
+    } else if (dtype == BF16) {
+        const uint16_t* h = (const uint16_t*)x + first;
+        for (int64_t i = 0; i < n; i++) buf[i] = f32_from_bits((uint32_t)h[i] << 16);
+    } else {
+#if HAVE_F16
+        const _Float16* h = (const _Float16*)x + first;
+        for (int64_t i = 0; i < n; i++) buf[i] = (float)h[i];
+#endif
+    }
+}
+
+/* buf[0 : n] cast to dtype into out[first : first + n], round to nearest even */
+static void store_block(const float* buf, int64_t n, void* out, int dtype, int64_t first) {
+    if (dtype == F32) {
+        memcpy((float*)out + first, buf, (size_t)n * sizeof(float));
+    } else if (dtype == BF16) {
+        uint16_t* h = (uint16_t*)out + first;
+        for (int64_t i = 0; i < n; i++) h[i] = bf16_from_f32(buf[i]);
+    } else {
+#if HAVE_F16
+        _Float16* h = (_Float16*)out + first;
+        for (int64_t i = 0; i < n; i++) h[i] = (_Float16)buf[i];
+#endif
+    }
+}
+
+/* ---- portable C: one block (loops the compiler vectorizes) -------------------------------------- */
+
+static void quantize_block_c(const void* x, int dtype, int64_t first, int64_t bs, const float* mids,
+                             uint8_t* packed, float* absmax) {
+    float v[MAX_BLOCK];
+    uint8_t codes[MAX_BLOCK];
+    load_block(x, dtype, first, bs, v);
+    uint32_t m = 0;  /* the largest |value| as a bit pattern: orders like the value, Inf and NaN above all */
+    for (int64_t i = 0; i < bs; i++) {
+        uint32_t u = bits_from_f32(v[i]) & 0x7FFFFFFFu;
+        m = u > m ? u : m;
+    }
+    float a = f32_from_bits(m);
+    *absmax = a;
+    float inv = 1.0f / (a > 1e-38f ? a : 1e-38f);  /* NaN absmax: the caller raises */
+    for (int64_t i = 0; i < bs; i++) {
+        float s = v[i] * inv;
+        s = s < -1.0f ? -1.0f : s;
+        s = s > 1.0f ? 1.0f : s;
+        int32_t c = 0;
+        for (int k = 0; k < 15; k++) c += s > mids[k];  /* midpoints strictly below s */
+        codes[i] = (uint8_t)c;
+    }
+    for (int64_t i = 0; i < bs / 2; i++) packed[i] = (uint8_t)((codes[2 * i] << 4) | codes[2 * i + 1]);
+}
+
+static void dequantize_block_c(const uint8_t* p, float s, int64_t bs, const float* code, void* out, int dtype,
+                               int64_t first) {
+    float v[MAX_BLOCK];
+    for (int64_t i = 0; i < bs / 2; i++) {
+        v[2 * i] = code[p[i] >> 4] * s;
+        v[2 * i + 1] = code[p[i] & 15] * s;
+    }
+    store_block(v, bs, out, dtype, first);
+}
+
+/* ---- AVX-512: 16 values at a time (block sizes that are multiples of 16) ------------------------- */
+#ifdef __AVX512F__
+static inline __m512 load16(const void* x, int dtype, int64_t i) {
+    if (dtype == F32) return _mm512_loadu_ps((const float*)x + i);
+    __m256i h = _mm256_loadu_si256((const __m256i*)((const uint16_t*)x + i));
+    if (dtype == BF16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    return _mm512_cvtph_ps(h);  /* exact */
+}
+
+static inline void store16(void* out, int dtype, int64_t i, __m512 v) {
+    if (dtype == F32) {
+        _mm512_storeu_ps((float*)out + i, v);
+        return;
+    }
+    __m256i h;
+    if (dtype == BF16) {  /* round to nearest even, NaN -> 0x7FC0, as PyTorch */
+        __m512i u = _mm512_castps_si512(v);
+        __m512i bias = _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1)));
+        __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, bias), 16);
+        r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+        h = _mm512_cvtepi32_epi16(r);
+    } else {
+        h = _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    }
+    _mm256_storeu_si256((__m256i*)((uint16_t*)out + i), h);
+}
+
+static inline __attribute__((always_inline)) void quantize_block_avx512(const void* x, int dtype, int64_t first, int64_t bs, __m512 mids,
+                                  uint8_t* packed, float* absmax) {
+    __m512i m = _mm512_setzero_si512();
+    for (int64_t i = 0; i < bs; i += 16)
+        m = _mm512_max_epu32(m, _mm512_and_si512(_mm512_castps_si512(load16(x, dtype, first + i)), _mm512_set1_epi32(0x7FFFFFFF)));
+    float a = f32_from_bits(_mm512_reduce_max_epu32(m));
+    *absmax = a;
+    const __m512 inv = _mm512_set1_ps(1.0f / (a > 1e-38f ? a : 1e-38f));
+    const __m512 lo = _mm512_set1_ps(-1.0f), hi = _mm512_set1_ps(1.0f);
+    for (int64_t i = 0; i < bs; i += 16) {
+        __m512 s = _mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(load16(x, dtype, first + i), inv), lo), hi);
+        /* branch-free binary search over the 15 sorted midpoints (a 16th, +Inf, is never below s):
+           c = number of midpoints strictly below s */
+        __m512i c = _mm512_setzero_si512();
+        for (int step = 8; step >= 1; step >>= 1) {
+            __m512 t = _mm512_permutexvar_ps(_mm512_add_epi32(c, _mm512_set1_epi32(step - 1)), mids);
+            c = _mm512_mask_add_epi32(c, _mm512_cmp_ps_mask(t, s, _CMP_LT_OQ), c, _mm512_set1_epi32(step));
+        }
+        /* 64-bit lane k holds codes 2k (low half) and 2k+1 (high half): byte = code_2k << 4 | code_2k+1 */
+        __m512i pairs = _mm512_or_si512(_mm512_slli_epi64(_mm512_and_si512(c, _mm512_set1_epi64(0xFFFFFFFF)), 4),
+                                        _mm512_srli_epi64(c, 32));
+        _mm_storel_epi64((__m128i*)(packed + i / 2), _mm512_cvtepi64_epi8(pairs));
+    }
+}
+
+static inline __attribute__((always_inline)) void dequantize_block_avx512(const uint8_t* p, float s, int64_t bs, __m512 table, void* out, int dtype,
+                                    int64_t first) {
+    const __m512 sv = _mm512_set1_ps(s);
+    const __m512i even = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+    const __m512i odd = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+    int64_t i = 0;
+    for (; i + 16 <= bs / 2; i += 16) {  /* 16 bytes -> 32 values */
+        __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(p + i)));
+        __m512 high = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table), sv);
+        __m512 low = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(15)), table), sv);
+        store16(out, dtype, first + 2 * i, _mm512_permutex2var_ps(high, even, low));
+        store16(out, dtype, first + 2 * i + 16, _mm512_permutex2var_ps(high, odd, low));
+    }
+    if (i < bs / 2) {  /* 8 bytes left (a block of 16 or 48 values) */
+        float code[16], v[16];
+        _mm512_storeu_ps(code, table);
+        for (int64_t j = 0; j < bs / 2 - i; j++) {
+            v[2 * j] = code[p[i + j] >> 4] * s;
+            v[2 * j + 1] = code[p[i + j] & 15] * s;
+        }
+        store_block(v, bs - 2 * i, out, dtype, first + 2 * i);
+    }
+}
+#endif
+
+/* blocks [b0, b1) of x (dtype 0 float32, 1 bfloat16, 2 float16) -> packed codes and absmax */
+void nf4_quantize(const void* x, int dtype, int64_t b0, int64_t b1, int64_t bs, const float* mids,
+                  uint8_t* packed, float* absmax) {
+#ifdef __AVX512F__
+    if (bs % 16 == 0) {
+        float m16[16];
+        memcpy(m16, mids, 15 * sizeof(float));
+        m16[15] = __builtin_inff();
+        const __m512 mv = _mm512_loadu_ps(m16);
+        if (bs == 64)  /* QLoRA's block size: a constant unrolls the block, so its vectors overlap */
+            for (int64_t b = b0; b < b1; b++) quantize_block_avx512(x, dtype, b * 64, 64, mv, packed + b * 32, absmax + b);
+        else
+            for (int64_t b = b0; b < b1; b++) quantize_block_avx512(x, dtype, b * bs, bs, mv, packed + b * (bs / 2), absmax + b);
+        return;
+    }
+#endif
+    for (int64_t b = b0; b < b1; b++) quantize_block_c(x, dtype, b * bs, bs, mids, packed + b * (bs / 2), absmax + b);
+}
+
+/* blocks [b0, b1): out = code[nibble] * scales[block] in float32, then cast to dtype */
+void nf4_dequantize(const uint8_t* packed, const float* scales, int64_t b0, int64_t b1, int64_t bs,
+                    const float* code, void* out, int dtype) {
+#ifdef __AVX512F__
+    if (bs % 16 == 0) {
+        const __m512 table = _mm512_loadu_ps(code);
+        if (bs == 64)
+            for (int64_t b = b0; b < b1; b++) dequantize_block_avx512(packed + b * 32, scales[b], 64, table, out, dtype, b * 64);
+        else
+            for (int64_t b = b0; b < b1; b++) dequantize_block_avx512(packed + b * (bs / 2), scales[b], bs, table, out, dtype, b * bs);
+        return;
+    }
+#endif
+    for (int64_t b = b0; b < b1; b++) dequantize_block_c(packed + b * (bs / 2), scales[b], bs, code, out, dtype, b * bs);
+}
+"""
+
+
+def _cache_dir() -> Path:
+    default = Path(tempfile.gettempdir()) / f"miniquant-{os.getuid() if hasattr(os, 'getuid') else 'user'}"
+    return Path(os.environ.get(CACHE_ENV, default))
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _build(compiler: str) -> Path:
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
+    key = hashlib.sha256("\n".join([_SOURCE, " ".join(CFLAGS), version, _cpu_flags(), platform.machine()]).encode())
+    target = _cache_dir() / f"nf4_{key.hexdigest()[:16]}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        src, out = Path(tmp) / "nf4.c", Path(tmp) / "nf4.so"
+        src.write_text(_SOURCE)
+        result = subprocess.run([compiler, *CFLAGS, str(src), "-o", str(out)], capture_output=True, text=True, timeout=300)
+        if result.returncode != 0:
+            raise RuntimeError(result.stderr.strip().splitlines()[-1] if result.stderr.strip() else "compiler failed")
+        os.replace(out, target)  # atomic: concurrent builders leave one complete file
+    return target
+
+
+class NativeKernels:
+    """The compiled NF4 kernels, with the block range split across threads."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        self._quantize = lib.nf4_quantize
+        self._quantize.argtypes = [ptr, ctypes.c_int, i64, i64, i64, ptr, ptr, ptr]
+        self._quantize.restype = None
+        self._dequantize = lib.nf4_dequantize
+        self._dequantize.argtypes = [ptr, ptr, i64, i64, i64, ptr, ptr, ctypes.c_int]
+        self._dequantize.restype = None
+        self._advise = lib.nf4_advise_huge_pages
+        self._advise.argtypes = [ptr, i64]
+        self._advise.restype = None
+        self.dtypes = tuple(d for d, c in _DTYPE_CODE.items() if c != 2 or lib.nf4_has_f16())
+        self._pool: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+
+    def _split(self, blocks: int, call) -> None:
+        """call(b0, b1) over [0, blocks): threads take chunks of blocks from a shared counter.
+
+        Several chunks per thread, taken as threads get free: on a busy machine a thread that waits for
+        a core leaves its share to the others instead of holding up the whole call."""
+        threads = max(1, min(torch.get_num_threads(), os.cpu_count() or 1, blocks // MIN_BLOCKS_PER_THREAD))
+        if threads == 1:
+            call(0, blocks)
+            return
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="miniquant")
+            pool = self._pool
+        chunks = min(CHUNKS_PER_THREAD * threads, max(threads, blocks // MIN_BLOCKS_PER_THREAD))
+        bounds = [blocks * c // chunks for c in range(chunks + 1)]
+        counter = itertools.count()  # next() is atomic under the GIL
+
+        def worker() -> None:
+            for c in iter(lambda: next(counter), None):
+                if c >= chunks:
+                    return
+                call(bounds[c], bounds[c + 1])
+
+        futures = [pool.submit(worker) for _ in range(threads - 1)]
+        worker()
+        for f in futures:
+            f.result()
+
+    def quantize(self, x: Tensor, mids: Tensor) -> tuple[Tensor, Tensor]:
+        """(blocks, blocksize) contiguous CPU tensor -> ((blocks, blocksize/2) uint8, (blocks,) float32 absmax)."""
+        blocks, bs = x.shape
+        x, mids = x.contiguous(), mids.contiguous().float()
+        packed = torch.empty(blocks, bs // 2, dtype=torch.uint8)
+        absmax = torch.empty(blocks, dtype=torch.float32)
+        args = (x.data_ptr(), _DTYPE_CODE[x.dtype])
+        tail = (bs, mids.data_ptr(), packed.data_ptr(), absmax.data_ptr())
+        self._split(blocks, lambda b0, b1: self._quantize(*args, b0, b1, *tail))
+        return packed, absmax
+
+    def dequantize(self, packed: Tensor, scales: Tensor, code: Tensor, dtype: torch.dtype) -> Tensor:
+        """(blocks, blocksize/2) uint8, (blocks,) float32 scales -> (blocks, blocksize) dtype."""
+        blocks, half = packed.shape
+        packed, scales, code = packed.contiguous(), scales.contiguous().float(), code.contiguous().float()
+        out = torch.empty(blocks, 2 * half, dtype=dtype)
+        if out.nbytes >= HUGE_PAGE_MIN_BYTES:  # page faults on a fresh 64 MiB output cost more than the work
+            self._advise(out.data_ptr(), out.nbytes)
+        head = (packed.data_ptr(), scales.data_ptr())
+        tail = (code.data_ptr(), out.data_ptr(), _DTYPE_CODE[dtype])
+        self._split(blocks, lambda b0, b1: self._dequantize(*head, b0, b1, 2 * half, *tail))
+        return out
+
+
+_failed = False
+
+
+def native_enabled() -> bool:
+    return not _failed and os.environ.get(NATIVE_ENV, "1") != "0"
+
+
+@lru_cache(maxsize=None)
+def _load() -> NativeKernels | None:
+    global _failed
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if compiler is None:
+        _failed = True
+        return None
+    try:
+        return NativeKernels(ctypes.CDLL(str(_build(compiler))))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        _failed = True
+        warnings.warn(f"miniquant: building the native NF4 kernels failed ({e}); using the eager PyTorch path")
+        return None
+
+
+def kernels() -> NativeKernels | None:
+    """The native kernels, built on first use; None when disabled or unavailable."""
+    return _load() if native_enabled() else None
