@@ -158,10 +158,11 @@ def backward_checked(loss: torch.Tensor, params: list[nn.Parameter], clip: float
     return None if torch.isfinite(norm) else f"non-finite gradients (norm {norm.item()})"
 
 
-def last_good_checkpoint(ckpt_dir: Path | None) -> str:
-    found = list_checkpoints(ckpt_dir) if ckpt_dir else []
+def last_good_checkpoint(ckpt_dir: Path | None, every: int) -> str:
+    found = list_checkpoints(ckpt_dir) if ckpt_dir and every else []
     if not found:
-        return "no checkpoint was written (checkpoint_every is 0); --skip-nonfinite skips such steps"
+        why = "yet" if every else "(checkpoint_every is 0)"
+        return f"no checkpoint was written {why}; --skip-nonfinite skips such steps"
     step, path = found[-1]
     return (f"the last good checkpoint is {CHECKPOINT_DIR}/{path.name} (step {step}): --resume continues from it, "
             "--skip-nonfinite skips such steps")
@@ -240,7 +241,7 @@ def train(
                 row = {"step": step + 1, "lr": lr, "train_loss": None, "skipped": problem}
             else:
                 raise NonFiniteError(f"{problem} at step {step + 1}; the run stopped before updating the weights; "
-                                     + last_good_checkpoint(ckpt_dir))
+                                     + last_good_checkpoint(ckpt_dir, cfg.checkpoint_every))
             if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
                 loss_val = evaluate(model, val_ids, block_size, cfg.batch_size, cfg.eval_batches)
                 row["val_loss"] = loss_val

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import pickle
 import re
+import warnings
 from dataclasses import replace
 from pathlib import Path
 
@@ -66,7 +67,9 @@ def config_from_metadata(meta: dict[str, str], path: Path) -> LoRAConfig | None:
 def load_pickled_tensors(path: Path) -> dict[str, torch.Tensor]:
     """A legacy .pt adapter, read with torch.load(weights_only=True): no code in the file runs."""
     try:
-        obj = torch.load(path, map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():  # torch warns about the pickle protocol of a file it then refuses
+            warnings.simplefilter("ignore")
+            obj = torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError:
         raise InputError(f"{path}: file not found") from None
     except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, AttributeError, TypeError) as e:

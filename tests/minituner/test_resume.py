@@ -156,3 +156,14 @@ def test_resuming_a_finished_run_changes_nothing(setup, tmp_path, capsys):
         torch.set_num_threads(threads)
     assert_same_outputs(setup / "ref", out)
     assert "resuming from checkpoints/step-00000040.safetensors: step 40 of 40" in capsys.readouterr().out
+
+
+def test_a_diverging_run_stops_naming_the_step_and_keeps_the_last_good_checkpoint(setup, tmp_path, capsys):
+    out = tmp_path / "diverged"
+    lr = ["--lr", "1e14", "--warmup-steps", "1000", "--checkpoint-every", "1", "--steps", "10"]  # later flags win
+    assert main([str(a) for a in finetune_args(setup, out)] + lr) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "non-finite loss (nan) at step 2" in err, err
+    assert "the last good checkpoint is checkpoints/step-00000001.safetensors (step 1)" in err
+    assert [s for s, _ in list_checkpoints(out / CHECKPOINT_DIR)] == [1]
+    assert not (out / ADAPTER_FILE).exists()

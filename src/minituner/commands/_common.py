@@ -9,24 +9,22 @@ from minigpt.checkpointing import check_run_dir
 DEFAULT_CHECKPOINT_EVERY = 100  # steps between resumable checkpoints on the command line (the library default is none)
 
 
-def positive_int(text: str) -> int:
+def _integer(text: str, low: int, expected: str) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+    if value < low:
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {value}")
     return value
+
+
+def positive_int(text: str) -> int:
+    return _integer(text, 1, "a positive integer")
 
 
 def non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
-    return value
+    return _integer(text, 0, "an integer >= 0")
 
 
 def positive_float(text: str) -> float:
