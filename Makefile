@@ -37,6 +37,8 @@ demo: $(VENV)/.dev
 	$(PY) -m minituner generate --base $(ARTIFACTS)/base --prompt "The " --num-samples 3 --max-new-tokens 120
 	$(PY) experiments/28-lora-counts/count.py
 	$(PY) experiments/28-lora-finetune/lab02.py --base $(ARTIFACTS)/base
+	$(PY) experiments/28-qlora-preview/lab03.py --base $(ARTIFACTS)/base
+	$(PY) experiments/phase28_report.py
 
 test: $(VENV)/.dev
 	$(PY) -m pytest tests

@@ -71,7 +71,8 @@ def quantize_linears(model: nn.Module, paths: list[str], scheme: str = DEFAULT_S
     return out
 
 
-def quantize_targets(model: nn.Module, targets: str | list[str] = ALL_LINEAR, scheme: str = DEFAULT_SCHEME) -> list[str]:
+def quantize_targets(model: nn.Module, targets: str | list[str] = ALL_LINEAR,
+                     scheme: str = DEFAULT_SCHEME) -> list[str]:
     """Quantize the Linears LoRA `targets` select (QLoRA's first step; wrap them with LoRA next); return their paths."""
     check_scheme(scheme)
     if lora_modules(model) or quantized_modules(model):
@@ -102,7 +103,9 @@ def cast_float_tensors(model: nn.Module, dtype: torch.dtype) -> None:
 
 def _guard(path: str, module: LoRALinear, args: tuple, output: torch.Tensor) -> None:
     """Forward hook: a non-finite output is an error naming the module and the path that produced it."""
-    if torch.isfinite(output).all():
+    if torch.isfinite(torch.sum(output, dtype=torch.float32)):  # one reduction; any NaN/inf makes the sum non-finite
+        return
+    if torch.isfinite(output).all():  # a float32 overflow of the sum alone: the values themselves are finite
         return
     x = args[0]
     if not torch.isfinite(x).all():
@@ -218,7 +221,8 @@ def print_trainable_parameters(model: nn.Module, log=print) -> str:
     """PEFT's line (trainable / all incl. adapter), then the base count with the quantized share."""
     s = param_summary(model)
     schemes = sorted({q.scheme for q in quantized_modules(model).values()})
-    text = (f"trainable params: {s.trainable:,} || all params: {s.all:,} || trainable%: {100 * s.trainable / s.all:.4f}\n"
+    text = (f"trainable params: {s.trainable:,} || all params: {s.all:,} || "
+            f"trainable%: {100 * s.trainable / s.all:.4f}\n"
             f"base params: {s.base:,} (of which {s.quantized:,} in {', '.join(schemes) or 'no quantized layer'}, "
             f"stored in {s.quantized_bytes:,} bytes; counted by element, not by byte) || "
             f"trainable / base: {100 * s.trainable / s.base:.2f}%")
@@ -228,17 +232,18 @@ def print_trainable_parameters(model: nn.Module, log=print) -> str:
 
 @torch.no_grad()
 def compare_logits(ref: torch.Tensor, other: torch.Tensor) -> dict[str, float]:
-    """How far `other` logits (..., V) are from `ref`: mean/max |difference|, its ratio to mean |ref|, top-1 agreement."""
+    """How far `other` logits (..., V) are from `ref`: mean/max |diff|, its ratio to mean |ref|, top-1 agreement."""
     ref, other = ref.float(), other.float()
     diff = (ref - other).abs()
     mean_ref = float(ref.abs().mean())
     return {"mean_abs_diff": float(diff.mean()), "mean_abs_ref": mean_ref, "ratio": float(diff.mean()) / mean_ref,
-            "max_abs_diff": float(diff.max()), "top1_agreement": float((ref.argmax(-1) == other.argmax(-1)).float().mean())}
+            "max_abs_diff": float(diff.max()),
+            "top1_agreement": float((ref.argmax(-1) == other.argmax(-1)).float().mean())}
 
 
 @torch.no_grad()
 def weight_errors(float_model: nn.Module, model: nn.Module) -> dict[str, float]:
-    """||dequantize(Q(W)) - W|| / ||W|| (Frobenius) of each quantized layer, by the path of its Linear in `float_model`."""
+    """||dequantize(Q(W)) - W|| / ||W|| (Frobenius) of each quantized layer, keyed by its Linear's path."""
     out = {}
     for path, q in quantized_modules(model).items():
         path = path.removesuffix(".base_layer")
