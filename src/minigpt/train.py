@@ -24,6 +24,8 @@ from tqdm import tqdm
 from .checkpointing import (CHECKPOINT_DIR, TrainState, capture_rng, check_compatible, clear_checkpoints,
                             latest_checkpoint, list_checkpoints, restore, save_checkpoint)
 from .data import eval_batches, sample_batch
+from .device import PRECISIONS, autocast, check_precision
+from .distributed import barrier, check_batch, is_writer, mean_across_ranks, shard, wrap_ddp
 from .errors import InputError
 from .io import atomic_write_text, sha256_file
 
@@ -44,6 +46,7 @@ class TrainConfig:
     checkpoint_every: int = 0  # write a resumable checkpoint every N steps and at the end (needs out_dir); 0: none
     keep_checkpoints: int = 2  # how many of the newest checkpoints stay on disk
     skip_nonfinite: bool = False  # skip a step whose loss or gradients are NaN/inf instead of stopping the run
+    precision: str = "fp32"  # "fp32", or "bf16-autocast" on CUDA (forward in bf16; weights, grads, Adam fp32)
 
     def validate(self) -> None:
         if self.steps < 1 or self.batch_size < 1:
@@ -54,6 +57,8 @@ class TrainConfig:
             raise InputError(f"lr must be a positive number, got {self.lr}")
         if self.schedule not in ("cosine", "constant"):
             raise InputError(f"schedule must be 'cosine' or 'constant', got {self.schedule!r}")
+        if self.precision not in PRECISIONS:
+            raise InputError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -149,10 +154,14 @@ def grad_norm(params: list[nn.Parameter], clip: float) -> torch.Tensor:
     return torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
 
 
-def backward_checked(loss: torch.Tensor, params: list[nn.Parameter], clip: float) -> str | None:
-    """Backpropagate and clip; return what was not finite (loss or gradients), or None for a good step."""
-    if not torch.isfinite(loss):
-        return f"non-finite loss ({loss.item()})"
+def backward_checked(loss: torch.Tensor, params: list[nn.Parameter], clip: float,
+                     reported: torch.Tensor | None = None) -> str | None:
+    """Backpropagate and clip; return what was not finite (loss or gradients), or None for a good step.
+
+    `reported` is the loss every rank decides on (the mean over ranks under torchrun; default `loss`)."""
+    reported = loss if reported is None else reported
+    if not torch.isfinite(reported):
+        return f"non-finite loss ({reported.item()})"
     loss.backward()
     norm = grad_norm(params, clip)
     return None if torch.isfinite(norm) else f"non-finite gradients (norm {norm.item()})"
@@ -184,8 +193,11 @@ def train(
 
     resume=True continues from the newest checkpoint in out_dir/checkpoints, which must come from a run with
     the same config (checkpoint options aside), data and `fingerprint`; otherwise old checkpoints are removed.
+    Under torchrun (minigpt.distributed) each rank trains on its shard of the global batch and rank 0 writes.
     """
     cfg.validate()
+    check_batch(cfg.batch_size)
+    writer = is_writer()
     block_size = block_size or model.config.block_size
     named = named_trainable_parameters(model)
     params = [p for _, p in named]
@@ -194,6 +206,7 @@ def train(
     if (resume or cfg.checkpoint_every) and out_dir is None:
         raise InputError("checkpoints and resume need an output folder")
     device = params[0].device
+    check_precision(cfg.precision, device)
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
     gen = torch.Generator().manual_seed(cfg.seed)
     identity = run_identity(cfg, train_ids, val_ids, fingerprint)
@@ -213,28 +226,32 @@ def train(
                                             "sha256": sha256_file(path)}]
         history = read_metrics(Path(out_dir) / METRICS, first)
         log(f"resuming from {CHECKPOINT_DIR}/{path.name}: step {first} of {cfg.steps}")
-    elif ckpt_dir is not None:
+    elif ckpt_dir is not None and writer:
         clear_checkpoints(ckpt_dir)
+    barrier()  # every rank has read its checkpoint before rank 0 may write (and prune) the next one
+    step_model = wrap_ddp(model, device)  # the model itself in a single process
     metrics = None
-    if out_dir:
+    if out_dir and writer:
         atomic_write_text(Path(out_dir) / METRICS, "".join(json.dumps(r) + "\n" for r in history))
         metrics = open(Path(out_dir) / METRICS, "a", encoding="utf-8")
     start = time.perf_counter()
     model.train()
-    bar = tqdm(range(first, cfg.steps), initial=first, total=cfg.steps, disable=not progress, desc="train",
+    bar = tqdm(range(first, cfg.steps), initial=first, total=cfg.steps, disable=not (progress and writer), desc="train",
                dynamic_ncols=True)
     try:
         for step in bar:
             lr = lr_at(step, cfg)
             for group in opt.param_groups:
                 group["lr"] = lr
-            x, y = sample_batch(train_ids, cfg.batch_size, block_size, gen)
-            loss = lm_loss(model, x.to(device), y.to(device))
+            x, y = shard(*sample_batch(train_ids, cfg.batch_size, block_size, gen))  # this rank's rows
+            with autocast(device, cfg.precision):
+                loss = lm_loss(step_model, x.to(device), y.to(device))
+            reported = mean_across_ranks(loss.detach())  # the global batch's loss
             opt.zero_grad(set_to_none=True)
-            problem = backward_checked(loss, params, cfg.grad_clip)
+            problem = backward_checked(loss, params, cfg.grad_clip, reported)
             if problem is None:
                 opt.step()
-                row = {"step": step + 1, "lr": lr, "train_loss": loss.item()}
+                row = {"step": step + 1, "lr": lr, "train_loss": reported.item()}
             elif cfg.skip_nonfinite:
                 opt.zero_grad(set_to_none=True)  # the weights and optimizer state stay as they were
                 skipped += 1
@@ -245,11 +262,11 @@ def train(
             if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
                 loss_val = evaluate(model, val_ids, block_size, cfg.batch_size, cfg.eval_batches)
                 row["val_loss"] = loss_val
-                bar.set_postfix(train=f"{loss.item():.3f}", val=f"{loss_val:.3f}")
+                bar.set_postfix(train=f"{reported.item():.3f}", val=f"{loss_val:.3f}")
             history.append(row)
             if metrics:
                 metrics.write(json.dumps(row) + "\n")
-            if cfg.checkpoint_every and ((step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps):
+            if writer and cfg.checkpoint_every and ((step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps):
                 metrics.flush()
                 os.fsync(metrics.fileno())  # every row up to the checkpoint is on disk before it is
                 info = {**identity, "val_loss": loss_val if math.isfinite(loss_val) else None, "skipped_steps": skipped,
@@ -262,7 +279,7 @@ def train(
     losses = [r["train_loss"] for r in history if r.get("train_loss") is not None]
     result = TrainResult(cfg.steps, losses[-1] if losses else float("nan"), loss_val,
                          elapsed + time.perf_counter() - start, history, skipped, resumes)
-    if out_dir:
+    if out_dir and writer:
         plot_loss_curve(history, Path(out_dir) / "loss_curve.png")
     return result
 

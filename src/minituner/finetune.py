@@ -17,6 +17,7 @@ import torch.nn as nn
 from minigpt.checkpoint import MANIFEST, WEIGHTS, load_base, save_base
 from minigpt.checkpointing import check_run_dir
 from minigpt.data import encode_split, load_documents, split_documents
+from minigpt.distributed import barrier, is_writer
 from minigpt.errors import InputError
 from minigpt.io import sha256_file
 from minigpt.manifest import seed_everything, write_manifest
@@ -95,11 +96,12 @@ def unseen_characters(source: str, tokenizer: CharTokenizer) -> list[str]:
 
 
 def finetune(base: str | Path, out: str | Path, cfg: FinetuneConfig, progress: bool = True, log=print,
-             overwrite: bool = False, resume: bool = False) -> FinetuneResult:
+             overwrite: bool = False, resume: bool = False, device: str | torch.device = "cpu") -> FinetuneResult:
     """Fine-tune the base folder `base` on cfg.data, write the run to `out`, return the model and numbers.
 
     A folder that already holds a run is refused unless `overwrite` (start over) or `resume` (continue from
-    its newest checkpoint, bit-identically on CPU: cfg must be the one the run started with).
+    its newest checkpoint, bit-identically on CPU: cfg must be the one the run started with). Under torchrun
+    every rank trains (minigpt.distributed) and rank 0 alone logs and writes.
     """
     cfg.validate()
     start = time.perf_counter()
@@ -107,8 +109,11 @@ def finetune(base: str | Path, out: str | Path, cfg: FinetuneConfig, progress: b
     if out.resolve() == base.resolve():
         raise InputError("--out must differ from --base (the base folder is never written)")
     check_run_dir(out, RUN_MARKERS, overwrite, resume)
+    barrier()  # every rank has checked the folder before rank 0 writes to it
+    writer = is_writer()
+    progress, log = progress and writer, log if writer else (lambda *a, **k: None)
     seed_everything(cfg.train.seed)
-    model, tokenizer = load_base(base)
+    model, tokenizer = load_base(base, device)
     if tokenizer is None:
         raise InputError(f"{base}: no tokenizer.json beside the model")
     block = model.config.block_size
@@ -154,6 +159,8 @@ def finetune(base: str | Path, out: str | Path, cfg: FinetuneConfig, progress: b
         raise FloatingPointError(f"validation loss is {result.final_val_loss}; nothing was saved")
     base_after = domain_val_loss(model, tokenizer, cfg.base_domain, train_cfg) if cfg.base_domain else None
 
+    if not writer:
+        return FinetuneResult(model, tokenizer, {})
     if cfg.method == "lora":
         artifact = save_adapter(model, out / ADAPTER_FILE)
         save_peft_adapter(model, out / PEFT_DIR, base_model_name_or_path=str(base))

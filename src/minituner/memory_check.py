@@ -28,11 +28,11 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+from minigpt.device import autocast, check_precision
 from minigpt.errors import InputError
 from minigpt.model import GPTConfig, MiniGPT
 from minigpt.train import lm_loss
 
-from .device import autocast, check_precision
 from .lora import ALL_LINEAR, LoRAConfig, apply_lora
 from .memory_accounting import account, storage_bytes
 from .planner import (MemoryConfig, Regime, korthikanti_activation_bytes, minigpt_shape, regime_bytes,

@@ -4,6 +4,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from minigpt.device import DEVICES, PRECISIONS, check_precision, resolve_device
+from minigpt.distributed import init_from_env, is_writer, local_rank, shutdown
 from minigpt.errors import InputError
 from minigpt.train import TrainConfig
 
@@ -60,6 +62,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also report val loss on this data before/after (forgetting); 'none' skips (default %(default)s)")
     p.add_argument("--allow-unknown-chars", action="store_true",
                    help="train on characters the base tokenizer never saw (as <unk>) instead of refusing the data")
+    p.add_argument("--device", choices=DEVICES, default="auto",
+                   help="auto: cuda if available, else cpu; under torchrun each process takes cuda:LOCAL_RANK")
+    p.add_argument("--precision", choices=PRECISIONS, default="fp32",
+                   help="fp32, or bf16-autocast on CUDA (forward in bf16; weights, grads and Adam stay fp32)")
     add_run_arguments(p)
     p.add_argument("--no-progress", action="store_true")
 
@@ -74,7 +80,8 @@ def run(args: argparse.Namespace) -> int:
     steps = args.steps or d.steps
     train = TrainConfig(steps=steps, batch_size=args.batch_size, lr=args.lr, warmup_steps=min(args.warmup_steps, steps),
                         schedule=args.schedule, grad_clip=args.grad_clip, eval_every=min(args.eval_every, steps),
-                        eval_batches=d.eval_batches, seed=args.seed, **checkpoint_options(args))
+                        eval_batches=d.eval_batches, seed=args.seed, precision=args.precision,
+                        **checkpoint_options(args))
     lora = LoRAConfig(r=args.rank, alpha=args.alpha, dropout=args.dropout, target_modules=args.target,
                       use_rslora=args.use_rslora)
     cfg = FinetuneConfig(data=args.data, method="full" if args.full else "lora", lora=lora, train=train,
@@ -82,6 +89,15 @@ def run(args: argparse.Namespace) -> int:
                          epochs=args.epochs, init_adapter=str(args.init_adapter) if args.init_adapter else None,
                          base_domain=None if args.base_domain.lower() == "none" else args.base_domain,
                          allow_unknown_chars=args.allow_unknown_chars)
-    finetune(args.base, args.out, cfg, progress=not args.no_progress, overwrite=args.overwrite, resume=args.resume)
-    print(f"wrote {args.out}/")
+    device = resolve_device(args.device, local_rank())
+    check_precision(args.precision, device)
+    init_from_env(device)  # torchrun: join the process group (gloo on CPU, nccl on CUDA)
+    writer = is_writer()
+    try:
+        finetune(args.base, args.out, cfg, progress=not args.no_progress, overwrite=args.overwrite,
+                 resume=args.resume, device=device)
+    finally:
+        shutdown()
+    if writer:
+        print(f"wrote {args.out}/")
     return 0

@@ -5,12 +5,12 @@ import argparse
 import json
 from pathlib import Path
 
+from minigpt.device import DEVICES, PRECISIONS, resolve_device
 from minigpt.errors import InputError
 from minigpt.io import read_json
 from minigpt.model import GPTConfig, MiniGPT
 
 from ..base_model import load_base_model
-from ..device import DEVICES, PRECISIONS, resolve_device
 from ..hf_gpt2 import config_from_gpt2
 from ..lora import ALL_LINEAR
 from ..memory_check import REGIMES, CheckConfig, describe, format_table, memory_check
