@@ -5,7 +5,7 @@ import contextlib
 
 import torch
 
-from minigpt.errors import InputError
+from .errors import InputError
 
 DEVICES = ("auto", "cpu", "cuda")
 PRECISIONS = ("fp32", "bf16-autocast")  # weights, grads and Adam stay fp32 in both; autocast runs matmuls in bf16
