@@ -348,11 +348,19 @@ class NativeKernels:
         for f in futures:
             f.result()
 
+    def _fresh(self, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
+        """An uninitialised CPU tensor; a large one asks for huge pages first (page faults on a fresh
+        64 MiB tensor cost more than writing it)."""
+        t = torch.empty(shape, dtype=dtype)
+        if t.nbytes >= HUGE_PAGE_MIN_BYTES:
+            self._advise(t.data_ptr(), t.nbytes)
+        return t
+
     def quantize(self, x: Tensor, mids: Tensor) -> tuple[Tensor, Tensor]:
         """(blocks, blocksize) contiguous CPU tensor -> ((blocks, blocksize/2) uint8, (blocks,) float32 absmax)."""
         blocks, bs = x.shape
         x, mids = x.contiguous(), mids.contiguous().float()
-        packed = torch.empty(blocks, bs // 2, dtype=torch.uint8)
+        packed = self._fresh((blocks, bs // 2), torch.uint8)
         absmax = torch.empty(blocks, dtype=torch.float32)
         args = (x.data_ptr(), _DTYPE_CODE[x.dtype])
         tail = (bs, mids.data_ptr(), packed.data_ptr(), absmax.data_ptr())
@@ -363,9 +371,7 @@ class NativeKernels:
         """(blocks, blocksize/2) uint8, (blocks,) float32 scales -> (blocks, blocksize) dtype."""
         blocks, half = packed.shape
         packed, scales, code = packed.contiguous(), scales.contiguous().float(), code.contiguous().float()
-        out = torch.empty(blocks, 2 * half, dtype=dtype)
-        if out.nbytes >= HUGE_PAGE_MIN_BYTES:  # page faults on a fresh 64 MiB output cost more than the work
-            self._advise(out.data_ptr(), out.nbytes)
+        out = self._fresh((blocks, 2 * half), dtype)
         head = (packed.data_ptr(), scales.data_ptr())
         tail = (code.data_ptr(), out.data_ptr(), _DTYPE_CODE[dtype])
         self._split(blocks, lambda b0, b1: self._dequantize(*head, b0, b1, 2 * half, *tail))

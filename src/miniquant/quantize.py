@@ -180,7 +180,7 @@ class QuantizedLinear(nn.Module):
             )
         # the Function sees 2-D tensors, so its output is not a view (callers such as LoRA may add into it in place)
         y = DequantLinearFunction.apply(x.reshape(-1, self.in_features), self.bias, self, *self.quantized_tensors())
-        return y.view(*x.shape[:-1], self.out_features)  # (..., out)
+        return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)  # (..., out)
 
     def extra_repr(self) -> str:
         return (

@@ -77,6 +77,41 @@ def _check_finite(t: torch.Tensor, what: str) -> torch.Tensor:
     return t
 
 
+class LoRAUpdate(torch.autograd.Function):
+    """y += scale · (h·Aᵀ)·Bᵀ in place, for 2-D y (N, out) and h (N, in); the LoRA path of LoRALinear.
+
+    One pass over y in forward (no (N, out) temporaries), and a backward that picks the BLAS-friendly
+    layout for each thin product: grad_B as (aᵀ·g)ᵀ and grad_a as (Bᵀ·gᵀ)ᵀ, not gᵀ·a and g·B (what
+    nn.Linear's backward computes, several times slower on CPU for these thin shapes; see
+    benchmarks/RESULTS.md). Saves h (the base saved it too), A, B and a = h·Aᵀ (N, r).
+    The base output y is not saved by its own backward, so updating it in place is safe (a base that
+    saved it would make autograd raise, not compute wrong gradients).
+    """
+
+    @staticmethod
+    def forward(ctx, y: torch.Tensor, h: torch.Tensor, A: torch.Tensor, B: torch.Tensor, scale: float) -> torch.Tensor:
+        a = h @ A.t()  # (N, r)
+        y.addmm_(a, B.t(), alpha=scale)  # (N, out)
+        ctx.mark_dirty(y)
+        ctx.save_for_backward(h, A, B, a)
+        ctx.scale = scale
+        return y
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g: torch.Tensor):  # g (N, out)
+        h, A, B, a = ctx.saved_tensors
+        need_y, need_h, need_A, need_B, _ = ctx.needs_input_grad
+        grad_h = grad_A = grad_B = None
+        if need_h or need_A:
+            grad_a_t = (B.t().contiguous() @ g.t()).mul_(ctx.scale)  # (r, N): Bᵀ·gᵀ, the fast layout
+            grad_A = grad_a_t @ h if need_A else None  # (r, in)
+            grad_h = grad_a_t.t() @ A if need_h else None  # (N, in)
+        if need_B:
+            grad_B = (a.t() @ g).mul_(ctx.scale).t()  # (r, out) -> (out, r)
+        return g if need_y else None, grad_h, grad_A, grad_B, None
+
+
 class LoRALinear(nn.Module):
     """A base linear layer plus named low-rank adapters: base_layer(x) + Σ w·scaling·B(A(dropout(x)))."""
 
@@ -124,23 +159,21 @@ class LoRALinear(nn.Module):
             d.pop(name, None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.base_layer(x)  # (..., out)
         if self.disabled or self.merged_adapters:  # merged adapters already live in the base weight
-            return y
+            return self.base_layer(x)  # (..., out)
+        x2 = x.reshape(-1, self.in_features)  # (N, in): 2-D, so the base output is a plain (N, out) tensor
+        y = self.base_layer(x2)  # (N, out)
         for name, weight in self.active_adapters.items():
             if name not in self.lora_A:
                 continue
             A, B = self.lora_A[name], self.lora_B[name]
-            h = self.lora_dropout[name](x.to(A.weight.dtype))  # (..., in)
+            h = self.lora_dropout[name](x2.to(A.weight.dtype))  # (N, in)
             scale = self.scaling[name] * weight
-            if y.dtype == B.weight.dtype and y.is_contiguous():
-                # y += scale · A(h) · Bᵀ inside y's buffer: one pass over the output, no (..., out) temporaries.
-                # The base output is not saved for its backward, so updating it in place is safe for autograd.
-                a = A(h)  # (..., r)
-                y.view(-1, self.out_features).addmm_(a.reshape(-1, a.shape[-1]), B.weight.t(), alpha=scale)
+            if y.dtype == B.weight.dtype and y._base is None and y.is_contiguous():
+                y = LoRAUpdate.apply(y, h, A.weight, B.weight, scale)  # in place: y += scale · h·Aᵀ·Bᵀ
             else:
-                y = y + (B(A(h)) * scale).to(y.dtype)  # (..., r) -> (..., out)
-        return y
+                y = y + (B(A(h)) * scale).to(y.dtype)  # (N, r) -> (N, out)
+        return y.view(*x.shape[:-1], self.out_features)  # (..., out)
 
     def delta_weight(self, adapters: dict[str, float] | None = None) -> torch.Tensor:
         """Σ w·scaling·B·A over the given (default: active) adapters, in fp32, shape (out, in)."""
