@@ -42,6 +42,10 @@ class CharTokenizer:
     def decode(self, ids) -> str:
         return "".join(self.itos[int(i)] if 0 < int(i) < len(self.itos) else "\ufffd" for i in ids)
 
+    def unseen_characters(self, text: str) -> list[str]:
+        """The distinct characters of text that the vocabulary does not hold, sorted."""
+        return sorted(set(text) - set(self.stoi))
+
     def unknown_count(self, text: str) -> int:
         """How many characters of text the vocabulary does not hold."""
         return sum(1 for c in text if c not in self.stoi)

@@ -8,7 +8,7 @@ import torch
 
 from minigpt.checkpoint import load_base
 from minigpt.errors import InputError
-from minigpt.io import read_json
+from minigpt.io import atomic_write_text, read_json
 from minigpt.model import MiniGPT
 from minigpt.tokenizer import FORMAT, CharTokenizer
 
@@ -28,6 +28,10 @@ class Tokenizer(Protocol):
 
     def decode(self, ids) -> str: ...
 
+    def unseen_characters(self, text: str) -> list[str]: ...
+
+    def save(self, path: str | Path) -> None: ...
+
 
 class HFTokenizer:
     """A Hugging Face ``tokenizer.json`` read with the ``tokenizers`` package, behind CharTokenizer's API."""
@@ -46,6 +50,17 @@ class HFTokenizer:
 
     def decode(self, ids) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    def unseen_characters(self, text: str) -> list[str]:
+        """Characters that encode to the model's unknown token (none for byte-level BPE such as GPT-2's)."""
+        unk = getattr(self._tok.model, "unk_token", None)
+        unk_id = self._tok.token_to_id(unk) if unk else None
+        if unk_id is None:
+            return []
+        return sorted(c for c in set(text) if unk_id in self.encode(c))
+
+    def save(self, path: str | Path) -> None:
+        atomic_write_text(Path(path), self._tok.to_str())
 
 
 def load_tokenizer(folder: str | Path, vocab_size: int) -> tuple[Tokenizer | None, str]:
@@ -87,3 +102,10 @@ def load_base_model(folder: str | Path, device: str | torch.device = "cpu") -> t
         tokenizer, _ = load_tokenizer(folder, model.config.vocab_size)
         return model, tokenizer
     raise InputError(f"{folder}/{CONFIG}: model_type {kind!r} is not supported; valid model_type values: {valid}")
+
+
+def base_weights_file(folder: str | Path) -> Path:
+    """The file whose sha256 identifies a base: model.safetensors, or the index of a sharded checkpoint."""
+    folder = Path(folder)
+    single = folder / "model.safetensors"
+    return single if single.is_file() else folder / "model.safetensors.index.json"

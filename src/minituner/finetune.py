@@ -14,16 +14,16 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from minigpt.checkpoint import MANIFEST, WEIGHTS, load_base, save_base
+from minigpt.checkpoint import MANIFEST, WEIGHTS, save_base
 from minigpt.checkpointing import check_run_dir
 from minigpt.data import encode_split, load_documents, split_documents
 from minigpt.distributed import barrier, is_writer
 from minigpt.errors import InputError
 from minigpt.io import sha256_file
 from minigpt.manifest import seed_everything, write_manifest
-from minigpt.tokenizer import CharTokenizer
 from minigpt.train import TrainConfig, evaluate, train
 
+from .base_model import Tokenizer, base_weights_file, load_base_model
 from .adapter_io import ADAPTER_FILE, load_adapter, save_adapter
 from .lora import LoRAConfig, apply_lora, trainable_numel
 from .peft_format import save_peft_adapter
@@ -69,18 +69,18 @@ class FinetuneConfig:
 @dataclass
 class FinetuneResult:
     model: nn.Module  # the trained model (LoRA-wrapped for method "lora")
-    tokenizer: CharTokenizer
+    tokenizer: Tokenizer
     summary: dict  # the numbers written to manifest.json["results"]
 
 
-def encode_domain(source: str, tokenizer: CharTokenizer, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def encode_domain(source: str, tokenizer: Tokenizer, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Train and val token ids of a corpus, encoded with the base's tokenizer."""
     splits = split_documents(load_documents(source))
     return (encode_split(splits.train, tokenizer, block_size, "train"),
             encode_split(splits.val, tokenizer, block_size, "val"))
 
 
-def domain_val_loss(model: nn.Module, tokenizer: CharTokenizer, source: str, train_cfg: TrainConfig) -> float:
+def domain_val_loss(model: nn.Module, tokenizer: Tokenizer, source: str, train_cfg: TrainConfig) -> float:
     """Validation loss (nats/token) of `model` on the val split of a corpus."""
     block = model.config.block_size
     _, val_ids = encode_domain(source, tokenizer, block)
@@ -89,10 +89,6 @@ def domain_val_loss(model: nn.Module, tokenizer: CharTokenizer, source: str, tra
 
 def steps_for_epochs(epochs: float, train_tokens: int, batch_size: int, block_size: int) -> int:
     return max(1, math.ceil(epochs * train_tokens / (batch_size * block_size)))
-
-
-def unseen_characters(source: str, tokenizer: CharTokenizer) -> list[str]:
-    return sorted({c for doc in load_documents(source) for c in doc} - set(tokenizer.stoi))
 
 
 def finetune(base: str | Path, out: str | Path, cfg: FinetuneConfig, progress: bool = True, log=print,
@@ -113,14 +109,16 @@ def finetune(base: str | Path, out: str | Path, cfg: FinetuneConfig, progress: b
     writer = is_writer()
     progress, log = progress and writer, log if writer else (lambda *a, **k: None)
     seed_everything(cfg.train.seed)
-    model, tokenizer = load_base(base, device)
+    model, tokenizer = load_base_model(base, device)
     if tokenizer is None:
         raise InputError(f"{base}: no tokenizer.json beside the model")
+    base_weights = base_weights_file(base)
     block = model.config.block_size
     train_ids, val_ids = encode_domain(cfg.data, tokenizer, block)
-    unk = float((train_ids == 0).float().mean())
-    if (unk > 0 or bool((val_ids == 0).any())) and not cfg.allow_unknown_chars:
-        chars = unseen_characters(cfg.data, tokenizer)
+    text = "\n\n".join(load_documents(cfg.data))
+    chars = tokenizer.unseen_characters(text)
+    unk = sum(text.count(c) for c in chars) / max(1, len(text))  # fraction of characters that would be <unk>
+    if chars and not cfg.allow_unknown_chars:
         raise InputError(f"{cfg.data}: {len(chars)} characters the base tokenizer never saw "
                          f"({', '.join(map(repr, chars[:5]))}{', ...' if len(chars) > 5 else ''}); they would train "
                          "as <unk>: clean the data, or pass --allow-unknown-chars to train anyway")
@@ -152,7 +150,7 @@ def finetune(base: str | Path, out: str | Path, cfg: FinetuneConfig, progress: b
         f"{train_ids.numel():,} train / {val_ids.numel():,} val tokens from {cfg.data}; {train_cfg.steps} steps")
 
     out.mkdir(parents=True, exist_ok=True)
-    fingerprint = {"base_sha256": sha256_file(base / WEIGHTS), **{k: v for k, v in asdict(cfg).items() if k != "train"}}
+    fingerprint = {"base_sha256": sha256_file(base_weights), **{k: v for k, v in asdict(cfg).items() if k != "train"}}
     result = train(model, train_ids, val_ids, train_cfg, out_dir=out, progress=progress, resume=resume,
                    fingerprint=fingerprint, log=log)
     if not math.isfinite(result.final_val_loss):
@@ -181,7 +179,7 @@ def finetune(base: str | Path, out: str | Path, cfg: FinetuneConfig, progress: b
         "base_domain": cfg.base_domain,
         "base_domain_val_loss_before": base_before,
         "base_domain_val_loss_after": base_after,
-        "base_bytes": (base / WEIGHTS).stat().st_size,
+        "base_bytes": base_weights.stat().st_size,
         "artifact_bytes": artifact.stat().st_size,
         "train_wall_time_s": result.wall_time_s,
         "skipped_steps": result.skipped_steps,
@@ -194,7 +192,7 @@ def finetune(base: str | Path, out: str | Path, cfg: FinetuneConfig, progress: b
                 "lora": lora_cfg.to_dict() if cfg.method == "lora" else None,
                 "train": asdict(train_cfg), "model": model.config.to_dict()},
         wall_time_s=time.perf_counter() - start,
-        base_weights=base / WEIGHTS,
+        base_weights=base_weights,
         adapter=artifact if cfg.method == "lora" else None,
         extra={"results": summary, "resumes": result.resumes,
                **({} if cfg.method == "lora" else {"finetuned_sha256": sha256_file(artifact)})},

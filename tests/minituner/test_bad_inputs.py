@@ -146,7 +146,7 @@ CASES = [
     ("config-missing-fields", lambda f, o: finetune_cli(f, o, base=f.base_missing),
      lambda f, o: finetune_api(f, o, base=f.base_missing), "missing required fields ['block_size', 'vocab_size']"),
     ("config-unknown-model-type", lambda f, o: finetune_cli(f, o, base=f.base_llama),
-     lambda f, o: finetune_api(f, o, base=f.base_llama), "model_type is not minigpt"),
+     lambda f, o: finetune_api(f, o, base=f.base_llama), "model_type 'llama' is not supported"),
     ("r-zero", lambda f, o: finetune_cli(f, o, "--rank", 0),
      lambda f, o: finetune_api(f, o, r=0), "rank r must be a positive integer, got 0"),
     ("r-negative", None,
