@@ -1,0 +1,272 @@
+"""One training step on a GPT-shaped stack: ours (full FT, LoRA, QLoRA) against PEFT and PEFT + bitsandbytes.
+
+The stack: MiniGPT d_model 512, 8 layers, 8 heads, vocab 4096, block 128; batch 8 × 128 tokens; LoRA
+r = 8, alpha 16 on all six block Linears (q/k/v/o_proj, fc1, fc2); AdamW over the trainable parameters.
+Every configuration starts from the same weights (seed 0) and trains on the same batch (seed 1).
+
+Each configuration runs in its own subprocess (`python bench_step.py --config NAME`), so its peak
+memory is its own. Every subprocess imports the same libraries (torch, transformers, peft,
+bitsandbytes, minituner) before building anything, so their baselines match. Peak RSS is the
+kernel's high-water mark (VmHWM), reset after the warm-up steps and read after the timed ones.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))
+
+import torch  # noqa: E402
+import torch.nn as nn  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from minigpt.model import GPTConfig, MiniGPT  # noqa: E402
+from report import Goal, Section  # noqa: E402
+from timing import (MIB, current_rss_mib, fmt_ratio, fmt_seconds, peak_rss_mib, reset_peak_rss,  # noqa: E402
+                    wait_for_quiet)
+
+STACK = GPTConfig(vocab_size=4096, block_size=128, n_layer=8, n_head=8, d_model=512)
+BATCH = 8
+RANK, ALPHA = 8, 16.0
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "fc1", "fc2"]
+LR = 1e-4
+QLORA_VS_PEFT_BNB_GOAL = 0.85  # our QLoRA step / PEFT + bitsandbytes QLoRA step
+QLORA_VS_LORA_GOAL = 1.15  # our QLoRA step / our LoRA fp32 step
+WAIT_PER_CONFIG_S = 60.0  # before each subprocess, wait up to this long for other processes to go quiet
+
+# name -> label, in the order of the table (and of the first round)
+CONFIGS = {
+    "full": "ours, full fine-tuning",
+    "lora": "ours, LoRA fp32",
+    "qlora": "ours, QLoRA (NF4 base, wrap_minigpt_qlora)",
+    "qlora_noguard": "ours, QLoRA without finite-output guards",
+    "peft_lora": "PEFT LoRA",
+    "peft_bnb_qlora": "PEFT + bitsandbytes QLoRA (Linear4bit nf4)",
+    "qlora_bf16": "informational: ours, QLoRA, bfloat16 compute (whole model)",
+    "peft_bnb_qlora_bf16": "informational: PEFT + bitsandbytes, compute_dtype bfloat16 (base GEMMs)",
+}
+
+
+# ---- building each configuration (runs inside the subprocess) -----------------------------------
+
+
+def _block_linears(model: nn.Module) -> list[str]:
+    return [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n.rsplit(".", 1)[-1] in TARGETS]
+
+
+def _bnb_linear4bit(linear: nn.Linear, compute_dtype: torch.dtype) -> nn.Module:
+    import bitsandbytes as bnb
+
+    layer = bnb.nn.Linear4bit(linear.in_features, linear.out_features, bias=linear.bias is not None,
+                              compute_dtype=compute_dtype, compress_statistics=False, quant_type="nf4")
+    layer.weight = bnb.nn.Params4bit(linear.weight.detach().clone(), requires_grad=False, quant_type="nf4",
+                                     blocksize=64, compress_statistics=False)
+    if linear.bias is not None:
+        layer.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
+    return layer.to("cpu")  # quantizes the weight
+
+
+def build(config: str) -> tuple[nn.Module, dict]:
+    """The model of one configuration, with only its trainable parameters requiring grad, and facts about it."""
+    from minituner.lora import LoRAConfig, apply_lora
+
+    torch.manual_seed(0)
+    model = MiniGPT(STACK)
+    facts: dict = {}
+    if config == "full":
+        pass
+    elif config == "lora":
+        apply_lora(model, LoRAConfig(r=RANK, alpha=ALPHA, target_modules=TARGETS))
+    elif config in ("qlora", "qlora_noguard", "qlora_bf16"):
+        from minituner.qlora import wrap_minigpt_qlora
+
+        dtype = torch.bfloat16 if config == "qlora_bf16" else torch.float32
+        wrap_minigpt_qlora(model, r=RANK, alpha=ALPHA, targets=TARGETS, device="cpu", compute_dtype=dtype,
+                           guards=config != "qlora_noguard")
+    elif config == "peft_lora":
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=TARGETS, lora_dropout=0.0))
+    elif config in ("peft_bnb_qlora", "peft_bnb_qlora_bf16"):
+        from peft import LoraConfig, get_peft_model
+
+        from miniquant import quantize_nf4
+
+        same = True
+        for path in _block_linears(model):
+            parent, _, leaf = path.rpartition(".")
+            linear = model.get_submodule(path)
+            q4 = _bnb_linear4bit(linear, torch.bfloat16 if config.endswith("bf16") else torch.float32)
+            same &= torch.equal(q4.weight.data.reshape(-1), quantize_nf4(linear.weight.detach()).packed)
+            setattr(model.get_submodule(parent), leaf, q4)
+        facts["nf4_bytes_equal_ours"] = bool(same)
+        model = get_peft_model(model, LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=TARGETS, lora_dropout=0.0))
+    else:
+        raise ValueError(f"unknown configuration {config!r}; valid: {list(CONFIGS)}")
+    facts["trainable_params"] = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    facts["resident_tensor_mib"] = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()]) / MIB
+    return model, facts
+
+
+def _dequantize_all_seconds(model: nn.Module, config: str) -> float | None:
+    """Median time to dequantize every quantized base weight once (what a step does twice)."""
+    if config in ("qlora", "qlora_noguard"):
+        from miniquant import QuantizedLinear
+
+        layers = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+        fn = lambda: [m.dequantize(torch.float32) for m in layers]  # noqa: E731
+    elif config == "peft_bnb_qlora":
+        import bitsandbytes as bnb
+        import bitsandbytes.functional as bf
+
+        layers = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
+        fn = lambda: [bf.dequantize_4bit(m.weight.data, m.weight.quant_state) for m in layers]  # noqa: E731
+    else:
+        return None
+    fn()
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure(config: str, warmup: int, steps: int) -> dict:
+    """Build, warm up, then time `steps` optimizer steps; peak RSS over the timed steps."""
+    import bitsandbytes  # noqa: F401  the same imports in every configuration: equal baselines
+    import peft  # noqa: F401
+    import transformers  # noqa: F401
+
+    import minituner.lora  # noqa: F401
+    import minituner.qlora  # noqa: F401
+
+    rss_imports = current_rss_mib()
+    model, facts = build(config)
+    model.train()
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(0, STACK.vocab_size, (BATCH, STACK.block_size), generator=g)
+    y = torch.randint(0, STACK.vocab_size, (BATCH, STACK.block_size), generator=g)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
+
+    def step() -> float:
+        opt.zero_grad(set_to_none=True)
+        logits = model(x)  # (B, T, V)
+        loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1))
+        loss.backward()
+        opt.step()
+        return loss.item()
+
+    t0 = time.perf_counter()
+    losses = [step()]
+    first_s = time.perf_counter() - t0
+    for _ in range(warmup - 1):
+        losses.append(step())
+    gc.collect()
+    rss_before = current_rss_mib()
+    peak_reset = reset_peak_rss()
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        losses.append(step())
+        times.append(time.perf_counter() - t0)
+    peak = peak_rss_mib()
+    deq = _dequantize_all_seconds(model, config)
+    return {"config": config, "times": times, "first_s": first_s, "loss_first": losses[0], "loss_last": losses[-1],
+            "rss_imports_mib": rss_imports, "rss_before_mib": rss_before, "peak_mib": peak,
+            "peak_is_since_reset": peak_reset, "dequantize_all_s": deq, "threads": torch.get_num_threads(), **facts}
+
+
+# ---- the section (runs in the parent) ------------------------------------------------------------
+
+
+def _run_config(config: str, warmup: int, steps: int) -> dict:
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--config", config, "--warmup", str(warmup),
+           "--steps", str(steps)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    if out.returncode != 0:
+        raise RuntimeError(f"{config} failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def run(quick: bool = False) -> Section:
+    warmup, steps, rounds = (1, 2, 1) if quick else (2, 4, 2)
+    results: dict[str, list[dict]] = {c: [] for c in CONFIGS}
+    order = list(CONFIGS)
+    for r in range(rounds):  # the second round in reverse order, so drift in machine load evens out
+        for config in order if r % 2 == 0 else order[::-1]:
+            log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+            busy, _ = wait_for_quiet(0.0 if quick else WAIT_PER_CONFIG_S, log=log)
+            log(f"[bench]   step: {config} (round {r + 1}/{rounds}, machine busy {busy:.0f}%)")
+            results[config].append({**_run_config(config, warmup, steps), "busy_before": busy})
+    med = {c: statistics.median([t for res in rs for t in res["times"]]) for c, rs in results.items()}
+    section = Section(
+        "Training step, GPT-shaped stack",
+        f"MiniGPT d_model {STACK.d_model}, {STACK.n_layer} layers, {STACK.n_head} heads, vocab {STACK.vocab_size}, "
+        f"block {STACK.block_size}; batch {BATCH} × {STACK.block_size} tokens; LoRA r = {RANK}, alpha {ALPHA:g} on "
+        f"{', '.join(TARGETS)}; float32 compute; AdamW. One step = forward, cross-entropy, backward, optimizer "
+        f"step. Median of {steps} timed steps × {rounds} subprocess(es) per configuration, after {warmup} warm-up "
+        "step(s); 'first step' is the first step of the first subprocess. Peak RSS: the process's high-water mark "
+        "over the timed steps; 'over imports' subtracts the RSS right after importing the libraries, before the "
+        "model was built (model, optimizer state, activations, temporaries and allocator caches). 'machine busy "
+        "before': the whole machine's CPU use in the 2 s before each subprocess started (one figure per round).",
+        ["configuration", "median step", "first step", "vs our LoRA", "trainable params", "peak RSS (MiB)",
+         "peak over imports (MiB)", "loss step 0 → last", "machine busy before (%)"],
+    )
+    for config, label in CONFIGS.items():
+        res = results[config][0]
+        peak = max(r["peak_mib"] for r in results[config])
+        over = max(r["peak_mib"] - r["rss_imports_mib"] for r in results[config])
+        section.rows.append([label, fmt_seconds(med[config]), fmt_seconds(res["first_s"]),
+                             fmt_ratio(med[config] / med["lora"]), f"{res['trainable_params']:,}", f"{peak:.0f}",
+                             f"{over:.0f}", f"{res['loss_first']:.4f} → {res['loss_last']:.4f}",
+                             " / ".join(f"{r['busy_before']:.0f}" for r in results[config])])
+    ours_deq = results["qlora"][0]["dequantize_all_s"]
+    bnb_deq = results["peft_bnb_qlora"][0]["dequantize_all_s"]
+    guard_cost = med["qlora"] - med["qlora_noguard"]
+    section.goals.append(Goal(
+        "QLoRA step: ours / PEFT + bitsandbytes", med["qlora"] / med["peft_bnb_qlora"], QLORA_VS_PEFT_BNB_GOAL, False,
+        f"both run the same float32 GEMMs on dequantized weights (the base forward and input-gradient products, "
+        f"most of the step); ours saves in the LoRA path (PEFT LoRA / our LoRA, both fp32: "
+        f"{med['peft_lora'] / med['lora']:.2f}×) and in dequantizing all {len(TARGETS) * STACK.n_layer} base "
+        f"weights, twice per step: {fmt_seconds(ours_deq)} (ours) vs {fmt_seconds(bnb_deq)} (bitsandbytes) per pass",
+    ))
+    section.goals.append(Goal(
+        "QLoRA step: ours / our LoRA fp32", med["qlora"] / med["lora"], QLORA_VS_LORA_GOAL, False,
+        f"two dequantizations of every base weight per step ({fmt_seconds(2 * ours_deq)}) and "
+        f"wrap_minigpt_qlora's finite-output guards ({fmt_seconds(guard_cost)} per step: the median difference "
+        "with guards off, within noise when near zero)",
+    ))
+    same = results["peft_bnb_qlora"][0].get("nf4_bytes_equal_ours")
+    section.notes += [
+        f"bitsandbytes Linear4bit is built with compress_statistics=False (no double quantization), like ours; its "
+        f"packed NF4 bytes equal ours for every layer: {'yes' if same else 'no'}",
+        "our QLoRA keeps nothing dequantized for backward (it dequantizes again there) and computes no gradient for "
+        "the frozen base; both QLoRA rows hold the weights in NF4 (4.5 bits per value with float32 absmax per 64)",
+        f"peak RSS is the kernel's VmHWM reset after warm-up ({'yes' if res['peak_is_since_reset'] else 'no: since process start'}); "
+        "freed memory the allocator keeps counts as resident",
+        f"torch threads in each subprocess: {res['threads']}",
+    ]
+    return section
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="one training-step configuration, as JSON on the last line")
+    parser.add_argument("--config", required=True, choices=list(CONFIGS))
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=4)
+    args = parser.parse_args(argv)
+    print(json.dumps(measure(args.config, max(1, args.warmup), max(1, args.steps))))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,69 @@
+"""`make bench`: run every benchmark side by side and write benchmarks/RESULTS.md.
+
+    python benchmarks/run.py                     # everything (about 10 minutes on 2 cores)
+    python benchmarks/run.py --only nf4,planner  # some sections; RESULTS.md then holds only those
+    python benchmarks/run.py --quick             # fewer repeats, to check that it runs
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from minigpt.io import atomic_write_text  # noqa: E402
+from report import render  # noqa: E402
+from timing import fmt_seconds, machine_description, wait_for_quiet  # noqa: E402
+
+# section name -> module; the order of RESULTS.md
+SECTIONS = {
+    "nf4": "bench_nf4",
+    "step": "bench_step",
+    "lora_forward": "bench_lora_forward",
+    "planner": "bench_planner",
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", default=",".join(SECTIONS), help=f"comma-separated sections of {list(SECTIONS)}")
+    parser.add_argument("--quick", action="store_true", help="fewer repeats (a smoke run; figures are noisier)")
+    parser.add_argument("--out", type=Path, default=HERE / "RESULTS.md")
+    parser.add_argument("--max-wait", type=float, default=300.0,
+                        help="seconds to wait in all for other processes to leave the CPUs idle (0: never wait)")
+    args = parser.parse_args(argv)
+    chosen = [s.strip() for s in args.only.split(",") if s.strip()]
+    unknown = [s for s in chosen if s not in SECTIONS]
+    if unknown:
+        print(f"error: unknown section(s) {unknown}; valid: {list(SECTIONS)}", file=sys.stderr)
+        return 2
+    machine = machine_description()  # before the run: the load average says how busy the machine was
+    start = time.perf_counter()
+    sections = []
+    wait_left = args.max_wait
+    log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+    for name in SECTIONS:
+        if name not in chosen:
+            continue
+        busy, waited = wait_for_quiet(max(0.0, wait_left), log=log)
+        wait_left -= waited
+        t0 = time.perf_counter()
+        log(f"[bench] {name} ...")
+        section = importlib.import_module(SECTIONS[name]).run(quick=args.quick)
+        section.intro += (f" When this section started, the whole machine's CPU use was {busy:.0f}% "
+                          f"(after waiting {waited:.0f} s for other processes).")
+        sections.append(section)
+        log(f"[bench] {name} done in {fmt_seconds(time.perf_counter() - t0)}")
+    command = "python benchmarks/run.py" + (" " + " ".join(argv if argv is not None else sys.argv[1:])).rstrip()
+    text = render(machine, sections, command.strip(), time.perf_counter() - start)
+    atomic_write_text(args.out, text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,177 @@
+"""Timing, memory and machine description shared by the benchmarks.
+
+Every goal is a ratio of two medians measured in the same run. Contenders are timed interleaved
+(round after round, each called once per round), so a noisy shared machine slows both sides of a
+ratio alike. The first (cold) call is timed separately and never enters a median. Timings are never
+asserted in tests.
+"""
+from __future__ import annotations
+
+import os
+import platform
+import resource
+import statistics
+import time
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+from typing import Callable
+
+import psutil
+import torch
+
+MIB = 2**20
+
+
+@dataclass
+class Timing:
+    median_s: float
+    min_s: float
+    repeats: int
+    first_s: float  # the first (cold) call, before warm-up
+
+    def fmt(self) -> str:
+        return fmt_seconds(self.median_s)
+
+
+def fmt_seconds(s: float) -> str:
+    if s < 1e-3:
+        return f"{s * 1e6:.0f} µs"
+    if s < 1:
+        return f"{s * 1e3:.2f} ms"
+    return f"{s:.2f} s"
+
+
+def fmt_ratio(r: float) -> str:
+    return f"{r:.1f}×" if r >= 10 else f"{r:.2f}×"
+
+
+def time_call(fn: Callable[[], object], repeats: int = 7, warmup: int = 2, min_total_s: float = 0.0) -> Timing:
+    """Median wall time of fn() after warm-up calls (the first call is reported separately)."""
+    return time_interleaved({"fn": fn}, repeats, warmup, min_total_s)["fn"]
+
+
+def time_interleaved(
+    fns: dict[str, Callable[[], object]], repeats: int = 7, warmup: int = 2, min_total_s: float = 0.0
+) -> dict[str, Timing]:
+    """Median wall time of each fn, called once per round in rotating order, after warm-up rounds.
+
+    Round i starts with fn number i mod len(fns), so no contender always runs first (cache state,
+    frequency) or last. Runs at least `repeats` rounds, more (up to 10x) until `min_total_s` is spent.
+    """
+    names = list(fns)
+    first: dict[str, float] = {}
+    for name in names:
+        t0 = time.perf_counter()
+        fns[name]()
+        first[name] = time.perf_counter() - t0
+    for _ in range(max(0, warmup - 1)):
+        for name in names:
+            fns[name]()
+    times: dict[str, list[float]] = {n: [] for n in names}
+    rounds = 0
+    while rounds < repeats or (sum(times[names[0]]) < min_total_s and rounds < 10 * repeats):
+        for k in range(len(names)):
+            name = names[(rounds + k) % len(names)]
+            t0 = time.perf_counter()
+            fns[name]()
+            times[name].append(time.perf_counter() - t0)
+        rounds += 1
+    return {n: Timing(statistics.median(times[n]), min(times[n]), rounds, first[n]) for n in names}
+
+
+def package_versions(names=("torch", "numpy", "bitsandbytes", "peft", "transformers", "torchao")) -> list[str]:
+    out = []
+    for name in names:
+        try:
+            out.append(f"{name} {metadata.version(name)}")
+        except metadata.PackageNotFoundError:
+            out.append(f"{name} (not installed)")
+    return out
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _read(path: str) -> str:
+    try:
+        return Path(path).read_text().strip()
+    except OSError:
+        return "n/a"
+
+
+def machine_description() -> list[str]:
+    load = os.getloadavg() if hasattr(os, "getloadavg") else (float("nan"),) * 3
+    return [
+        f"- CPU: {_cpu_name()}; {os.cpu_count()} logical cores visible, torch threads {torch.get_num_threads()}",
+        f"- Memory: {psutil.virtual_memory().total / 2**30:.1f} GiB; {platform.system()} {platform.release()}; "
+        f"transparent huge pages: {_read('/sys/kernel/mm/transparent_hugepage/enabled')}",
+        f"- Python {platform.python_version()}; " + ", ".join(package_versions()),
+        f"- CUDA available: {torch.cuda.is_available()} (every figure here is CPU)",
+        f"- Load average when the run started: {load[0]:.2f} / {load[1]:.2f} / {load[2]:.2f} (1 / 5 / 15 min); "
+        "other processes on the machine slow both sides of a ratio, not always equally",
+    ]
+
+
+# ---- memory -------------------------------------------------------------------------------------
+
+
+def _status_kib(field: str) -> int | None:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+def current_rss_mib() -> float:
+    return psutil.Process().memory_info().rss / MIB
+
+
+def reset_peak_rss() -> bool:
+    """Reset the kernel's peak-RSS mark (VmHWM) to the current RSS (Linux: /proc/self/clear_refs, value 5)."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_rss_mib() -> float:
+    """Peak resident set size since the last reset_peak_rss() (or process start), MiB."""
+    hwm = _status_kib("VmHWM")
+    if hwm is not None:
+        return hwm / 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+# ---- a shared machine ---------------------------------------------------------------------------
+
+
+def busy_percent(seconds: float = 2.0) -> float:
+    """CPU use of the whole machine over `seconds` (percent of all cores), sampled while this process idles."""
+    return psutil.cpu_percent(interval=seconds)
+
+
+def wait_for_quiet(max_wait_s: float, threshold: float = 20.0, log=print) -> tuple[float, float]:
+    """Wait (up to max_wait_s) until other processes use less than `threshold` % of the CPUs.
+
+    Returns (busy percent when we stopped waiting, seconds waited). Other work on a 2-core machine
+    slows both sides of a ratio, but not equally: a parallel region waits for its slowest thread.
+    """
+    t0 = time.perf_counter()
+    busy = busy_percent()
+    while busy >= threshold and time.perf_counter() - t0 < max_wait_s:
+        log(f"[bench] other processes use {busy:.0f}% of the CPUs; waiting for them (up to {max_wait_s:.0f} s)")
+        time.sleep(10)
+        busy = busy_percent()
+    return busy, time.perf_counter() - t0
