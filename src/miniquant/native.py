@@ -319,6 +319,11 @@ class NativeKernels:
         self.dtypes = tuple(d for d, c in _DTYPE_CODE.items() if c != 2 or lib.nf4_has_f16())
         self._pool: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
+        if hasattr(os, "register_at_fork"):  # a forked child has none of the pool's threads: start afresh
+            os.register_at_fork(after_in_child=self._forget_pool)
+
+    def _forget_pool(self) -> None:
+        self._pool, self._lock = None, threading.Lock()
 
     def _split(self, blocks: int, call) -> None:
         """call(b0, b1) over [0, blocks): threads take chunks of blocks from a shared counter.

@@ -4,6 +4,7 @@ The native path normally starts at NF4 tensors of `NATIVE_MIN_ELEMENTS` values; 
 lowered so that small tensors take it too, and each result is compared with the eager path's.
 """
 import os
+import signal
 import subprocess
 import sys
 
@@ -141,3 +142,17 @@ def test_without_native_kernels_the_eager_path_gives_the_same_bytes(tmp_path, en
     without, with_native = run(env), run({})
     assert without[0] == "True" and with_native[0] == "False"
     assert without[1:] == with_native[1:]
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_forked_child_quantizes_with_threads(monkeypatch):
+    """A child forked after the thread pool started gets a fresh pool instead of waiting on the parent's threads."""
+    monkeypatch.setattr(native, "MIN_BLOCKS_PER_THREAD", 1)
+    w = torch.randn(256, 256, generator=torch.Generator().manual_seed(5))
+    expected = quantize_nf4(w).packed  # starts the pool in the parent
+    pid = os.fork()
+    if pid == 0:  # child: exit code says whether the bytes matched; SIGALRM ends it rather than hang
+        signal.alarm(120)
+        os._exit(0 if torch.equal(quantize_nf4(w).packed, expected) else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
