@@ -62,13 +62,7 @@ _SOURCE = r"""
 
 enum { F32 = 0, BF16 = 1, F16 = 2 };
 
-int nf4_has_f16(void) {
-#ifdef __AVX512F__
-    return 1;
-#else
-    return HAVE_F16;
-#endif
-}
+int nf4_has_f16(void) { return HAVE_F16; }  /* float16 needs _Float16 for the non-AVX-512 block sizes */
 
 /* Ask for transparent huge pages on a fresh buffer before its first write: one page fault per 2 MiB
    instead of per 4 KiB. Advisory; ignored where unsupported. */
