@@ -140,6 +140,21 @@ def _dequantize_all_seconds(model: nn.Module, config: str) -> float | None:
     return statistics.median(times)
 
 
+GEMM_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")  # addmm_ (LoRA's thin update) not counted
+
+
+def _gemm_share(step) -> tuple[float, float]:
+    """(seconds in the big matrix products, seconds of the whole step) for one profiled step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        step()
+        total = time.perf_counter() - t0
+    gemm = sum(e.self_cpu_time_total for e in prof.key_averages() if e.key in GEMM_OPS) / 1e6
+    return gemm, total
+
+
 def measure(config: str, warmup: int, steps: int) -> dict:
     """Build, warm up, then time `steps` optimizer steps; peak RSS over the timed steps."""
     import bitsandbytes  # noqa: F401  the same imports in every configuration: equal baselines
@@ -179,10 +194,11 @@ def measure(config: str, warmup: int, steps: int) -> dict:
         losses.append(step())
         times.append(time.perf_counter() - t0)
     peak = peak_rss_mib()
+    gemm_s, step_s = _gemm_share(step)
     deq = _dequantize_all_seconds(model, config)
     return {"config": config, "times": times, "first_s": first_s, "loss_first": losses[0], "loss_last": losses[-1],
             "rss_imports_mib": rss_imports, "rss_before_mib": rss_before, "peak_mib": peak,
-            "peak_is_since_reset": peak_reset, "dequantize_all_s": deq, "threads": torch.get_num_threads(), **facts}
+            "peak_is_since_reset": peak_reset, "dequantize_all_s": deq, "gemm_s": gemm_s, "profiled_step_s": step_s, "threads": torch.get_num_threads(), **facts}
 
 
 # ---- the section (runs in the parent) ------------------------------------------------------------
@@ -217,9 +233,11 @@ def run(quick: bool = False) -> Section:
         "step(s); 'first step' is the first step of the first subprocess. Peak RSS: the process's high-water mark "
         "over the timed steps; 'over imports' subtracts the RSS right after importing the libraries, before the "
         "model was built (model, optimizer state, activations, temporaries and allocator caches). 'machine busy "
-        "before': the whole machine's CPU use in the 2 s before each subprocess started (one figure per round).",
+        "before': the whole machine's CPU use in the 2 s before each subprocess started (one figure per round). "
+        f"'matrix products': self time of {', '.join(GEMM_OPS)} in one profiled step after the timed ones.",
         ["configuration", "median step", "first step", "vs our LoRA", "trainable params", "peak RSS (MiB)",
-         "peak over imports (MiB)", "loss step 0 → last", "machine busy before (%)"],
+         "peak over imports (MiB)", "matrix products (% of step)", "loss step 0 → last",
+         "machine busy before (%)"],
     )
     for config, label in CONFIGS.items():
         res = results[config][0]
@@ -227,23 +245,28 @@ def run(quick: bool = False) -> Section:
         over = max(r["peak_mib"] - r["rss_imports_mib"] for r in results[config])
         section.rows.append([label, fmt_seconds(med[config]), fmt_seconds(res["first_s"]),
                              fmt_ratio(med[config] / med["lora"]), f"{res['trainable_params']:,}", f"{peak:.0f}",
-                             f"{over:.0f}", f"{res['loss_first']:.4f} → {res['loss_last']:.4f}",
+                             f"{over:.0f}", f"{100 * statistics.median(r['gemm_s'] / r['profiled_step_s'] for r in results[config]):.0f}",
+                             f"{res['loss_first']:.4f} → {res['loss_last']:.4f}",
                              " / ".join(f"{r['busy_before']:.0f}" for r in results[config])])
     ours_deq = results["qlora"][0]["dequantize_all_s"]
     bnb_deq = results["peft_bnb_qlora"][0]["dequantize_all_s"]
-    guard_cost = med["qlora"] - med["qlora_noguard"]
+    share = {c: statistics.median(r["gemm_s"] / r["profiled_step_s"] for r in rs) for c, rs in results.items()}
+    rest = {c: med[c] * (1 - share[c]) for c in results}
     section.goals.append(Goal(
         "QLoRA step: ours / PEFT + bitsandbytes", med["qlora"] / med["peft_bnb_qlora"], QLORA_VS_PEFT_BNB_GOAL, False,
-        f"both run the same float32 GEMMs on dequantized weights (the base forward and input-gradient products, "
-        f"most of the step); ours saves in the LoRA path (PEFT LoRA / our LoRA, both fp32: "
-        f"{med['peft_lora'] / med['lora']:.2f}×) and in dequantizing all {len(TARGETS) * STACK.n_layer} base "
-        f"weights, twice per step: {fmt_seconds(ours_deq)} (ours) vs {fmt_seconds(bnb_deq)} (bitsandbytes) per pass",
+        f"both run the same float32 products on dequantized weights: matrix products take {share['qlora']:.0%} of "
+        f"our step and {share['peft_bnb_qlora']:.0%} of theirs (one profiled step each); the rest is "
+        f"{fmt_seconds(rest['qlora'])} (ours) vs {fmt_seconds(rest['peft_bnb_qlora'])} (theirs), so removing all of "
+        f"ours would still leave {1 - rest['qlora'] / med['peft_bnb_qlora']:.2f}×. Ours saves in the LoRA path "
+        f"(PEFT LoRA / our LoRA, both fp32: {med['peft_lora'] / med['lora']:.2f}×) and in dequantizing all "
+        f"{len(TARGETS) * STACK.n_layer} base weights (twice per step): {fmt_seconds(ours_deq)} (ours) vs "
+        f"{fmt_seconds(bnb_deq)} (bitsandbytes) per pass",
     ))
     section.goals.append(Goal(
         "QLoRA step: ours / our LoRA fp32", med["qlora"] / med["lora"], QLORA_VS_LORA_GOAL, False,
-        f"two dequantizations of every base weight per step ({fmt_seconds(2 * ours_deq)}) and "
-        f"wrap_minigpt_qlora's finite-output guards ({fmt_seconds(guard_cost)} per step: the median difference "
-        "with guards off, within noise when near zero)",
+        f"two dequantizations of every base weight per step ({fmt_seconds(2 * ours_deq)}) and the custom "
+        f"Function around each; wrap_minigpt_qlora's finite-output guards: {fmt_seconds(med['qlora'])} with, "
+        f"{fmt_seconds(med['qlora_noguard'])} without",
     ))
     same = results["peft_bnb_qlora"][0].get("nf4_bytes_equal_ours")
     section.notes += [

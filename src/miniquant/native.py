@@ -35,8 +35,8 @@ from torch import Tensor
 
 NATIVE_ENV = "MINIQUANT_NATIVE"  # set to 0 to never build or use the native kernels
 CACHE_ENV = "MINIQUANT_CACHE"  # folder for the compiled library
-MIN_BLOCKS_PER_THREAD = 256  # below this many blocks a call stays on the calling thread
-CHUNKS_PER_THREAD = 8  # work is cut into this many chunks per thread, taken as threads get free
+MIN_VALUES_PER_THREAD = 1 << 21  # smaller calls stay on the calling thread (handing work over costs ~50 µs)
+CHUNK_VALUES = 1 << 18  # threads take work in chunks of this many values, as they get free
 HUGE_PAGE_MIN_BYTES = 8 << 20  # fresh outputs at least this large ask for transparent huge pages
 CFLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-ffp-contract=off", "-fno-fast-math", "-std=gnu11"]
 
@@ -319,12 +319,13 @@ class NativeKernels:
     def _forget_pool(self) -> None:
         self._pool, self._lock = None, threading.Lock()
 
-    def _split(self, blocks: int, call) -> None:
+    def _split(self, blocks: int, blocksize: int, call) -> None:
         """call(b0, b1) over [0, blocks): threads take chunks of blocks from a shared counter.
 
-        Several chunks per thread, taken as threads get free: on a busy machine a thread that waits for
-        a core leaves its share to the others instead of holding up the whole call."""
-        threads = max(1, min(torch.get_num_threads(), os.cpu_count() or 1, blocks // MIN_BLOCKS_PER_THREAD))
+        Many chunks per thread, taken as threads get free: on a busy machine a thread that waits for a
+        core leaves its share to the others instead of holding up the whole call."""
+        values = blocks * blocksize
+        threads = max(1, min(torch.get_num_threads(), os.cpu_count() or 1, values // MIN_VALUES_PER_THREAD))
         if threads == 1:
             call(0, blocks)
             return
@@ -332,7 +333,7 @@ class NativeKernels:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="miniquant")
             pool = self._pool
-        chunks = min(CHUNKS_PER_THREAD * threads, max(threads, blocks // MIN_BLOCKS_PER_THREAD))
+        chunks = max(threads, values // CHUNK_VALUES)
         bounds = [blocks * c // chunks for c in range(chunks + 1)]
         counter = itertools.count()  # next() is atomic under the GIL
 
@@ -363,7 +364,7 @@ class NativeKernels:
         absmax = torch.empty(blocks, dtype=torch.float32)
         args = (x.data_ptr(), _DTYPE_CODE[x.dtype])
         tail = (bs, mids.data_ptr(), packed.data_ptr(), absmax.data_ptr())
-        self._split(blocks, lambda b0, b1: self._quantize(*args, b0, b1, *tail))
+        self._split(blocks, bs, lambda b0, b1: self._quantize(*args, b0, b1, *tail))
         return packed, absmax
 
     def dequantize(self, packed: Tensor, scales: Tensor, code: Tensor, dtype: torch.dtype) -> Tensor:
@@ -373,7 +374,7 @@ class NativeKernels:
         out = self._fresh((blocks, 2 * half), dtype)
         head = (packed.data_ptr(), scales.data_ptr())
         tail = (code.data_ptr(), out.data_ptr(), _DTYPE_CODE[dtype])
-        self._split(blocks, lambda b0, b1: self._dequantize(*head, b0, b1, 2 * half, *tail))
+        self._split(blocks, 2 * half, lambda b0, b1: self._dequantize(*head, b0, b1, 2 * half, *tail))
         return out
 
 

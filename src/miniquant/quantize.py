@@ -21,6 +21,7 @@ dequantizes W again to return the gradient for x only: nothing dequantized is ke
 """
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
@@ -71,8 +72,8 @@ def _buffer_shapes(scheme: QuantScheme, out_features: int, in_features: int) -> 
 def _nf4_surely_finite(absmax: Tensor, dtype: torch.dtype) -> bool:
     """True when every NF4 value code x absmax is finite in dtype: |code| <= 1, so finite scales no larger
     than dtype's largest value are enough. False means "look at the values" (it does not mean non-finite)."""
-    peak = absmax.abs().max()
-    return bool(torch.isfinite(peak)) and float(peak) <= torch.finfo(dtype).max
+    peak = float(torch.linalg.vector_norm(absmax, float("inf")))  # max |absmax|; NaN if any is NaN
+    return math.isfinite(peak) and peak <= torch.finfo(dtype).max
 
 
 class DequantLinearFunction(torch.autograd.Function):

@@ -26,7 +26,8 @@ if native.kernels() is None:
 def both_paths(monkeypatch, fn):
     """(native result, eager result) of fn(); the native call splits even a few blocks across threads."""
     monkeypatch.setattr(nf4, "NATIVE_MIN_ELEMENTS", 1)
-    monkeypatch.setattr(native, "MIN_BLOCKS_PER_THREAD", 1)
+    monkeypatch.setattr(native, "MIN_VALUES_PER_THREAD", 1)
+    monkeypatch.setattr(native, "CHUNK_VALUES", 64)
     fast = fn()
     monkeypatch.setattr(nf4, "NATIVE_MIN_ELEMENTS", 1 << 62)
     slow = fn()
@@ -147,7 +148,7 @@ def test_without_native_kernels_the_eager_path_gives_the_same_bytes(tmp_path, en
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
 def test_forked_child_quantizes_with_threads(monkeypatch):
     """A child forked after the thread pool started gets a fresh pool instead of waiting on the parent's threads."""
-    monkeypatch.setattr(native, "MIN_BLOCKS_PER_THREAD", 1)
+    monkeypatch.setattr(native, "MIN_VALUES_PER_THREAD", 1)
     w = torch.randn(256, 256, generator=torch.Generator().manual_seed(5))
     expected = quantize_nf4(w).packed  # starts the pool in the parent
     pid = os.fork()
