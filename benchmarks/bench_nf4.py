@@ -200,9 +200,10 @@ def run(quick: bool = False) -> Section:
         ))
         diff = (d_bnb.float() - d_ours.float()).abs().max().item()
         section.notes.append(
-            f"{name}: ours equals bitsandbytes' packed bytes and absmax exactly; dequantized values: max |ours − "
-            f"bitsandbytes' native CPU kernel| = {diff:.2e} (ours is code × absmax in float32, bitsandbytes' "
-            "pure-PyTorch backend; see tests/miniquant/test_nf4_bnb.py)"
+            f"{name}: ours equals bitsandbytes' packed bytes and absmax exactly (checked before timing); dequantized "
+            f"values here: max |ours − bitsandbytes.functional.dequantize_4bit| = {diff:.2e} (ours is code × absmax "
+            "in float32, like bitsandbytes' pure-PyTorch backend; tests/miniquant/test_nf4_bnb.py records where its "
+            "native CPU kernel differs)"
         )
     section.notes.append(
         "torch.compile (inductor, C++/OpenMP) of the same arithmetic is exact too, but it does not vectorize the "

@@ -40,6 +40,7 @@ CHUNK_VALUES = 1 << 18  # threads take work in chunks of this many values, as th
 HUGE_PAGE_MIN_BYTES = 8 << 20  # fresh outputs at least this large ask for transparent huge pages
 CFLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-ffp-contract=off", "-fno-fast-math", "-std=gnu11"]
 
+CPU_COUNT = os.cpu_count() or 1  # asked once: the call costs microseconds
 # dtype codes shared with the C source
 _DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
@@ -325,13 +326,14 @@ class NativeKernels:
         Many chunks per thread, taken as threads get free: on a busy machine a thread that waits for a
         core leaves its share to the others instead of holding up the whole call."""
         values = blocks * blocksize
-        threads = max(1, min(torch.get_num_threads(), os.cpu_count() or 1, values // MIN_VALUES_PER_THREAD))
-        if threads == 1:
+        threads = 1 if values < 2 * MIN_VALUES_PER_THREAD else min(torch.get_num_threads(), CPU_COUNT,
+                                                                   values // MIN_VALUES_PER_THREAD)
+        if threads <= 1:
             call(0, blocks)
             return
         with self._lock:
             if self._pool is None:
-                self._pool = ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="miniquant")
+                self._pool = ThreadPoolExecutor(max_workers=CPU_COUNT, thread_name_prefix="miniquant")
             pool = self._pool
         chunks = max(threads, values // CHUNK_VALUES)
         bounds = [blocks * c // chunks for c in range(chunks + 1)]
