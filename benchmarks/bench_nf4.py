@@ -96,7 +96,7 @@ def _torchao_to_nf4():
 def run(quick: bool = False) -> Section:
     import bitsandbytes.functional as bnb
 
-    repeats = 3 if quick else 7
+    repeats = 3 if quick else 15  # quantize rounds (bitsandbytes takes ~0.3 s a call); dequantize: 2x
     to_nf4 = _torchao_to_nf4()
     section = Section(
         "NF4 quantize and dequantize, 4096×4096",
@@ -177,7 +177,7 @@ def run(quick: bool = False) -> Section:
             "bitsandbytes": lambda: bnb.dequantize_4bit(packed, state),
             "copy": lambda: out_fp.copy_(w),
             "clone": lambda: w.clone(),
-        }, repeats)
+        }, 2 * repeats)
         extra = {
             "ours, eager PyTorch path": time_call(eager(lambda: dequantize_nf4(q)), repeats),
             "torch.compile of the same arithmetic": time_call(lambda: cd(pk, scales, code, dtype), repeats),

@@ -229,13 +229,14 @@ def run(quick: bool = False) -> Section:
         f"MiniGPT d_model {STACK.d_model}, {STACK.n_layer} layers, {STACK.n_head} heads, vocab {STACK.vocab_size}, "
         f"block {STACK.block_size}; batch {BATCH} × {STACK.block_size} tokens; LoRA r = {RANK}, alpha {ALPHA:g} on "
         f"{', '.join(TARGETS)}; float32 compute; AdamW. One step = forward, cross-entropy, backward, optimizer "
-        f"step. Median of {steps} timed steps × {rounds} subprocess(es) per configuration, after {warmup} warm-up "
+        f"step. Median of {steps} timed steps × {rounds} subprocess(es) per configuration ('per round': each "
+        f"subprocess's own median; their spread is this machine's run-to-run noise), after {warmup} warm-up "
         "step(s); 'first step' is the first step of the first subprocess. Peak RSS: the process's high-water mark "
         "over the timed steps; 'over imports' subtracts the RSS right after importing the libraries, before the "
         "model was built (model, optimizer state, activations, temporaries and allocator caches). 'machine busy "
         "before': the whole machine's CPU use in the 2 s before each subprocess started (one figure per round). "
         f"'matrix products': self time of {', '.join(GEMM_OPS)} in one profiled step after the timed ones.",
-        ["configuration", "median step", "first step", "vs our LoRA", "trainable params", "peak RSS (MiB)",
+        ["configuration", "median step", "per round", "first step", "vs our LoRA", "trainable params", "peak RSS (MiB)",
          "peak over imports (MiB)", "matrix products (% of step)", "loss step 0 → last",
          "machine busy before (%)"],
     )
@@ -243,7 +244,8 @@ def run(quick: bool = False) -> Section:
         res = results[config][0]
         peak = max(r["peak_mib"] for r in results[config])
         over = max(r["peak_mib"] - r["rss_imports_mib"] for r in results[config])
-        section.rows.append([label, fmt_seconds(med[config]), fmt_seconds(res["first_s"]),
+        per_round = " / ".join(fmt_seconds(statistics.median(r["times"])) for r in results[config])
+        section.rows.append([label, fmt_seconds(med[config]), per_round, fmt_seconds(res["first_s"]),
                              fmt_ratio(med[config] / med["lora"]), f"{res['trainable_params']:,}", f"{peak:.0f}",
                              f"{over:.0f}", f"{100 * statistics.median(r['gemm_s'] / r['profiled_step_s'] for r in results[config]):.0f}",
                              f"{res['loss_first']:.4f} → {res['loss_last']:.4f}",
