@@ -10,7 +10,8 @@ in float32, then a round-to-nearest-even cast. No fast-math flags: float results
 
 The shared library is cached under $MINIQUANT_CACHE (default: <tmp>/miniquant-<uid>), keyed by a hash
 of the source, the flags, the compiler and the CPU's feature flags (it is built with -march=native).
-Blocks are split across `torch.get_num_threads()` Python threads; ctypes releases the GIL during a call.
+Quantization splits its blocks across `torch.get_num_threads()` Python threads (ctypes releases the GIL
+during a call); dequantization runs on the calling thread.
 `kernels()` returns None when there is no compiler, the build fails, or MINIQUANT_NATIVE=0: the callers
 then use the eager PyTorch path, which gives the same bytes.
 """
@@ -376,7 +377,9 @@ class NativeKernels:
         out = self._fresh((blocks, 2 * half), dtype)
         head = (packed.data_ptr(), scales.data_ptr())
         tail = (code.data_ptr(), out.data_ptr(), _DTYPE_CODE[dtype])
-        self._split(blocks, 2 * half, lambda b0, b1: self._dequantize(*head, b0, b1, 2 * half, *tail))
+        # One thread: writing a fresh output is bound by its first touch (page faults), and on the 2-core
+        # machine of benchmarks/RESULTS.md a second thread made a 64 MiB dequantization slower, not faster.
+        self._dequantize(*head, 0, blocks, 2 * half, *tail)
         return out
 
 
