@@ -196,7 +196,7 @@ def run(quick: bool = False) -> Section:
             DEQUANTIZE_GOAL, True,
             f"a fresh {out_mib:.0f} MiB output: ours takes {ours / dt['copy'].median_s:.2f}× a copy into an existing "
             f"tensor and {ours / dt['clone'].median_s:.2f}× a clone into a fresh one (page faults); it writes the "
-            "output once, in 2 MiB pages where the OS grants them",
+            "output once, on one thread, in 2 MiB pages where the OS grants them",
         ))
         diff = (d_bnb.float() - d_ours.float()).abs().max().item()
         section.notes.append(
