@@ -180,8 +180,10 @@ class QuantizedLinear(nn.Module):
                 f"expected input with last dimension {self.in_features}, got shape {tuple(x.shape)}"
             )
         # the Function sees 2-D tensors, so its output is not a view (callers such as LoRA may add into it in place)
+        if x.dim() == 2:  # (N, in): no reshape, no view node in the graph
+            return DequantLinearFunction.apply(x, self.bias, self, *self.quantized_tensors())  # (N, out)
         y = DequantLinearFunction.apply(x.reshape(-1, self.in_features), self.bias, self, *self.quantized_tensors())
-        return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)  # (..., out)
+        return y.view(*x.shape[:-1], self.out_features)  # (..., out)
 
     def extra_repr(self) -> str:
         return (
