@@ -261,10 +261,9 @@ def run(quick: bool = False) -> Section:
         f"our step and {share['peft_bnb_qlora']:.0%} of theirs (one profiled step each). The goal allows "
         f"{fmt_seconds(budget)} for everything else in ours; it spends {fmt_seconds(rest['qlora'])} (PEFT + "
         f"bitsandbytes: {fmt_seconds(rest['peft_bnb_qlora'])}), much of it the model's own attention, norms, GELU, "
-        "loss and AdamW, common to every row. Ours saves in the LoRA path "
-        f"(PEFT LoRA / our LoRA, both fp32: {med['peft_lora'] / med['lora']:.2f}×) and in dequantizing all "
-        f"{len(TARGETS) * STACK.n_layer} base weights (twice per step): {fmt_seconds(ours_deq)} (ours) vs "
-        f"{fmt_seconds(bnb_deq)} (bitsandbytes) per pass",
+        "loss and AdamW, common to every row. Differences outside the products: the LoRA path (PEFT LoRA / our "
+        f"LoRA, both fp32: {med['peft_lora'] / med['lora']:.2f}×) and dequantizing all {len(TARGETS) * STACK.n_layer} "
+        f"base weights, twice per step: {fmt_seconds(ours_deq)} (ours) vs {fmt_seconds(bnb_deq)} (bitsandbytes) a pass",
     ))
     section.goals.append(Goal(
         "QLoRA step: ours / our LoRA fp32", med["qlora"] / med["lora"], QLORA_VS_LORA_GOAL, False,
