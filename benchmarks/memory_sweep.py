@@ -174,7 +174,8 @@ def run(quick: bool = False):
     ratios = [a["predicted_bytes"] / a["measured_bytes"] for a in act]
     goals = [Goal("activations: largest predicted / measured", max(ratios), 1 + GOAL / 100, False, "exact model"),
              Goal("activations: smallest predicted / measured", min(ratios), 1 - GOAL / 100, True, "exact model")]
-    return Section("Memory: the planner against measurement", INTRO, header, rows, goals, summary(results))
+    intro = INTRO + "\n\n![predicted vs measured activations](memory_sweep.png)"
+    return Section("Memory: the planner against measurement", intro, header, rows, goals, summary(results))
 
 
 def write(results: list[dict], command: str) -> None:

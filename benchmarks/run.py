@@ -25,6 +25,7 @@ SECTIONS = {
     "step": "bench_step",
     "lora_forward": "bench_lora_forward",
     "planner": "bench_planner",
+    "memory": "memory_sweep",  # the planner's buckets against memory-check measurements (issue 7)
 }
 TIMING_SENSITIVE = {"nf4", "step", "lora_forward"}  # worth waiting for a quiet machine (the planner takes µs)
 
