@@ -2,9 +2,7 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
-from minigpt.checkpointing import check_run_dir
 
 DEFAULT_CHECKPOINT_EVERY = 100  # steps between resumable checkpoints on the command line (the library default is none)
 
@@ -35,11 +33,6 @@ def positive_float(text: str) -> float:
     if not value > 0 or value == float("inf"):
         raise argparse.ArgumentTypeError(f"expected a positive finite number, got {text}")
     return value
-
-
-def prepare_out_dir(out: Path, marker: str, overwrite: bool, resume: bool = False) -> None:
-    """Refuse to write into a folder that already holds a run, unless told to overwrite or resume."""
-    check_run_dir(out, (marker,), overwrite, resume)
 
 
 def add_run_arguments(p: argparse.ArgumentParser, what: str = "run") -> None:
