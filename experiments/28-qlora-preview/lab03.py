@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from minigpt.checkpoint import MANIFEST, WEIGHTS, load_base
+from minigpt.base_folder import MANIFEST, WEIGHTS, load_base
 from minigpt.data import eval_batches, sample_batch
 from minigpt.errors import InputError
 from minigpt.io import atomic_write_text, read_json, sha256_file, write_json
@@ -31,7 +31,7 @@ from minigpt.train import TrainConfig, evaluate, lm_loss
 from minituner.adapter_io import ADAPTER_FILE, load_adapter, read_adapter
 from minituner.finetune import DEFAULT_DATA, PEFT_DIR, FinetuneConfig, encode_domain, finetune
 from minituner.lora import LoRAConfig, apply_lora, load_lora_state_dict, lora_modules
-from minituner.memory_accounting import account, measure_training, process_rss_bytes
+from minituner.memory.accounting import account, measure_training, process_rss_bytes
 from minituner.planner import (MemoryConfig, Regime, lora_trainable_params, minigpt_shape, nf4_weight_bytes, plan,
                                preset_shape, quantized_params, total_params)
 from minituner.qlora import (compare_logits, param_summary, print_trainable_parameters, quantize_linears,
@@ -414,7 +414,7 @@ The run's own manifest (config `quant_scheme` = `{cs['quant_scheme']}`) is kept 
 
 Each regime is built in a fresh process from the same base and Lab 02's adapter, then trained for {d['steps']} AdamW steps
 on batches of {d['batch'][0]} × {d['batch'][1]} tokens (the planner's default batch). "Exact" columns count the live tensors
-after the steps (`minituner.memory_accounting.account`: parameters and buffers, grads, optimizer state, each storage
+after the steps (`minituner.memory.accounting.account`: parameters and buffers, grads, optimizer state, each storage
 once); RSS is the process's resident memory (psutil) minus its reading just before building. fp16 compute on CPU
 works but is slow, which at this size does not matter. The planner's prediction (weights / grads / Adam, without
 its activation estimate) is beside it:

@@ -5,8 +5,8 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from .checkpoint import MANIFEST, WEIGHTS, save_base
-from .checkpointing import check_run_dir
+from .base_folder import MANIFEST, WEIGHTS, save_base
+from .run_dir import check_run_dir
 from .data import encode_split, load_documents, split_documents, unigram_entropy
 from .manifest import seed_everything, write_manifest
 from .model import GPTConfig, MiniGPT

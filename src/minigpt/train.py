@@ -2,7 +2,7 @@
 
 AdamW over the parameters that require grad (nothing else gets optimizer state), warmup then cosine
 or constant LR, gradient clipping, evaluation every N steps, a progress bar, metrics.jsonl and a
-loss-curve PNG. With an output folder it writes resumable checkpoints (minigpt.checkpointing) and
+loss-curve PNG. With an output folder it writes resumable checkpoints (minigpt.train_state) and
 ``resume=True`` continues from the newest one, bit-identically on CPU. A non-finite loss or gradient
 stops the run naming the step (or, with ``skip_nonfinite``, skips that step).
 """
@@ -21,7 +21,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from .checkpointing import (CHECKPOINT_DIR, TrainState, capture_rng, check_compatible, clear_checkpoints,
+from .train_state import (CHECKPOINT_DIR, TrainState, capture_rng, check_compatible, clear_checkpoints,
                             latest_checkpoint, list_checkpoints, restore, save_checkpoint)
 from .data import eval_batches, sample_batch
 from .device import PRECISIONS, autocast, check_precision

@@ -6,7 +6,7 @@ from typing import Protocol
 
 import torch
 
-from minigpt.checkpoint import load_base
+from minigpt.base_folder import load_base
 from minigpt.errors import InputError
 from minigpt.io import atomic_write_text, read_json
 from minigpt.model import MiniGPT

@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from minigpt.checkpoint import MANIFEST, WEIGHTS, save_base
-from minigpt.checkpointing import check_run_dir
+from minigpt.base_folder import MANIFEST, WEIGHTS, save_base
+from minigpt.run_dir import check_run_dir
 from minigpt.data import encode_split, load_documents, split_documents
 from minigpt.distributed import barrier, is_writer
 from minigpt.errors import InputError

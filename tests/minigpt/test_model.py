@@ -3,7 +3,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minigpt.checkpoint import load_base, save_base
+from minigpt.base_folder import load_base, save_base
 from minigpt.errors import InputError
 from minigpt.model import GPTConfig, MiniGPT
 

@@ -1,6 +1,6 @@
 import json
 
-from minigpt.checkpoint import load_base
+from minigpt.base_folder import load_base
 from minigpt.pretrain import pretrain
 from minigpt.train import TrainConfig, lr_at
 

@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from minigpt.checkpoint import load_base, save_base
+from minigpt.base_folder import load_base, save_base
 from minigpt.data import forecast_documents
 from minigpt.errors import InputError
 from minigpt.model import GPTConfig, MiniGPT

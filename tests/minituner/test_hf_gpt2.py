@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from minigpt.checkpoint import save_base
+from minigpt.base_folder import save_base
 from minigpt.errors import InputError
 from minigpt.model import GPTConfig, MiniGPT
 from minigpt.tokenizer import CharTokenizer

@@ -4,7 +4,7 @@ import json
 import pytest
 import torch
 
-from minigpt.checkpoint import load_base, save_base
+from minigpt.base_folder import load_base, save_base
 from minigpt.data import forecast_documents
 from minigpt.model import GPTConfig, MiniGPT
 from minigpt.tokenizer import CharTokenizer

@@ -13,7 +13,7 @@ from minigpt.model import GPTConfig, MiniGPT
 from ..base_model import load_base_model
 from ..hf_gpt2 import config_from_gpt2
 from ..lora import ALL_LINEAR
-from ..memory_check import REGIMES, CheckConfig, describe, format_table, memory_check
+from ..memory.check import REGIMES, CheckConfig, describe, format_table, memory_check
 from ..planner import minigpt_vocab
 from ..planner.presets import MINIGPT_SIZES
 from ._common import positive_float, positive_int

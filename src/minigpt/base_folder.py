@@ -1,4 +1,4 @@
-"""A base-model folder: config.json + model.safetensors + tokenizer.json (+ manifest.json)."""
+"""A base-model folder (MiniGPT): config.json + model.safetensors + tokenizer.json (+ manifest.json)."""
 from __future__ import annotations
 
 from pathlib import Path

@@ -1,7 +1,7 @@
 """Check the planner against a real run: build the model, train a few steps, measure each memory bucket.
 
 Measured, bucket by bucket (bytes; every storage counted once, so tied weights and views count once):
-- weights, grads, optimizer: ``memory_accounting.account`` (parameters and buffers, QLoRA's NF4 codes and
+- weights, grads, optimizer: ``accounting.account`` (parameters and buffers, QLoRA's NF4 codes and
   absmax included; every ``.grad`` after backward; Adam's state after a step), with Adam's 0-d ``step``
   counters shown apart (4 bytes per trainable tensor; the planner's optimizer bucket is m and v);
 - activations: every tensor the forward saves for backward, seen by ``torch.autograd.graph.saved_tensors_hooks``,
@@ -33,12 +33,12 @@ from minigpt.errors import InputError
 from minigpt.model import GPTConfig, MiniGPT
 from minigpt.train import lm_loss
 
-from .lora import ALL_LINEAR, LoRAConfig, apply_lora
-from .memory_accounting import account, storage_bytes
-from .planner import (MemoryConfig, Regime, korthikanti_activation_bytes, minigpt_shape, regime_bytes,
+from ..lora import ALL_LINEAR, LoRAConfig, apply_lora
+from .accounting import account, storage_bytes
+from ..planner import (MemoryConfig, Regime, korthikanti_activation_bytes, minigpt_shape, regime_bytes,
                       seed_activation_bytes)
-from .planner.report import UNITS
-from .qlora import wrap_minigpt_qlora
+from ..planner.report import UNITS
+from ..qlora import wrap_minigpt_qlora
 
 REGIMES = ("full", "lora", "qlora")
 BUCKETS = ("weights", "grads", "optimizer", "activations")
@@ -88,7 +88,7 @@ def prepare(model: MiniGPT, check: CheckConfig, device: torch.device) -> None:
 
 
 def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
-    """memory_accounting.account's buckets, with Adam's 0-d step counters taken out of the optimizer bucket."""
+    """accounting.account's buckets, with Adam's 0-d step counters taken out of the optimizer bucket."""
     acc = account(model, optimizer)
     steps = storage_bytes([state["step"] for state in optimizer.state.values() if torch.is_tensor(state.get("step"))])
     return {"weights": acc["weights"], "grads": acc["grads"], "optimizer": acc["optimizer"] - steps,

@@ -6,12 +6,12 @@ import json
 import pytest
 import torch
 
-from minigpt.checkpoint import save_base
+from minigpt.base_folder import save_base
 from minigpt.io import write_json
 from minigpt.model import GPTConfig, MiniGPT
 from minituner.cli import main
 from minituner.hf_gpt2 import gpt2_config_dict
-from minituner.memory_check import BUCKETS, CheckConfig, SavedTensors, memory_check
+from minituner.memory.check import BUCKETS, CheckConfig, SavedTensors, memory_check
 from minituner.planner import MemoryConfig, Regime, minigpt_shape, regime_bytes, total_params
 from minituner.planner.activations import minigpt_activation_terms
 

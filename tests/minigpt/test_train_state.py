@@ -1,4 +1,5 @@
-"""Resumable checkpoints (minigpt.checkpointing) and the training loop's resume and non-finite handling."""
+"""Resumable training state (minigpt.train_state), the run-folder policy (minigpt.run_dir), and the
+training loop's resume and non-finite handling."""
 import json
 import random
 
@@ -8,9 +9,9 @@ import torch
 import torch.nn as nn
 
 import minigpt.train as train_mod
-from minigpt.checkpointing import (CHECKPOINT_DIR, FORMAT, TrainState, capture_rng, check_run_dir, from_file,
-                                   latest_checkpoint, list_checkpoints, load_checkpoint, restore_rng, save_checkpoint,
-                                   to_file)
+from minigpt.run_dir import check_run_dir
+from minigpt.train_state import (CHECKPOINT_DIR, FORMAT, TrainState, capture_rng, from_file, latest_checkpoint,
+                                  list_checkpoints, load_checkpoint, restore_rng, save_checkpoint, to_file)
 from minigpt.errors import InputError
 from minigpt.manifest import seed_everything
 from minigpt.model import GPTConfig, MiniGPT
