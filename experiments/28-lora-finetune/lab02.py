@@ -16,7 +16,8 @@ from pathlib import Path
 
 import torch
 
-from minigpt.base_folder import MANIFEST, WEIGHTS, load_base
+from minigpt.base_folder import MANIFEST, WEIGHTS
+from minituner.base_model import load_base
 from minigpt.errors import InputError
 from minigpt.io import atomic_write_text, read_json, sha256_file, write_json
 from minigpt.train import TrainConfig, evaluate

@@ -45,8 +45,11 @@ def load_config(folder: str | Path) -> GPTConfig:
         raise InputError(f"{folder}/{CONFIG}: {e}") from None
 
 
-def load_base(folder: str | Path, device: str | torch.device = "cpu") -> tuple[MiniGPT, CharTokenizer | None]:
-    """Load a folder written by save_base; anything that is not such a folder is an InputError."""
+def load_minigpt_folder(folder: str | Path, device: str | torch.device = "cpu") -> tuple[MiniGPT, CharTokenizer | None]:
+    """Read a MiniGPT folder written by save_base; anything that is not such a folder is an InputError.
+
+    Users load any base folder (MiniGPT or Hugging Face) with ``minituner.base_model.load_base``.
+    """
     folder = Path(folder)
     if not folder.is_dir():
         raise InputError(f"{folder}: no such model folder")

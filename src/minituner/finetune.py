@@ -23,7 +23,7 @@ from minigpt.io import sha256_file
 from minigpt.manifest import seed_everything, write_manifest
 from minigpt.train import TrainConfig, evaluate, train
 
-from .base_model import Tokenizer, base_weights_file, load_base_model
+from .base_model import Tokenizer, base_weights_file, load_base
 from .adapter_io import ADAPTER_FILE, load_adapter, save_adapter
 from .lora import LoRAConfig, apply_lora, trainable_numel
 from .peft_format import save_peft_adapter
@@ -109,7 +109,7 @@ def finetune(base: str | Path, out: str | Path, cfg: FinetuneConfig, progress: b
     writer = is_writer()
     progress, log = progress and writer, log if writer else (lambda *a, **k: None)
     seed_everything(cfg.train.seed)
-    model, tokenizer = load_base_model(base, device)
+    model, tokenizer = load_base(base, device)
     if tokenizer is None:
         raise InputError(f"{base}: no tokenizer.json beside the model")
     base_weights = base_weights_file(base)

@@ -10,7 +10,7 @@ from minigpt.errors import InputError
 from minigpt.io import read_json
 from minigpt.model import GPTConfig, MiniGPT
 
-from ..base_model import load_base_model
+from ..base_model import load_base
 from ..hf_gpt2 import config_from_gpt2
 from ..lora import ALL_LINEAR
 from ..memory.check import REGIMES, CheckConfig, describe, format_table, memory_check
@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
         raise InputError("--tokenizer applies to --preset, not to --config or --base")
     if args.base is not None:
         name = str(args.base)
-        build = lambda: load_base_model(args.base, device)[0]  # noqa: E731
+        build = lambda: load_base(args.base, device)[0]  # noqa: E731
     else:
         if args.config is not None:
             cfg, name = config_from_file(args.config), str(args.config)
