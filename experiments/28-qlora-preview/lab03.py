@@ -29,21 +29,23 @@ from minigpt.errors import InputError
 from minigpt.io import atomic_write_text, read_json, sha256_file, write_json
 from minigpt.manifest import write_manifest
 from minigpt.train import TrainConfig, evaluate, lm_loss
+from miniquant import DEFAULT_QUANT_SCHEME
 from minituner.adapter_io import ADAPTER_FILE, load_adapter, read_adapter
 from minituner.finetune import DEFAULT_DATA, PEFT_DIR, FinetuneConfig, encode_domain, finetune
 from minituner.lora import LoRAConfig, apply_lora, load_lora_state_dict, lora_modules
 from minituner.memory.accounting import account, measure_training, process_rss_bytes
 from minituner.planner import (MemoryConfig, Regime, lora_trainable_params, minigpt_shape, nf4_weight_bytes, plan,
                                preset_shape, quantized_params, total_params)
+from minituner.build import wrap_minigpt_qlora
 from minituner.qlora import (compare_logits, param_summary, print_trainable_parameters, quantize_linears,
-                             quantized_modules, weight_errors, wrap_minigpt_qlora)
+                             quantized_modules, weight_errors)
 from minituner.zoo import adapters_disabled, set_adapter
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 LAB02_ADAPTER = ROOT / "experiments" / "28-lora-finetune" / ADAPTER_FILE
 LORA = LoRAConfig(r=8, alpha=16.0, dropout=0.0, target_modules="all-linear")  # Lab 02's adapter
-SCHEME = "nf4_per_group_64"
+SCHEME = DEFAULT_QUANT_SCHEME
 COMPARE_SCHEMES = ("int8_per_group_64", "int4_per_group_64", SCHEME)  # Phase 26's int schemes beside NF4
 TRAIN = TrainConfig(steps=1, batch_size=32, lr=1e-3, warmup_steps=10, schedule="cosine", eval_every=50, seed=1337)
 EPOCHS = 1.0  # TRAIN.steps is replaced by one pass over the forecasts train split

@@ -22,12 +22,14 @@ from minigpt.errors import InputError
 from minigpt.io import sha256_file
 from minigpt.manifest import seed_everything, write_manifest
 from minigpt.train import TrainConfig, evaluate, train
+from miniquant import DEFAULT_QUANT_SCHEME
 
 from .base_model import Tokenizer, base_weights_file, load_base
-from .adapter_io import ADAPTER_FILE, load_adapter, save_adapter
-from .lora import LoRAConfig, apply_lora, trainable_numel
+from .build import build_for_training
+from .adapter_io import ADAPTER_FILE, save_adapter
+from .lora import LoRAConfig, trainable_numel
 from .peft_format import save_peft_adapter
-from .qlora import add_finite_guards, check_qlora, check_scheme, quantize_targets
+from .qlora import check_scheme
 
 DEFAULT_DATA = "builtin:forecasts"
 BASE_DOMAIN = "builtin:python-docs"
@@ -133,18 +135,9 @@ def finetune(base: str | Path, out: str | Path, cfg: FinetuneConfig, progress: b
     base_before = domain_val_loss(model, tokenizer, cfg.base_domain, train_cfg) if cfg.base_domain else None
 
     lora_cfg = cfg.lora
-    if cfg.method == "lora":
-        if cfg.quant_scheme:  # QLoRA: quantize the targets first; LoRA then wraps the quantized layers
-            quantize_targets(model, lora_cfg.target_modules, cfg.quant_scheme)
-        if cfg.init_adapter:
-            load_adapter(model, cfg.init_adapter, config=lora_cfg)
-        else:
-            apply_lora(model, lora_cfg)
-    else:
-        model.requires_grad_(True)
-    if cfg.quant_scheme:
-        add_finite_guards(model)
-        check_qlora(model)  # the trainable set is exactly the LoRA factors
+    method = "qlora" if cfg.quant_scheme else cfg.method
+    build_for_training(model, method, lora_cfg, cfg.quant_scheme or DEFAULT_QUANT_SCHEME, device,
+                       init_adapter=cfg.init_adapter)
     trainable = trainable_numel(model)
     log(f"{cfg.method}: {trainable:,} of {n_params:,} parameters trainable ({trainable / n_params:.2%}); "
         f"{train_ids.numel():,} train / {val_ids.numel():,} val tokens from {cfg.data}; {train_cfg.steps} steps")

@@ -15,7 +15,7 @@ from minituner.adapter_io import ADAPTER_FILE, load_adapter
 from minituner.cli import main
 from minituner.finetune import FinetuneConfig, finetune
 from minituner.lora import LoRAConfig, lora_modules, lora_state_dict
-from minituner.qlora import wrap_minigpt_qlora
+from minituner.build import wrap_minigpt_qlora
 
 
 @pytest.fixture(scope="module", autouse=True)

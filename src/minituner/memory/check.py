@@ -33,12 +33,12 @@ from minigpt.errors import InputError
 from minigpt.model import GPTConfig, MiniGPT
 from minigpt.train import lm_loss
 
-from ..lora import ALL_LINEAR, LoRAConfig, apply_lora
+from ..build import build_for_training
+from ..lora import ALL_LINEAR, LoRAConfig
 from .accounting import account, storage_bytes
 from ..planner import (MemoryConfig, Regime, korthikanti_activation_bytes, minigpt_shape, regime_bytes,
                       seed_activation_bytes)
 from ..planner.report import UNITS
-from ..qlora import wrap_minigpt_qlora
 
 REGIMES = ("full", "lora", "qlora")
 BUCKETS = ("weights", "grads", "optimizer", "activations")
@@ -78,13 +78,8 @@ def disable_dropout(model: nn.Module) -> None:
 
 def prepare(model: MiniGPT, check: CheckConfig, device: torch.device) -> None:
     """Make the model trainable the way the regime trains it (QLoRA: NF4 targets, fp32 float parts)."""
-    if check.regime == "full":
-        model.requires_grad_(True)
-    elif check.regime == "lora":
-        apply_lora(model, LoRAConfig(r=check.rank, alpha=check.alpha, target_modules=check.targets))
-    else:
-        wrap_minigpt_qlora(model, r=check.rank, alpha=check.alpha, targets=check.targets, device=device,
-                           compute_dtype=torch.float32)
+    build_for_training(model, check.regime, LoRAConfig(r=check.rank, alpha=check.alpha, target_modules=check.targets),
+                       device=device, compute_dtype=torch.float32)
 
 
 def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
