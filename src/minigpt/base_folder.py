@@ -11,6 +11,7 @@ from .model import GPTConfig, MiniGPT
 from .tokenizer import CharTokenizer
 
 CONFIG, WEIGHTS, TOKENIZER, MANIFEST = "config.json", "model.safetensors", "tokenizer.json", "manifest.json"
+WEIGHTS_INDEX = "model.safetensors.index.json"  # a sharded checkpoint's index (Hugging Face folders)
 
 
 def base_state_dict(model: MiniGPT) -> dict[str, torch.Tensor]:

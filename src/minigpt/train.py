@@ -110,10 +110,6 @@ class TrainResult:
     resumes: list[dict] = field(default_factory=list)  # one per resume: step, checkpoint, sha256
 
 
-def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
-    return [p for p in model.parameters() if p.requires_grad]
-
-
 def named_trainable_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
     return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
 
@@ -311,7 +307,3 @@ def plot_loss_curve(history: list[dict], path: Path, title: str = "training loss
     fig.savefig(tmp, dpi=110, format="png")
     plt.close(fig)
     tmp.replace(path)
-
-
-def config_dict(cfg) -> dict:
-    return asdict(cfg)

@@ -9,7 +9,7 @@ from typing import Protocol
 
 import torch
 
-from minigpt.base_folder import load_minigpt_folder
+from minigpt.base_folder import CONFIG, TOKENIZER, WEIGHTS, WEIGHTS_INDEX, load_minigpt_folder
 from minigpt.errors import InputError
 from minigpt.io import atomic_write_text, read_json
 from minigpt.model import MiniGPT
@@ -17,7 +17,6 @@ from minigpt.tokenizer import FORMAT, CharTokenizer
 
 from .hf_gpt2 import load_gpt2
 
-CONFIG, TOKENIZER = "config.json", "tokenizer.json"
 KINDS = {
     "minigpt": "a minituner base folder (written by `minituner pretrain`)",
     "gpt2": "a Hugging Face GPT-2 folder (config.json + model.safetensors)",
@@ -110,5 +109,5 @@ def load_base(folder: str | Path, device: str | torch.device = "cpu") -> tuple[M
 def base_weights_file(folder: str | Path) -> Path:
     """The file whose sha256 identifies a base: model.safetensors, or the index of a sharded checkpoint."""
     folder = Path(folder)
-    single = folder / "model.safetensors"
-    return single if single.is_file() else folder / "model.safetensors.index.json"
+    single = folder / WEIGHTS
+    return single if single.is_file() else folder / WEIGHTS_INDEX

@@ -36,7 +36,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--full-precision", choices=FULL_PRECISIONS, default="mixed",
                    help="full FT: fp16 + fp32 master (mixed, default) or plain fp32")
     p.add_argument("--activations", choices=ACTIVATION_MODELS, default="seed",
-                   help="activation estimate: the seed's B*T*d*L*16 bytes or Korthikanti et al. 2022")
+                   help="activations: the seed's B*T*d*L*16 bytes, Korthikanti et al. 2022, or exact (MiniGPT's "
+                   "saved tensors, planner/activations.py)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
 
 

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from minigpt.device import DEVICES, PRECISIONS, resolve_device
+from minigpt.base_folder import CONFIG
 from minigpt.errors import InputError
 from minigpt.io import read_json
 from minigpt.model import GPTConfig, MiniGPT
@@ -46,7 +47,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def config_from_file(path: Path) -> GPTConfig:
     """A GPT-2 or MiniGPT config.json -> the GPTConfig of the MiniGPT that memory-check builds."""
-    path = path / "config.json" if path.is_dir() else path
+    path = path / CONFIG if path.is_dir() else path
     d = read_json(path)
     kind = d.get("model_type", "minigpt")
     if kind == "gpt2":

@@ -45,7 +45,7 @@ class MemoryConfig:
     seq_len: int = 32  # tokens per sequence (the seed's default)
     double_quant: bool = False  # QLoRA: quantize the absmax constants too
     full_precision: str = "mixed"  # "mixed": fp16 weights/grads + fp32 master + Adam; "fp32": all fp32
-    activations: str = "seed"  # which estimate fills the activations bucket: "seed" or "korthikanti"
+    activations: str = "seed"  # which model fills the activations bucket: "seed", "korthikanti" or "exact" (MiniGPT)
     quantize: str = "targets"  # QLoRA NF4: the LoRA targets, or "all-linear" (every block Linear, bnb load_in_4bit)
     dtype: str = "fp16"  # LoRA/QLoRA float weights, LoRA A/B, grads, exact-model activations: fp16, bf16 or fp32
 
