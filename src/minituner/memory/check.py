@@ -39,6 +39,7 @@ from .accounting import account, storage_bytes
 from ..planner import (MemoryConfig, Regime, korthikanti_activation_bytes, minigpt_shape, regime_bytes,
                       seed_activation_bytes)
 from ..planner.report import UNITS
+from ..qlora import param_summary
 
 REGIMES = ("full", "lora", "qlora")
 BUCKETS = ("weights", "grads", "optimizer", "activations")
@@ -191,7 +192,7 @@ class CheckResult:
     estimates: dict[str, int]  # other activation estimates: "seed", "korthikanti"
     peak_source: str
     trainable_params: int
-    params: int
+    params: int  # the base's parameters by element (a quantized weight too), as the planner counts them
     activation_note: str = "exact model (planner/activations.py)"
     losses: list[float] = field(default_factory=list)
 
@@ -282,7 +283,13 @@ def memory_check(build: Callable[[], MiniGPT], check: CheckConfig, device: torch
     note = ("exact model (planner/activations.py)" if check.precision == "fp32"
             else "exact model's op structure at 2 bytes/element: an approximation under autocast")
     return CheckResult(name, check, str(device), predicted, measured, estimates, meter.source,
-                       sum(p.numel() for p in params), sum(p.numel() for p in model.parameters()), note, losses)
+                       sum(p.numel() for p in params), base_params(model), note, losses)
+
+
+def base_params(model: nn.Module) -> int:
+    """The base's parameters by element (a quantized weight too, as the planner counts it), LoRA factors left out."""
+    lora = sum(p.numel() for n, p in model.named_parameters() if "lora_" in n)
+    return param_summary(model).all - lora
 
 
 def format_table(result: CheckResult, unit: str = "MiB") -> str:
@@ -299,7 +306,8 @@ def format_table(result: CheckResult, unit: str = "MiB") -> str:
 def describe(result: CheckResult) -> str:
     c = result.check
     what = "full fine-tuning" if c.regime == "full" else f"{c.regime} r={c.rank} on {c.targets}"
-    return (f"{result.name}: {result.params:,} parameters, {result.trainable_params:,} trainable ({what}); "
+    return (f"{result.name}: {result.params:,} base parameters (a quantized weight counted by element), "
+            f"{result.trainable_params:,} trainable ({what}); "
             f"batch {c.batch_size} x seq {c.seq_len}, {c.steps} AdamW steps on {result.device} ({c.precision}).\n"
             f"Activations: {result.activation_note}. Adam step counters: {result.measured['optimizer_steps']:,} "
             f"bytes (not planned). Peak: {result.peak_source}, above the memory held before the model was built.")
