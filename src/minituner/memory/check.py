@@ -31,7 +31,7 @@ import torch.nn as nn
 from minigpt.device import autocast, check_precision
 from minigpt.errors import InputError
 from minigpt.model import GPTConfig, MiniGPT
-from minigpt.train import lm_loss
+from minigpt.train import adamw, lm_loss, train_step
 
 from ..build import build_for_training
 from ..lora import ALL_LINEAR, LoRAConfig
@@ -260,24 +260,25 @@ def memory_check(build: Callable[[], MiniGPT], check: CheckConfig, device: torch
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise InputError("the model has no trainable parameters")
-    # the same optimizer and clipping as minigpt.train.train
-    opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.0)
+    opt = adamw(params, lr=1e-4)  # minigpt.train's optimizer, and its step below (clipping at 1.0)
     meter.reset_peak()
     gen = torch.Generator().manual_seed(check.seed)
-    vocab, activations, losses = model.config.vocab_size, 0, []
-    for _ in range(check.steps):
+    vocab, activations, losses, grads = model.config.vocab_size, 0, [], 0
+    for step in range(check.steps):
         ids = torch.randint(vocab, (check.batch_size, check.seq_len + 1), generator=gen)
         x, y = ids[:, :-1].clone().to(device), ids[:, 1:].clone().to(device)  # (B, T) each, own storages
-        with SavedTensors(model) as saved, autocast(device, check.precision):
-            loss = lm_loss(model, x, y)
+        saved = SavedTensors(model)
+
+        def record_grads() -> None:
+            nonlocal grads
+            grads = state_bytes(model, opt)["grads"]
+
+        loss, problem = train_step(model, opt, params, x, y, 1.0, check.precision, forward_context=saved,
+                                   before_update=record_grads)
+        if problem is not None:
+            raise FloatingPointError(f"{problem} at step {step + 1}")
         activations = max(activations, saved.bytes)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        grads = state_bytes(model, opt)["grads"]
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
         losses.append(loss.item())
-        del loss
     measured = {**state_bytes(model, opt), "grads": grads, "activations": activations, "peak": meter.peak()}
     predicted, estimates = predict(model.config, check, name)
     note = ("exact model (planner/activations.py)" if check.precision == "fp32"
