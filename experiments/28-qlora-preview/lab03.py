@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import shutil
 import sys
@@ -26,7 +25,7 @@ from minigpt.data import eval_batches
 from minigpt.errors import InputError
 from minigpt.io import atomic_write_text, read_json, sha256_file, write_json
 from minigpt.manifest import write_manifest
-from minigpt.train import TrainConfig, evaluate
+from minigpt.train import TrainConfig, evaluate, loss_summary
 from miniquant import DEFAULT_QUANT_SCHEME
 from minituner.adapter_io import ADAPTER_FILE, load_adapter, read_adapter
 from minituner.base_model import load_base
@@ -92,12 +91,10 @@ def block_c(base: Path, tmp: Path, progress: bool) -> dict:
     shutil.rmtree(HERE / PEFT_DIR, ignore_errors=True)
     shutil.copytree(tmp / PEFT_DIR, HERE / PEFT_DIR)
     rows = [json.loads(line) for line in (tmp / "metrics.jsonl").read_text().splitlines()]
-    losses, k = [r["train_loss"] for r in rows], 10
-    return {"steps": len(rows), "batch_size": TRAIN.batch_size, "lr": TRAIN.lr, "warmup_steps": TRAIN.warmup_steps,
+    s = loss_summary(rows, 10)
+    return {"steps": s["steps"], "batch_size": TRAIN.batch_size, "lr": TRAIN.lr, "warmup_steps": TRAIN.warmup_steps,
             "schedule": TRAIN.schedule, "seed": TRAIN.seed, "train_tokens": res.summary["train_tokens"],
-            "all_finite": all(math.isfinite(v) for v in losses), "first_loss": losses[0], "last_loss": losses[-1],
-            "first_mean": sum(losses[:k]) / k, "last_mean": sum(losses[-k:]) / k, "mean_window": k,
-            "val": [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r],
+            **{k: s[k] for k in ("all_finite", "first_loss", "last_loss", "first_mean", "last_mean", "mean_window", "val")},
             "val_loss_after": res.summary["val_loss_after"], "wall_time_s": res.summary["train_wall_time_s"],
             "finetune_manifest": read_json(tmp / MANIFEST)}
 

@@ -307,6 +307,16 @@ def train(
     return result
 
 
+def loss_summary(history: list[dict], window: int = 10) -> dict:
+    """A run's metrics rows in a few numbers: first/last train loss, the means of the first and last `window`
+    steps, whether every logged loss is finite, and the validation points as (step, loss)."""
+    losses = [r["train_loss"] for r in history if r.get("train_loss") is not None]
+    return {"steps": len(history), "all_finite": all(math.isfinite(v) for v in losses),
+            "first_loss": losses[0], "last_loss": losses[-1], "first_mean": sum(losses[:window]) / window,
+            "last_mean": sum(losses[-window:]) / window, "mean_window": window,
+            "val": [(r["step"], r["val_loss"]) for r in history if "val_loss" in r]}
+
+
 def plot_loss_curve(history: list[dict], path: Path, title: str = "training loss") -> None:
     import matplotlib
 

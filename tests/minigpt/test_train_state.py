@@ -221,3 +221,14 @@ def test_pretrain_resumes_to_the_same_bytes(tmp_path, monkeypatch):
     manifest = json.loads((tmp_path / "b" / "manifest.json").read_text())
     assert [r["step"] for r in manifest["resumes"]] == [6]
     assert json.loads((tmp_path / "a" / "manifest.json").read_text())["resumes"] == []
+
+
+def test_loss_summary():
+    from minigpt.train import loss_summary
+
+    rows = [{"step": i + 1, "train_loss": float(10 - i)} for i in range(6)]
+    rows[2]["val_loss"] = 4.5
+    s = loss_summary(rows, window=2)
+    assert (s["steps"], s["first_loss"], s["last_loss"], s["first_mean"], s["last_mean"]) == (6, 10.0, 5.0, 9.5, 5.5)
+    assert s["all_finite"] and s["val"] == [(3, 4.5)] and s["mean_window"] == 2
+    assert not loss_summary([{"step": 1, "train_loss": float("nan")}], window=1)["all_finite"]
