@@ -136,6 +136,7 @@ def finetune(base: str | Path, out: str | Path, cfg: FinetuneConfig, progress: b
 
     lora_cfg = cfg.lora
     method = "qlora" if cfg.quant_scheme else cfg.method
+    # QLoRA computes in bf16 on CUDA and fp32 on CPU (build's default); LoRA and full FT keep fp32 weights
     build_for_training(model, method, lora_cfg, cfg.quant_scheme or DEFAULT_QUANT_SCHEME, device,
                        init_adapter=cfg.init_adapter)
     trainable = trainable_numel(model)
