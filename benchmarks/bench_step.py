@@ -86,7 +86,7 @@ def build(config: str) -> tuple[nn.Module, dict]:
     elif config == "lora":
         apply_lora(model, LoRAConfig(r=RANK, alpha=ALPHA, target_modules=TARGETS))
     elif config in ("qlora", "qlora_noguard", "qlora_bf16"):
-        from minituner.qlora import wrap_minigpt_qlora
+        from minituner.build import wrap_minigpt_qlora
 
         dtype = torch.bfloat16 if config == "qlora_bf16" else torch.float32
         wrap_minigpt_qlora(model, r=RANK, alpha=ALPHA, targets=TARGETS, device="cpu", compute_dtype=dtype,

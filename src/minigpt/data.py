@@ -56,6 +56,8 @@ def forecast_documents(n: int = 4000, seed: int = 28) -> list[str]:
 
 
 BUILTIN = {"python-docs": python_docs_documents, "forecasts": forecast_documents}
+PRETRAIN_DATA = BUILTIN_PREFIX + "python-docs"  # what pretraining reads by default (and fine-tuning's base domain)
+FINETUNE_DATA = BUILTIN_PREFIX + "forecasts"  # what fine-tuning reads by default: a domain the base never saw
 
 
 def read_user_documents(path: Path) -> list[str]:

@@ -1,4 +1,4 @@
-"""Atomic file writes and the base-model folder format (config.json + model.safetensors)."""
+"""Atomic file writes (bytes, text, JSON, safetensors), checked reads and sha256 (base folders: base_folder.py)."""
 from __future__ import annotations
 
 import hashlib

@@ -5,15 +5,15 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from .checkpoint import MANIFEST, WEIGHTS, save_base
-from .checkpointing import check_run_dir
-from .data import encode_split, load_documents, split_documents, unigram_entropy
+from .base_folder import MANIFEST, WEIGHTS, save_base
+from .run_dir import check_run_dir
+from .data import PRETRAIN_DATA, encode_split, load_documents, split_documents, unigram_entropy
 from .manifest import seed_everything, write_manifest
 from .model import GPTConfig, MiniGPT
 from .tokenizer import CharTokenizer
 from .train import METRICS, TrainConfig, evaluate, train
 
-DEFAULT_DATA = "builtin:python-docs"
+DEFAULT_DATA = PRETRAIN_DATA
 
 
 def pretrain(

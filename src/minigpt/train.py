@@ -1,18 +1,20 @@
-"""One training loop for pretraining, full fine-tuning, LoRA and QLoRA.
+"""One training loop for pretraining, full fine-tuning, LoRA and QLoRA (and its step, which memory checks reuse).
 
 AdamW over the parameters that require grad (nothing else gets optimizer state), warmup then cosine
 or constant LR, gradient clipping, evaluation every N steps, a progress bar, metrics.jsonl and a
-loss-curve PNG. With an output folder it writes resumable checkpoints (minigpt.checkpointing) and
+loss-curve PNG. With an output folder it writes resumable checkpoints (minigpt.train_state) and
 ``resume=True`` continues from the newest one, bit-identically on CPU. A non-finite loss or gradient
 stops the run naming the step (or, with ``skip_nonfinite``, skips that step).
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -21,7 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from .checkpointing import (CHECKPOINT_DIR, TrainState, capture_rng, check_compatible, clear_checkpoints,
+from .train_state import (CHECKPOINT_DIR, TrainState, capture_rng, check_compatible, clear_checkpoints,
                             latest_checkpoint, list_checkpoints, restore, save_checkpoint)
 from .data import eval_batches, sample_batch
 from .device import PRECISIONS, autocast, check_precision
@@ -110,10 +112,6 @@ class TrainResult:
     resumes: list[dict] = field(default_factory=list)  # one per resume: step, checkpoint, sha256
 
 
-def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
-    return [p for p in model.parameters() if p.requires_grad]
-
-
 def named_trainable_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
     return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
 
@@ -167,6 +165,35 @@ def backward_checked(loss: torch.Tensor, params: list[nn.Parameter], clip: float
     return None if torch.isfinite(norm) else f"non-finite gradients (norm {norm.item()})"
 
 
+def adamw(params: list[nn.Parameter], lr: float, weight_decay: float = 0.0) -> torch.optim.AdamW:
+    """The optimizer of every training loop here: AdamW with betas (0.9, 0.95)."""
+    return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay)
+
+
+def train_step(model: nn.Module, opt: torch.optim.Optimizer, params: list[nn.Parameter], x: torch.Tensor,
+               y: torch.Tensor, clip: float, precision: str = "fp32", loss_fn: Callable | None = None,
+               reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+               forward_context: contextlib.AbstractContextManager | None = None,
+               before_update: Callable[[], None] | None = None) -> tuple[torch.Tensor, str | None]:
+    """One step of the loop: forward (bf16 autocast for "bf16-autocast"), backward, clip, finite check, update.
+
+    Returns the loss every rank reports (`reduce`d, default the local loss, detached) and what was not finite
+    (None for a good step; otherwise the weights are not updated). `forward_context` wraps the forward pass
+    (e.g. to watch saved tensors); `before_update` runs after the gradients are final, before opt.step().
+    """
+    device = params[0].device
+    with forward_context or contextlib.nullcontext(), autocast(device, precision):
+        loss = (loss_fn or lm_loss)(model, x.to(device), y.to(device))
+    reported = loss.detach() if reduce is None else reduce(loss.detach())
+    opt.zero_grad(set_to_none=True)
+    problem = backward_checked(loss, params, clip, reported)
+    if problem is None:
+        if before_update is not None:
+            before_update()
+        opt.step()
+    return reported, problem
+
+
 def last_good_checkpoint(ckpt_dir: Path | None, every: int) -> str:
     found = list_checkpoints(ckpt_dir) if ckpt_dir and every else []
     if not found:
@@ -207,7 +234,7 @@ def train(
         raise InputError("checkpoints and resume need an output folder")
     device = params[0].device
     check_precision(cfg.precision, device)
-    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+    opt = adamw(params, cfg.lr, cfg.weight_decay)
     gen = torch.Generator().manual_seed(cfg.seed)
     identity = run_identity(cfg, train_ids, val_ids, fingerprint)
     ckpt_dir = Path(out_dir) / CHECKPOINT_DIR if out_dir else None
@@ -244,13 +271,9 @@ def train(
             for group in opt.param_groups:
                 group["lr"] = lr
             x, y = shard(*sample_batch(train_ids, cfg.batch_size, block_size, gen))  # this rank's rows
-            with autocast(device, cfg.precision):
-                loss = lm_loss(step_model, x.to(device), y.to(device))
-            reported = mean_across_ranks(loss.detach())  # the global batch's loss
-            opt.zero_grad(set_to_none=True)
-            problem = backward_checked(loss, params, cfg.grad_clip, reported)
+            reported, problem = train_step(step_model, opt, params, x, y, cfg.grad_clip, cfg.precision,
+                                           reduce=mean_across_ranks)  # reported: the global batch's loss
             if problem is None:
-                opt.step()
                 row = {"step": step + 1, "lr": lr, "train_loss": reported.item()}
             elif cfg.skip_nonfinite:
                 opt.zero_grad(set_to_none=True)  # the weights and optimizer state stay as they were
@@ -284,6 +307,16 @@ def train(
     return result
 
 
+def loss_summary(history: list[dict], window: int = 10) -> dict:
+    """A run's metrics rows in a few numbers: first/last train loss, the means of the first and last `window`
+    steps, whether every logged loss is finite, and the validation points as (step, loss)."""
+    losses = [r["train_loss"] for r in history if r.get("train_loss") is not None]
+    return {"steps": len(history), "all_finite": all(math.isfinite(v) for v in losses),
+            "first_loss": losses[0], "last_loss": losses[-1], "first_mean": sum(losses[:window]) / window,
+            "last_mean": sum(losses[-window:]) / window, "mean_window": window,
+            "val": [(r["step"], r["val_loss"]) for r in history if "val_loss" in r]}
+
+
 def plot_loss_curve(history: list[dict], path: Path, title: str = "training loss") -> None:
     import matplotlib
 
@@ -311,7 +344,3 @@ def plot_loss_curve(history: list[dict], path: Path, title: str = "training loss
     fig.savefig(tmp, dpi=110, format="png")
     plt.close(fig)
     tmp.replace(path)
-
-
-def config_dict(cfg) -> dict:
-    return asdict(cfg)

@@ -7,9 +7,10 @@ from .errors import QuantizationError
 from .int_quant import IntQuantized, dequantize_symmetric_per_group, quantize_symmetric_per_group
 from .nf4 import NF4Tensor, dequantize_nf4, double_quantize, nf4_code_table, quantize_nf4
 from .packing import pack_nibbles, unpack_nibbles
-from .quantize import QuantizedLinear, QuantScheme, parse_scheme
+from .quantize import DEFAULT_QUANT_SCHEME, QuantizedLinear, QuantScheme, parse_scheme
 
 __all__ = [
+    "DEFAULT_QUANT_SCHEME",
     "IntQuantized",
     "NF4Tensor",
     "QuantScheme",

@@ -33,6 +33,7 @@ from .errors import QuantizationError
 from .int_quant import IntQuantized, dequantize_symmetric_per_group, quantize_symmetric_per_group
 from .nf4 import NF4Tensor, dequantize_nf4, quantize_nf4
 
+DEFAULT_QUANT_SCHEME = "nf4_per_group_64"  # QLoRA's NF4 in blocks of 64, bitsandbytes-identical
 NF4_BLOCKSIZES = (32, 64, 128, 256, 512, 1024, 2048, 4096)  # the block sizes bitsandbytes accepts
 VALID_SCHEMES = (
     "int8_per_group_<G>, int4_per_group_<G> (G a positive integer), nf4_per_group_<G> (G in 32, 64, ..., 4096)"

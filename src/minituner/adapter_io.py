@@ -9,9 +9,6 @@ A ``.pt`` / ``.pth`` / ``.bin`` adapter is read only with ``torch.load(weights_o
 from __future__ import annotations
 
 import json
-import pickle
-import re
-import warnings
 from dataclasses import replace
 from pathlib import Path
 
@@ -21,14 +18,15 @@ import torch.nn as nn
 from minigpt.errors import InputError
 from minigpt.io import atomic_save_safetensors, load_safetensors
 
+from .adapter_tensors import load_pickled_tensors, module_paths, normalize_keys
 from .lora import (LoRAConfig, adapter_config, apply_lora, linear_candidates, load_lora_state_dict, lora_state_dict,
                    mismatch_error)
+from .peft_format import CONFIG_NAME, read_peft_adapter
 from .zoo import delete_adapter
 
 FORMAT = "minituner-lora-v1"
 ADAPTER_FILE = "adapter_final.safetensors"
 PICKLE_SUFFIXES = {".pt", ".pth", ".bin"}
-PEFT_PREFIX = "base_model.model."
 
 
 def save_adapter(model: nn.Module, path: str | Path, adapter_name: str | None = None) -> Path:
@@ -64,34 +62,6 @@ def config_from_metadata(meta: dict[str, str], path: Path) -> LoRAConfig | None:
         raise InputError(f"{path}: damaged {FORMAT} metadata ({e})") from None
 
 
-def load_pickled_tensors(path: Path) -> dict[str, torch.Tensor]:
-    """A legacy .pt adapter, read with torch.load(weights_only=True): no code in the file runs."""
-    try:
-        with warnings.catch_warnings():  # torch warns about the pickle protocol of a file it then refuses
-            warnings.simplefilter("ignore")
-            obj = torch.load(path, map_location="cpu", weights_only=True)
-    except FileNotFoundError:
-        raise InputError(f"{path}: file not found") from None
-    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, AttributeError, TypeError) as e:
-        raise InputError(f"{path}: refused or unreadable .pt file (weights_only load: {str(e).splitlines()[0]})") from None
-    if isinstance(obj, dict) and "state_dict" in obj and isinstance(obj["state_dict"], dict):
-        obj = obj["state_dict"]
-    if not isinstance(obj, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in obj.items()):
-        raise InputError(f"{path}: expected a dict of named tensors")
-    return obj
-
-
-def normalize_keys(sd: dict[str, torch.Tensor], adapter_name: str = "default") -> dict[str, torch.Tensor]:
-    """Bring other spellings to '<path>.lora_A.weight': drop PEFT's prefix, an adapter name, or add '.weight'."""
-    out = {}
-    for k, v in sd.items():
-        k = k[len(PEFT_PREFIX):] if k.startswith(PEFT_PREFIX) else k
-        k = re.sub(rf"\.(lora_[AB])\.{re.escape(adapter_name)}\.weight$", r".\1.weight", k)
-        k = re.sub(r"\.(lora_[AB])$", r".\1.weight", k)
-        out[k] = v
-    return out
-
-
 def read_adapter(path: str | Path) -> tuple[dict[str, torch.Tensor], LoRAConfig | None]:
     """Tensors (in our key format) and, when the file records one, the LoRAConfig of an adapter.
 
@@ -99,8 +69,6 @@ def read_adapter(path: str | Path) -> tuple[dict[str, torch.Tensor], LoRAConfig 
     """
     path = Path(path)
     if path.is_dir():
-        from .peft_format import CONFIG_NAME, read_peft_adapter
-
         if (path / ADAPTER_FILE).is_file():
             path = path / ADAPTER_FILE
         elif (path / CONFIG_NAME).is_file():
@@ -113,11 +81,6 @@ def read_adapter(path: str | Path) -> tuple[dict[str, torch.Tensor], LoRAConfig 
         return normalize_keys(load_pickled_tensors(path)), None
     sd = load_safetensors(path)
     return normalize_keys(sd), config_from_metadata(read_metadata(path), path)
-
-
-def module_paths(sd: dict[str, torch.Tensor]) -> list[str]:
-    """The module paths an adapter's keys name, in key order."""
-    return list(dict.fromkeys(k.rsplit(".lora_", 1)[0] for k in sd if ".lora_" in k))
 
 
 def load_adapter(model: nn.Module, path: str | Path, config: LoRAConfig | None = None,
@@ -144,3 +107,11 @@ def load_adapter(model: nn.Module, path: str | Path, config: LoRAConfig | None =
         delete_adapter(model, adapter_name)  # leave the model as it was: no half-loaded adapter
         raise
     return config
+
+
+def load_peft_adapter(model: nn.Module, folder: str | Path, adapter_name: str = "default") -> LoRAConfig:
+    """Wrap `model` with the adapter in a PEFT folder (ours or PEFT's) and load it; names bad keys."""
+    folder = Path(folder)
+    if not (folder / CONFIG_NAME).is_file():
+        raise InputError(f"{folder}: not a PEFT adapter folder (no {CONFIG_NAME})")
+    return load_adapter(model, folder, adapter_name=adapter_name)

@@ -1,4 +1,7 @@
-"""Load any base model minituner can fine-tune, chosen by ``model_type`` in the folder's config.json."""
+"""Load any base model minituner can fine-tune, chosen by ``model_type`` in the folder's config.json.
+
+    model, tokenizer = load_base("artifacts/base")   # a MiniGPT folder, or a Hugging Face GPT-2 folder
+"""
 from __future__ import annotations
 
 from pathlib import Path
@@ -6,7 +9,7 @@ from typing import Protocol
 
 import torch
 
-from minigpt.checkpoint import load_base
+from minigpt.base_folder import CONFIG, TOKENIZER, WEIGHTS, WEIGHTS_INDEX, load_minigpt_folder
 from minigpt.errors import InputError
 from minigpt.io import atomic_write_text, read_json
 from minigpt.model import MiniGPT
@@ -14,7 +17,6 @@ from minigpt.tokenizer import FORMAT, CharTokenizer
 
 from .hf_gpt2 import load_gpt2
 
-CONFIG, TOKENIZER = "config.json", "tokenizer.json"
 KINDS = {
     "minigpt": "a minituner base folder (written by `minituner pretrain`)",
     "gpt2": "a Hugging Face GPT-2 folder (config.json + model.safetensors)",
@@ -86,7 +88,7 @@ def load_tokenizer(folder: str | Path, vocab_size: int) -> tuple[Tokenizer | Non
     return tok, ""
 
 
-def load_base_model(folder: str | Path, device: str | torch.device = "cpu") -> tuple[MiniGPT, Tokenizer | None]:
+def load_base(folder: str | Path, device: str | torch.device = "cpu") -> tuple[MiniGPT, Tokenizer | None]:
     """A minituner base folder or a Hugging Face GPT-2 folder -> (MiniGPT in eval mode, tokenizer or None)."""
     folder = Path(folder)
     valid = "; ".join(f"{k}: {v}" for k, v in KINDS.items())
@@ -96,7 +98,7 @@ def load_base_model(folder: str | Path, device: str | torch.device = "cpu") -> t
         raise InputError(f"{folder}: not a model folder, no {CONFIG} (valid: {valid})")
     kind = read_json(folder / CONFIG).get("model_type", "minigpt")
     if kind == "minigpt":
-        return load_base(folder, device)
+        return load_minigpt_folder(folder, device)
     if kind == "gpt2":
         model = load_gpt2(folder, device)
         tokenizer, _ = load_tokenizer(folder, model.config.vocab_size)
@@ -107,5 +109,5 @@ def load_base_model(folder: str | Path, device: str | torch.device = "cpu") -> t
 def base_weights_file(folder: str | Path) -> Path:
     """The file whose sha256 identifies a base: model.safetensors, or the index of a sharded checkpoint."""
     folder = Path(folder)
-    single = folder / "model.safetensors"
-    return single if single.is_file() else folder / "model.safetensors.index.json"
+    single = folder / WEIGHTS
+    return single if single.is_file() else folder / WEIGHTS_INDEX

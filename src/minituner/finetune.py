@@ -14,23 +14,25 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from minigpt.checkpoint import MANIFEST, WEIGHTS, save_base
-from minigpt.checkpointing import check_run_dir
-from minigpt.data import encode_split, load_documents, split_documents
+from minigpt.base_folder import MANIFEST, WEIGHTS, save_base
+from minigpt.run_dir import check_run_dir
+from minigpt.data import FINETUNE_DATA, PRETRAIN_DATA, encode_split, load_documents, split_documents
 from minigpt.distributed import barrier, is_writer
 from minigpt.errors import InputError
 from minigpt.io import sha256_file
 from minigpt.manifest import seed_everything, write_manifest
 from minigpt.train import TrainConfig, evaluate, train
+from miniquant import DEFAULT_QUANT_SCHEME
 
-from .base_model import Tokenizer, base_weights_file, load_base_model
-from .adapter_io import ADAPTER_FILE, load_adapter, save_adapter
-from .lora import LoRAConfig, apply_lora, trainable_numel
+from .base_model import Tokenizer, base_weights_file, load_base
+from .build import build_for_training
+from .adapter_io import ADAPTER_FILE, save_adapter
+from .lora import LoRAConfig, trainable_numel
 from .peft_format import save_peft_adapter
-from .qlora import add_finite_guards, check_qlora, check_scheme, quantize_targets
+from .qlora import check_scheme
 
-DEFAULT_DATA = "builtin:forecasts"
-BASE_DOMAIN = "builtin:python-docs"
+DEFAULT_DATA = FINETUNE_DATA
+BASE_DOMAIN = PRETRAIN_DATA  # val loss here before/after shows what fine-tuning forgets
 PEFT_DIR = "adapter_peft"
 RUN_MARKERS = (MANIFEST, "metrics.jsonl", ADAPTER_FILE, WEIGHTS)  # any of these: the folder holds a run
 
@@ -109,7 +111,7 @@ def finetune(base: str | Path, out: str | Path, cfg: FinetuneConfig, progress: b
     writer = is_writer()
     progress, log = progress and writer, log if writer else (lambda *a, **k: None)
     seed_everything(cfg.train.seed)
-    model, tokenizer = load_base_model(base, device)
+    model, tokenizer = load_base(base, device)
     if tokenizer is None:
         raise InputError(f"{base}: no tokenizer.json beside the model")
     base_weights = base_weights_file(base)
@@ -133,18 +135,10 @@ def finetune(base: str | Path, out: str | Path, cfg: FinetuneConfig, progress: b
     base_before = domain_val_loss(model, tokenizer, cfg.base_domain, train_cfg) if cfg.base_domain else None
 
     lora_cfg = cfg.lora
-    if cfg.method == "lora":
-        if cfg.quant_scheme:  # QLoRA: quantize the targets first; LoRA then wraps the quantized layers
-            quantize_targets(model, lora_cfg.target_modules, cfg.quant_scheme)
-        if cfg.init_adapter:
-            load_adapter(model, cfg.init_adapter, config=lora_cfg)
-        else:
-            apply_lora(model, lora_cfg)
-    else:
-        model.requires_grad_(True)
-    if cfg.quant_scheme:
-        add_finite_guards(model)
-        check_qlora(model)  # the trainable set is exactly the LoRA factors
+    method = "qlora" if cfg.quant_scheme else cfg.method
+    # QLoRA computes in bf16 on CUDA and fp32 on CPU (build's default); LoRA and full FT keep fp32 weights
+    build_for_training(model, method, lora_cfg, cfg.quant_scheme or DEFAULT_QUANT_SCHEME, device,
+                       init_adapter=cfg.init_adapter)
     trainable = trainable_numel(model)
     log(f"{cfg.method}: {trainable:,} of {n_params:,} parameters trainable ({trainable / n_params:.2%}); "
         f"{train_ids.numel():,} train / {val_ids.numel():,} val tokens from {cfg.data}; {train_cfg.steps} steps")

@@ -33,11 +33,11 @@ from pathlib import Path
 
 import torch
 
+from minigpt.base_folder import CONFIG, WEIGHTS, WEIGHTS_INDEX
 from minigpt.errors import InputError
 from minigpt.io import atomic_save_safetensors, load_safetensors, read_json, write_json
 from minigpt.model import GPTConfig, MiniGPT
 
-CONFIG, WEIGHTS, INDEX = "config.json", "model.safetensors", "model.safetensors.index.json"
 REQUIRED = ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head")
 ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh"}
 # option -> the value MiniGPT computes; any other value is refused.
@@ -190,19 +190,19 @@ def read_gpt2_weights(folder: Path) -> dict[str, torch.Tensor]:
     """model.safetensors, or the shards named by model.safetensors.index.json."""
     if (folder / WEIGHTS).is_file():
         return load_safetensors(folder / WEIGHTS)
-    if (folder / INDEX).is_file():
-        weight_map = read_json(folder / INDEX).get("weight_map")
+    if (folder / WEIGHTS_INDEX).is_file():
+        weight_map = read_json(folder / WEIGHTS_INDEX).get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
-            raise InputError(f"{folder / INDEX}: no weight_map")
+            raise InputError(f"{folder / WEIGHTS_INDEX}: no weight_map")
         sd: dict[str, torch.Tensor] = {}
         for name in sorted(set(weight_map.values())):
             if not isinstance(name, str) or Path(name).name != name:
-                raise InputError(f"{folder / INDEX}: shard name {name!r} is not a file in this folder")
+                raise InputError(f"{folder / WEIGHTS_INDEX}: shard name {name!r} is not a file in this folder")
             sd.update(load_safetensors(folder / name))
         return sd
     others = sorted(p.name for p in folder.glob("*.bin")) + sorted(p.name for p in folder.glob("*.pt"))
     hint = f" (found {others[:3]}: re-save with save_pretrained(..., safe_serialization=True))" if others else ""
-    raise InputError(f"{folder}: no {WEIGHTS} or {INDEX}{hint}")
+    raise InputError(f"{folder}: no {WEIGHTS} or {WEIGHTS_INDEX}{hint}")
 
 
 def load_gpt2(folder: str | Path, device: str | torch.device = "cpu") -> MiniGPT:

@@ -18,7 +18,8 @@ import torch.nn as nn
 
 from minigpt.errors import InputError
 
-ALL_LINEAR = "all-linear"
+from .planner.counts import ALL_LINEAR  # one spelling of PEFT's "all-linear", shared with the planner
+
 OUTPUT_HEADS = ("lm_head",)  # never a LoRA target: tied to the token embedding in MiniGPT
 
 
@@ -40,10 +41,6 @@ class LoRAConfig:
         if not self.target_modules:
             raise InputError("LoRA target_modules is empty")
 
-    @property
-    def scaling(self) -> float:
-        return self.alpha / (math.sqrt(self.r) if self.use_rslora else self.r)
-
     def to_dict(self) -> dict:
         return asdict(self)
 
@@ -54,6 +51,11 @@ class LoRAConfig:
         if unknown:
             raise InputError(f"unknown LoRAConfig fields {unknown}; valid: {sorted(known)}")
         return cls(**d)
+
+
+def lora_scaling(alpha: float, r: int, use_rslora: bool = False) -> float:
+    """The factor on B·A: alpha / r, or alpha / sqrt(r) with rank-stabilised LoRA."""
+    return alpha / (math.sqrt(r) if use_rslora else r)
 
 
 def is_linear_like(module: nn.Module) -> bool:
@@ -148,7 +150,7 @@ class LoRALinear(nn.Module):
         self.lora_dropout[name] = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
         self.lora_dropout[name].train(self.training)
         self.r[name], self.lora_alpha[name], self.use_rslora[name] = r, float(alpha), use_rslora
-        self.scaling[name] = alpha / (math.sqrt(r) if use_rslora else r)
+        self.scaling[name] = lora_scaling(alpha, r, use_rslora)
 
     def delete_adapter(self, name: str) -> None:
         if name in self.merged_adapters:

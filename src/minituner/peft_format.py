@@ -15,12 +15,12 @@ import torch.nn as nn
 from minigpt.errors import InputError
 from minigpt.io import atomic_save_safetensors, load_safetensors, read_json, write_json
 
+from .adapter_tensors import PEFT_PREFIX, load_pickled_tensors, normalize_keys
 from .lora import ALL_LINEAR, LoRAConfig, adapter_config, lora_modules, lora_state_dict
 
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
 LEGACY_WEIGHTS_NAME = "adapter_model.bin"
-PREFIX = "base_model.model."
 
 
 def peft_target_modules(model: nn.Module, paths: list[str]) -> list[str]:
@@ -63,7 +63,7 @@ def save_peft_adapter(model: nn.Module, folder: str | Path, adapter_name: str | 
     if folder.exists() and not folder.is_dir():
         raise InputError(f"{folder}: exists and is not a folder")
     config = peft_config_dict(model, adapter_name, base_model_name_or_path)
-    tensors = {PREFIX + k: v for k, v in lora_state_dict(model, adapter_name).items()}
+    tensors = {PEFT_PREFIX + k: v for k, v in lora_state_dict(model, adapter_name).items()}
     atomic_save_safetensors(tensors, folder / WEIGHTS_NAME, metadata={"format": "pt"})
     write_json(folder / CONFIG_NAME, config)
     return folder
@@ -95,8 +95,6 @@ def config_from_peft(d: dict, where: Path) -> LoRAConfig:
 
 def read_peft_adapter(folder: str | Path) -> tuple[dict[str, torch.Tensor], LoRAConfig]:
     """Tensors keyed '<module path>.lora_A.weight' (prefix and adapter name removed) and the LoRAConfig."""
-    from .adapter_io import load_pickled_tensors, normalize_keys
-
     folder = Path(folder)
     cfg = config_from_peft(read_json(folder / CONFIG_NAME), folder / CONFIG_NAME)
     if (folder / WEIGHTS_NAME).is_file():
@@ -106,13 +104,3 @@ def read_peft_adapter(folder: str | Path) -> tuple[dict[str, torch.Tensor], LoRA
     else:
         raise InputError(f"{folder}: no {WEIGHTS_NAME} beside {CONFIG_NAME}")
     return normalize_keys(sd), cfg
-
-
-def load_peft_adapter(model: nn.Module, folder: str | Path, adapter_name: str = "default") -> LoRAConfig:
-    """Wrap `model` with the adapter in a PEFT folder (ours or PEFT's) and load it; names bad keys."""
-    from .adapter_io import load_adapter
-
-    folder = Path(folder)
-    if not (folder / CONFIG_NAME).is_file():
-        raise InputError(f"{folder}: not a PEFT adapter folder (no {CONFIG_NAME})")
-    return load_adapter(model, folder, adapter_name=adapter_name)

@@ -1,17 +1,16 @@
-"""QLoRA on MiniGPT: quantize the LoRA targets (NF4 by default), then wrap each one with LoRA.
+"""QLoRA's pieces: quantize the LoRA targets (NF4 by default), cast the frozen float tensors, guard
+and check the result, and count parameters with a quantized weight counted by its elements.
 
-    model, tok = load_base("artifacts/base")
-    wrap_minigpt_qlora(model, r=8, alpha=16.0)      # NF4 targets + trainable LoRA A/B, everything else frozen
-    print_trainable_parameters(model)               # a quantized weight counts by its elements, not its bytes
+``minituner.build.build_for_training(model, "qlora", LoRAConfig(...))`` chains them (and
+``build.wrap_minigpt_qlora`` is its shorthand); the order is the QLoRA recipe's: each targeted
+``nn.Linear`` becomes a miniquant ``QuantizedLinear`` (quantized buffers, no parameters), and a
+``LoRALinear`` wraps that. The LoRA factors are never quantized: they stay float32 nn.Linear weights,
+the only trainable parameters (checked, not assumed).
 
-The order is the QLoRA recipe's: each targeted ``nn.Linear`` becomes a miniquant ``QuantizedLinear``
-(quantized buffers, no parameters), and a ``LoRALinear`` wraps that. The LoRA factors are never
-quantized: they stay float32 nn.Linear weights, the only trainable parameters (checked, not assumed).
-
-Device and compute dtype: CUDA when present (compute in bfloat16), else CPU (float32). A compute dtype
-other than float32 casts the frozen float tensors (embeddings, norms, biases) to it; the quantized
-buffers are never cast (their float32 absmax is part of the format), and they dequantize to the
-input's dtype on the fly. The LoRA factors stay float32 (LoRALinear casts the input to them and back).
+Compute dtype: a dtype other than float32 casts the frozen float tensors (embeddings, norms, biases) to
+it; the quantized buffers are never cast (their float32 absmax is part of the format), and they
+dequantize to the input's dtype on the fly. The LoRA factors stay float32 (LoRALinear casts the input
+to them and back).
 
 Finite-value guards: QuantizedLinear refuses a dequantized weight with NaN/Inf (the dequant path);
 a forward hook on every LoRALinear refuses a non-finite output and says whether the input, the base
@@ -26,19 +25,11 @@ import torch
 import torch.nn as nn
 
 from minigpt.errors import InputError
-from miniquant import QuantizationError, QuantizedLinear, parse_scheme
+from miniquant import DEFAULT_QUANT_SCHEME, QuantizationError, QuantizedLinear, parse_scheme
 
-from .lora import ALL_LINEAR, LoRAConfig, LoRALinear, apply_lora, find_targets, lora_modules
+from .lora import LoRALinear, lora_modules
 
-DEFAULT_SCHEME = "nf4_per_group_64"  # QLoRA's NF4, blocks of 64, bitsandbytes-identical
 COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def resolve_device(device: str | torch.device | None = None) -> torch.device:
-    """None: CUDA when present, else CPU."""
-    if device is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
 
 
 def default_compute_dtype(device: torch.device) -> torch.dtype:
@@ -58,7 +49,7 @@ def quantized_modules(model: nn.Module) -> dict[str, QuantizedLinear]:
     return {name: m for name, m in model.named_modules() if isinstance(m, QuantizedLinear)}
 
 
-def quantize_linears(model: nn.Module, paths: list[str], scheme: str = DEFAULT_SCHEME) -> dict[str, QuantizedLinear]:
+def quantize_linears(model: nn.Module, paths: list[str], scheme: str = DEFAULT_QUANT_SCHEME) -> dict[str, QuantizedLinear]:
     """Replace the nn.Linear at each path by a QuantizedLinear of `scheme`, in place; return them by path."""
     for p in paths:  # check everything before changing anything
         if type(model.get_submodule(p)) is not nn.Linear:
@@ -69,17 +60,6 @@ def quantize_linears(model: nn.Module, paths: list[str], scheme: str = DEFAULT_S
         out[p] = QuantizedLinear.from_linear(model.get_submodule(p), scheme)
         setattr(model.get_submodule(parent), leaf, out[p])
     return out
-
-
-def quantize_targets(model: nn.Module, targets: str | list[str] = ALL_LINEAR,
-                     scheme: str = DEFAULT_SCHEME) -> list[str]:
-    """Quantize the Linears LoRA `targets` select (QLoRA's first step; wrap them with LoRA next); return their paths."""
-    check_scheme(scheme)
-    if lora_modules(model) or quantized_modules(model):
-        raise InputError("QLoRA needs a float base: this model already has LoRA or quantized layers")
-    paths = find_targets(model, targets)
-    quantize_linears(model, paths, scheme)
-    return paths
 
 
 @torch.no_grad()
@@ -143,49 +123,6 @@ def check_qlora(model: nn.Module) -> None:
     for path, q in quantized_modules(model).items():
         if any(True for _ in q.parameters()):
             raise RuntimeError(f"{path}: a quantized layer holds parameters")
-
-
-def wrap_minigpt_qlora(
-    model: nn.Module,
-    r: int = 8,
-    alpha: float = 16.0,
-    quant_scheme: str = DEFAULT_SCHEME,
-    targets: str | list[str] = ALL_LINEAR,
-    dropout: float = 0.0,
-    use_rslora: bool = False,
-    adapter_name: str = "default",
-    device: str | torch.device | None = None,
-    compute_dtype: torch.dtype | None = None,
-    guards: bool = True,
-) -> nn.Module:
-    """Quantize the LoRA targets of a float MiniGPT to `quant_scheme`, wrap them with LoRA, in place.
-
-    Returns the model, on `device` (default CUDA when present, else CPU), with the float parts in
-    `compute_dtype` (default bfloat16 on CUDA, float32 on CPU) and only the LoRA factors trainable.
-    """
-    cfg = LoRAConfig(r=r, alpha=alpha, dropout=dropout, target_modules=targets, use_rslora=use_rslora)
-    cfg.validate()
-    check_scheme(quant_scheme)
-    if lora_modules(model) or quantized_modules(model):
-        raise InputError("wrap_minigpt_qlora needs a float base: this model already has LoRA or quantized layers")
-    dev = resolve_device(device)
-    dtype = compute_dtype or default_compute_dtype(dev)
-    if dtype not in COMPUTE_DTYPES:
-        raise InputError(f"compute dtype must be one of {[str(d) for d in COMPUTE_DTYPES]}, got {dtype}")
-    paths = find_targets(model, targets)
-    for p in paths:
-        m = model.get_submodule(p)
-        if r > min(m.in_features, m.out_features):
-            raise InputError(f"LoRA rank r={r} exceeds min(in, out) = {min(m.in_features, m.out_features)} of {p}")
-    model.to(dev)
-    quantize_linears(model, paths, quant_scheme)  # from the float weights, before any cast
-    cast_float_tensors(model, dtype)
-    apply_lora(model, LoRAConfig(r=r, alpha=alpha, dropout=dropout, target_modules=paths, use_rslora=use_rslora),
-               adapter_name)  # fresh factors: float32, on the base layer's device
-    if guards:
-        add_finite_guards(model)
-    check_qlora(model)
-    return model
 
 
 @dataclass(frozen=True)

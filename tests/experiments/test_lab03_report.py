@@ -19,7 +19,7 @@ from minituner.adapter_io import load_adapter
 from minituner.lora import lora_state_dict
 from minituner.planner import (MemoryConfig, Regime, lora_trainable_params, minigpt_shape, nf4_weight_bytes, plan,
                                preset_shape, quantized_params, total_params)
-from minituner.qlora import wrap_minigpt_qlora
+from minituner.build import wrap_minigpt_qlora
 
 ROOT = Path(__file__).resolve().parents[2]
 LAB = ROOT / "experiments" / "28-qlora-preview"

@@ -3,7 +3,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minigpt.checkpoint import load_base, save_base
+from minigpt.base_folder import load_minigpt_folder, save_base
 from minigpt.errors import InputError
 from minigpt.model import GPTConfig, MiniGPT
 
@@ -73,7 +73,7 @@ def test_save_load_round_trip_identical_logits(tmp_path, tiny_cfg):
     torch.manual_seed(0)
     m = MiniGPT(tiny_cfg).eval()
     save_base(m, None, tmp_path)
-    m2, tok = load_base(tmp_path)
+    m2, tok = load_minigpt_folder(tmp_path)
     x = torch.randint(0, tiny_cfg.vocab_size, (3, 16))
     assert tok is None
     assert torch.equal(m(x), m2(x))
@@ -97,9 +97,9 @@ def test_bad_config_is_input_error(kwargs, message):
 
 def test_load_base_rejects_non_model_folder(tmp_path):
     with pytest.raises(InputError, match="not a model folder"):
-        load_base(tmp_path)
+        load_minigpt_folder(tmp_path)
     with pytest.raises(InputError, match="no such model folder"):
-        load_base(tmp_path / "missing")
+        load_minigpt_folder(tmp_path / "missing")
 
 
 def test_generate_is_deterministic_and_respects_block(tiny_cfg):

@@ -1,6 +1,6 @@
 import json
 
-from minigpt.checkpoint import load_base
+from minigpt.base_folder import load_minigpt_folder
 from minigpt.pretrain import pretrain
 from minigpt.train import TrainConfig, lr_at
 
@@ -20,7 +20,7 @@ def test_pretrain_lowers_loss_and_writes_base(tmp_path):
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["seed"] == 3 and len(manifest["base_sha256"]) == 64
     assert manifest["versions"]["torch"]
-    model, tok = load_base(out)
+    model, tok = load_minigpt_folder(out)
     assert tok.vocab_size == model.config.vocab_size
 
 

@@ -161,3 +161,13 @@ def test_cli_matches_transformers_and_peft(family, tmp_path, capsys):
             wrapped = peft.get_peft_model(model, peft.LoraConfig(r=8, target_modules=lora_targets))
         trainable = sum(p.numel() for p in wrapped.parameters() if p.requires_grad)
         assert [r["trainable_params"] for r in d["regimes"]] == [d["total_params"], trainable, trainable]
+
+
+def test_full_ft_buckets_follow_the_seed_and_zero_is_an_option(capsys):
+    seed = count_json(capsys, "--preset", "minigpt-768", "--rank", "8")
+    zero = count_json(capsys, "--preset", "minigpt-768", "--rank", "8", "--master-copy", "optimizer")
+    n = seed["total_params"]
+    s, z = seed["regimes"][0]["bytes"], zero["regimes"][0]["bytes"]
+    assert (s["weights"], s["grads"], s["optimizer"]) == (6 * n, 2 * n, 8 * n)  # fp16 + fp32 master, fp16, Adam m+v
+    assert (z["weights"], z["grads"], z["optimizer"]) == (2 * n, 2 * n, 12 * n)  # ZeRO: master with Adam's state
+    assert s["total"] == z["total"] and seed["regimes"][1:] == zero["regimes"][1:]

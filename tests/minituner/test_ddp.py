@@ -9,8 +9,8 @@ import sys
 import pytest
 import torch
 
-from minigpt.checkpoint import save_base
-from minigpt.checkpointing import CHECKPOINT_DIR, list_checkpoints
+from minigpt.base_folder import save_base
+from minigpt.train_state import CHECKPOINT_DIR, list_checkpoints
 from minigpt.distributed import mean_across_ranks, shard, world_size
 from minigpt.io import load_safetensors
 from minigpt.model import GPTConfig, MiniGPT

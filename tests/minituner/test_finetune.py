@@ -4,7 +4,8 @@ import json
 import pytest
 import torch
 
-from minigpt.checkpoint import load_base, save_base
+from minigpt.base_folder import save_base
+from minituner.base_model import load_base
 from minigpt.data import forecast_documents
 from minigpt.errors import InputError
 from minigpt.io import sha256_file

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from minigpt.tokenizer import CharTokenizer
-from minituner.base_model import load_base_model
+from minituner.base_model import load_base
 
 transformers = pytest.importorskip("transformers")
 
@@ -33,7 +33,7 @@ def gpt2_folder(tmp_path_factory):
 
 
 def test_count_agrees_with_imported_model(gpt2_folder):
-    model, _ = load_base_model(gpt2_folder / "base")
+    model, _ = load_base(gpt2_folder / "base")
     r = run_cli("count", "--config", gpt2_folder / "base" / "config.json", "--rank", 4, "--target", "c_attn", "--json")
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["total_params"] == sum(p.numel() for p in model.parameters())

@@ -7,11 +7,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from minigpt.checkpoint import save_base
+from minigpt.base_folder import save_base
 from minigpt.errors import InputError
 from minigpt.model import GPTConfig, MiniGPT
 from minigpt.tokenizer import CharTokenizer
-from minituner.base_model import HFTokenizer, load_base_model, load_tokenizer
+from minituner.base_model import HFTokenizer, load_base, load_tokenizer
 from minituner.hf_gpt2 import config_from_gpt2, load_gpt2, save_gpt2
 
 transformers = pytest.importorskip("transformers")
@@ -55,7 +55,7 @@ def n_params(model):
 )
 def test_logits_and_count_match_transformers(tmp_path, overrides):
     hf = make_gpt2(tmp_path, **overrides)
-    mini, tokenizer = load_base_model(tmp_path)
+    mini, tokenizer = load_base(tmp_path)
     assert tokenizer is None and not mini.training
     ids = random_ids(TINY["vocab_size"], TINY["n_positions"])
     with torch.no_grad():
@@ -124,11 +124,11 @@ def test_export_round_trip(tmp_path, activation):
     assert all(torch.equal(v, sd[k]) for k, v in mini.state_dict().items())
 
 
-def test_minigpt_base_folder_dispatches_to_load_base(tmp_path):
+def test_minigpt_base_folder_dispatches_to_load_minigpt_folder(tmp_path):
     tok = CharTokenizer.train("abcdef ")
     mini = MiniGPT(GPTConfig(vocab_size=tok.vocab_size, block_size=16, n_layer=1, n_head=2, d_model=8))
     save_base(mini, tok, tmp_path)
-    loaded, loaded_tok = load_base_model(tmp_path)
+    loaded, loaded_tok = load_base(tmp_path)
     assert isinstance(loaded_tok, CharTokenizer) and loaded_tok.itos == tok.itos
     assert all(torch.equal(v, loaded.state_dict()[k]) for k, v in mini.state_dict().items())
 
@@ -136,7 +136,7 @@ def test_minigpt_base_folder_dispatches_to_load_base(tmp_path):
 def test_char_tokenizer_beside_gpt2_and_generate_cli(tmp_path):
     make_gpt2(tmp_path)
     CharTokenizer([chr(ord("A") + i) for i in range(TINY["vocab_size"] - 1)]).save(tmp_path / "tokenizer.json")
-    _, tok = load_base_model(tmp_path)
+    _, tok = load_base(tmp_path)
     assert isinstance(tok, CharTokenizer) and tok.vocab_size == TINY["vocab_size"]
     r = subprocess.run([sys.executable, "-m", "minituner", "generate", "--base", str(tmp_path), "--prompt", "ABC",
                         "--max-new-tokens", "5"], capture_output=True, text=True, timeout=300)
@@ -151,7 +151,7 @@ def test_hf_tokenizer_file(tmp_path):
     hf_tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
     hf_tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
     hf_tok.save(str(tmp_path / "tokenizer.json"))
-    _, tok = load_base_model(tmp_path)
+    _, tok = load_base(tmp_path)
     assert isinstance(tok, HFTokenizer) and tok.vocab_size == 5
     assert tok.encode("hello the weather") == [1, 3, 4]
     assert tok.decode([1, 2]) == "hello world"
@@ -161,7 +161,7 @@ def test_hf_tokenizer_file(tmp_path):
 
 def test_missing_tokenizer_is_none_with_a_reason(tmp_path):
     make_gpt2(tmp_path)
-    assert load_base_model(tmp_path)[1] is None
+    assert load_base(tmp_path)[1] is None
     assert "no tokenizer.json" in load_tokenizer(tmp_path, TINY["vocab_size"])[1]
 
 
@@ -216,7 +216,7 @@ def test_bad_folder_is_one_input_error(tmp_path, case):
     corrupt, fragment = BAD_FOLDERS[case]
     corrupt(tmp_path)
     with pytest.raises(InputError) as e:
-        load_base_model(tmp_path)
+        load_base(tmp_path)
     assert fragment in str(e.value) and "\n" not in str(e.value), str(e.value)
 
 

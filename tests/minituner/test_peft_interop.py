@@ -10,7 +10,8 @@ from minigpt.errors import InputError
 from minigpt.model import GPTConfig, MiniGPT
 from minituner.adapter_io import load_adapter
 from minituner.lora import LoRAConfig, apply_lora, lora_modules, lora_state_dict
-from minituner.peft_format import CONFIG_NAME, WEIGHTS_NAME, load_peft_adapter, save_peft_adapter
+from minituner.adapter_io import load_peft_adapter
+from minituner.peft_format import CONFIG_NAME, WEIGHTS_NAME, save_peft_adapter
 
 X = torch.randint(0, 21, (2, 16), generator=torch.Generator().manual_seed(7))
 

@@ -21,10 +21,12 @@ def shape():
 def test_full_ft_is_16_bytes_per_param_both_ways(shape):
     n = total_params(shape)
     mixed = regime_bytes(shape, Regime("full"))
-    assert (mixed.weights, mixed.grads, mixed.optimizer) == (2 * n, 2 * n, 12 * n)  # fp16, fp16, fp32 master+m+v
+    assert (mixed.weights, mixed.grads, mixed.optimizer) == (6 * n, 2 * n, 8 * n)  # the seed: fp16 + fp32 master, fp16, m+v
+    zero = regime_bytes(shape, Regime("full"), cfg=MemoryConfig(master_copy="optimizer"))
+    assert (zero.weights, zero.grads, zero.optimizer) == (2 * n, 2 * n, 12 * n)  # ZeRO: fp16, fp16, fp32 master+m+v
     fp32 = regime_bytes(shape, Regime("full"), cfg=MemoryConfig(full_precision="fp32"))
     assert (fp32.weights, fp32.grads, fp32.optimizer) == (4 * n, 4 * n, 8 * n)
-    assert mixed.total - mixed.activations == fp32.total - fp32.activations == 16 * n
+    assert mixed.total - mixed.activations == zero.total - zero.activations == fp32.total - fp32.activations == 16 * n
 
 
 def test_lora_grads_and_adam_only_for_lora_params(shape):
@@ -122,7 +124,7 @@ def test_plan_json_contract(shape):
 
 
 @pytest.mark.parametrize("kwargs", [{"batch_size": 0}, {"seq_len": -1}, {"full_precision": "bf16"},
-                                    {"activations": "guess"}, {"quantize": "all"}])
+                                    {"activations": "guess"}, {"quantize": "all"}, {"master_copy": "grads"}])
 def test_bad_memory_config(kwargs):
     with pytest.raises(InputError):
         MemoryConfig(**kwargs)

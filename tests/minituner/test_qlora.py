@@ -1,4 +1,5 @@
-"""wrap_minigpt_qlora: quantize the targets, wrap them with LoRA, train only the LoRA factors."""
+"""build_for_training("qlora"), through wrap_minigpt_qlora: quantize the targets, wrap them with LoRA,
+train only the LoRA factors."""
 import pytest
 import torch
 import torch.nn as nn
@@ -10,8 +11,9 @@ from miniquant import QuantizationError, QuantizedLinear
 from minituner.adapter_io import load_adapter, save_adapter
 from minituner.lora import LoRALinear, apply_lora, lora_modules, lora_state_dict
 from minituner.planner import lora_trainable_params, minigpt_shape, nf4_weight_bytes, quantized_params, total_params
+from minituner.build import training_device, wrap_minigpt_qlora
 from minituner.qlora import (check_qlora, compare_logits, param_summary, print_trainable_parameters, quantize_linears,
-                             quantized_modules, resolve_device, weight_errors, wrap_minigpt_qlora)
+                             quantized_modules, weight_errors)
 from minituner.zoo import adapters_disabled
 
 CFG = GPTConfig(vocab_size=29, block_size=16, n_layer=2, n_head=2, d_model=32)  # d_ff 128
@@ -194,7 +196,7 @@ def test_check_qlora_catches_a_trainable_base_parameter():
 
 
 def test_default_device():
-    assert resolve_device(None).type == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert training_device(None).type == ("cuda" if torch.cuda.is_available() else "cpu")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -4,7 +4,8 @@ import json
 import pytest
 import torch
 
-from minigpt.checkpoint import load_base, save_base
+from minigpt.base_folder import save_base
+from minituner.base_model import load_base
 from minigpt.data import forecast_documents
 from minigpt.model import GPTConfig, MiniGPT
 from minigpt.tokenizer import CharTokenizer
@@ -14,7 +15,7 @@ from minituner.adapter_io import ADAPTER_FILE, load_adapter
 from minituner.cli import main
 from minituner.finetune import FinetuneConfig, finetune
 from minituner.lora import LoRAConfig, lora_modules, lora_state_dict
-from minituner.qlora import wrap_minigpt_qlora
+from minituner.build import wrap_minigpt_qlora
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -15,8 +15,8 @@ import threading
 import pytest
 import torch
 
-from minigpt.checkpoint import save_base
-from minigpt.checkpointing import CHECKPOINT_DIR, list_checkpoints, load_checkpoint
+from minigpt.base_folder import save_base
+from minigpt.train_state import CHECKPOINT_DIR, list_checkpoints, load_checkpoint
 from minigpt.data import forecast_documents
 from minigpt.model import GPTConfig, MiniGPT
 from minigpt.tokenizer import CharTokenizer

@@ -8,7 +8,7 @@ from pathlib import Path
 from minigpt.errors import InputError
 from minituner.planner import (ALL_LINEAR, PRESETS, MemoryConfig, default_regimes, load_config_shape, minigpt_vocab,
                                plan, preset_shape)
-from minituner.planner.memory import ACTIVATION_MODELS, FULL_PRECISIONS, QUANTIZE_CHOICES
+from minituner.planner.memory import ACTIVATION_MODELS, FULL_PRECISIONS, MASTER_COPIES, QUANTIZE_CHOICES
 from minituner.planner.presets import MINIGPT_SIZES
 from minituner.planner.report import describe, regime_table
 
@@ -35,8 +35,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="QLoRA: NF4 for the LoRA targets (default) or every block Linear (bitsandbytes load_in_4bit)")
     p.add_argument("--full-precision", choices=FULL_PRECISIONS, default="mixed",
                    help="full FT: fp16 + fp32 master (mixed, default) or plain fp32")
+    p.add_argument("--master-copy", choices=MASTER_COPIES, default=MemoryConfig.master_copy,
+                   help="full FT mixed: count the fp32 master copy with the weights (the seed: 6N/2N/8N, default) "
+                   "or with the optimizer state (ZeRO: 2N/2N/12N); same total")
     p.add_argument("--activations", choices=ACTIVATION_MODELS, default="seed",
-                   help="activation estimate: the seed's B*T*d*L*16 bytes or Korthikanti et al. 2022")
+                   help="activations: the seed's B*T*d*L*16 bytes, Korthikanti et al. 2022, or exact (MiniGPT's "
+                   "saved tensors, planner/activations.py)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
 
 
@@ -69,7 +73,8 @@ def run(args: argparse.Namespace) -> int:
         vocab = minigpt_vocab(args.tokenizer).size if name in MINIGPT_SIZES else None
         shape = preset_shape(name, vocab)
     cfg = MemoryConfig(batch_size=args.batch_size, seq_len=args.seq_len, double_quant=args.double_quant,
-                       full_precision=args.full_precision, activations=args.activations, quantize=args.quantize)
+                       full_precision=args.full_precision, activations=args.activations, quantize=args.quantize,
+                       master_copy=args.master_copy)
     result = plan(shape, default_regimes(ranks), args.target or ALL_LINEAR, cfg)
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))

@@ -8,6 +8,7 @@ from minigpt.device import DEVICES, PRECISIONS, check_precision, resolve_device
 from minigpt.distributed import init_from_env, is_writer, local_rank, shutdown
 from minigpt.errors import InputError
 from minigpt.train import TrainConfig
+from miniquant import DEFAULT_QUANT_SCHEME
 
 from ..finetune import BASE_DOMAIN, DEFAULT_DATA, FinetuneConfig, default_train_config, finetune
 from ..lora import ALL_LINEAR, LoRAConfig
@@ -46,7 +47,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--full", action="store_true", help="full fine-tuning: train every parameter, save a base folder")
     p.add_argument("--init-adapter", type=Path, help="start from this adapter (file, run folder or PEFT folder)")
     p.add_argument("--qlora", action="store_true", help="QLoRA: quantize the targeted Linears (NF4) before adding LoRA")
-    p.add_argument("--quant-scheme", help="QLoRA's scheme: nf4_per_group_64 (default with --qlora), "
+    p.add_argument("--quant-scheme", help=f"QLoRA's scheme: {DEFAULT_QUANT_SCHEME} (default with --qlora), "
                    "int8_per_group_<G> or int4_per_group_<G>; implies --qlora")
     length = p.add_mutually_exclusive_group()
     length.add_argument("--steps", type=positive_int, help=f"optimizer steps (default {d.steps})")
@@ -73,7 +74,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.full and args.init_adapter:
         raise InputError("--init-adapter needs LoRA, not --full")
-    quant_scheme = args.quant_scheme or ("nf4_per_group_64" if args.qlora else None)
+    quant_scheme = args.quant_scheme or (DEFAULT_QUANT_SCHEME if args.qlora else None)
     if args.full and quant_scheme:
         raise InputError("--qlora / --quant-scheme train LoRA on a quantized base, not --full")
     d = default_train_config()

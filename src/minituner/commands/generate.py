@@ -8,7 +8,7 @@ import torch
 
 from minigpt.errors import InputError
 
-from ..base_model import load_base_model, load_tokenizer
+from ..base_model import load_base, load_tokenizer
 from ._common import positive_int
 
 HELP = "print samples from a base model folder (minituner base or Hugging Face GPT-2)"
@@ -25,7 +25,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    model, tokenizer = load_base_model(args.base)
+    model, tokenizer = load_base(args.base)
     if tokenizer is None:
         raise InputError(load_tokenizer(args.base, model.config.vocab_size)[1])
     if not args.prompt:

@@ -6,14 +6,15 @@ import json
 from pathlib import Path
 
 from minigpt.device import DEVICES, PRECISIONS, resolve_device
+from minigpt.base_folder import CONFIG
 from minigpt.errors import InputError
 from minigpt.io import read_json
 from minigpt.model import GPTConfig, MiniGPT
 
-from ..base_model import load_base_model
+from ..base_model import load_base
 from ..hf_gpt2 import config_from_gpt2
 from ..lora import ALL_LINEAR
-from ..memory_check import REGIMES, CheckConfig, describe, format_table, memory_check
+from ..memory.check import REGIMES, CheckConfig, describe, format_table, memory_check
 from ..planner import minigpt_vocab
 from ..planner.presets import MINIGPT_SIZES
 from ._common import positive_float, positive_int
@@ -46,7 +47,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def config_from_file(path: Path) -> GPTConfig:
     """A GPT-2 or MiniGPT config.json -> the GPTConfig of the MiniGPT that memory-check builds."""
-    path = path / "config.json" if path.is_dir() else path
+    path = path / CONFIG if path.is_dir() else path
     d = read_json(path)
     kind = d.get("model_type", "minigpt")
     if kind == "gpt2":
@@ -66,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
         raise InputError("--tokenizer applies to --preset, not to --config or --base")
     if args.base is not None:
         name = str(args.base)
-        build = lambda: load_base_model(args.base, device)[0]  # noqa: E731
+        build = lambda: load_base(args.base, device)[0]  # noqa: E731
     else:
         if args.config is not None:
             cfg, name = config_from_file(args.config), str(args.config)

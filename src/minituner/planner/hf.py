@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from minigpt.base_folder import CONFIG
 from minigpt.errors import InputError
 from minigpt.io import read_json
 from minigpt.model import GPTConfig
@@ -141,5 +142,5 @@ def load_config_shape(path: str | Path) -> ModelShape:
     """Read config.json (or a folder holding one) into a ModelShape; a missing or bad file is an InputError."""
     path = Path(path)
     if path.is_dir():
-        path = path / "config.json"
+        path = path / CONFIG
     return shape_from_config(read_json(path), str(path))

@@ -1,8 +1,10 @@
 """Bytes per bucket (weights, grads, optimizer, activations) for full fine-tuning, LoRA and QLoRA.
 
 Per base parameter N and LoRA parameter P (bytes):
-- full, mixed precision: fp16 weights 2N, fp16 grads 2N, optimizer 12N = fp32 master copy + Adam m
-  + Adam v (the 16 bytes/param of ZeRO, Rajbhandari et al. 2020). full, fp32: 4N + 4N + 8N.
+- full, mixed precision: the seed's buckets by default, weights 6N = fp16 copy 2N + fp32 master copy 4N,
+  fp16 grads 2N, Adam m and v 8N; MemoryConfig(master_copy="optimizer") is ZeRO's split of the same 16
+  bytes/param (Rajbhandari et al. 2020): weights 2N, grads 2N, optimizer 12N = master + m + v.
+  full, fp32: 4N + 4N + 8N (no master copy).
 - LoRA r: frozen fp16 base 2N, LoRA A/B in fp16 2P, fp16 grads 2P, fp32 Adam m and v 8P (for the
   LoRA parameters only: frozen weights have neither grads nor optimizer state).
 - QLoRA r: the targeted Linears' weights in NF4 (the issue's recipe and what wrap_minigpt_qlora does;
@@ -34,6 +36,7 @@ DQ_BLOCK = 256  # absmax values per fp32 constant under double quantization
 SEED_ACT_BYTES = 16  # the seed's bytes per (batch, seq, d_model, layer) element
 DEFAULT_RANKS = (4, 8, 16)  # the seed's LoRA regimes; its QLoRA regime uses r = 8
 FULL_PRECISIONS = ("mixed", "fp32")
+MASTER_COPIES = ("weights", "optimizer")  # full FT mixed: which bucket holds the fp32 master copy (seed / ZeRO)
 ACTIVATION_MODELS = ("seed", "korthikanti", "exact")
 DTYPE_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}
 QUANTIZE_CHOICES = ("targets", "all-linear")  # QLoRA: which block Linears are stored in NF4
@@ -45,9 +48,10 @@ class MemoryConfig:
     seq_len: int = 32  # tokens per sequence (the seed's default)
     double_quant: bool = False  # QLoRA: quantize the absmax constants too
     full_precision: str = "mixed"  # "mixed": fp16 weights/grads + fp32 master + Adam; "fp32": all fp32
-    activations: str = "seed"  # which estimate fills the activations bucket: "seed" or "korthikanti"
+    activations: str = "seed"  # which model fills the activations bucket: "seed", "korthikanti" or "exact" (MiniGPT)
     quantize: str = "targets"  # QLoRA NF4: the LoRA targets, or "all-linear" (every block Linear, bnb load_in_4bit)
     dtype: str = "fp16"  # LoRA/QLoRA float weights, LoRA A/B, grads, exact-model activations: fp16, bf16 or fp32
+    master_copy: str = "weights"  # full FT mixed: fp32 master with the weights (the seed, 6N/2N/8N) or "optimizer" (ZeRO, 2N/2N/12N)
 
     def __post_init__(self) -> None:
         for name in ("batch_size", "seq_len"):
@@ -60,6 +64,8 @@ class MemoryConfig:
             raise InputError(f"activations must be one of {', '.join(ACTIVATION_MODELS)}, got {self.activations!r}")
         if self.quantize not in QUANTIZE_CHOICES:
             raise InputError(f"quantize must be one of {', '.join(QUANTIZE_CHOICES)}, got {self.quantize!r}")
+        if self.master_copy not in MASTER_COPIES:
+            raise InputError(f"master_copy must be one of {', '.join(MASTER_COPIES)}, got {self.master_copy!r}")
         if self.dtype not in DTYPE_BYTES:
             raise InputError(f"dtype must be one of {', '.join(DTYPE_BYTES)}, got {self.dtype!r}")
 
@@ -186,7 +192,9 @@ def regime_bytes(shape: ModelShape, regime: Regime, targets: str | Iterable[str]
     if regime.name == "full":
         if cfg.full_precision == "fp32":
             return Buckets(weights=4 * n, grads=4 * n, optimizer=8 * n, activations=act)
-        return Buckets(weights=2 * n, grads=2 * n, optimizer=12 * n, activations=act)
+        if cfg.master_copy == "optimizer":  # ZeRO's split: master copy + m + v are optimizer state
+            return Buckets(weights=2 * n, grads=2 * n, optimizer=12 * n, activations=act)
+        return Buckets(weights=6 * n, grads=2 * n, optimizer=8 * n, activations=act)  # the seed's: fp16 + fp32 master
     p, b = lora_trainable_params(shape, regime.rank, targets), DTYPE_BYTES[cfg.dtype]
     if regime.name == "lora":
         base = b * n

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from minigpt.data import load_documents, split_documents
+from minigpt.data import PRETRAIN_DATA, load_documents, split_documents
 from minigpt.errors import InputError
 from minigpt.model import GPTConfig
 from minigpt.tokenizer import CharTokenizer, read_vocab_size
@@ -18,7 +18,6 @@ from .hf import shape_from_config
 from .shapes import ModelShape, minigpt_shape
 
 DEFAULT_TOKENIZER = Path("artifacts/base/tokenizer.json")
-PRETRAIN_DATA = "builtin:python-docs"  # what `minituner pretrain` trains on by default
 
 # Meta's LLaMA-7B and Llama-2-70B as Hugging Face configs (SwiGLU, RMSNorm, untied head; 70B uses GQA).
 LLAMA_7B = {"model_type": "llama", "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008,

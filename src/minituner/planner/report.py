@@ -63,7 +63,9 @@ def describe(plan: Plan, alpha: float | None = None) -> str:
     """One paragraph of assumptions to print above the table."""
     s, c = plan.shape, plan.config
     wrapped = resolve_targets(s, plan.targets)
-    precision = "fp16 weights and grads + fp32 master + Adam" if c.full_precision == "mixed" else "fp32 weights, grads, Adam"
+    precision = {"weights": "fp16 weights + fp32 master (weights bucket, the seed's split), fp16 grads, fp32 Adam",
+                 "optimizer": "fp16 weights and grads + fp32 master + Adam (master in the optimizer bucket, ZeRO's split)"
+                 }[c.master_copy] if c.full_precision == "mixed" else "fp32 weights, grads, Adam"
     act = {"seed": "batch x seq x d_model x n_layer x 16 bytes", "korthikanti": "Korthikanti et al. 2022",
            "exact": f"saved for backward by MiniGPT's forward ({c.dtype})"}[c.activations]
     parts = [

@@ -5,10 +5,11 @@ import torch
 from minigpt.model import GPTConfig, MiniGPT
 from minigpt.train import lm_loss
 from minituner.lora import LoRAConfig, apply_lora, lora_modules
-from minituner.memory_accounting import (account, measure_training, process_rss_bytes, snapshot, storage_bytes,
+from minituner.memory.accounting import (account, measure_training, process_rss_bytes, snapshot, storage_bytes,
                                          weight_breakdown)
 from minituner.planner import MemoryConfig, Regime, lora_trainable_params, minigpt_shape, regime_bytes
-from minituner.qlora import quantized_modules, wrap_minigpt_qlora
+from minituner.build import wrap_minigpt_qlora
+from minituner.qlora import quantized_modules
 
 CFG = GPTConfig(vocab_size=29, block_size=16, n_layer=2, n_head=2, d_model=32)
 

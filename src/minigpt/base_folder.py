@@ -1,4 +1,4 @@
-"""A base-model folder: config.json + model.safetensors + tokenizer.json (+ manifest.json)."""
+"""A base-model folder (MiniGPT): config.json + model.safetensors + tokenizer.json (+ manifest.json)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -11,6 +11,7 @@ from .model import GPTConfig, MiniGPT
 from .tokenizer import CharTokenizer
 
 CONFIG, WEIGHTS, TOKENIZER, MANIFEST = "config.json", "model.safetensors", "tokenizer.json", "manifest.json"
+WEIGHTS_INDEX = "model.safetensors.index.json"  # a sharded checkpoint's index (Hugging Face folders)
 
 
 def base_state_dict(model: MiniGPT) -> dict[str, torch.Tensor]:
@@ -45,8 +46,11 @@ def load_config(folder: str | Path) -> GPTConfig:
         raise InputError(f"{folder}/{CONFIG}: {e}") from None
 
 
-def load_base(folder: str | Path, device: str | torch.device = "cpu") -> tuple[MiniGPT, CharTokenizer | None]:
-    """Load a folder written by save_base; anything that is not such a folder is an InputError."""
+def load_minigpt_folder(folder: str | Path, device: str | torch.device = "cpu") -> tuple[MiniGPT, CharTokenizer | None]:
+    """Read a MiniGPT folder written by save_base; anything that is not such a folder is an InputError.
+
+    Users load any base folder (MiniGPT or Hugging Face) with ``minituner.base_model.load_base``.
+    """
     folder = Path(folder)
     if not folder.is_dir():
         raise InputError(f"{folder}: no such model folder")

@@ -19,6 +19,8 @@ from collections.abc import Iterable
 import torch
 import torch.nn as nn
 
+from minigpt.train import adamw, train_step
+
 BUCKETS = ("weights", "grads", "optimizer")
 
 
@@ -103,14 +105,11 @@ def measure_training(model: nn.Module, batches: Iterable[tuple[torch.Tensor, tor
     if not params:
         raise ValueError("the model has no trainable parameters")
     built = snapshot(model)
-    opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95))
+    opt = adamw(params, lr)
     losses = []
-    for x, y in batches:
-        loss = loss_fn(model, x, y)
-        if not torch.isfinite(loss):
-            raise FloatingPointError(f"non-finite loss {loss.item()} at step {len(losses) + 1}")
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
+    for x, y in batches:  # minigpt.train's step, without clipping
+        loss, problem = train_step(model, opt, params, x, y, clip=0.0, loss_fn=loss_fn)
+        if problem is not None:
+            raise FloatingPointError(f"{problem} at step {len(losses) + 1}")
         losses.append(loss.item())
     return {"after_build": built, "after_steps": snapshot(model, opt), "steps": len(losses), "losses": losses}

@@ -1,4 +1,5 @@
-"""Resumable checkpoints (minigpt.checkpointing) and the training loop's resume and non-finite handling."""
+"""Resumable training state (minigpt.train_state), the run-folder policy (minigpt.run_dir), and the
+training loop's resume and non-finite handling."""
 import json
 import random
 
@@ -8,9 +9,9 @@ import torch
 import torch.nn as nn
 
 import minigpt.train as train_mod
-from minigpt.checkpointing import (CHECKPOINT_DIR, FORMAT, TrainState, capture_rng, check_run_dir, from_file,
-                                   latest_checkpoint, list_checkpoints, load_checkpoint, restore_rng, save_checkpoint,
-                                   to_file)
+from minigpt.run_dir import check_run_dir
+from minigpt.train_state import (CHECKPOINT_DIR, FORMAT, TrainState, capture_rng, from_file, latest_checkpoint,
+                                  list_checkpoints, load_checkpoint, restore_rng, save_checkpoint, to_file)
 from minigpt.errors import InputError
 from minigpt.manifest import seed_everything
 from minigpt.model import GPTConfig, MiniGPT
@@ -220,3 +221,14 @@ def test_pretrain_resumes_to_the_same_bytes(tmp_path, monkeypatch):
     manifest = json.loads((tmp_path / "b" / "manifest.json").read_text())
     assert [r["step"] for r in manifest["resumes"]] == [6]
     assert json.loads((tmp_path / "a" / "manifest.json").read_text())["resumes"] == []
+
+
+def test_loss_summary():
+    from minigpt.train import loss_summary
+
+    rows = [{"step": i + 1, "train_loss": float(10 - i)} for i in range(6)]
+    rows[2]["val_loss"] = 4.5
+    s = loss_summary(rows, window=2)
+    assert (s["steps"], s["first_loss"], s["last_loss"], s["first_mean"], s["last_mean"]) == (6, 10.0, 5.0, 9.5, 5.5)
+    assert s["all_finite"] and s["val"] == [(3, 4.5)] and s["mean_window"] == 2
+    assert not loss_summary([{"step": 1, "train_loss": float("nan")}], window=1)["all_finite"]

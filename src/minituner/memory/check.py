@@ -1,7 +1,7 @@
 """Check the planner against a real run: build the model, train a few steps, measure each memory bucket.
 
 Measured, bucket by bucket (bytes; every storage counted once, so tied weights and views count once):
-- weights, grads, optimizer: ``memory_accounting.account`` (parameters and buffers, QLoRA's NF4 codes and
+- weights, grads, optimizer: ``accounting.account`` (parameters and buffers, QLoRA's NF4 codes and
   absmax included; every ``.grad`` after backward; Adam's state after a step), with Adam's 0-d ``step``
   counters shown apart (4 bytes per trainable tensor; the planner's optimizer bucket is m and v);
 - activations: every tensor the forward saves for backward, seen by ``torch.autograd.graph.saved_tensors_hooks``,
@@ -31,14 +31,15 @@ import torch.nn as nn
 from minigpt.device import autocast, check_precision
 from minigpt.errors import InputError
 from minigpt.model import GPTConfig, MiniGPT
-from minigpt.train import lm_loss
+from minigpt.train import adamw, lm_loss, train_step
 
-from .lora import ALL_LINEAR, LoRAConfig, apply_lora
-from .memory_accounting import account, storage_bytes
-from .planner import (MemoryConfig, Regime, korthikanti_activation_bytes, minigpt_shape, regime_bytes,
+from ..build import build_for_training
+from ..lora import ALL_LINEAR, LoRAConfig
+from .accounting import account, storage_bytes
+from ..planner import (MemoryConfig, Regime, korthikanti_activation_bytes, minigpt_shape, regime_bytes,
                       seed_activation_bytes)
-from .planner.report import UNITS
-from .qlora import wrap_minigpt_qlora
+from ..planner.report import UNITS
+from ..qlora import param_summary
 
 REGIMES = ("full", "lora", "qlora")
 BUCKETS = ("weights", "grads", "optimizer", "activations")
@@ -78,17 +79,12 @@ def disable_dropout(model: nn.Module) -> None:
 
 def prepare(model: MiniGPT, check: CheckConfig, device: torch.device) -> None:
     """Make the model trainable the way the regime trains it (QLoRA: NF4 targets, fp32 float parts)."""
-    if check.regime == "full":
-        model.requires_grad_(True)
-    elif check.regime == "lora":
-        apply_lora(model, LoRAConfig(r=check.rank, alpha=check.alpha, target_modules=check.targets))
-    else:
-        wrap_minigpt_qlora(model, r=check.rank, alpha=check.alpha, targets=check.targets, device=device,
-                           compute_dtype=torch.float32)
+    build_for_training(model, check.regime, LoRAConfig(r=check.rank, alpha=check.alpha, target_modules=check.targets),
+                       device=device, compute_dtype=torch.float32)
 
 
 def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
-    """memory_accounting.account's buckets, with Adam's 0-d step counters taken out of the optimizer bucket."""
+    """accounting.account's buckets, with Adam's 0-d step counters taken out of the optimizer bucket."""
     acc = account(model, optimizer)
     steps = storage_bytes([state["step"] for state in optimizer.state.values() if torch.is_tensor(state.get("step"))])
     return {"weights": acc["weights"], "grads": acc["grads"], "optimizer": acc["optimizer"] - steps,
@@ -196,7 +192,7 @@ class CheckResult:
     estimates: dict[str, int]  # other activation estimates: "seed", "korthikanti"
     peak_source: str
     trainable_params: int
-    params: int
+    params: int  # the base's parameters by element (a quantized weight too), as the planner counts them
     activation_note: str = "exact model (planner/activations.py)"
     losses: list[float] = field(default_factory=list)
 
@@ -264,30 +260,37 @@ def memory_check(build: Callable[[], MiniGPT], check: CheckConfig, device: torch
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise InputError("the model has no trainable parameters")
-    # the same optimizer and clipping as minigpt.train.train
-    opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.0)
+    opt = adamw(params, lr=1e-4)  # minigpt.train's optimizer, and its step below (clipping at 1.0)
     meter.reset_peak()
     gen = torch.Generator().manual_seed(check.seed)
-    vocab, activations, losses = model.config.vocab_size, 0, []
-    for _ in range(check.steps):
+    vocab, activations, losses, grads = model.config.vocab_size, 0, [], 0
+    for step in range(check.steps):
         ids = torch.randint(vocab, (check.batch_size, check.seq_len + 1), generator=gen)
         x, y = ids[:, :-1].clone().to(device), ids[:, 1:].clone().to(device)  # (B, T) each, own storages
-        with SavedTensors(model) as saved, autocast(device, check.precision):
-            loss = lm_loss(model, x, y)
+        saved = SavedTensors(model)
+
+        def record_grads() -> None:
+            nonlocal grads
+            grads = state_bytes(model, opt)["grads"]
+
+        loss, problem = train_step(model, opt, params, x, y, 1.0, check.precision, forward_context=saved,
+                                   before_update=record_grads)
+        if problem is not None:
+            raise FloatingPointError(f"{problem} at step {step + 1}")
         activations = max(activations, saved.bytes)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        grads = state_bytes(model, opt)["grads"]
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
         losses.append(loss.item())
-        del loss
     measured = {**state_bytes(model, opt), "grads": grads, "activations": activations, "peak": meter.peak()}
     predicted, estimates = predict(model.config, check, name)
     note = ("exact model (planner/activations.py)" if check.precision == "fp32"
             else "exact model's op structure at 2 bytes/element: an approximation under autocast")
     return CheckResult(name, check, str(device), predicted, measured, estimates, meter.source,
-                       sum(p.numel() for p in params), sum(p.numel() for p in model.parameters()), note, losses)
+                       sum(p.numel() for p in params), base_params(model), note, losses)
+
+
+def base_params(model: nn.Module) -> int:
+    """The base's parameters by element (a quantized weight too, as the planner counts it), LoRA factors left out."""
+    lora = sum(p.numel() for n, p in model.named_parameters() if "lora_" in n)
+    return param_summary(model).all - lora
 
 
 def format_table(result: CheckResult, unit: str = "MiB") -> str:
@@ -304,7 +307,8 @@ def format_table(result: CheckResult, unit: str = "MiB") -> str:
 def describe(result: CheckResult) -> str:
     c = result.check
     what = "full fine-tuning" if c.regime == "full" else f"{c.regime} r={c.rank} on {c.targets}"
-    return (f"{result.name}: {result.params:,} parameters, {result.trainable_params:,} trainable ({what}); "
+    return (f"{result.name}: {result.params:,} base parameters (a quantized weight counted by element), "
+            f"{result.trainable_params:,} trainable ({what}); "
             f"batch {c.batch_size} x seq {c.seq_len}, {c.steps} AdamW steps on {result.device} ({c.precision}).\n"
             f"Activations: {result.activation_note}. Adam step counters: {result.measured['optimizer_steps']:,} "
             f"bytes (not planned). Peak: {result.peak_source}, above the memory held before the model was built.")

@@ -6,12 +6,12 @@ import json
 import pytest
 import torch
 
-from minigpt.checkpoint import save_base
+from minigpt.base_folder import save_base
 from minigpt.io import write_json
 from minigpt.model import GPTConfig, MiniGPT
 from minituner.cli import main
 from minituner.hf_gpt2 import gpt2_config_dict
-from minituner.memory_check import BUCKETS, CheckConfig, SavedTensors, memory_check
+from minituner.memory.check import BUCKETS, CheckConfig, SavedTensors, describe, memory_check
 from minituner.planner import MemoryConfig, Regime, minigpt_shape, regime_bytes, total_params
 from minituner.planner.activations import minigpt_activation_terms
 
@@ -120,3 +120,13 @@ def test_batch_of_one_is_exact():
     cfg = GPTConfig(**TINY)
     r = memory_check(lambda: MiniGPT(cfg), CheckConfig(batch_size=1, seq_len=5, rank=2), CPU)
     assert r.predicted["activations"] == r.measured["activations"]
+
+
+def test_parameters_are_counted_by_element_in_every_regime():
+    """A quantized weight is a buffer, not an nn.Parameter: it still counts, as the planner counts it."""
+    cfg = GPTConfig(**TINY)
+    n = total_params(minigpt_shape(cfg))
+    for regime in ("full", "lora", "qlora"):
+        r = check(cfg, regime=regime)
+        assert r.params == n, (regime, r.params, n)
+        assert f"{n:,} base parameters" in describe(r)

@@ -243,24 +243,3 @@ def restore(state: TrainState, named_params: list[tuple[str, nn.Parameter]], opt
     except (ValueError, KeyError, RuntimeError) as e:
         raise InputError(f"{where}: optimizer state does not fit this run ({e})") from None
     restore_rng(state.rng, batches)
-
-
-def check_run_dir(out: Path, markers: tuple[str, ...], overwrite: bool = False, resume: bool = False) -> None:
-    """Refuse an output folder that already holds a run, unless told to overwrite or resume it.
-
-    Nothing is deleted here: a refused or failing run leaves the folder as it was.
-    """
-    out = Path(out)
-    if overwrite and resume:
-        raise InputError("--overwrite and --resume exclude each other")
-    if out.exists() and not out.is_dir():
-        raise InputError(f"{out}: exists and is not a folder")
-    if resume:
-        if not list_checkpoints(out / CHECKPOINT_DIR):
-            raise InputError(f"{out}: no checkpoint to resume from in {CHECKPOINT_DIR}/; "
-                             "start a new run (--overwrite replaces what is there)")
-        return
-    held = [m for m in (*markers, CHECKPOINT_DIR) if (out / m).exists()]
-    if held and not overwrite:
-        raise InputError(f"{out} already holds a run ({held[0]}); "
-                         "pass --overwrite to replace it or --resume to continue it")

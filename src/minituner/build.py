@@ -1,0 +1,125 @@
+"""One way to build a model for training: full fine-tuning, LoRA or QLoRA, on a device, in a compute dtype.
+
+    model, tok = load_base("artifacts/base")
+    build_for_training(model, "qlora", LoRAConfig(r=8, alpha=16.0))   # NF4 targets + LoRA, only A/B train
+    wrap_minigpt_qlora(model, r=8, alpha=16.0)                         # the same, in QLoRA's words
+
+Every command and lab builds through ``build_for_training``. The steps, in order (each a function here):
+check every input before changing anything -> move to the device -> quantize the targets (QLoRA; a
+target that is already a ``QuantizedLinear`` of the scheme, e.g. quantized by a loader while reading, is
+kept as it is) -> cast the frozen float tensors to the compute dtype -> wrap the targets with LoRA (fresh
+factors, or an adapter loaded from a file) -> finite-output guards (QLoRA) -> check the trainable set.
+
+Compute dtype: QLoRA defaults to bfloat16 on CUDA and float32 on CPU; LoRA and full fine-tuning default
+to float32 (on CUDA, ``--precision bf16-autocast`` runs their forward in bf16). Full fine-tuning trains
+every weight, so it only builds in float32.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from minigpt.device import DEVICES, resolve_device
+from minigpt.errors import InputError
+from miniquant import DEFAULT_QUANT_SCHEME, QuantizedLinear
+
+from .adapter_io import load_adapter
+from .lora import ALL_LINEAR, LoRAConfig, apply_lora, find_targets, lora_modules
+from .qlora import (COMPUTE_DTYPES, add_finite_guards, cast_float_tensors, check_qlora, check_scheme,
+                    default_compute_dtype, quantize_linears)
+
+METHODS = ("full", "lora", "qlora")
+
+
+def training_device(device: str | torch.device | None = "auto") -> torch.device:
+    """"auto" or None: CUDA when present, else CPU; any other name or torch.device as given."""
+    if device is None or (isinstance(device, str) and device in DEVICES):
+        return resolve_device(device or "auto")
+    return torch.device(device)
+
+
+def quantize_step(model: nn.Module, paths: list[str], scheme: str) -> list[str]:
+    """Quantize the float nn.Linear among `paths` to `scheme`; keep those already quantized to it; return the new ones."""
+    todo = []
+    for p in paths:
+        m = model.get_submodule(p)
+        if isinstance(m, QuantizedLinear):
+            if m.scheme != scheme:
+                raise InputError(f"{p} is already quantized to {m.scheme}, not {scheme}")
+        else:
+            todo.append(p)
+    quantize_linears(model, todo, scheme)  # from the float weights, before any cast
+    return todo
+
+
+def _check(model: nn.Module, method: str, lora: LoRAConfig, scheme: str, dtype: torch.dtype) -> list[str]:
+    """Every check that can fail on the user's input, before the model changes; returns the target paths."""
+    if method not in METHODS:
+        raise InputError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
+    if dtype not in COMPUTE_DTYPES:
+        raise InputError(f"compute dtype must be one of {[str(d) for d in COMPUTE_DTYPES]}, got {dtype}")
+    if method == "full":
+        if dtype != torch.float32:
+            raise InputError("full fine-tuning trains every weight in float32; use bf16 autocast for a bf16 forward")
+        return []
+    lora.validate()
+    if method == "qlora":
+        check_scheme(scheme)
+        if lora_modules(model):
+            raise InputError("QLoRA needs a float base: this model already has LoRA layers")
+    paths = find_targets(model, lora.target_modules)
+    for p in paths:
+        m = model.get_submodule(p)
+        if lora.r > min(m.in_features, m.out_features):
+            raise InputError(f"LoRA rank r={lora.r} exceeds min(in, out) = {min(m.in_features, m.out_features)} of {p}")
+    return paths
+
+
+def build_for_training(base: nn.Module, method: str = "lora", lora: LoRAConfig | None = None,
+                       quant_scheme: str = DEFAULT_QUANT_SCHEME, device: str | torch.device | None = "auto",
+                       compute_dtype: torch.dtype | None = None, *, adapter_name: str = "default",
+                       init_adapter: str | Path | None = None, guards: bool = True) -> nn.Module:
+    """Make `base` (a loaded float model) ready to train by `method`, in place, and return it.
+
+    full: every parameter trains. lora: LoRA (`lora`, default LoRAConfig()) wraps the targets, only its
+    factors train. qlora: the targets are quantized to `quant_scheme` first. `init_adapter` starts LoRA
+    from a saved adapter (file, run folder or PEFT folder) instead of fresh factors. `guards` adds the
+    finite-output hooks (QLoRA only).
+    """
+    lora = lora or LoRAConfig()
+    dev = training_device(device)
+    dtype = compute_dtype or (default_compute_dtype(dev) if method == "qlora" else torch.float32)
+    paths = _check(base, method, lora, quant_scheme, dtype)
+    base.to(dev)
+    if method == "full":
+        base.requires_grad_(True)
+        return base
+    if method == "qlora":
+        quantize_step(base, paths, check_scheme(quant_scheme))
+    cast_float_tensors(base, dtype)  # frozen float tensors only: a no-op on a float32 base in float32
+    targeted = LoRAConfig(r=lora.r, alpha=lora.alpha, dropout=lora.dropout, target_modules=paths,
+                          use_rslora=lora.use_rslora)
+    if init_adapter is not None:
+        load_adapter(base, init_adapter, config=targeted, adapter_name=adapter_name)
+    else:
+        apply_lora(base, targeted, adapter_name)  # fresh factors: float32, on the base layer's device
+    if method == "qlora" and guards:
+        add_finite_guards(base)
+    check_qlora(base)  # the trainable set is exactly the active LoRA factors
+    return base
+
+
+def wrap_minigpt_qlora(model: nn.Module, r: int = 8, alpha: float = 16.0, quant_scheme: str = DEFAULT_QUANT_SCHEME,
+                       targets: str | list[str] = ALL_LINEAR, dropout: float = 0.0, use_rslora: bool = False,
+                       adapter_name: str = "default", device: str | torch.device | None = None,
+                       compute_dtype: torch.dtype | None = None, guards: bool = True) -> nn.Module:
+    """QLoRA in its own words: ``build_for_training(model, "qlora", LoRAConfig(r, alpha, ...), quant_scheme, ...)``.
+
+    Returns the model, on `device` (default CUDA when present, else CPU), with the float parts in
+    `compute_dtype` (default bfloat16 on CUDA, float32 on CPU) and only the LoRA factors trainable.
+    """
+    cfg = LoRAConfig(r=r, alpha=alpha, dropout=dropout, target_modules=targets, use_rslora=use_rslora)
+    return build_for_training(model, "qlora", cfg, quant_scheme, device, compute_dtype, adapter_name=adapter_name,
+                              guards=guards)
