@@ -7,7 +7,9 @@ optionally ``tokenizer.json`` and ``generation_config.json``. No hub access, no 
    missing or unexpected tensors and shapes that do not fit the config are refused before any weight
    is read, each with one line naming the tensor (and both shapes) or the file.
 2. The model is built on the meta device (no memory, no random init); each tensor is then read,
-   converted (``dtype=None`` keeps the checkpoint's: a bf16 checkpoint stays bf16) and assigned.
+   converted (``dtype=None`` keeps the checkpoint's: a bf16 checkpoint stays bf16) and assigned. The
+   file is mapped only while one tensor is copied out of it, so pages of the mapping touched while
+   reading do not stay in the process's resident set.
 3. With ``quantize``, each selected Linear is a QuantizedLinear (NF4 by default) from the start and
    its weight is quantized as it is read, so the full-precision model is never in memory at once: the
    peak is the quantized model plus one tensor.
@@ -172,22 +174,19 @@ def load_hf_decoder(folder: str | Path, device: str | torch.device = "cpu", dtyp
         parent, _, leaf = p.rpartition(".")
         setattr(model.get_submodule(parent), leaf, layer)
 
-    by_file: dict[Path, list[str]] = {}
-    for k in expected:
-        if k in found and not (k in optional):
-            by_file.setdefault(found[k].file, []).append(k)
     with torch.no_grad():
-        for path, keys in by_file.items():  # one file open at a time, tensors in model order
-            with _open(path) as f:
-                for k in keys:
-                    try:
-                        t = f.get_tensor(k)
-                    except Exception as e:  # noqa: BLE001
-                        raise InputError(f"{path}: cannot read tensor {k} ({str(e).splitlines()[0]})") from None
-                    if dtype is not None and t.is_floating_point():
-                        t = t.to(dtype)
-                    _set(model, k, t.to(device))
-                    del t
+        for k in expected:  # model order; each file opened per tensor, so its mapped pages are released at once
+            if k not in found or k in optional:
+                continue
+            with _open(found[k].file) as f:
+                try:
+                    t = f.get_tensor(k)  # a copy in its own storage
+                except Exception as e:  # noqa: BLE001
+                    raise InputError(f"{found[k].file}: cannot read tensor {k} ({str(e).splitlines()[0]})") from None
+            if dtype is not None and t.is_floating_point():
+                t = t.to(dtype)
+            _set(model, k, t.to(device))
+            del t
     model.tie_weights()
     left = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
     if left:

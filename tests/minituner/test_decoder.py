@@ -83,16 +83,17 @@ def test_llama3_frequencies_equal_transformers(hf_folder, hf_ref):
     assert not torch.allclose(ours, rope_inv_freq(DecoderConfig(head_dim=12, rope_theta=500000.0)))
 
 
-def test_bf16_checkpoint_stays_bf16(hf_folder, hf_ref):
-    folder = hf_folder("llama", name="llama-bf16", dtype=torch.bfloat16, num_key_value_heads=2)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16_bit_checkpoint_keeps_its_dtype(hf_folder, hf_ref, dtype):
+    folder = hf_folder("llama", name=f"llama-{dtype}", dtype=dtype, num_key_value_heads=2)
     model = load_hf_decoder(folder)
-    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert {p.dtype for p in model.parameters()} == {dtype}
     up = load_hf_decoder(folder, dtype=torch.float32)
     assert {p.dtype for p in up.parameters()} == {torch.float32}
     ref = hf_ref(folder, dtype=torch.float32)
     with torch.no_grad():  # the fp32 upcast of the same bf16 weights computes transformers' fp32 logits
         assert (up(IDS) - ref(IDS).logits).abs().max() < 1e-4
-        assert model(IDS).dtype == torch.bfloat16
+        assert model(IDS).dtype == dtype
 
 
 def test_generate_stops_at_eos():
