@@ -125,3 +125,32 @@ def test_no_weights_and_no_config(tmp_path, hf_folder):
     (folder / "model.safetensors").unlink()
     with pytest.raises(InputError, match="no model.safetensors or model.safetensors.index.json"):
         load_hf_decoder(folder)
+
+
+@pytest.mark.parametrize("quantize", [None, ("all-linear", "nf4_per_group_64")])
+def test_lora_and_qlora_steps_train_only_the_adapter(hf_folder, quantize):
+    from minituner.lora import LoRAConfig, apply_lora
+    from minituner.qlora import add_finite_guards, check_qlora
+
+    folder = hf_folder("qwen2", name="qwen2-bf16-train", dtype=torch.bfloat16)
+    model = load_hf_decoder(folder, quantize=quantize)  # the frozen base stays bf16
+    apply_lora(model, LoRAConfig(r=4, alpha=8.0, target_modules="all-linear"))
+    if quantize:
+        add_finite_guards(model)
+        check_qlora(model)
+    frozen = {k: v.clone() for k, v in model.state_dict().items() if "lora_" not in k}
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    assert trainable and all(p.dtype == torch.float32 for p in trainable)
+    opt = torch.optim.AdamW(trainable, lr=1e-2)
+    ids = torch.randint(0, 40, (4, 12), generator=torch.Generator().manual_seed(0))
+    model.train()
+    losses = []
+    for _ in range(5):
+        logits = model(ids[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, 40), ids[:, 1:].reshape(-1))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0]
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in frozen.items())
