@@ -128,17 +128,6 @@ class QuantizedLinear(nn.Module):
             layer.bias.copy_(linear.bias.detach())
         return layer
 
-    @classmethod
-    @torch.no_grad()
-    def from_weight(cls, weight: Tensor, bias: Tensor | None, scheme: str) -> "QuantizedLinear":
-        """Quantize a float (out, in) weight (and keep a bias) without an nn.Linear: for streaming loaders."""
-        out_features, in_features = weight.shape
-        layer = cls(in_features, out_features, scheme, bias is not None, weight.dtype, weight.device)
-        layer.quantize_weight_(weight)
-        if bias is not None:
-            layer.bias.copy_(bias)
-        return layer
-
     @torch.no_grad()
     def quantize_weight_(self, weight: Tensor) -> None:
         """Quantize a float (out, in) weight into this layer's buffers."""
