@@ -8,8 +8,10 @@ optionally ``tokenizer.json`` and ``generation_config.json``. No hub access, no 
    is read, each with one line naming the tensor (and both shapes) or the file.
 2. The model is built on the meta device (no memory, no random init); each tensor is then read,
    converted (``dtype=None`` keeps the checkpoint's: a bf16 checkpoint stays bf16) and assigned. The
-   file is mapped only while one tensor is copied out of it, so pages of the mapping touched while
-   reading do not stay in the process's resident set.
+   file is opened per tensor, and every kept tensor is copied into memory of its own: safetensors
+   (0.6+) hands out tensors that are views of its file mapping, which would keep the checkpoint mapped
+   for the model's lifetime (a model whose resident size grows as pages are first touched, and whose
+   weights change if the file is rewritten in place). A tensor quantized as it is read is not copied.
 3. With ``quantize``, each selected Linear is a QuantizedLinear (NF4 by default) from the start and
    its weight is quantized as it is read, so the full-precision model is never in memory at once: the
    peak is the quantized model plus one tensor.
@@ -127,6 +129,11 @@ def quantized_paths(model: nn.Module, quantize: QuantizeSpec | None) -> tuple[li
     raise InputError(f"quantize must be a predicate over Linear paths or (targets, scheme), got {quantize!r}")
 
 
+def _quantized_weight(model: nn.Module, key: str) -> bool:
+    path, _, name = key.rpartition(".")
+    return name == "weight" and isinstance(model.get_submodule(path), QuantizedLinear)
+
+
 def _set(model: nn.Module, key: str, tensor: torch.Tensor) -> None:
     path, _, name = key.rpartition(".")
     module = model.get_submodule(path)
@@ -180,11 +187,13 @@ def load_hf_decoder(folder: str | Path, device: str | torch.device = "cpu", dtyp
                 continue
             with _open(found[k].file) as f:
                 try:
-                    t = f.get_tensor(k)  # a copy in its own storage
+                    t = f.get_tensor(k)  # may be a view of the file mapping, alive as long as t is
                 except Exception as e:  # noqa: BLE001
                     raise InputError(f"{found[k].file}: cannot read tensor {k} ({str(e).splitlines()[0]})") from None
-            if dtype is not None and t.is_floating_point():
-                t = t.to(dtype)
+            if dtype is not None and t.is_floating_point() and t.dtype != dtype:
+                t = t.to(dtype)  # a new tensor
+            elif device.type == "cpu" and not _quantized_weight(model, k):
+                t = t.clone()  # own memory, not the file's pages (quantized weights are consumed, not kept)
             _set(model, k, t.to(device))
             del t
     model.tie_weights()

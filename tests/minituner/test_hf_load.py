@@ -154,3 +154,34 @@ def test_lora_and_qlora_steps_train_only_the_adapter(hf_folder, quantize):
         losses.append(loss.item())
     assert losses[-1] < losses[0]
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in frozen.items())
+
+
+def _file_mappings(path) -> list[tuple[int, int]]:
+    """Address ranges of this process's mappings of `path` (Linux /proc/self/maps)."""
+    out = []
+    for line in open("/proc/self/maps"):
+        parts = line.split()
+        if len(parts) >= 6 and parts[5] == str(path):
+            lo, hi = (int(x, 16) for x in parts[0].split("-"))
+            out.append((lo, hi))
+    return out
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/maps"), reason="needs Linux /proc/self/maps")
+@pytest.mark.parametrize("quantize", [None, ("all-linear", "nf4_per_group_64")])
+def test_loaded_tensors_own_their_memory(hf_folder, tmp_path, quantize):
+    # safetensors hands out views of its file mapping; the loader copies what it keeps, so the model holds
+    # no mapping of the checkpoint and rewriting the file in place cannot change its weights
+    folder = copy(hf_folder("llama", name="llama-bf16-own", dtype=torch.bfloat16), tmp_path)
+    model = load_hf_decoder(folder, quantize=quantize)
+    file = (folder / "model.safetensors").resolve()
+    assert _file_mappings(file) == []
+    tensors = [*model.parameters(), *model.buffers()]
+    assert all(t.dtype in (torch.bfloat16, torch.uint8, torch.float32) for t in tensors)  # no silent upcast
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with open(file, "r+b") as f:  # overwrite the data section in place
+        f.seek(0, 2)
+        size = f.tell()
+        f.seek(size // 2)
+        f.write(b"\x7f" * (size - size // 2))
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
