@@ -1,6 +1,7 @@
 """`make bench`: run every benchmark side by side and write benchmarks/RESULTS.md.
 
-    python benchmarks/run.py                     # everything (about 10 minutes on 2 cores)
+    python benchmarks/run.py                     # everything (about 10 minutes on 2 cores, + real_models:
+                                                 #   about an hour, the 7B shape most of it)
     python benchmarks/run.py --only nf4,planner  # some sections; RESULTS.md then holds only those
     python benchmarks/run.py --quick             # fewer repeats, to check that it runs
 """
@@ -26,8 +27,9 @@ SECTIONS = {
     "lora_forward": "bench_lora_forward",
     "planner": "bench_planner",
     "memory": "memory_sweep",  # the planner's buckets against memory-check measurements (issue 7)
+    "real_models": "bench_real_models",  # Llama-3.2-1B / Llama-2-7B shapes vs PEFT + bitsandbytes (issue 12)
 }
-TIMING_SENSITIVE = {"nf4", "step", "lora_forward"}  # worth waiting for a quiet machine (the planner takes µs)
+TIMING_SENSITIVE = {"nf4", "step", "lora_forward", "real_models"}  # worth waiting for a quiet machine (the planner takes µs)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -107,10 +107,31 @@ def _read(path: str) -> str:
         return "n/a"
 
 
+CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16")  # what decides bf16 and NF4 kernel speed
+
+
+def cpu_flags() -> dict[str, bool]:
+    """Which of CPU_FLAGS /proc/cpuinfo lists (all False where it cannot be read)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                have = set(line.split(":", 1)[1].split())
+                return {f: f in have for f in CPU_FLAGS}
+    except OSError:
+        pass
+    return {f: False for f in CPU_FLAGS}
+
+
+def cpu_summary() -> str:
+    """'AMD EPYC; avx512_bf16 yes, amx_bf16 no, ...': the CPU model and the flags a bf16 ratio depends on."""
+    return f"{_cpu_name()}; " + ", ".join(f"{f} {'yes' if v else 'no'}" for f, v in cpu_flags().items())
+
+
 def machine_description() -> list[str]:
     load = os.getloadavg() if hasattr(os, "getloadavg") else (float("nan"),) * 3
     return [
         f"- CPU: {_cpu_name()}; {os.cpu_count()} logical cores visible, torch threads {torch.get_num_threads()}",
+        "- CPU flags: " + ", ".join(f"{f} {'yes' if v else 'no'}" for f, v in cpu_flags().items()),
         f"- Memory: {psutil.virtual_memory().total / 2**30:.1f} GiB; {platform.system()} {platform.release()}; "
         f"transparent huge pages: {_read('/sys/kernel/mm/transparent_hugepage/enabled')}",
         f"- Python {platform.python_version()}; " + ", ".join(package_versions()),

@@ -46,6 +46,7 @@ class HFTokenizer:
         except Exception as e:  # the Rust side raises a bare Exception for a bad file
             raise InputError(f"{path}: not a readable Hugging Face tokenizer ({str(e).splitlines()[0]})") from None
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        self.eos_ids: list[int] = []  # end-of-sequence ids (set by the loader from generation_config/config)
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids

@@ -6,6 +6,8 @@ GPT-2's fused ``c_attn`` (a Conv1D of h -> 3h) and biased Conv1Ds/LayerNorms wit
 LLaMA/Mistral/Qwen2's GQA (k/v width = num_key_value_heads * head_dim), SwiGLU MLPs
 (gate/up/down), RMSNorms without bias, rotary positions without parameters; LLaMA's optional
 ``attention_bias``/``mlp_bias``; Qwen2's biased q/k/v (not o); tied or untied embeddings.
+The rotary families are read once, into the DecoderConfig the model is built from
+(``minituner.hf_config.decoder_config_from_hf``); their shape is derived from it.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from minigpt.errors import InputError
 from minigpt.io import read_json
 from minigpt.model import GPTConfig
 
+from ..hf_config import decoder_config_from_hf
 from .shapes import ATTENTION, MLP, LinearShape, ModelShape, NormShape, minigpt_shape
 
 FAMILIES = ("gpt2", "llama", "minigpt", "mistral", "qwen2")
@@ -69,50 +72,22 @@ def _gpt2(cfg: dict, where: str) -> ModelShape:
     )
 
 
-# Config-class defaults of the rotary, SwiGLU, RMSNorm families (transformers' *Config dataclasses).
-_DEFAULTS = {
-    "llama": {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
-              "num_attention_heads": 32, "num_key_value_heads": None},
-    "mistral": {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
-                "num_attention_heads": 32, "num_key_value_heads": 8},
-    "qwen2": {"vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 22016, "num_hidden_layers": 32,
-              "num_attention_heads": 32, "num_key_value_heads": 32},
-}
-
-
-def _rotary(cfg: dict, family: str, where: str) -> ModelShape:
-    dflt = _DEFAULTS[family]
-    h = _int(cfg, "hidden_size", dflt["hidden_size"], where)
-    n_head = _int(cfg, "num_attention_heads", dflt["num_attention_heads"], where)
-    n_kv = _int(cfg, "num_key_value_heads", dflt["num_key_value_heads"] or n_head, where)
-    if n_head % n_kv:
-        raise InputError(f"{where}: num_key_value_heads={n_kv} does not divide num_attention_heads={n_head}")
-    # head_dim: the config's if given, else hidden_size // num_attention_heads (as the modeling code does)
-    head_dim = _int(cfg, "head_dim", h // n_head or None, where)
-    if family == "llama" and h % n_head:  # LlamaConfig.validate_architecture
-        raise InputError(f"{where}: num_attention_heads={n_head} does not divide hidden_size={h}")
-    ff = _int(cfg, "intermediate_size", dflt["intermediate_size"], where)
-    if family == "llama":
-        qkv_bias = o_bias = _bool(cfg, "attention_bias", False, where)
-        mlp_bias = _bool(cfg, "mlp_bias", False, where)
-    elif family == "qwen2":
-        qkv_bias, o_bias, mlp_bias = True, False, False
-    else:  # mistral
-        qkv_bias = o_bias = mlp_bias = False
-    q_out, kv_out = n_head * head_dim, n_kv * head_dim
+def _rotary(cfg: dict, where: str) -> ModelShape:
+    """The shape of the DecoderConfig that hf_config reads (one reader for model and planner)."""
+    d = decoder_config_from_hf(cfg, where, check_rope=False)  # scaling changes frequencies, never shapes
+    h, ff, q_out, kv_out = d.d_model, d.d_ff, d.n_head * d.head_dim, d.n_kv_head * d.head_dim
     linears = (
-        LinearShape("self_attn.q_proj", ATTENTION, h, q_out, qkv_bias),
-        LinearShape("self_attn.k_proj", ATTENTION, h, kv_out, qkv_bias),
-        LinearShape("self_attn.v_proj", ATTENTION, h, kv_out, qkv_bias),
-        LinearShape("self_attn.o_proj", ATTENTION, q_out, h, o_bias),
-        LinearShape("mlp.gate_proj", MLP, h, ff, mlp_bias),
-        LinearShape("mlp.up_proj", MLP, h, ff, mlp_bias),
-        LinearShape("mlp.down_proj", MLP, ff, h, mlp_bias),
+        LinearShape("self_attn.q_proj", ATTENTION, h, q_out, d.qkv_bias),
+        LinearShape("self_attn.k_proj", ATTENTION, h, kv_out, d.qkv_bias),
+        LinearShape("self_attn.v_proj", ATTENTION, h, kv_out, d.qkv_bias),
+        LinearShape("self_attn.o_proj", ATTENTION, q_out, h, d.o_bias),
+        LinearShape("mlp.gate_proj", MLP, h, ff, d.mlp_bias),
+        LinearShape("mlp.up_proj", MLP, h, ff, d.mlp_bias),
+        LinearShape("mlp.down_proj", MLP, ff, h, d.mlp_bias),
     )
     return ModelShape(
-        family=family, name=where, vocab_size=_int(cfg, "vocab_size", dflt["vocab_size"], where), d_model=h,
-        n_layer=_int(cfg, "num_hidden_layers", dflt["num_hidden_layers"], where), n_head=n_head, n_kv_head=n_kv,
-        head_dim=head_dim, d_ff=ff, n_positions=0, tie_embeddings=_bool(cfg, "tie_word_embeddings", False, where),
+        family=d.model_type, name=where, vocab_size=d.vocab_size, d_model=h, n_layer=d.n_layer, n_head=d.n_head,
+        n_kv_head=d.n_kv_head, head_dim=d.head_dim, d_ff=ff, n_positions=0, tie_embeddings=d.tie_word_embeddings,
         linears=linears, norms=(NormShape("input_layernorm", h, False), NormShape("post_attention_layernorm", h, False)),
         final_norm=NormShape("norm", h, False),
     )
@@ -135,7 +110,7 @@ def shape_from_config(cfg: dict, name: str = "config") -> ModelShape:
             raise InputError(f"{name}: {e}") from None
         except InputError as e:
             raise InputError(f"{name}: {e}") from None
-    return _rotary(cfg, family, name)
+    return _rotary(cfg, name)
 
 
 def load_config_shape(path: str | Path) -> ModelShape:

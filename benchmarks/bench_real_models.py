@@ -1,0 +1,446 @@
+"""QLoRA on real model shapes (Llama-3.2-1B, Llama-2-7B): ours against PEFT + bitsandbytes (issue 12, item 8).
+
+For each shape a random-weight bf16 checkpoint is written to a temporary folder (real_checkpoints.py),
+then each contender runs in its own subprocess (`python bench_real_models.py --contender ...`), so its
+peak RSS is its own:
+- ours: load_hf_decoder(folder, quantize=("all-linear", "nf4_per_group_64")) (every block Linear NF4
+  as it is read), then the integration recipe: quantized_modules -> cast_float_tensors(compute dtype)
+  -> apply_lora -> add_finite_guards -> check_qlora;
+- PEFT + bitsandbytes: AutoModelForCausalLM.from_pretrained(folder, quantization_config=
+  BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=X),
+  device_map="cpu", dtype=X), then get_peft_model; bf16 runs the forward under torch.autocast("cpu").
+Both: LoRA r 16, alpha 32 on all-linear (not lm_head), AdamW on the LoRA factors, batch 1 x 512 random
+token ids, cross-entropy against random targets. Peak RSS is the kernel's high-water mark (VmHWM),
+reset before loading and again before the first training step.
+
+    python benchmarks/bench_real_models.py --shapes llama-3.2-1b --out /tmp/real_models.md   # standalone
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))
+
+from report import Goal, Section  # noqa: E402
+from timing import MIB, cpu_summary, current_rss_mib, fmt_ratio, peak_rss_mib, reset_peak_rss  # noqa: E402
+
+RANK, ALPHA = 16, 32.0
+BATCH, SEQ = 1, 512
+LR = 1e-4
+SCHEME = "nf4_per_group_64"
+CONTENDERS = {"ours": "ours (load_hf_decoder NF4 + LoRALinear)", "peft_bnb": "PEFT + bitsandbytes (load_in_4bit nf4)"}
+DTYPES = {"float32": "fp32", "bfloat16": "bf16"}  # torch name -> planner MemoryConfig.dtype
+LOAD_GOAL = 1.10  # peak RSS while loading / (planner QLoRA weights + largest tensor + baseline)
+TRAIN_GOAL_7B = 1.15  # peak RSS while training / planner total
+LOAD_SPEED_GOAL_7B = 10.0  # bnb load_in_4bit seconds / ours
+STEP_GOAL_1B = 0.8  # our step / PEFT + bnb step, same compute dtype
+# shape -> (compute dtypes, timed steps after the first): the 7B runs bf16 only, one step (a step takes minutes;
+# with 0 the first step is the figure, warm-up costs included)
+PLAN = {"llama-3.2-1b": (("float32", "bfloat16"), 2), "llama-2-7b": (("bfloat16",), 0)}
+QUICK_PLAN = {"llama-3.2-1b": (("bfloat16",), 1)}
+SHORT = {"llama-3.2-1b": "1B", "llama-2-7b": "7B"}
+
+
+# ---- one contender (runs inside the subprocess) --------------------------------------------------
+
+
+def _build_ours(folder: str, dtype):
+    import torch  # noqa: F401
+
+    from minituner.hf_load import load_hf_decoder
+    from minituner.lora import LoRAConfig, apply_lora
+    from minituner.qlora import add_finite_guards, cast_float_tensors, check_qlora, quantized_modules
+
+    def load():
+        return load_hf_decoder(folder, quantize=("all-linear", SCHEME))  # float parts keep the checkpoint's bf16
+
+    def prepare(model):
+        n_quantized = len(quantized_modules(model))
+        cast_float_tensors(model, dtype)
+        apply_lora(model, LoRAConfig(r=RANK, alpha=ALPHA, target_modules="all-linear"))
+        add_finite_guards(model)
+        check_qlora(model)
+        return model, {"quantized_layers": n_quantized}
+
+    return load, prepare, lambda model, x: model(x)
+
+
+def _build_peft_bnb(folder: str, dtype):
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    def load():
+        q = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype)
+        return AutoModelForCausalLM.from_pretrained(folder, quantization_config=q, device_map="cpu", dtype=dtype)
+
+    def prepare(model):
+        import bitsandbytes as bnb
+
+        n_quantized = sum(isinstance(m, bnb.nn.Linear4bit) for m in model.modules())
+        model.config.use_cache = False
+        cfg = LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules="all-linear", lora_dropout=0.0, task_type="CAUSAL_LM")
+        return get_peft_model(model, cfg), {"quantized_layers": n_quantized}
+
+    def forward(model, x):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+            return model(input_ids=x, use_cache=False).logits
+
+    return load, prepare, forward
+
+
+def measure(contender: str, folder: str, dtype_name: str, steps: int) -> dict:
+    """Load (timed, peak RSS), prepare, then 1 + `steps` optimizer steps (peak RSS over all of them)."""
+    import torch
+    import torch.nn.functional as F
+
+    dtype = getattr(torch, dtype_name)
+    load, prepare, forward = (_build_ours if contender == "ours" else _build_peft_bnb)(folder, dtype)
+    gc.collect()
+    baseline = current_rss_mib()  # torch and the contender's own libraries imported, nothing built
+    reset_ok = reset_peak_rss()
+    load_avg = os.getloadavg()[0]
+    t0, c0 = time.perf_counter(), time.process_time()
+    model = load()
+    load_s, load_cpu_s = time.perf_counter() - t0, time.process_time() - c0
+    load_peak = peak_rss_mib()
+    rss_loaded = current_rss_mib()
+    t0 = time.perf_counter()
+    model, facts = prepare(model)
+    prepare_s = time.perf_counter() - t0
+    model.train()
+    vocab = model.config.vocab_size
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(0, vocab, (BATCH, SEQ), generator=g)
+    y = torch.randint(0, vocab, (BATCH, SEQ), generator=g)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trainable, lr=LR)
+
+    def step() -> float:
+        opt.zero_grad(set_to_none=True)
+        logits = forward(model, x)  # (B, T, V)
+        loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1))
+        loss.backward()
+        opt.step()
+        return loss.item()
+
+    gc.collect()
+    rss_before_train = current_rss_mib()
+    reset_peak_rss()
+    times, losses = [], []
+    for _ in range(1 + steps):
+        t0 = time.perf_counter()
+        losses.append(step())
+        times.append(time.perf_counter() - t0)
+    train_peak = peak_rss_mib()
+    return {"contender": contender, "dtype": dtype_name, "load_s": load_s, "load_cpu_s": load_cpu_s,
+            "prepare_s": prepare_s, "baseline_mib": baseline, "load_peak_mib": load_peak,
+            "rss_loaded_mib": rss_loaded, "rss_before_train_mib": rss_before_train, "train_peak_mib": train_peak,
+            "first_step_s": times[0], "step_times": times[1:], "losses": losses, "peak_reset": reset_ok,
+            "trainable_params": sum(p.numel() for p in trainable), "threads": torch.get_num_threads(),
+            "loadavg_at_start": load_avg, "loadavg_at_end": os.getloadavg()[0], **facts}
+
+
+# ---- the section (runs in the parent) ------------------------------------------------------------
+
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _run_contender(contender: str, folder: Path, dtype: str, steps: int) -> dict:
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--contender", contender, "--folder", str(folder),
+           "--dtype", dtype, "--steps", str(steps)]
+    t0 = time.perf_counter()
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=4 * 3600)
+    if out.returncode != 0:
+        _log(f"[bench]   {contender} {dtype} failed:\n{out.stderr[-3000:]}")
+        return {"contender": contender, "dtype": dtype, "error": (out.stderr.strip().splitlines() or ["?"])[-1]}
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    res["wall_s"] = time.perf_counter() - t0
+    return res
+
+
+def _planner(folder: Path) -> dict:
+    """The planner's QLoRA r=RANK buckets (bf16 and fp32 storage; seed and Korthikanti activations), MiB,
+    and the checkpoint's largest tensor (name, MiB)."""
+    from minituner.hf_load import checkpoint_files, read_headers
+
+    out = _planner_shape(folder)
+    infos = read_headers(checkpoint_files(folder))
+    name, info = max(infos.items(), key=lambda kv: _numel(kv[1].shape) * kv[1].dtype.itemsize)
+    out["largest"] = (name, _numel(info.shape) * info.dtype.itemsize / MIB)
+    return out
+
+
+def _planner_shape(folder: Path) -> dict:
+    from minituner.planner import MemoryConfig, Regime, load_config_shape, regime_bytes
+
+    shape = load_config_shape(folder)
+    out = {}
+    for dt in DTYPES.values():
+        for act in ("seed", "korthikanti"):
+            b = regime_bytes(shape, Regime("qlora", RANK), "all-linear",
+                             MemoryConfig(batch_size=BATCH, seq_len=SEQ, dtype=dt, activations=act))
+            out[(dt, act)] = {k: v / MIB for k, v in b.to_dict().items()}
+    return out
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _fmt_s(s: float) -> str:
+    return f"{s:.1f} s" if s < 600 else f"{s / 60:.1f} min"
+
+
+def run(quick: bool = False, plan: dict | None = None) -> Section:
+    from real_checkpoints import write_checkpoint
+
+    plan = plan or (QUICK_PLAN if quick else PLAN)
+    results: dict[str, list[dict]] = {}
+    planner: dict[str, dict] = {}
+    written: dict[str, tuple[float, float]] = {}
+    tmp = Path(tempfile.mkdtemp(prefix="minituner-real-models-", dir="/tmp"))
+    try:
+        for shape, (dtypes, steps) in plan.items():
+            folder = tmp / shape
+            t0 = time.perf_counter()
+            _log(f"[bench]   real_models: writing a random {shape} bf16 checkpoint to {folder}")
+            write_checkpoint(folder, shape)
+            size = sum(p.stat().st_size for p in folder.iterdir()) / 2**30
+            written[shape] = (time.perf_counter() - t0, size)
+            planner[shape] = _planner(folder)
+            results[shape] = []
+            for dtype in dtypes:
+                # ours first, then theirs; the machine's load is logged beside each
+                for contender in CONTENDERS:
+                    _log(f"[bench]   real_models: {shape} {contender} {dtype} (load average {os.getloadavg()[0]:.1f})")
+                    results[shape].append({"shape": shape, **_run_contender(contender, folder, dtype, steps)})
+                    _log(f"[bench]   -> {json.dumps(results[shape][-1])}")
+            _log(f"[bench]   -> {json.dumps({'shape': shape, 'written': written[shape], 'plan': [dtypes, steps]})}")
+            shutil.rmtree(folder, ignore_errors=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return section(results, planner, written, plan)
+
+
+def from_logs(logs: list[Path]) -> Section:
+    """The section from the '[bench]   -> {json}' lines of earlier runs' stderr (to join a 1B and a 7B run)."""
+    results: dict[str, list[dict]] = {}
+    written: dict[str, tuple[float, float]] = {}
+    plan: dict[str, tuple[tuple[str, ...], int]] = {}
+    shape = None
+    for log in logs:
+        for line in log.read_text().splitlines():
+            if line.startswith("[bench]   real_models: ") and " (load average " in line and "writing" not in line:
+                shape = line.split()[2]
+            if not line.startswith("[bench]   -> "):
+                continue
+            rec = json.loads(line.removeprefix("[bench]   -> "))
+            if "written" in rec:
+                written[rec["shape"]] = tuple(rec["written"])
+                plan[rec["shape"]] = (tuple(rec["plan"][0]), rec["plan"][1])
+                continue
+            rec.setdefault("shape", shape)
+            results.setdefault(rec["shape"], []).append(rec)
+    for sh, rows in results.items():
+        plan.setdefault(sh, (tuple(dict.fromkeys(r["dtype"] for r in rows)),
+                             max((len(r.get("step_times", [])) for r in rows), default=0)))
+    return section(results, {sh: _planner_for(sh) for sh in results}, written, plan)
+
+
+def _planner_for(shape: str) -> dict:
+    """_planner of a shape without its weights: config.json and the tensor headers of an empty checkpoint."""
+    from real_checkpoints import SHAPES, tensor_shapes
+
+    with tempfile.TemporaryDirectory(prefix="minituner-real-models-") as tmp:
+        folder = Path(tmp)
+        (folder / "config.json").write_text(json.dumps(SHAPES[shape]))
+        shapes = tensor_shapes(SHAPES[shape])
+        name = max(shapes, key=lambda n: _numel(shapes[n]))
+        out = _planner_shape(folder)
+        out["largest"] = (name, _numel(shapes[name]) * 2 / MIB)  # bf16
+        return out
+
+
+def section(results: dict[str, list[dict]], planner: dict, written: dict, plan: dict) -> Section:
+    s = Section(
+        "QLoRA on real model shapes: ours vs PEFT + bitsandbytes",
+        f"CPU: {cpu_summary()}. Random-weight bf16 checkpoints of real shapes (config.json and tensor names "
+        "of Llama-3.2-1B: 16 layers, d_model 2048, 32/8 heads, vocab 128,256, tied; Llama-2-7B: 32 layers, "
+        "d_model 4096, vocab 32,000), written to a temporary folder and deleted after. Each contender runs "
+        "in its own subprocess. Load: ours is `load_hf_decoder(folder, quantize=(\"all-linear\", "
+        f"\"{SCHEME}\"))` (each block Linear quantized to NF4 as it is read); theirs is `AutoModelForCausalLM."
+        "from_pretrained(folder, quantization_config=BitsAndBytesConfig(load_in_4bit=True, "
+        "bnb_4bit_quant_type=\"nf4\", bnb_4bit_compute_dtype=X), device_map=\"cpu\", dtype=X)`. Training: "
+        f"LoRA r {RANK}, alpha {ALPHA:g} on all-linear (lm_head excluded, both), AdamW on the LoRA factors, "
+        f"batch {BATCH} × {SEQ} random token ids. Compute dtype: fp32 = ours with cast_float_tensors(model, "
+        "float32) / theirs with compute_dtype float32; bf16 = ours with cast_float_tensors(model, bfloat16) "
+        "(the informational whole-model bf16 path: NF4 dequantizes to bf16, LoRA factors stay fp32) / theirs "
+        "with compute_dtype bfloat16 under torch.autocast(\"cpu\", bfloat16). 'step' is the median of the "
+        "steps after the first (the first is shown apart); tokens/s = 512 / step. Peak RSS is VmHWM, reset "
+        "before loading and before the first step; 'baseline' is the RSS after the contender's imports. "
+        "Planner: `regime_bytes(load_config_shape(folder), Regime(\"qlora\", 16), \"all-linear\", "
+        "MemoryConfig(batch_size=1, seq_len=512, dtype=...))` (seed activation estimate); the load bound is "
+        "its weights bucket at bf16 (what is resident after loading) + the largest tensor + the baseline. "
+        "MiB = 1024² bytes. The machine has 2 cores shared with other sessions: 'load avg' is the 1-minute "
+        "load average when each subprocess started, and every figure moves with it.",
+        ["shape", "contender", "compute", "load", "load CPU time", "load peak RSS (MiB)", "load bound (MiB)",
+         "load peak / bound", "first step", "step", "tokens/s", "train peak RSS (MiB)", "planner total (MiB)",
+         "train peak / planner", "baseline (MiB)", "trainable params", "loss first → last", "load avg"],
+    )
+    by = {}
+    for shape, rows in results.items():
+        p = planner[shape]
+        for r in rows:
+            by[(shape, r["contender"], r["dtype"])] = r
+            label = CONTENDERS[r["contender"]]
+            if "error" in r:
+                s.rows.append([SHORT[shape], label, DTYPES[r["dtype"]], "failed: " + r["error"][:120]] + [""] * 14)
+                continue
+            bound = p[("bf16", "seed")]["weights"] + p["largest"][1] + r["baseline_mib"]
+            total = p[(DTYPES[r["dtype"]], "seed")]["total"]
+            step = statistics.median(r["step_times"]) if r["step_times"] else r["first_step_s"]  # 1 step: that one
+            r.update(bound=bound, planner_total=total, step=step)
+            s.rows.append([
+                SHORT[shape], label, DTYPES[r["dtype"]], _fmt_s(r["load_s"]), _fmt_s(r["load_cpu_s"]),
+                f"{r['load_peak_mib']:.0f}", f"{bound:.0f}", f"{r['load_peak_mib'] / bound:.2f}",
+                _fmt_s(r["first_step_s"]),
+                f"{_fmt_s(step)}" + {0: " (the first step alone)", 1: " (1 step)"}.get(
+                    len(r["step_times"]), f" (median of {len(r['step_times'])})"),
+                f"{SEQ * BATCH / step:.1f}", f"{r['train_peak_mib']:.0f}", f"{total:.0f}",
+                f"{r['train_peak_mib'] / total:.2f}", f"{r['baseline_mib']:.0f}", f"{r['trainable_params']:,}",
+                f"{r['losses'][0]:.3f} → {r['losses'][-1]:.3f}" if r.get("losses") else "n/a",
+                f"{r['loadavg_at_start']:.1f}",
+            ])
+
+    def ok(key) -> dict | None:
+        r = by.get(key)
+        return r if r is not None and "error" not in r else None
+
+    for shape in results:
+        p = planner[shape]
+        for dtype in plan[shape][0]:
+            r = ok((shape, "ours", dtype))
+            if r:
+                s.goals.append(Goal(
+                    f"{SHORT[shape]} load ({DTYPES[dtype]} run): our peak RSS / (planner QLoRA weights + largest tensor + baseline)",
+                    r["load_peak_mib"] / r["bound"], LOAD_GOAL, False,
+                    f"planner weights {p[('bf16', 'seed')]['weights']:.0f} MiB (NF4 block Linears + bf16 rest) + largest "
+                    f"tensor {p['largest'][0]} {p['largest'][1]:.0f} MiB + baseline {r['baseline_mib']:.0f} MiB; "
+                    f"RSS right after loading {r['rss_loaded_mib']:.0f} MiB (the rest of the peak is transient: one "
+                    "tensor read and its quantization temporaries)"))
+                break
+    seven = "llama-2-7b"
+    if seven in results:
+        for dtype in plan[seven][0]:
+            r, t = ok((seven, "ours", dtype)), ok((seven, "peft_bnb", dtype))
+            if r:
+                kor = planner[seven][(DTYPES[dtype], "korthikanti")]["total"]
+                s.goals.append(Goal(
+                    f"7B QLoRA ({DTYPES[dtype]}) trains here: our train peak RSS / planner total",
+                    r["train_peak_mib"] / r["planner_total"], TRAIN_GOAL_7B, False,
+                    f"planner total {r['planner_total']:.0f} MiB uses the seed's activation estimate "
+                    f"(batch × seq × d_model × layers × 16 B = {planner[seven][(DTYPES[dtype], 'seed')]['activations']:.0f} MiB); "
+                    f"with Korthikanti's it is {kor:.0f} MiB (peak / that: {r['train_peak_mib'] / kor:.2f}×). The "
+                    f"process baseline ({r['baseline_mib']:.0f} MiB) and the activations a step saves for "
+                    "backward without recomputation are the gap; RSS before the first step "
+                    f"{r['rss_before_train_mib']:.0f} MiB"))
+            if r and t:
+                s.goals.append(Goal(
+                    f"7B load + quantize: transformers + bitsandbytes load_in_4bit / ours ({DTYPES[dtype]} run)",
+                    t["load_s"] / r["load_s"], LOAD_SPEED_GOAL_7B, True,
+                    f"ours {_fmt_s(r['load_s'])} (CPU {_fmt_s(r['load_cpu_s'])}), theirs {_fmt_s(t['load_s'])} "
+                    f"(CPU {_fmt_s(t['load_cpu_s'])}); both read the same 12.6 GB from the page cache or disk and "
+                    "quantize 6.5 G weights on 2 shared cores"))
+            if t:
+                s.notes.append(f"7B PEFT + bitsandbytes ({DTYPES[dtype]}) fits this machine: train peak RSS "
+                               f"{t['train_peak_mib'] / 1024:.1f} GiB, load peak {t['load_peak_mib'] / 1024:.1f} GiB "
+                               f"(of {_total_gib():.1f} GiB)")
+            elif by.get((seven, "peft_bnb", dtype)):
+                s.notes.append(f"7B PEFT + bitsandbytes ({DTYPES[dtype]}) did not complete: "
+                               f"{by[(seven, 'peft_bnb', dtype)]['error']}")
+    one = "llama-3.2-1b"
+    if one in results:
+        for dtype in plan[one][0]:
+            r, t = ok((one, "ours", dtype)), ok((one, "peft_bnb", dtype))
+            if r and t:
+                s.goals.append(Goal(
+                    f"1B QLoRA step ({DTYPES[dtype]}): ours / PEFT + bitsandbytes", r["step"] / t["step"],
+                    STEP_GOAL_1B, False,
+                    f"ours {_fmt_s(r['step'])}, theirs {_fmt_s(t['step'])} "
+                    f"({len(r['step_times'])} vs {len(t['step_times'])} timed steps, after one untimed); load "
+                    f"average {r['loadavg_at_start']:.1f} / {t['loadavg_at_start']:.1f} when each started"))
+    for shape, (secs, gib) in written.items():
+        s.notes.append(f"{shape}: checkpoint of {gib:.2f} GiB written in {_fmt_s(secs)}; compute dtypes run: "
+                       f"{', '.join(DTYPES[d] for d in plan[shape][0])}; timed steps after the first: {plan[shape][1]}")
+    if seven in plan:
+        s.notes.append(f"7B: bf16 only, {plan[seven][1]} timed step(s) after the first (0: the first step is the "
+                       "figure, with its one-off costs such as allocator growth): a 7B step takes minutes on 2 shared "
+                       "cores, PEFT + bitsandbytes' 7B load longer, and fp32 runs would double the section's time")
+    elif one in plan:
+        s.notes.append("7B shape not run in this invocation (quick mode or --shapes)")
+    s.notes.append("PEFT + bitsandbytes runs without prepare_model_for_kbit_training (it would turn on gradient "
+                   "checkpointing and upcast the non-quantized weights to fp32), so both sides keep every "
+                   "activation and the same float dtype")
+    threads = {r.get("threads") for rows in results.values() for r in rows if "error" not in r}
+    s.notes.append(f"torch threads per subprocess: {', '.join(str(t) for t in sorted(threads))}")
+    return s
+
+
+def _total_gib() -> float:
+    import psutil
+
+    return psutil.virtual_memory().total / 2**30
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--contender", choices=list(CONTENDERS), help="run one contender (subprocess mode)")
+    parser.add_argument("--folder")
+    parser.add_argument("--dtype", choices=list(DTYPES), default="float32")
+    parser.add_argument("--steps", type=int, default=-1, help="timed steps after the first (-1: the plan's)")
+    parser.add_argument("--shapes", help=f"section mode: comma-separated of {list(PLAN)}")
+    parser.add_argument("--dtypes", help="section mode: override the compute dtypes (comma-separated)")
+    parser.add_argument("--out", type=Path, help="section mode: write a Markdown report here")
+    parser.add_argument("--from-logs", type=Path, nargs="+", help="render the section from earlier runs' stderr")
+    args = parser.parse_args(argv)
+    if args.contender:
+        print(json.dumps(measure(args.contender, args.folder, args.dtype, max(0, args.steps))))  # -1 -> 0
+        return 0
+    from minigpt.io import atomic_write_text
+    from report import render
+    from timing import machine_description
+
+    shapes = [x for x in (args.shapes or ",".join(PLAN)).split(",") if x]
+    plan = {sh: ((tuple(args.dtypes.split(",")) if args.dtypes else PLAN[sh][0]), args.steps if args.steps >= 0
+                 else PLAN[sh][1]) for sh in shapes}
+    machine = machine_description()
+    t0 = time.perf_counter()
+    sec = from_logs(args.from_logs) if args.from_logs else run(plan=plan)
+    text = render(machine, [sec], "python benchmarks/bench_real_models.py " + " ".join(argv or sys.argv[1:]),
+                  time.perf_counter() - t0)
+    if args.out:
+        atomic_write_text(args.out, text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,327 @@
+"""One decoder for the llama, mistral and qwen2 families (and GPT-style variants), set by a dataclass.
+
+The families differ in data, not in code (litgpt's single GPT + Config is the model for this):
+RMSNorm or LayerNorm, rotary (RoPE, with Llama 3's frequency scaling) or learned positions, SwiGLU or
+GELU MLP, grouped-query attention, optional biases, tied or untied head, an explicit head_dim, and a
+sliding-window mask on chosen layers (Mistral: all, Qwen2: from max_window_layers on).
+
+Module names are Hugging Face's, so state-dict keys equal the checkpoint's and LoRA targets / PEFT keys
+are the ones users know: ``model.embed_tokens``, ``model.layers.N.input_layernorm``,
+``model.layers.N.self_attn.{q,k,v,o}_proj``, ``model.layers.N.post_attention_layernorm``,
+``model.layers.N.mlp.{gate,up,down}_proj``, ``model.norm``, ``lm_head``.
+Reading a config.json into a DecoderConfig lives in ``minituner.hf_config``; this file imports nothing
+from minituner.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, fields
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .errors import InputError
+
+NORMS = ("rmsnorm", "layernorm")
+POSITIONS = ("rope", "learned")
+MLPS = ("swiglu", "gelu")
+ACTIVATIONS = {  # hidden_act -> function
+    "silu": F.silu,
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+}
+ROPE_TYPES = ("default", "llama3")
+
+
+@dataclass
+class DecoderConfig:
+    model_type: str = "llama"  # the Hugging Face family ("llama", "mistral", "qwen2"); names the export class
+    vocab_size: int = 128  # rows of the token embedding and of the output head
+    block_size: int = 128  # longest context (max_position_embeddings)
+    n_layer: int = 2  # num_hidden_layers
+    n_head: int = 4  # num_attention_heads (query heads)
+    n_kv_head: int = 4  # num_key_value_heads; < n_head is grouped-query attention
+    d_model: int = 64  # hidden_size
+    head_dim: int = 0  # width of one head; 0 means d_model // n_head
+    d_ff: int = 0  # intermediate_size (MLP hidden width); 0 means 4 * d_model
+    norm: str = "rmsnorm"  # "rmsnorm" or "layernorm"
+    norm_eps: float = 1e-6  # rms_norm_eps / layer_norm_eps
+    norm_bias: bool = False  # LayerNorm only: a bias beside the weight
+    positions: str = "rope"  # "rope" (no parameters) or "learned" (model.embed_positions)
+    rope_theta: float = 10000.0  # RoPE base
+    rope_type: str = "default"  # "default" or "llama3" (Llama 3.1's frequency-dependent scaling)
+    rope_factor: float = 8.0  # llama3: how much the context was stretched
+    rope_low_freq_factor: float = 1.0  # llama3: wavelengths above original/low are divided by factor
+    rope_high_freq_factor: float = 4.0  # llama3: wavelengths below original/high are kept
+    rope_original_max_position_embeddings: int = 8192  # llama3: the pre-training context
+    mlp: str = "swiglu"  # "swiglu" (down(act(gate(x)) * up(x))) or "gelu" (down(act(up(x))))
+    activation: str = "silu"  # hidden_act; a key of ACTIVATIONS
+    qkv_bias: bool = False  # biases on q_proj, k_proj, v_proj (qwen2; llama's attention_bias)
+    o_bias: bool = False  # bias on o_proj (llama's attention_bias)
+    mlp_bias: bool = False  # biases on the MLP's Linears (llama's mlp_bias)
+    tie_word_embeddings: bool = False  # lm_head shares model.embed_tokens' weight
+    sliding_window: int | None = None  # tokens a query sees (itself included) on sliding layers; None: all
+    sliding_layers: list[int] = field(default_factory=list)  # indices of the layers that use the window
+    attention_dropout: float = 0.0  # dropout on attention probabilities while training
+
+    def __post_init__(self) -> None:
+        if self.head_dim == 0 and self.n_head:
+            self.head_dim = self.d_model // self.n_head
+        if self.d_ff == 0:
+            self.d_ff = 4 * self.d_model
+        self.sliding_layers = sorted(int(i) for i in self.sliding_layers)
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise InputError naming the first field that cannot build a model."""
+        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_kv_head", "d_model", "head_dim", "d_ff"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise InputError(f"{name} must be a positive integer, got {value!r}")
+        if self.n_head % self.n_kv_head:
+            raise InputError(f"num_key_value_heads={self.n_kv_head} does not divide num_attention_heads={self.n_head}")
+        if self.positions == "rope" and self.head_dim % 2:
+            raise InputError(f"head_dim={self.head_dim} must be even for rotary positions")
+        for name, valid in (("norm", NORMS), ("positions", POSITIONS), ("mlp", MLPS), ("activation", ACTIVATIONS),
+                            ("rope_type", ROPE_TYPES)):
+            if getattr(self, name) not in valid:
+                raise InputError(f"{name} must be one of {sorted(valid)}, got {getattr(self, name)!r}")
+        if self.sliding_window is not None and (not isinstance(self.sliding_window, int) or self.sliding_window < 1):
+            raise InputError(f"sliding_window must be a positive integer or null, got {self.sliding_window!r}")
+        if any(not 0 <= i < self.n_layer for i in self.sliding_layers):
+            raise InputError(f"sliding_layers {self.sliding_layers} name layers outside 0..{self.n_layer - 1}")
+        if not 0.0 <= self.attention_dropout < 1.0:
+            raise InputError(f"attention_dropout must be in [0, 1), got {self.attention_dropout}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "DecoderConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise InputError(f"unknown DecoderConfig fields {unknown}; valid: {sorted(known)}")
+        return cls(**d)
+
+
+def rope_inv_freq(cfg: DecoderConfig) -> torch.Tensor:
+    """Inverse frequencies (head_dim / 2,) in float32 on the CPU, Llama 3 scaling applied when configured."""
+    dim = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim))
+    if cfg.rope_type != "llama3":
+        return inv_freq
+    # Llama 3.1: long wavelengths (low frequencies) are slowed by `factor`, short ones kept, and the band in
+    # between blended linearly in (original context / wavelength).
+    old = cfg.rope_original_max_position_embeddings
+    low, high, factor = cfg.rope_low_freq_factor, cfg.rope_high_freq_factor, cfg.rope_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old / low, inv_freq / factor, inv_freq)
+    smooth = (old / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old / high) & (wavelen <= old / low)
+    return torch.where(medium, blended, scaled)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """(x1, x2) -> (-x2, x1) over the last dimension's halves: the layout Hugging Face checkpoints use."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight, computed in float32 and cast back before the weight (as the reference does)."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def make_norm(cfg: DecoderConfig) -> nn.Module:
+    if cfg.norm == "rmsnorm":
+        return RMSNorm(cfg.d_model, cfg.norm_eps)
+    return nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps, bias=cfg.norm_bias)
+
+
+class Attention(nn.Module):
+    """Causal self-attention with grouped K/V heads, RoPE on q and k, and an optional sliding window."""
+
+    def __init__(self, cfg: DecoderConfig, sliding: bool) -> None:
+        super().__init__()
+        self.n_head, self.n_kv_head, self.head_dim = cfg.n_head, cfg.n_kv_head, cfg.head_dim
+        self.window = cfg.sliding_window if sliding else None
+        self.dropout = cfg.attention_dropout
+        self.q_proj = nn.Linear(cfg.d_model, cfg.n_head * cfg.head_dim, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(cfg.d_model, cfg.n_kv_head * cfg.head_dim, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(cfg.d_model, cfg.n_kv_head * cfg.head_dim, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(cfg.n_head * cfg.head_dim, cfg.d_model, bias=cfg.o_bias)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, h, T, hd)
+        k = self.k_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, kv, T, hd)
+        v = self.v_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, kv, T, hd)
+        if rope is not None:
+            cos, sin = rope  # (T, hd) each
+            q = q * cos + rotate_half(q) * sin
+            k = k * cos + rotate_half(k) * sin
+        if self.n_kv_head != self.n_head:  # each K/V head serves n_head / n_kv_head query heads
+            rep = self.n_head // self.n_kv_head
+            k = k.repeat_interleave(rep, dim=1)  # (B, h, T, hd)
+            v = v.repeat_interleave(rep, dim=1)  # (B, h, T, hd)
+        p = self.dropout if self.training else 0.0
+        if self.window is None or T <= self.window:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)  # (B, h, T, hd)
+        else:
+            i = torch.arange(T, device=x.device)
+            d = i[:, None] - i[None, :]  # query index - key index
+            mask = (d >= 0) & (d < self.window)  # (T, T): causal, at most `window` keys back (self included)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p)  # (B, h, T, hd)
+        y = y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim)  # (B, T, h*hd)
+        return self.o_proj(y)  # (B, T, C)
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(act(gate(x)) * up(x)); or a plain two-layer MLP: down(act(up(x)))."""
+
+    def __init__(self, cfg: DecoderConfig) -> None:
+        super().__init__()
+        if cfg.mlp == "swiglu":
+            self.gate_proj = nn.Linear(cfg.d_model, cfg.d_ff, bias=cfg.mlp_bias)
+        self.up_proj = nn.Linear(cfg.d_model, cfg.d_ff, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.d_ff, cfg.d_model, bias=cfg.mlp_bias)
+        self.act = ACTIVATIONS[cfg.activation]
+        self.gated = cfg.mlp == "swiglu"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.act(self.gate_proj(x)) * self.up_proj(x) if self.gated else self.act(self.up_proj(x))  # (B, T, ff)
+        return self.down_proj(h)  # (B, T, C)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, cfg: DecoderConfig, index: int) -> None:
+        super().__init__()
+        self.input_layernorm = make_norm(cfg)
+        self.self_attn = Attention(cfg, sliding=cfg.sliding_window is not None and index in cfg.sliding_layers)
+        self.post_attention_layernorm = make_norm(cfg)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope)  # (B, T, C)
+        return x + self.mlp(self.post_attention_layernorm(x))  # (B, T, C)
+
+
+class DecoderStack(nn.Module):
+    """Hugging Face's ``model``: embeddings, the layers and the final norm."""
+
+    def __init__(self, cfg: DecoderConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        if cfg.positions == "learned":
+            self.embed_positions = nn.Embedding(cfg.block_size, cfg.d_model)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.n_layer))
+        self.norm = make_norm(cfg)
+
+
+class Decoder(nn.Module):
+    """A causal LM: token ids (B, T) -> logits (B, T, vocab_size), MiniGPT's interface."""
+
+    def __init__(self, cfg: DecoderConfig) -> None:
+        super().__init__()
+        cfg.validate()
+        self.config = cfg
+        self.model = DecoderStack(cfg)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        # RoPE frequencies: a plain float32 tensor, not a buffer, so no dtype cast of the model touches it.
+        self._inv_freq = rope_inv_freq(cfg) if cfg.positions == "rope" else None
+        self.apply(self._init_weights)  # a no-op on the meta device, where loaders build the model
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if getattr(module, "bias", None) is not None:
+                nn.init.zeros_(module.bias)
+
+    def tie_weights(self) -> None:
+        """Share the embedding with lm_head again (after a loader assigned new Parameter objects)."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def get_output_embeddings(self) -> nn.Module:
+        return self.lm_head
+
+    def rope(self, T: int, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin (T, head_dim) of positions 0..T-1, computed in float32, returned in dtype."""
+        if self._inv_freq.device != device:
+            self._inv_freq = self._inv_freq.to(device)
+        freqs = torch.arange(T, device=device, dtype=torch.float32)[:, None] * self._inv_freq[None, :]  # (T, hd/2)
+        emb = torch.cat((freqs, freqs), dim=-1)  # (T, hd)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        """Token ids (B, T) -> logits (B, T, vocab_size)."""
+        B, T = idx.shape
+        if T > self.config.block_size:
+            raise InputError(f"sequence length {T} exceeds block_size {self.config.block_size}")
+        m = self.model
+        x = m.embed_tokens(idx)  # (B, T, C)
+        rope = None
+        if self.config.positions == "learned":
+            x = x + m.embed_positions(torch.arange(T, device=idx.device))  # (B, T, C)
+        else:
+            rope = self.rope(T, idx.device, x.dtype)
+        for layer in m.layers:
+            x = layer(x, rope)  # (B, T, C)
+        return self.lm_head(m.norm(x))  # (B, T, V)
+
+    @torch.no_grad()
+    def generate(
+        self,
+        idx: torch.Tensor,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        generator: torch.Generator | None = None,
+        eos_id: int | list[int] | None = None,
+    ) -> torch.Tensor:
+        """Sample up to max_new_tokens continuations of idx (B, T); temperature 0 means greedy.
+
+        With eos_id (one id or several), a row that samples one keeps emitting it, and sampling stops once
+        every row has; the result may then be shorter than T + max_new_tokens.
+        """
+        was_training = self.training
+        self.eval()
+        eos = torch.tensor([eos_id] if isinstance(eos_id, int) else list(eos_id or []), device=idx.device)
+        done = torch.zeros(idx.size(0), 1, dtype=torch.bool, device=idx.device)
+        for _ in range(max_new_tokens):
+            context = idx[:, -self.config.block_size :]
+            logits = self(context)[:, -1, :].float()  # (B, V)
+            if temperature <= 0:
+                nxt = logits.argmax(dim=-1, keepdim=True)  # (B, 1)
+            else:
+                logits = logits / temperature
+                if top_k is not None:
+                    kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
+                    logits = logits.masked_fill(logits < kth, float("-inf"))
+                nxt = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)  # (B, 1)
+            if eos.numel():
+                nxt = torch.where(done, eos[0], nxt)  # finished rows repeat their end token
+                done = done | torch.isin(nxt, eos)
+            idx = torch.cat([idx, nxt], dim=1)
+            if eos.numel() and bool(done.all()):
+                break
+        self.train(was_training)
+        return idx

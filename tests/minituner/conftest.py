@@ -1,0 +1,92 @@
+"""Tiny random Hugging Face folders (llama, mistral, qwen2, gpt2) written by transformers' save_pretrained.
+
+Weights are drawn with a fixed seed at a scale (std 0.2, norm weights 1 ± 0.2) where logits differ
+clearly between positions, so a parity of 1e-4 is a real check. The tokenizer is a WordLevel
+``tokenizers`` model built in the test (no downloads). Folders are built once per session and cached.
+"""
+from __future__ import annotations
+
+import os
+import warnings
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+WORDS = "the wind is calm rain later sunny cold warm front north south east west".split()
+
+BASE = {
+    "llama": dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=4, vocab_size=40, max_position_embeddings=64),
+    "mistral": dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, vocab_size=40, max_position_embeddings=64, sliding_window=4),
+    "qwen2": dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=40, max_position_embeddings=64),
+    "gpt2": dict(n_embd=32, n_head=4, n_layer=2, n_positions=64, vocab_size=40),
+}
+
+
+def write_tokenizer(folder) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"[UNK]": 0, "<s>": 1, "</s>": 2, **{w: i + 3 for i, w in enumerate(WORDS)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(folder / "tokenizer.json"))
+
+
+def make_hf_model(family: str, seed: int = 0, **overrides):
+    """transformers' model of a tiny config, with seeded random weights at a telling scale (fp32)."""
+    import torch
+    import transformers
+
+    cfg = transformers.AutoConfig.for_model(family, **{**BASE[family], **overrides})
+    torch.manual_seed(seed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or "ln_" in name:
+                p.copy_(1 + 0.2 * torch.randn(p.shape, generator=g) if name.endswith("weight") else
+                        0.1 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(0.2 * torch.randn(p.shape, generator=g))
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def hf_folder(tmp_path_factory):
+    """hf_folder(family, name=..., dtype=..., max_shard_size=..., **config) -> a cached saved folder."""
+    import torch
+
+    cache = {}
+
+    def build(family: str, name: str | None = None, dtype=torch.float32, max_shard_size: str | None = None,
+              seed: int = 0, **overrides):
+        key = name or f"{family}-{sorted(overrides.items())}-{dtype}-{max_shard_size}-{seed}"
+        if key not in cache:
+            folder = tmp_path_factory.mktemp(family)
+            model = make_hf_model(family, seed, **overrides).to(dtype)
+            kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+            model.save_pretrained(folder, **kwargs)
+            write_tokenizer(folder)
+            cache[key] = folder
+        return cache[key]
+
+    return build
+
+
+@pytest.fixture(scope="session")
+def hf_ref():
+    """The transformers model of a folder, fp32, eval mode."""
+    import transformers
+
+    def load(folder, **kwargs):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return transformers.AutoModelForCausalLM.from_pretrained(folder, **kwargs).eval()
+
+    return load
