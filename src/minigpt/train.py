@@ -47,6 +47,7 @@ class TrainConfig:
     keep_checkpoints: int = 2  # how many of the newest checkpoints stay on disk
     skip_nonfinite: bool = False  # skip a step whose loss or gradients are NaN/inf instead of stopping the run
     precision: str = "fp32"  # "fp32", or "bf16-autocast" on CUDA (forward in bf16; weights, grads, Adam fp32)
+    grad_checkpoint: bool = False  # recompute each block in backward (model.grad_checkpoint): less memory, same result
 
     def validate(self) -> None:
         if self.steps < 1 or self.batch_size < 1:
@@ -91,7 +92,7 @@ def evaluate(model: nn.Module, data: torch.Tensor, block_size: int, batch_size: 
     return total / n
 
 
-RESUME_FREE = ("checkpoint_every", "keep_checkpoints", "skip_nonfinite")  # may change when a run is resumed
+RESUME_FREE = ("checkpoint_every", "keep_checkpoints", "skip_nonfinite", "grad_checkpoint")  # may change on resume
 METRICS = "metrics.jsonl"
 
 
@@ -229,6 +230,8 @@ def train(
     elif ckpt_dir is not None and writer:
         clear_checkpoints(ckpt_dir)
     barrier()  # every rank has read its checkpoint before rank 0 may write (and prune) the next one
+    if hasattr(model, "grad_checkpoint"):
+        model.grad_checkpoint = cfg.grad_checkpoint
     step_model = wrap_ddp(model, device)  # the model itself in a single process
     metrics = None
     if out_dir and writer:
