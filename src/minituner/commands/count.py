@@ -8,7 +8,7 @@ from pathlib import Path
 from minigpt.errors import InputError
 from minituner.planner import (ALL_LINEAR, PRESETS, MemoryConfig, default_regimes, load_config_shape, minigpt_vocab,
                                plan, preset_shape)
-from minituner.planner.memory import ACTIVATION_MODELS, FULL_PRECISIONS, QUANTIZE_CHOICES
+from minituner.planner.memory import ACTIVATION_MODELS, FULL_PRECISIONS, QUANTIZE_CHOICES, best_activation_model
 from minituner.planner.presets import MINIGPT_SIZES
 from minituner.planner.report import describe, regime_table
 
@@ -35,8 +35,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="QLoRA: NF4 for the LoRA targets (default) or every block Linear (bitsandbytes load_in_4bit)")
     p.add_argument("--full-precision", choices=FULL_PRECISIONS, default="mixed",
                    help="full FT: fp16 + fp32 master (mixed, default) or plain fp32")
-    p.add_argument("--activations", choices=ACTIVATION_MODELS, default="seed",
-                   help="activation estimate: the seed's B*T*d*L*16 bytes or Korthikanti et al. 2022")
+    p.add_argument("--activations", choices=ACTIVATION_MODELS, default=None,
+                   help="activation model: exact (what the forward saves, derived for MiniGPT; with the step's peak), "
+                        "the seed's B*T*d*L*16 bytes, or Korthikanti et al. 2022 (default: the most accurate for the "
+                        "architecture: exact for MiniGPT, korthikanti otherwise)")
+    p.add_argument("--grad-checkpoint", action="store_true",
+                   help="exact model: each block recomputed in backward (it keeps only its input)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
 
 
@@ -68,8 +72,12 @@ def run(args: argparse.Namespace) -> int:
             raise InputError(f"--tokenizer applies to the MiniGPT presets ({', '.join(MINIGPT_SIZES)}), not {name}")
         vocab = minigpt_vocab(args.tokenizer).size if name in MINIGPT_SIZES else None
         shape = preset_shape(name, vocab)
+    activations = args.activations or best_activation_model(shape)
+    if args.grad_checkpoint and activations != "exact":
+        raise InputError(f"--grad-checkpoint needs the exact activation model, which {shape.family} does not have yet")
     cfg = MemoryConfig(batch_size=args.batch_size, seq_len=args.seq_len, double_quant=args.double_quant,
-                       full_precision=args.full_precision, activations=args.activations, quantize=args.quantize)
+                       full_precision=args.full_precision, activations=activations, quantize=args.quantize,
+                       grad_checkpoint=args.grad_checkpoint)
     result = plan(shape, default_regimes(ranks), args.target or ALL_LINEAR, cfg)
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))
