@@ -80,10 +80,15 @@ def test_cli_gpt2_config_json(tmp_path, capsys):
     assert main(["memory-check", "--config", str(tmp_path), "--regime", "full", "--batch-size", "2",
                  "--seq-len", "8", "--device", "cpu", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    rows = {r["bucket"]: r for r in out["rows"]}
+    assert set(out) == {"predicted", "measured", "error", "details"}
+    for key in ("predicted", "measured", "error"):
+        assert list(out[key]) == ["weights", "grads", "optimizer", "activations", "peak"]
     for b in BUCKETS:
-        assert rows[b]["error_percent"] == 0.0 and rows[b]["measured_bytes"] > 0
-    assert out["trainable_params"] == out["params"]
+        assert out["error"][b] == 0.0 and out["measured"][b] > 0 and out["predicted"][b] == out["measured"][b]
+    p, m = out["predicted"]["peak"], out["measured"]["peak"]
+    assert isinstance(p, int) and isinstance(m, int) and out["error"]["peak"] == pytest.approx((p - m) / m)
+    assert out["details"]["trainable_params"] == out["details"]["params"]
+    assert out["details"]["measured_peak_phase"] in ("forward", "backward", "optimizer step")
 
 
 def test_cli_base_folder_and_table(tmp_path, capsys):
@@ -91,7 +96,7 @@ def test_cli_base_folder_and_table(tmp_path, capsys):
     assert main(["memory-check", "--base", str(tmp_path / "base"), "--target", "q_proj", "--rank", "2",
                  "--batch-size", "2", "--seq-len", "8", "--device", "cpu"]) == 0
     out = capsys.readouterr().out
-    assert "| activations | " in out and "seed estimate" in out and "peak (planner total)" in out
+    assert "| activations | " in out and "seed estimate" in out and "| peak (planner/peak.py) |" in out
 
 
 def test_cli_refuses_what_it_cannot_build(tmp_path, capsys):
