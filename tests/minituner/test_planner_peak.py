@@ -91,3 +91,20 @@ def test_half_activations_add_the_fp32_logits_copy():
     peak = step_peak(shape, "lora", 4, "all-linear", B, T, 2, False, weights=b.weights, grads=b.grads,
                      optimizer=b.optimizer)
     assert peak.phases["forward (loss)"]["logits"] == N * shape.vocab_size * (2 + 4)
+
+
+def test_gpt2_shape_is_planned_as_the_minigpt_it_imports_into(tmp_path):
+    """count on a GPT-2 config.json: exact activations as minituner trains it (c_attn split into q/k/v)."""
+    from minigpt.io import write_json
+    from minituner.planner import load_config_shape
+    write_json(tmp_path / "config.json", {"model_type": "gpt2", "vocab_size": 50, "n_positions": 16, "n_embd": 16,
+                                          "n_layer": 2, "n_head": 2})
+    gpt2 = load_config_shape(tmp_path / "config.json")
+    mini = minigpt_shape(GPTConfig(vocab_size=50, block_size=16, n_layer=2, n_head=2, d_model=16))
+    cfg = MemoryConfig(batch_size=B, seq_len=T, activations="exact", dtype="fp32", full_precision="fp32")
+    for regime, t_gpt2, t_mini in (("full", "all-linear", "all-linear"), ("lora", "c_attn", "q_proj,k_proj,v_proj"),
+                                   ("lora", "c_proj", "o_proj,fc2"), ("lora", "mlp.c_proj", "fc2")):
+        r = Regime(regime, None if regime == "full" else 4)
+        assert regime_bytes(gpt2, r, t_gpt2, cfg).activations == regime_bytes(mini, r, t_mini, cfg).activations
+    assert regime_bytes(gpt2, Regime("full"), "all-linear", cfg).peak == regime_bytes(mini, Regime("full"),
+                                                                                       "all-linear", cfg).peak

@@ -45,15 +45,19 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from minigpt.errors import InputError
+from minigpt.model import GPTConfig
 
 from .counts import ALL_LINEAR, resolve_targets
-from .shapes import ModelShape
+from .shapes import ModelShape, minigpt_shape
 
 INDEX_BYTES = 8  # int64 token ids, positions and targets
 FP32 = 4  # logsumexp, log-softmax output, nll_loss's total_weight
 QKV = ("attn.q_proj", "attn.k_proj", "attn.v_proj")
 BLOCK_LINEARS = (*QKV, "attn.o_proj", "mlp.fc1", "mlp.fc2")
-EXACT_FAMILIES = ("minigpt",)  # GPT-2 folders are imported into MiniGPT, whose shape is family "minigpt"
+EXACT_FAMILIES = ("minigpt", "gpt2")  # GPT-2 as minituner trains it: imported into MiniGPT (as_minigpt)
+# GPT-2's block Linears -> MiniGPT's (hf_gpt2 splits the fused c_attn into q/k/v)
+GPT2_TO_MINIGPT = {"attn.c_attn": QKV, "attn.c_proj": ("attn.o_proj",), "mlp.c_fc": ("mlp.fc1",),
+                   "mlp.c_proj": ("mlp.fc2",)}
 
 
 def lora_paths(shape: ModelShape, targets: str | Iterable[str]) -> frozenset[str]:
@@ -80,11 +84,23 @@ class SavedByLayer:
         return dict(out)
 
 
+def as_minigpt(shape: ModelShape, targets: str | Iterable[str] = ALL_LINEAR) -> tuple[ModelShape, tuple[str, ...]]:
+    """The MiniGPT a shape trains as, and its LoRA targets: a GPT-2 shape is imported (c_attn split into
+    q/k/v, c_proj -> o_proj, c_fc -> fc1, mlp.c_proj -> fc2), as ``minituner.hf_gpt2`` imports a folder."""
+    if shape.family != "gpt2":
+        return shape, tuple(lin.path for lin in resolve_targets(shape, targets))
+    cfg = GPTConfig(vocab_size=shape.vocab_size, block_size=shape.n_positions, n_layer=shape.n_layer,
+                    n_head=shape.n_head, d_model=shape.d_model, d_ff=shape.d_ff, bias=True,
+                    tie_weights=shape.tie_embeddings)
+    paths = tuple(p for lin in resolve_targets(shape, targets) for p in GPT2_TO_MINIGPT[lin.path])
+    return minigpt_shape(cfg, shape.name), paths
+
+
 def check_exact(shape: ModelShape, regime: str) -> None:
     if shape.family not in EXACT_FAMILIES:
         raise InputError(f"{shape.name}: the exact activation model covers MiniGPT (and GPT-2 imported into it), "
                          f"not {shape.family}; use the seed or korthikanti estimate")
-    if tuple(lin.path for lin in shape.linears) != BLOCK_LINEARS:
+    if shape.family == "minigpt" and tuple(lin.path for lin in shape.linears) != BLOCK_LINEARS:
         raise InputError(f"{shape.name}: not a MiniGPT block ({', '.join(BLOCK_LINEARS)})")
     if regime not in ("full", "lora", "qlora"):
         raise InputError(f"regime must be full, lora or qlora, got {regime!r}")
@@ -100,6 +116,7 @@ def minigpt_saved_by_layer(shape: ModelShape, batch_size: int, seq_len: int, reg
     during the backward (``minigpt_saved_by_layer(...).blocks`` without checkpointing gives it).
     """
     check_exact(shape, regime)
+    shape, targets = as_minigpt(shape, targets)
     full = regime == "full"
     lora = frozenset() if full else lora_paths(shape, targets)
     r = rank or 0

@@ -38,7 +38,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from .activations import FP32, lora_paths, minigpt_saved_by_layer
+from .activations import FP32, as_minigpt, lora_paths, minigpt_saved_by_layer
 from .counts import ALL_LINEAR, resolve_targets, total_params
 from .shapes import ModelShape
 
@@ -68,6 +68,7 @@ def minigpt_phases(shape: ModelShape, regime: str, rank: int | None, targets: st
                    batch_size: int, seq_len: int, act_bytes: int, grad_checkpoint: bool,
                    weights: int, grads: int, optimizer: int, grad_bytes: int) -> dict[str, dict[str, int]]:
     """Live bytes per term at the worst moment of each phase of one MiniGPT (or GPT-2) training step."""
+    shape, targets = as_minigpt(shape, targets)  # GPT-2 trains as the MiniGPT it imports into
     saved = minigpt_saved_by_layer(shape, batch_size, seq_len, regime, rank, targets, act_bytes, grad_checkpoint)
     plain = minigpt_saved_by_layer(shape, batch_size, seq_len, regime, rank, targets, act_bytes) if grad_checkpoint \
         else saved
@@ -119,7 +120,7 @@ def largest_trainable(shape: ModelShape, regime: str, rank: int | None, targets:
 
 
 PhaseModel = Callable[..., dict[str, dict[str, int]]]
-PEAK_MODELS: dict[str, PhaseModel] = {"minigpt": minigpt_phases}  # family -> phase model (Llama: to add)
+PEAK_MODELS: dict[str, PhaseModel] = {"minigpt": minigpt_phases, "gpt2": minigpt_phases}  # Llama: to add
 
 
 def has_peak_model(shape: ModelShape) -> bool:

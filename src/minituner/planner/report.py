@@ -68,7 +68,8 @@ def describe(plan: Plan, alpha: float | None = None) -> str:
     wrapped = resolve_targets(s, plan.targets)
     precision = "fp16 weights and grads + fp32 master + Adam" if c.full_precision == "mixed" else "fp32 weights, grads, Adam"
     act = {"seed": "batch x seq x d_model x n_layer x 16 bytes", "korthikanti": "Korthikanti et al. 2022",
-           "exact": f"saved for backward by MiniGPT's forward ({c.dtype}"
+           "exact": f"saved for backward by MiniGPT's forward{' (GPT-2 imported into it)' if s.family == 'gpt2' else ''}"
+                    f" ({c.dtype}"
                     f"{', each block recomputed in backward' if c.grad_checkpoint else ''}); step peak: what is alive "
                     "at the worst phase of a step (planner/peak.py; the process itself not included)"}[c.activations]
     parts = [
