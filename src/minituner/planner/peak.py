@@ -22,6 +22,8 @@ weights/grads/optimizer buckets W, G, O of ``regime_bytes`` (A = the bytes saved
   block's factors) + A minus what the head saved + the block's gradients (the residual stream's N·C·e
   and one N·F·e in the MLP) + QLoRA's largest dequantized weight out·in·e (its backward dequantizes
   again) + with gradient checkpointing the block's recomputed saved tensors.
+- forward, last block (gradient checkpointing only): W + O + G + A minus the head's + what the block would
+  save, alive until it returns (without checkpointing this moment is below the loss's).
 - backward, embeddings (full FT): W + O + G + the embedding's dense gradient V·C·4, twice when tied
   (the lookup's gradient and the sum into the head's gradient).
 - optimizer step: W + G + O + 2 x the largest trainable tensor in fp32 (CPU AdamW runs the
@@ -99,6 +101,10 @@ def minigpt_phases(shape: ModelShape, regime: str, rank: int | None, targets: st
         block["dequantized weight"] = max(lin.weight_params for lin in shape.linears if lin.path in quantized) * e
     if grad_checkpoint:
         block["recomputed block's saved tensors"] = sum(plain.blocks[-1].values())
+        # inside the last block's forward: what it would save is alive until it returns
+        phases["forward: last block"] = {**base, "grads (last step's)": grads,
+                                         "activations (before the head)": A - head_saved,
+                                         "block's tensors during its forward": sum(plain.blocks[-1].values())}
     phases["backward: last block"] = block
     if full:
         phases["backward: embeddings"] = {**base, "grads": grads, "activations (ids)": sum(saved.embed.values()),
