@@ -68,6 +68,7 @@ class CheckConfig:
     seed: int = 0
     precision: str = "fp32"  # "fp32" or "bf16-autocast" (CUDA)
     grad_checkpoint: bool = False  # recompute each block in backward (model.grad_checkpoint)
+    pin_allocator: bool = True  # CPU: pin glibc's mmap threshold so the resident set follows the live tensors
 
     def validate(self, block_size: int) -> None:
         if self.regime not in REGIMES:
@@ -336,7 +337,7 @@ def memory_check(build: Callable[[], MiniGPT], check: CheckConfig, device: torch
                  name: str = "model") -> CheckResult:
     """Build the model with `build` (on `device`), train check.steps steps on random tokens, measure, predict."""
     check_precision(check.precision, device)
-    pinned = device.type == "cpu" and pin_allocator()
+    pinned = device.type == "cpu" and check.pin_allocator and pin_allocator()
     warm_up(device)
     meter = PeakMemory(device)
     meter.start()
