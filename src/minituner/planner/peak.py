@@ -3,11 +3,14 @@
 A step of ``minigpt.train.train`` (and of ``minituner memory-check``) runs: forward and loss (the previous
 step's grads still alive), ``zero_grad(set_to_none=True)``, backward, gradient clipping, AdamW's step.
 Each phase below lists the tensors alive at its worst moment; the planner's peak is the largest phase.
-Measured on CPU (resident-set high-water mark per phase, see ``minituner.memory_check``), the peak is
-in the backward for every MiniGPT and GPT-2 regime we swept: at the loss's backward (the log-softmax
-output plus two (N, V) fp32 gradients) whenever the vocabulary is large against d_ff, else in the last
-block's backward; full fine-tuning of a large-vocabulary model peaks at the embeddings' backward or in
-AdamW's step, which tie (both hold every grad plus two V x C temporaries).
+Measured on CPU (resident-set high-water mark per phase, see ``minituner.memory_check`` and
+benchmarks/memory_sweep.md), the peak is in the backward at the loss (every saved activation still
+alive, plus the (N, V) fp32 gradients of nll_loss and log-softmax) for LoRA, QLoRA and full FT without
+checkpointing; with gradient checkpointing it moves to the last block's backward (the recomputed block
+plus its gradients) unless the logits dominate (GPT-2's 50,257-token vocabulary: still at the loss);
+full FT of a large-vocabulary model peaks at the embeddings' backward and in AdamW's step, which tie
+(both hold every grad plus two V x C temporaries); a small full FT run can peak at the end of the
+forward (the last step's grads are still alive there).
 
 With N = batch·seq, C = d_model, F = d_ff, V = vocab, e = bytes per activation element, and the
 weights/grads/optimizer buckets W, G, O of ``regime_bytes`` (A = the bytes saved for backward):
