@@ -2,6 +2,11 @@
 
 Each block holds exactly ``attn.q_proj``, ``attn.k_proj``, ``attn.v_proj``, ``attn.o_proj`` and
 ``mlp.fc1``, ``mlp.fc2``: LoRA targets, adapter keys and the planner are built from these names.
+
+Gradient checkpointing is a switch on the model, not a config field (it changes memory, never the
+result, and a base folder's config.json stays the same): ``model.grad_checkpoint = True`` runs each
+block under ``torch.utils.checkpoint`` (non-reentrant) while training, so the forward keeps only each
+block's input and the backward recomputes the block before differentiating it.
 """
 from __future__ import annotations
 
@@ -11,6 +16,7 @@ from dataclasses import asdict, dataclass, fields
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from .errors import InputError
 
@@ -122,6 +128,7 @@ class MiniGPT(nn.Module):
         self.drop = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps, bias=cfg.bias)
+        self.grad_checkpoint = False  # recompute each block in backward (training only); no state, no new module
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_weights:
             self.lm_head.weight = self.wte.weight
@@ -146,8 +153,9 @@ class MiniGPT(nn.Module):
             raise InputError(f"sequence length {T} exceeds block_size {self.config.block_size}")
         pos = torch.arange(T, device=idx.device)
         x = self.drop(self.wte(idx) + self.wpe(pos))  # (B, T, C)
+        recompute = self.grad_checkpoint and self.training and torch.is_grad_enabled()
         for block in self.blocks:
-            x = block(x)
+            x = checkpoint(block, x, use_reentrant=False) if recompute else block(x)  # (B, T, C)
         return self.lm_head(self.ln_f(x))  # (B, T, V)
 
     @torch.no_grad()

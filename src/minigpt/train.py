@@ -49,6 +49,7 @@ class TrainConfig:
     keep_checkpoints: int = 2  # how many of the newest checkpoints stay on disk
     skip_nonfinite: bool = False  # skip a step whose loss or gradients are NaN/inf instead of stopping the run
     precision: str = "fp32"  # "fp32", or "bf16-autocast" on CUDA (forward in bf16; weights, grads, Adam fp32)
+    grad_checkpoint: bool = False  # recompute each block in backward (model.grad_checkpoint): less memory, same result
 
     def validate(self) -> None:
         if self.steps < 1 or self.batch_size < 1:
@@ -93,7 +94,7 @@ def evaluate(model: nn.Module, data: torch.Tensor, block_size: int, batch_size: 
     return total / n
 
 
-RESUME_FREE = ("checkpoint_every", "keep_checkpoints", "skip_nonfinite")  # may change when a run is resumed
+RESUME_FREE = ("checkpoint_every", "keep_checkpoints", "skip_nonfinite", "grad_checkpoint")  # may change on resume
 METRICS = "metrics.jsonl"
 
 
@@ -174,23 +175,27 @@ def train_step(model: nn.Module, opt: torch.optim.Optimizer, params: list[nn.Par
                y: torch.Tensor, clip: float, precision: str = "fp32", loss_fn: Callable | None = None,
                reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
                forward_context: contextlib.AbstractContextManager | None = None,
-               before_update: Callable[[], None] | None = None) -> tuple[torch.Tensor, str | None]:
+               on_phase: Callable[[str], None] | None = None) -> tuple[torch.Tensor, str | None]:
     """One step of the loop: forward (bf16 autocast for "bf16-autocast"), backward, clip, finite check, update.
 
     Returns the loss every rank reports (`reduce`d, default the local loss, detached) and what was not finite
     (None for a good step; otherwise the weights are not updated). `forward_context` wraps the forward pass
-    (e.g. to watch saved tensors); `before_update` runs after the gradients are final, before opt.step().
+    (e.g. to watch saved tensors); `on_phase(name)` is called at the end of each phase: "forward" (the loss
+    exists), "backward" (the gradients are final, before the update) and "optimizer step" (a good step only).
     """
+    phase = on_phase or (lambda name: None)
     device = params[0].device
     with forward_context or contextlib.nullcontext(), autocast(device, precision):
         loss = (loss_fn or lm_loss)(model, x.to(device), y.to(device))
     reported = loss.detach() if reduce is None else reduce(loss.detach())
+    phase("forward")
     opt.zero_grad(set_to_none=True)
     problem = backward_checked(loss, params, clip, reported)
+    del loss  # the graph is freed by backward; the tensor itself is not needed past this point
+    phase("backward")
     if problem is None:
-        if before_update is not None:
-            before_update()
         opt.step()
+        phase("optimizer step")
     return reported, problem
 
 
@@ -256,6 +261,8 @@ def train(
     elif ckpt_dir is not None and writer:
         clear_checkpoints(ckpt_dir)
     barrier()  # every rank has read its checkpoint before rank 0 may write (and prune) the next one
+    if hasattr(model, "grad_checkpoint"):
+        model.grad_checkpoint = cfg.grad_checkpoint
     step_model = wrap_ddp(model, device)  # the model itself in a single process
     metrics = None
     if out_dir and writer:

@@ -111,3 +111,18 @@ def test_generate_is_deterministic_and_respects_block(tiny_cfg):
     assert a.shape == (2, 33) and torch.equal(a, b)
     greedy = m.generate(x, 5, temperature=0)
     assert greedy.shape == (2, 8)
+
+
+def test_grad_checkpoint_is_a_switch_not_state():
+    """model.grad_checkpoint changes neither module names nor the state dict, and the forward is the same."""
+    torch.manual_seed(0)
+    model = MiniGPT(GPTConfig(vocab_size=40, block_size=16, n_layer=2, n_head=2, d_model=16))
+    keys = list(model.state_dict())
+    idx = torch.randint(40, (2, 8))
+    plain = model(idx)
+    model.grad_checkpoint = True
+    assert list(model.state_dict()) == keys and "grad_checkpoint" not in model.config.to_dict()
+    torch.testing.assert_close(model(idx), plain, rtol=0, atol=0)
+    g_plain = torch.autograd.grad(plain.square().mean(), model.wte.weight)[0]
+    g_ckpt = torch.autograd.grad(model(idx).square().mean(), model.wte.weight)[0]
+    torch.testing.assert_close(g_ckpt, g_plain, rtol=1e-6, atol=1e-7)

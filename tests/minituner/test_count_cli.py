@@ -59,7 +59,8 @@ def test_flags_change_only_their_bucket(capsys):
     dq = count_json(capsys, "--preset", "minigpt-768", "--rank", "8", "--double-quant")
     assert dq["regimes"][2]["bytes"]["weights"] < base["regimes"][2]["bytes"]["weights"]
     assert dq["regimes"][:2] == base["regimes"][:2]
-    act = count_json(capsys, "--preset", "minigpt-768", "--rank", "8", "--batch-size", "2", "--seq-len", "64")
+    act = count_json(capsys, "--preset", "minigpt-768", "--rank", "8", "--batch-size", "2", "--seq-len", "64",
+                     "--activations", "seed")
     assert act["regimes"][0]["bytes"]["activations"] == 2 * 64 * 768 * 12 * 16
     assert act["regimes"][0]["bytes"]["weights"] == base["regimes"][0]["bytes"]["weights"]
     qv = count_json(capsys, "--preset", "minigpt-768", "--rank", "8", "--target", "q_proj,v_proj")
@@ -67,6 +68,21 @@ def test_flags_change_only_their_bucket(capsys):
                        "--quantize", "all-linear")
     assert every["regimes"][2]["bytes"]["weights"] < qv["regimes"][2]["bytes"]["weights"]
     assert every["regimes"][:2] == qv["regimes"][:2]
+
+
+def test_default_activation_model_is_the_most_accurate(capsys):
+    """MiniGPT: the exact model (with the step's peak); other families: Korthikanti; the seed's stays by name."""
+    mini = count_json(capsys, "--rank", "8", "--batch-size", "2", "--seq-len", "16")
+    exact = count_json(capsys, "--rank", "8", "--batch-size", "2", "--seq-len", "16", "--activations", "exact")
+    seed = count_json(capsys, "--rank", "8", "--batch-size", "2", "--seq-len", "16", "--activations", "seed")
+    assert mini == exact and "peak" in mini["regimes"][1]["bytes"] and "peak" not in seed["regimes"][1]["bytes"]
+    assert all(r["bytes"]["peak"] >= r["bytes"]["weights"] + r["bytes"]["optimizer"] for r in mini["regimes"])
+    llama = count_json(capsys, "--preset", "llama-7b", "--rank", "8")
+    korthikanti = count_json(capsys, "--preset", "llama-7b", "--rank", "8", "--activations", "korthikanti")
+    assert llama == korthikanti
+    ckpt = count_json(capsys, "--rank", "8", "--batch-size", "2", "--seq-len", "16", "--grad-checkpoint")
+    assert all(c["bytes"]["activations"] < m["bytes"]["activations"]
+               for c, m in zip(ckpt["regimes"], mini["regimes"]))
 
 
 def test_markdown_output(capsys):

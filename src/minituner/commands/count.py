@@ -8,7 +8,8 @@ from pathlib import Path
 from minigpt.errors import InputError
 from minituner.planner import (ALL_LINEAR, PRESETS, MemoryConfig, default_regimes, load_config_shape, minigpt_vocab,
                                plan, preset_shape)
-from minituner.planner.memory import ACTIVATION_MODELS, FULL_PRECISIONS, MASTER_COPIES, QUANTIZE_CHOICES
+from minituner.planner.memory import (ACTIVATION_MODELS, FULL_PRECISIONS, MASTER_COPIES, QUANTIZE_CHOICES,
+                                      best_activation_model)
 from minituner.planner.presets import MINIGPT_SIZES
 from minituner.planner.report import describe, regime_table
 
@@ -38,9 +39,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--master-copy", choices=MASTER_COPIES, default=MemoryConfig.master_copy,
                    help="full FT mixed: count the fp32 master copy with the weights (the seed: 6N/2N/8N, default) "
                    "or with the optimizer state (ZeRO: 2N/2N/12N); same total")
-    p.add_argument("--activations", choices=ACTIVATION_MODELS, default="seed",
-                   help="activations: the seed's B*T*d*L*16 bytes, Korthikanti et al. 2022, or exact (MiniGPT's "
-                   "saved tensors, planner/activations.py)")
+    p.add_argument("--activations", choices=ACTIVATION_MODELS, default=None,
+                   help="activation model: exact (what the forward saves, derived for MiniGPT; with the step's peak), "
+                        "the seed's B*T*d*L*16 bytes, or Korthikanti et al. 2022 (default: the most accurate for the "
+                        "architecture: exact for MiniGPT, korthikanti otherwise)")
+    p.add_argument("--grad-checkpoint", action="store_true",
+                   help="exact model: each block recomputed in backward (it keeps only its input)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
 
 
@@ -72,9 +76,12 @@ def run(args: argparse.Namespace) -> int:
             raise InputError(f"--tokenizer applies to the MiniGPT presets ({', '.join(MINIGPT_SIZES)}), not {name}")
         vocab = minigpt_vocab(args.tokenizer).size if name in MINIGPT_SIZES else None
         shape = preset_shape(name, vocab)
+    activations = args.activations or best_activation_model(shape)
+    if args.grad_checkpoint and activations != "exact":
+        raise InputError(f"--grad-checkpoint needs the exact activation model, which {shape.family} does not have yet")
     cfg = MemoryConfig(batch_size=args.batch_size, seq_len=args.seq_len, double_quant=args.double_quant,
-                       full_precision=args.full_precision, activations=args.activations, quantize=args.quantize,
-                       master_copy=args.master_copy)
+                       full_precision=args.full_precision, activations=activations, quantize=args.quantize,
+                       master_copy=args.master_copy, grad_checkpoint=args.grad_checkpoint)
     result = plan(shape, default_regimes(ranks), args.target or ALL_LINEAR, cfg)
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))

@@ -42,7 +42,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", choices=DEVICES, default="auto", help="auto: cuda if available, else cpu")
     p.add_argument("--precision", choices=PRECISIONS, default=d.precision,
                    help="fp32, or bf16-autocast (CUDA; weights, grads and Adam stay fp32)")
-    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.add_argument("--grad-checkpoint", action="store_true",
+                   help="recompute each block in backward (torch.utils.checkpoint): less activation memory")
+    p.add_argument("--default-allocator", action="store_true",
+                   help="CPU: leave glibc's malloc as it is (by default memory-check pins its mmap threshold so that "
+                        "freed tensors leave the resident set; unpinned, glibc keeps them and the peak includes them)")
+    p.add_argument("--json", action="store_true",
+                   help='print one JSON object: {"predicted": {bucket: bytes}, "measured": {...}, "error": {bucket: '
+                        'relative error}, "details": {...}} over weights, grads, optimizer, activations, peak')
 
 
 def config_from_file(path: Path) -> GPTConfig:
@@ -82,10 +89,11 @@ def run(args: argparse.Namespace) -> int:
 
     check = CheckConfig(regime=args.regime, rank=args.rank, alpha=args.alpha, targets=args.target,
                         batch_size=args.batch_size, seq_len=args.seq_len, steps=args.steps, seed=args.seed,
-                        precision=args.precision)
+                        precision=args.precision, grad_checkpoint=args.grad_checkpoint,
+                        pin_allocator=not args.default_allocator)
     result = memory_check(build, check, device, name)
     if args.json:
-        print(json.dumps(result.to_dict(), indent=2))
+        print(json.dumps(result.to_json(), indent=2))
     else:
         print(describe(result))
         print()

@@ -6,10 +6,17 @@ Measured, bucket by bucket (bytes; every storage counted once, so tied weights a
   counters shown apart (4 bytes per trainable tensor; the planner's optimizer bucket is m and v);
 - activations: every tensor the forward saves for backward, seen by ``torch.autograd.graph.saved_tensors_hooks``,
   minus the storages of parameters and buffers (a Linear saves its weight: that is the weights bucket);
-- peak: the process's memory high-water mark during the training steps, above what it held before the
-  model was built. On CPU the resident set (Linux ``VmHWM``, reset through ``/proc/self/clear_refs``); on CUDA
-  ``torch.cuda.max_memory_allocated``. The planner has no peak model: its buckets' total is shown
-  beside it, and the gap is what a step holds transiently (logit gradients, allocator slack, libraries).
+- peak: the memory high-water mark of the steady training steps (from the second on: Adam's state and
+  the last step's grads exist), per phase (forward, backward, optimizer step), above the process's own
+  memory. On CPU the resident set (Linux ``VmHWM``, reset through ``/proc/self/clear_refs`` at each phase),
+  with glibc's mmap threshold pinned at 16 KiB first (``pin_allocator``), so that a freed tensor goes back
+  to the system as it does from CUDA's allocated bytes (by default glibc raises the threshold after the
+  first frees and keeps them, and the resident set then holds freed activations of earlier steps); on
+  CUDA ``torch.cuda.max_memory_allocated``. The process's own memory (Python, libraries' buffers,
+  allocator slack) is measured before the measured steps as the resident set minus the live tensors'
+  bytes, shown as its own line ("baseline": its growth since before the model was built) and taken out
+  of the peak, which the planner's peak model (``planner/peak.py``) predicts; the raw resident-set peak
+  above the pre-build process is shown too.
 
 The prediction is ``planner.regime_bytes`` told the run's dtypes (fp32 weights, grads and Adam; fp32
 activations, or bf16 under autocast, which the exact model does not cover) with the exact activation
@@ -18,6 +25,7 @@ their own errors.
 """
 from __future__ import annotations
 
+import ctypes
 import math
 import resource
 import weakref
@@ -38,11 +46,17 @@ from ..lora import ALL_LINEAR, LoRAConfig
 from .accounting import account, storage_bytes
 from ..planner import (MemoryConfig, Regime, korthikanti_activation_bytes, minigpt_shape, regime_bytes,
                       seed_activation_bytes)
+from ..planner.peak import step_peak
 from ..planner.report import UNITS
 from ..qlora import param_summary
 
 REGIMES = ("full", "lora", "qlora")
 BUCKETS = ("weights", "grads", "optimizer", "activations")
+JSON_BUCKETS = (*BUCKETS, "peak")  # the --json contract: predicted / measured / error over these
+PHASES = ("forward", "backward", "optimizer step")  # where memory-check measures the high-water mark
+# bytes: glibc serves larger blocks by mmap and gives them back when freed (at 64 KiB the (N, C) tensors of
+# tiny runs stayed in the heap, where the resident set does not follow them, and read up to 20% off)
+MMAP_THRESHOLD = 16 * 1024
 
 
 @dataclass(frozen=True)
@@ -56,6 +70,8 @@ class CheckConfig:
     steps: int = 2  # training steps; Adam's state exists from the first one
     seed: int = 0
     precision: str = "fp32"  # "fp32" or "bf16-autocast" (CUDA)
+    grad_checkpoint: bool = False  # recompute each block in backward (model.grad_checkpoint)
+    pin_allocator: bool = True  # CPU: pin glibc's mmap threshold so the resident set follows the live tensors
 
     def validate(self, block_size: int) -> None:
         if self.regime not in REGIMES:
@@ -106,70 +122,110 @@ class SavedTensors:
 
     Tensors saved by graph pieces that were dropped inside the block (e.g. a check like
     ``torch.isfinite(out)`` on a tensor that needs grad) are freed with them and not counted; parameter
-    and buffer storages are the weights bucket and not counted either.
+    and buffer storages are the weights bucket and not counted either. Under gradient checkpointing
+    (``model.grad_checkpoint``) torch.utils.checkpoint hides a block's saved tensors behind its own
+    hooks and keeps the block's input to recompute it: the inputs still alive at the end are counted.
     """
 
     def __init__(self, model: nn.Module) -> None:
         self.exclude = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
         self.live: weakref.WeakSet[_Packed] = weakref.WeakSet()
+        self.inputs: list[weakref.ref] = []
         self.bytes = 0
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda packed: packed.tensor)
+        self._blocks = list(model.blocks) if getattr(model, "grad_checkpoint", False) else []
+        self._handles: list = []
 
     def _pack(self, t: torch.Tensor) -> _Packed:
         packed = _Packed(t)
         self.live.add(packed)
         return packed
 
+    def _block_input(self, module: nn.Module, args: tuple) -> None:
+        self.inputs += [weakref.ref(a) for a in args if torch.is_tensor(a)]
+
     def __enter__(self) -> "SavedTensors":
+        self._handles = [b.register_forward_pre_hook(self._block_input) for b in self._blocks]
         self._hooks.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
         self._hooks.__exit__(*exc)
+        for h in self._handles:
+            h.remove()
         storages = {}
-        for packed in list(self.live):
-            s = packed.tensor.untyped_storage()
+        tensors = [p.tensor for p in list(self.live)] + [t for t in (r() for r in self.inputs) if t is not None]
+        for t in tensors:
+            s = t.untyped_storage()
             if s.data_ptr() not in self.exclude:
                 storages[s.data_ptr()] = s.nbytes()
         self.bytes = sum(storages.values())
 
 
+def pin_allocator(threshold: int = MMAP_THRESHOLD) -> bool:
+    """glibc: serve blocks above `threshold` by mmap and give them back when freed; False where not glibc.
+
+    Setting the threshold turns off glibc's dynamic threshold, which after the first large frees keeps
+    them in the heap (resident, reused or not), so the resident set follows the live tensors."""
+    try:
+        libc = ctypes.CDLL(None)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    return bool(mallopt(m_mmap_threshold, threshold)) and bool(mallopt(m_trim_threshold, threshold))
+
+
 class PeakMemory:
-    """High-water mark of the process (CPU: resident set) or of the CUDA allocator, above a baseline."""
+    """High-water mark of the process (CPU: resident set) or of the CUDA allocator, per phase."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.source = ""
+        self.base = 0
+        self.phases: dict[str, int] = {}  # phase -> high-water mark (absolute bytes)
+
+    def level(self) -> int:
+        """What the process (CPU: resident set) or the CUDA allocator holds now."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            return torch.cuda.memory_allocated(self.device)
+        return _rss_bytes("VmRSS") or 0
 
     def start(self) -> None:
         """Record the baseline (before the model exists)."""
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            self.base = torch.cuda.memory_allocated(self.device)
-        else:
-            self.base = _rss_bytes("VmRSS") or 0
+        self.base = self.level()
 
     def reset_peak(self) -> None:
-        """Start the high-water mark afresh (after building the model: its build-time temporaries do not count)."""
+        """Start the high-water mark afresh at the current level."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
-            self.source = "torch.cuda.max_memory_allocated during training"
+            self.source = "torch.cuda.max_memory_allocated"
             return
         try:  # Linux: writing 5 resets VmHWM to the current resident set
             Path("/proc/self/clear_refs").write_text("5")
-            self.source = "resident set high-water mark (VmHWM) during training"
+            self.source = "resident set high-water mark (VmHWM)"
         except OSError:
             self.source = "ru_maxrss since process start (VmHWM could not be reset)"
 
-    def peak(self) -> int:
+    def high_water(self) -> int:
+        """The high-water mark since the last reset (absolute bytes)."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-            return torch.cuda.max_memory_allocated(self.device) - self.base
+            return torch.cuda.max_memory_allocated(self.device)
         hwm = _rss_bytes("VmHWM")
         if hwm is None:
             hwm = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        return hwm - self.base
+        return hwm
+
+    def mark(self, phase: str) -> None:
+        """Attribute the high-water mark since the last reset to `phase`, then reset it."""
+        self.phases[phase] = max(self.phases.get(phase, 0), self.high_water())
+        self.reset_peak()
+
+    def peak(self) -> int:
+        return self.high_water() - self.base
 
 
 def _rss_bytes(field_name: str) -> int | None:
@@ -187,14 +243,21 @@ class CheckResult:
     name: str
     check: CheckConfig
     device: str
-    predicted: dict[str, int]  # the planner's buckets + "total"
-    measured: dict[str, int]  # buckets + "optimizer_steps" + "peak"
+    predicted: dict[str, int]  # the planner's buckets + "total" + "peak"
+    measured: dict[str, int]  # buckets + "optimizer_steps" + "peak" + "baseline" + "peak_raw"
     estimates: dict[str, int]  # other activation estimates: "seed", "korthikanti"
     peak_source: str
     trainable_params: int
     params: int  # the base's parameters by element (a quantized weight too), as the planner counts them
     activation_note: str = "exact model (planner/activations.py)"
     losses: list[float] = field(default_factory=list)
+    predicted_phase: str = ""  # where the planner puts the peak (planner/peak.py)
+    measured_phases: dict[str, int] = field(default_factory=dict)  # phase -> peak above the process's own memory
+    predicted_phases: dict[str, int] = field(default_factory=dict)  # planner phase -> bytes
+
+    @property
+    def measured_phase(self) -> str:
+        return max(self.measured_phases, key=self.measured_phases.get) if self.measured_phases else ""
 
     def error(self, predicted: int, measured: int) -> float:
         """Relative error of a prediction, in percent of the measurement."""
@@ -205,35 +268,58 @@ class CheckResult:
         out = [(b, self.predicted[b], self.measured[b], self.error(self.predicted[b], self.measured[b])) for b in BUCKETS]
         act = self.measured["activations"]
         out += [(f"activations, {k} estimate", v, act, self.error(v, act)) for k, v in self.estimates.items()]
-        out.append(("peak (planner total)", self.predicted["total"], self.measured["peak"],
+        out.append(("peak (planner/peak.py)", self.predicted["peak"], self.measured["peak"],
+                    self.error(self.predicted["peak"], self.measured["peak"])))
+        out.append(("buckets' total (no transients)", self.predicted["total"], self.measured["peak"],
                     self.error(self.predicted["total"], self.measured["peak"])))
         return out
 
-    def to_dict(self) -> dict:
-        return {"model": self.name, "device": self.device, "regime": self.check.regime,
-                "rank": None if self.check.regime == "full" else self.check.rank, "targets": self.check.targets,
-                "batch_size": self.check.batch_size, "seq_len": self.check.seq_len, "precision": self.check.precision,
-                "params": self.params, "trainable_params": self.trainable_params,
-                "rows": [{"bucket": b, "predicted_bytes": p, "measured_bytes": m, "error_percent": e}
-                         for b, p, m, e in self.rows()],
-                "optimizer_step_counter_bytes": self.measured["optimizer_steps"], "peak_source": self.peak_source}
+    def to_json(self) -> dict:
+        """The `memory-check --json` contract: predicted and measured bytes per bucket, and their relative error.
+
+        ``error`` is (predicted - measured) / measured as a fraction (0.05 = 5% over); ``details`` holds
+        what the buckets do not: the run, the phases, the process baseline, the raw peak and the estimates."""
+        predicted = {b: self.predicted[b] for b in JSON_BUCKETS}
+        measured = {b: self.measured[b] for b in JSON_BUCKETS}
+        error = {b: (self.error(predicted[b], measured[b]) / 100 if math.isfinite(self.error(predicted[b], measured[b]))
+                     else None) for b in JSON_BUCKETS}
+        c = self.check
+        details = {
+            "model": self.name, "device": self.device, "regime": c.regime, "rank": None if c.regime == "full" else c.rank,
+            "targets": c.targets, "batch_size": c.batch_size, "seq_len": c.seq_len, "steps": c.steps,
+            "precision": c.precision, "grad_checkpoint": c.grad_checkpoint, "params": self.params,
+            "trainable_params": self.trainable_params, "peak_source": self.peak_source,
+            "predicted_peak_phase": self.predicted_phase, "predicted_phases": self.predicted_phases,
+            "measured_peak_phase": self.measured_phase, "measured_phases": self.measured_phases,
+            "baseline_bytes": self.measured["baseline"], "peak_raw_bytes": self.measured["peak_raw"],
+            "buckets_total_bytes": self.predicted["total"],
+            "activation_estimates": self.estimates, "optimizer_step_counter_bytes": self.measured["optimizer_steps"],
+        }
+        return {"predicted": predicted, "measured": measured, "error": error, "details": details}
 
 
-def predict(cfg: GPTConfig, check: CheckConfig, name: str = "model") -> tuple[dict[str, int], dict[str, int]]:
-    """The planner's buckets for this run (fp32 weights, grads, Adam; exact activations) and the two estimates."""
+def predict(cfg: GPTConfig, check: CheckConfig, name: str = "model"
+            ) -> tuple[dict[str, int], dict[str, int], str, dict[str, int]]:
+    """The planner's buckets and peak for this run (fp32 weights, grads, Adam; exact activations), the two
+    activation estimates, the predicted peak phase and every phase's bytes."""
     shape = minigpt_shape(cfg, name)
     regime = Regime("full") if check.regime == "full" else Regime(check.regime, check.rank)
     dtype = "bf16" if check.precision == "bf16-autocast" else "fp32"
     mem = MemoryConfig(batch_size=check.batch_size, seq_len=check.seq_len, full_precision="fp32",
-                       activations="exact", dtype="fp32")
+                       activations="exact", dtype="fp32", grad_checkpoint=check.grad_checkpoint)
     b = regime_bytes(shape, regime, check.targets, mem)
     act = regime_bytes(shape, regime, check.targets, MemoryConfig(
-        batch_size=check.batch_size, seq_len=check.seq_len, activations="exact", dtype=dtype)).activations
+        batch_size=check.batch_size, seq_len=check.seq_len, activations="exact", dtype=dtype,
+        grad_checkpoint=check.grad_checkpoint)).activations
     predicted = {"weights": b.weights, "grads": b.grads, "optimizer": b.optimizer, "activations": act}
     predicted["total"] = sum(predicted.values())
+    peak = step_peak(shape, check.regime, check.rank, check.targets, check.batch_size, check.seq_len,
+                     2 if dtype == "bf16" else 4, check.grad_checkpoint,
+                     weights=b.weights, grads=b.grads, optimizer=b.optimizer)
+    predicted["peak"] = peak.bytes
     estimates = {"seed": seed_activation_bytes(shape, check.batch_size, check.seq_len),
                  "korthikanti": korthikanti_activation_bytes(shape, check.batch_size, check.seq_len)}
-    return predicted, estimates
+    return predicted, estimates, peak.phase, {k: sum(v.values()) for k, v in peak.phases.items()}
 
 
 def warm_up(device: torch.device) -> None:
@@ -249,6 +335,7 @@ def memory_check(build: Callable[[], MiniGPT], check: CheckConfig, device: torch
                  name: str = "model") -> CheckResult:
     """Build the model with `build` (on `device`), train check.steps steps on random tokens, measure, predict."""
     check_precision(check.precision, device)
+    pinned = device.type == "cpu" and check.pin_allocator and pin_allocator()
     warm_up(device)
     meter = PeakMemory(device)
     meter.start()
@@ -257,34 +344,47 @@ def memory_check(build: Callable[[], MiniGPT], check: CheckConfig, device: torch
     disable_dropout(model)
     prepare(model, check, device)
     model.to(device).train()
+    model.grad_checkpoint = check.grad_checkpoint
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise InputError("the model has no trainable parameters")
     opt = adamw(params, lr=1e-4)  # minigpt.train's optimizer, and its step below (clipping at 1.0)
-    meter.reset_peak()
     gen = torch.Generator().manual_seed(check.seed)
     vocab, activations, losses, grads = model.config.vocab_size, 0, [], 0
+    first = 1 if check.steps > 1 else 0  # the steady steps: Adam's state and the last step's grads exist
+    own = 0  # the process's own memory (everything but live tensors) before the measured steps
     for step in range(check.steps):
+        measuring = step >= first
+        if step == first:
+            own = meter.level() - account(model, opt)["total"]
+            meter.reset_peak()
         ids = torch.randint(vocab, (check.batch_size, check.seq_len + 1), generator=gen)
         x, y = ids[:, :-1].clone().to(device), ids[:, 1:].clone().to(device)  # (B, T) each, own storages
         saved = SavedTensors(model)
 
-        def record_grads() -> None:
+        def on_phase(phase: str) -> None:
             nonlocal grads
-            grads = state_bytes(model, opt)["grads"]
+            if phase == "backward":
+                grads = state_bytes(model, opt)["grads"]
+            if measuring:
+                meter.mark(phase)
 
         loss, problem = train_step(model, opt, params, x, y, 1.0, check.precision, forward_context=saved,
-                                   before_update=record_grads)
+                                   on_phase=on_phase)
         if problem is not None:
             raise FloatingPointError(f"{problem} at step {step + 1}")
         activations = max(activations, saved.bytes)
         losses.append(loss.item())
-    measured = {**state_bytes(model, opt), "grads": grads, "activations": activations, "peak": meter.peak()}
-    predicted, estimates = predict(model.config, check, name)
+    phases = {k: v - own for k, v in meter.phases.items()}
+    measured = {**state_bytes(model, opt), "grads": grads, "activations": activations, "peak": max(phases.values()),
+                "baseline": own - meter.base, "peak_raw": max(meter.phases.values()) - meter.base}
+    predicted, estimates, phase, predicted_phases = predict(model.config, check, name)
     note = ("exact model (planner/activations.py)" if check.precision == "fp32"
             else "exact model's op structure at 2 bytes/element: an approximation under autocast")
-    return CheckResult(name, check, str(device), predicted, measured, estimates, meter.source,
-                       sum(p.numel() for p in params), base_params(model), note, losses)
+    source = meter.source + (f", glibc mmap threshold pinned at {MMAP_THRESHOLD // 1024} KiB" if pinned else "")
+    return CheckResult(name, check, str(device), predicted, measured, estimates, source,
+                       sum(p.numel() for p in params), base_params(model), note, losses,
+                       phase, phases, predicted_phases)
 
 
 def base_params(model: nn.Module) -> int:
@@ -307,8 +407,17 @@ def format_table(result: CheckResult, unit: str = "MiB") -> str:
 def describe(result: CheckResult) -> str:
     c = result.check
     what = "full fine-tuning" if c.regime == "full" else f"{c.regime} r={c.rank} on {c.targets}"
+    mib = UNITS["MiB"]
+    measured = ", ".join(f"{k} {v / mib:,.2f}" for k, v in result.measured_phases.items())
+    planned = ", ".join(f"{k} {v / mib:,.2f}" for k, v in result.predicted_phases.items())
     return (f"{result.name}: {result.params:,} base parameters (a quantized weight counted by element), "
             f"{result.trainable_params:,} trainable ({what}); "
-            f"batch {c.batch_size} x seq {c.seq_len}, {c.steps} AdamW steps on {result.device} ({c.precision}).\n"
+            f"batch {c.batch_size} x seq {c.seq_len}, {c.steps} AdamW steps on {result.device} ({c.precision}"
+            f"{', gradient checkpointing' if c.grad_checkpoint else ''}).\n"
             f"Activations: {result.activation_note}. Adam step counters: {result.measured['optimizer_steps']:,} "
-            f"bytes (not planned). Peak: {result.peak_source}, above the memory held before the model was built.")
+            f"bytes (not planned).\n"
+            f"Peak: {result.peak_source}, over the steps after the first, above the process's own memory "
+            f"(baseline: {result.measured['baseline'] / mib:,.2f} MiB grown since before the model was built; "
+            f"raw peak above that point {result.measured['peak_raw'] / mib:,.2f} MiB).\n"
+            f"Measured per phase (MiB): {measured}; at the {result.measured_phase}.\n"
+            f"Planned per phase (MiB): {planned}; at the {result.predicted_phase}.")

@@ -29,8 +29,11 @@ element (4 for an fp32 run), the terms are:
 - dropout is 0 (MiniGPT's default; memory-check sets it): with dropout, masks and the unfused attention
   path would add to this.
 
+- with gradient checkpointing (``model.grad_checkpoint``) each block keeps only its input, N·C·e
+  (``checkpointed block input``), and saves its terms again while the backward recomputes it.
+
 Assumptions: the run's float activations share one dtype (no autocast), the inputs x and y are
-contiguous (B, T) tensors, no activation checkpointing. On CUDA the memory-efficient attention kernel
+contiguous (B, T) tensors. On CUDA the memory-efficient attention kernel
 pads the logsumexp to a multiple of 32 positions and keeps two RNG scalars per layer (not modelled; a
 few bytes per layer). The seed's B·T·d·L·16 and Korthikanti et al.'s 34·sbh + 5·as²b stay available
 as estimates for comparison.
@@ -39,17 +42,22 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 from minigpt.errors import InputError
+from minigpt.model import GPTConfig
 
 from .counts import ALL_LINEAR, resolve_targets
-from .shapes import ModelShape
+from .shapes import ModelShape, minigpt_shape
 
 INDEX_BYTES = 8  # int64 token ids, positions and targets
 FP32 = 4  # logsumexp, log-softmax output, nll_loss's total_weight
 QKV = ("attn.q_proj", "attn.k_proj", "attn.v_proj")
 BLOCK_LINEARS = (*QKV, "attn.o_proj", "mlp.fc1", "mlp.fc2")
-EXACT_FAMILIES = ("minigpt",)  # GPT-2 folders are imported into MiniGPT, whose shape is family "minigpt"
+EXACT_FAMILIES = ("minigpt", "gpt2")  # GPT-2 as minituner trains it: imported into MiniGPT (as_minigpt)
+# GPT-2's block Linears -> MiniGPT's (hf_gpt2 splits the fused c_attn into q/k/v)
+GPT2_TO_MINIGPT = {"attn.c_attn": QKV, "attn.c_proj": ("attn.o_proj",), "mlp.c_fc": ("mlp.fc1",),
+                   "mlp.c_proj": ("mlp.fc2",)}
 
 
 def lora_paths(shape: ModelShape, targets: str | Iterable[str]) -> frozenset[str]:
@@ -57,45 +65,89 @@ def lora_paths(shape: ModelShape, targets: str | Iterable[str]) -> frozenset[str
     return frozenset(lin.path for lin in resolve_targets(shape, targets))
 
 
-def minigpt_activation_terms(shape: ModelShape, batch_size: int, seq_len: int, regime: str = "full",
-                             rank: int | None = None, targets: str | Iterable[str] = ALL_LINEAR,
-                             act_bytes: int = 4) -> dict[str, int]:
-    """Bytes saved for backward by one MiniGPT training forward, per term (see the module docstring)."""
+@dataclass(frozen=True)
+class SavedByLayer:
+    """Bytes saved for backward, per term, where they are saved: before the blocks, in each block, after them."""
+
+    embed: dict[str, int]  # the embedding lookups' indices (full FT only)
+    blocks: tuple[dict[str, int], ...]  # one dict per block, in forward order
+    head: dict[str, int]  # ln_f, the head's input (full FT), the loss
+
+    def total(self) -> int:
+        return sum(self.embed.values()) + sum(sum(b.values()) for b in self.blocks) + sum(self.head.values())
+
+    def terms(self) -> dict[str, int]:
+        out: Counter[str] = Counter(self.embed)
+        for b in self.blocks:
+            out.update(b)
+        out.update(self.head)
+        return dict(out)
+
+
+def as_minigpt(shape: ModelShape, targets: str | Iterable[str] = ALL_LINEAR) -> tuple[ModelShape, tuple[str, ...]]:
+    """The MiniGPT a shape trains as, and its LoRA targets: a GPT-2 shape is imported (c_attn split into
+    q/k/v, c_proj -> o_proj, c_fc -> fc1, mlp.c_proj -> fc2), as ``minituner.hf_gpt2`` imports a folder."""
+    if shape.family != "gpt2":
+        return shape, tuple(lin.path for lin in resolve_targets(shape, targets))
+    cfg = GPTConfig(vocab_size=shape.vocab_size, block_size=shape.n_positions, n_layer=shape.n_layer,
+                    n_head=shape.n_head, d_model=shape.d_model, d_ff=shape.d_ff, bias=True,
+                    tie_weights=shape.tie_embeddings)
+    paths = tuple(p for lin in resolve_targets(shape, targets) for p in GPT2_TO_MINIGPT[lin.path])
+    return minigpt_shape(cfg, shape.name), paths
+
+
+def check_exact(shape: ModelShape, regime: str) -> None:
     if shape.family not in EXACT_FAMILIES:
         raise InputError(f"{shape.name}: the exact activation model covers MiniGPT (and GPT-2 imported into it), "
                          f"not {shape.family}; use the seed or korthikanti estimate")
-    if tuple(lin.path for lin in shape.linears) != BLOCK_LINEARS:
+    if shape.family == "minigpt" and tuple(lin.path for lin in shape.linears) != BLOCK_LINEARS:
         raise InputError(f"{shape.name}: not a MiniGPT block ({', '.join(BLOCK_LINEARS)})")
     if regime not in ("full", "lora", "qlora"):
         raise InputError(f"regime must be full, lora or qlora, got {regime!r}")
+
+
+def minigpt_saved_by_layer(shape: ModelShape, batch_size: int, seq_len: int, regime: str = "full",
+                           rank: int | None = None, targets: str | Iterable[str] = ALL_LINEAR,
+                           act_bytes: int = 4, grad_checkpoint: bool = False) -> SavedByLayer:
+    """Bytes saved for backward by one MiniGPT training forward, per term and layer (see the module docstring).
+
+    With ``grad_checkpoint`` each block keeps only its input (N·C·e, held by torch.utils.checkpoint to
+    recompute the block in backward); what the block would save is saved again, one block at a time,
+    during the backward (``minigpt_saved_by_layer(...).blocks`` without checkpointing gives it).
+    """
+    check_exact(shape, regime)
+    shape, targets = as_minigpt(shape, targets)
     full = regime == "full"
     lora = frozenset() if full else lora_paths(shape, targets)
     r = rank or 0
     N, C, F, h, e = batch_size * seq_len, shape.d_model, shape.d_ff, shape.n_head, act_bytes
-    terms: Counter[str] = Counter()
+    embed: Counter[str] = Counter()
+    head: Counter[str] = Counter()
+    blocks: list[dict[str, int]] = []
 
     def trains(path: str) -> bool:  # the layer's weight trains or a LoRA A reads its input
         return full or path in lora
 
-    def layernorm(hot: bool) -> None:
+    def layernorm(terms: Counter, hot: bool) -> None:
         if hot:
             terms["layernorm input"] += N * C * e
             terms["layernorm mean/rstd"] += 2 * N * e
 
-    def lora_out(path: str) -> None:
+    def lora_out(terms: Counter, path: str) -> None:
         if path in lora:
             terms["LoRA A output"] += N * r * e
 
     if full:
-        terms["token/position ids"] += N * INDEX_BYTES + (seq_len * INDEX_BYTES if shape.n_positions else 0)
+        embed["token/position ids"] += N * INDEX_BYTES + (seq_len * INDEX_BYTES if shape.n_positions else 0)
     hot = full  # does the residual stream need grad?
     for _ in range(shape.n_layer):
-        layernorm(hot or full)  # ln_1 (its affine weights train in full FT)
+        terms: Counter[str] = Counter()
+        layernorm(terms, hot or full)  # ln_1 (its affine weights train in full FT)
         ln1_hot = hot or full
         if any(trains(p) for p in QKV):
             terms["linear input"] += N * C * e  # ln_1's output, shared by q/k/v
         for p in QKV:
-            lora_out(p)
+            lora_out(terms, p)
         attn_hot = ln1_hot or any(trains(p) for p in QKV)
         if attn_hot:
             terms["attention q, k, v"] += 3 * N * C * e
@@ -103,30 +155,38 @@ def minigpt_activation_terms(shape: ModelShape, batch_size: int, seq_len: int, r
             terms["attention logsumexp"] += h * N * FP32
         elif trains("attn.o_proj"):
             terms["linear input"] += N * C * e  # the attention output, not saved by attention itself
-        lora_out("attn.o_proj")
+        lora_out(terms, "attn.o_proj")
         hot = hot or attn_hot or trains("attn.o_proj")
-        layernorm(hot or full)  # ln_2
+        layernorm(terms, hot or full)  # ln_2
         if trains("mlp.fc1"):
             terms["linear input"] += N * C * e
-        lora_out("mlp.fc1")
+        lora_out(terms, "mlp.fc1")
         fc1_hot = hot or full or trains("mlp.fc1")
         if fc1_hot:
             terms["gelu input"] += N * F * e
         if trains("mlp.fc2"):
             terms["linear input"] += N * F * e  # GELU's output
-        lora_out("mlp.fc2")
+        lora_out(terms, "mlp.fc2")
         hot = hot or fc1_hot or trains("mlp.fc2")
-    layernorm(hot or full)  # ln_f
+        blocks.append({"checkpointed block input": N * C * e} if grad_checkpoint else dict(terms))
+    layernorm(head, hot or full)  # ln_f
     if full:
-        terms["linear input"] += N * C * e  # the (tied) head trains: it keeps ln_f's output
-    terms["log-softmax output"] += N * shape.vocab_size * FP32
-    terms["targets"] += N * INDEX_BYTES
-    terms["loss total_weight"] += FP32
-    return dict(terms)
+        head["linear input"] += N * C * e  # the (tied) head trains: it keeps ln_f's output
+    head["log-softmax output"] += N * shape.vocab_size * FP32
+    head["targets"] += N * INDEX_BYTES
+    head["loss total_weight"] += FP32
+    return SavedByLayer(dict(embed), tuple(blocks), dict(head))
+
+
+def minigpt_activation_terms(shape: ModelShape, batch_size: int, seq_len: int, regime: str = "full",
+                             rank: int | None = None, targets: str | Iterable[str] = ALL_LINEAR,
+                             act_bytes: int = 4, grad_checkpoint: bool = False) -> dict[str, int]:
+    """Bytes saved for backward by one MiniGPT training forward, per term (see the module docstring)."""
+    return minigpt_saved_by_layer(shape, batch_size, seq_len, regime, rank, targets, act_bytes, grad_checkpoint).terms()
 
 
 def minigpt_activation_bytes(shape: ModelShape, batch_size: int, seq_len: int, regime: str = "full",
                              rank: int | None = None, targets: str | Iterable[str] = ALL_LINEAR,
-                             act_bytes: int = 4) -> int:
+                             act_bytes: int = 4, grad_checkpoint: bool = False) -> int:
     """Total bytes saved for backward by one MiniGPT training forward."""
-    return sum(minigpt_activation_terms(shape, batch_size, seq_len, regime, rank, targets, act_bytes).values())
+    return minigpt_saved_by_layer(shape, batch_size, seq_len, regime, rank, targets, act_bytes, grad_checkpoint).total()

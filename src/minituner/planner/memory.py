@@ -16,6 +16,9 @@ Per base parameter N and LoRA parameter P (bytes):
 - activations: the seed's estimate batch x seq x d_model x n_layer x 16 bytes or Korthikanti et al.
   2022's s*b*h*(34 + 5*a*s/h) bytes per layer (both the same in every regime), or "exact": the bytes
   MiniGPT's forward saves for backward in this regime (planner/activations.py, checked by memory-check).
+- peak: with the exact activation model, the largest phase of a training step (planner/peak.py): what
+  is alive at the worst moment of the forward, the backward or AdamW's step, transients included.
+  MemoryConfig.grad_checkpoint models each block recomputed in backward (it keeps only its input).
 - MemoryConfig.dtype (default fp16) is the float storage of LoRA/QLoRA's frozen weights, LoRA factors and
   grads and of the exact model's activations; "fp32" describes a plain fp32 run (minituner on CPU, or
   with bf16 autocast, which keeps fp32 weights). Adam's m and v are fp32 whatever it says.
@@ -23,12 +26,14 @@ Per base parameter N and LoRA parameter P (bytes):
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from minigpt.errors import InputError
 
 from .activations import minigpt_activation_bytes
+from .activations import EXACT_FAMILIES
 from .counts import ALL_LINEAR, check_rank, lora_trainable_params, parse_targets, resolve_targets, total_params
+from .peak import has_peak_model, step_peak
 from .shapes import ModelShape
 
 NF4_BLOCK = 64  # weights per fp32 absmax (bitsandbytes' default blocksize for 4-bit)
@@ -48,10 +53,11 @@ class MemoryConfig:
     seq_len: int = 32  # tokens per sequence (the seed's default)
     double_quant: bool = False  # QLoRA: quantize the absmax constants too
     full_precision: str = "mixed"  # "mixed": fp16 weights/grads + fp32 master + Adam; "fp32": all fp32
-    activations: str = "seed"  # which model fills the activations bucket: "seed", "korthikanti" or "exact" (MiniGPT)
+    activations: str = "seed"  # activations bucket: "seed", "korthikanti" or "exact" (best_activation_model picks)
     quantize: str = "targets"  # QLoRA NF4: the LoRA targets, or "all-linear" (every block Linear, bnb load_in_4bit)
     dtype: str = "fp16"  # LoRA/QLoRA float weights, LoRA A/B, grads, exact-model activations: fp16, bf16 or fp32
     master_copy: str = "weights"  # full FT mixed: fp32 master with the weights (the seed, 6N/2N/8N) or "optimizer" (ZeRO, 2N/2N/12N)
+    grad_checkpoint: bool = False  # each block recomputed in backward (exact model): it keeps only its input
 
     def __post_init__(self) -> None:
         for name in ("batch_size", "seq_len"):
@@ -104,14 +110,19 @@ class Buckets:
     grads: int
     optimizer: int
     activations: int
+    peak: int | None = None  # the step's peak (planner/peak.py); None without a peak model for the shape
+    peak_phase: str | None = None  # where it occurs
 
     @property
     def total(self) -> int:
         return self.weights + self.grads + self.optimizer + self.activations
 
     def to_dict(self) -> dict:
-        return {"weights": self.weights, "grads": self.grads, "optimizer": self.optimizer,
-                "activations": self.activations, "total": self.total}
+        d = {"weights": self.weights, "grads": self.grads, "optimizer": self.optimizer,
+             "activations": self.activations, "total": self.total}
+        if self.peak is not None:
+            d.update(peak=self.peak, peak_phase=self.peak_phase)
+        return d
 
 
 @dataclass(frozen=True)
@@ -176,17 +187,34 @@ def korthikanti_activation_bytes(shape: ModelShape, batch_size: int, seq_len: in
     return shape.n_layer * (34 * s * b * h + 5 * a * s * s * b)
 
 
+def best_activation_model(shape: ModelShape) -> str:
+    """The most accurate activation model for this architecture: exact where derived, else Korthikanti et al."""
+    return "exact" if shape.family in EXACT_FAMILIES else "korthikanti"
+
+
 def activation_bytes(shape: ModelShape, cfg: MemoryConfig, regime: Regime = Regime("full"),
                      targets: str | Iterable[str] = ALL_LINEAR) -> int:
     if cfg.activations == "exact":  # depends on the regime: what needs grad decides what is saved
         return minigpt_activation_bytes(shape, cfg.batch_size, cfg.seq_len, regime.name, regime.rank, targets,
-                                        DTYPE_BYTES[cfg.dtype])
+                                        DTYPE_BYTES[cfg.dtype], cfg.grad_checkpoint)
     fn = seed_activation_bytes if cfg.activations == "seed" else korthikanti_activation_bytes
     return fn(shape, cfg.batch_size, cfg.seq_len)
 
 
 def regime_bytes(shape: ModelShape, regime: Regime, targets: str | Iterable[str] = ALL_LINEAR,
                  cfg: MemoryConfig = MemoryConfig()) -> Buckets:
+    b = _buckets(shape, regime, targets, cfg)
+    if cfg.activations != "exact" or not has_peak_model(shape) or (regime.name == "qlora" and cfg.quantize != "targets"):
+        return b
+    grad_bytes = 4 if regime.name == "full" and cfg.full_precision == "fp32" else (
+        2 if regime.name == "full" else DTYPE_BYTES[cfg.dtype])
+    peak = step_peak(shape, regime.name, regime.rank, targets, cfg.batch_size, cfg.seq_len, DTYPE_BYTES[cfg.dtype],
+                     cfg.grad_checkpoint, weights=b.weights, grads=b.grads, optimizer=b.optimizer,
+                     grad_bytes=grad_bytes)
+    return replace(b, peak=peak.bytes, peak_phase=peak.phase)
+
+
+def _buckets(shape: ModelShape, regime: Regime, targets: str | Iterable[str], cfg: MemoryConfig) -> Buckets:
     n = total_params(shape)
     act = activation_bytes(shape, cfg, regime, targets)
     if regime.name == "full":

@@ -34,9 +34,11 @@ def regime_table(plan: Plan, unit: str | None = None) -> str:
     largest = max(r.bytes.total for r in plan.regimes) / UNITS[unit]
     dec = 3 if largest < 100 else 2  # small models: 0.001 MiB = 1 KiB resolution
     full = next((r for r in plan.regimes if r.regime.name == "full"), None)
+    peak = all(r.bytes.peak is not None for r in plan.regimes)  # a peak column where the shape has a peak model
     head = (f"| regime | trainable params | frozen params | ratio vs full FT | weights {unit} | grads {unit} "
-            f"| optimizer {unit} | activations {unit} | total {unit} | memory vs full FT |")
-    lines = [head, "|---" * 10 + "|"]
+            f"| optimizer {unit} | activations {unit} | total {unit} | memory vs full FT |"
+            + (f" step peak {unit} | peak at |" if peak else ""))
+    lines = [head, "|---" * (12 if peak else 10) + "|"]
     for r in plan.regimes:
         b = r.bytes
         mem = percent(b.total / full.bytes.total) if full else "n/a"
@@ -44,6 +46,7 @@ def regime_table(plan: Plan, unit: str | None = None) -> str:
             f"| {r.regime.label} | {r.trainable_params:,} | {r.frozen_params:,} | {percent(r.ratio_vs_full)} "
             f"| {size(b.weights, unit, dec)} | {size(b.grads, unit, dec)} | {size(b.optimizer, unit, dec)} "
             f"| {size(b.activations, unit, dec)} | {size(b.total, unit, dec)} | {mem} |"
+            + (f" {size(b.peak, unit, dec)} | {b.peak_phase} |" if peak else "")
         )
     return "\n".join(lines)
 
@@ -67,7 +70,10 @@ def describe(plan: Plan, alpha: float | None = None) -> str:
                  "optimizer": "fp16 weights and grads + fp32 master + Adam (master in the optimizer bucket, ZeRO's split)"
                  }[c.master_copy] if c.full_precision == "mixed" else "fp32 weights, grads, Adam"
     act = {"seed": "batch x seq x d_model x n_layer x 16 bytes", "korthikanti": "Korthikanti et al. 2022",
-           "exact": f"saved for backward by MiniGPT's forward ({c.dtype})"}[c.activations]
+           "exact": f"saved for backward by MiniGPT's forward{' (GPT-2 imported into it)' if s.family == 'gpt2' else ''}"
+                    f" ({c.dtype}"
+                    f"{', each block recomputed in backward' if c.grad_checkpoint else ''}); step peak: what is alive "
+                    "at the worst phase of a step (planner/peak.py; the process itself not included)"}[c.activations]
     parts = [
         f"{s.name} ({s.family}): {plan.total_params:,} parameters, d_model {s.d_model}, {s.n_layer} layers, "
         f"vocab {s.vocab_size:,}, {'tied' if s.tie_embeddings else 'untied'} embeddings.",

@@ -1,0 +1,146 @@
+"""The peak of a training step: what is alive at its worst moment, phase by phase, by arithmetic alone.
+
+A step of ``minigpt.train.train`` (and of ``minituner memory-check``) runs: forward and loss (the previous
+step's grads still alive), ``zero_grad(set_to_none=True)``, backward, gradient clipping, AdamW's step.
+Each phase below lists the tensors alive at its worst moment; the planner's peak is the largest phase.
+Measured on CPU (resident-set high-water mark per phase, see ``minituner.memory.check`` and
+benchmarks/memory_sweep.md), the peak is in the backward at the loss (every saved activation still
+alive, plus the (N, V) fp32 gradients of nll_loss and log-softmax) for LoRA, QLoRA and full FT without
+checkpointing; with gradient checkpointing it moves to the last block's backward (the recomputed block
+plus its gradients) unless the logits dominate (GPT-2's 50,257-token vocabulary: still at the loss);
+full FT of a large-vocabulary model peaks at the embeddings' backward and in AdamW's step, which tie
+(both hold every grad plus two V x C temporaries); a small full FT run can peak at the end of the
+forward (the last step's grads are still alive there).
+
+With N = batch·seq, C = d_model, F = d_ff, V = vocab, e = bytes per activation element, and the
+weights/grads/optimizer buckets W, G, O of ``regime_bytes`` (A = the bytes saved for backward):
+
+- forward (loss): W + O + G (last step's grads: zero_grad comes after the forward) + A + logits N·V·e
+  (plus their fp32 copy N·V·4 when e is not 4: lm_loss upcasts).
+- backward, loss: W + O + A + 2·N·V·4 (nll_loss's gradient and log-softmax's, both (N, V) fp32, while
+  log-softmax's saved output is alive; G was set to None).
+- backward, head: W + O + A - log-softmax output + logit gradient N·V·4 + head input gradient N·C·e
+  + the head's weight gradient V·C·4 when it trains (full FT).
+- backward, last block: W + O + the grads produced so far (full FT: head and one block; LoRA: one
+  block's factors) + A minus what the head saved + the block's gradients (the residual stream's N·C·e
+  and one N·F·e in the MLP) + QLoRA's largest dequantized weight out·in·e (its backward dequantizes
+  again) + with gradient checkpointing the block's recomputed saved tensors.
+- forward, last block (gradient checkpointing only): W + O + G + A minus the head's + what the block would
+  save, alive until it returns (without checkpointing this moment is below the loss's).
+- backward, embeddings (full FT): W + O + G + the embedding's dense gradient V·C·4, twice when tied
+  (the lookup's gradient and the sum into the head's gradient).
+- optimizer step: W + G + O + 2 x the largest trainable tensor in fp32 (CPU AdamW runs the
+  single-tensor loop, which is torch's default off CUDA: ``exp_avg_sq.sqrt()`` and its division by the
+  bias correction are two temporaries of one parameter's size; gradient clipping adds nothing).
+
+Not modelled: the process itself (Python, libraries, allocator slack; ``memory-check`` measures it as
+its own line) and foreach/fused AdamW on CUDA (temporaries of all trainable tensors at once).
+Each architecture has its own phase function in ``PEAK_MODELS``: adding a family (Llama: RMSNorm,
+SwiGLU, rotary, GQA, an untied head) is one new function beside ``minigpt_phases``.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from .activations import FP32, as_minigpt, lora_paths, minigpt_saved_by_layer
+from .counts import ALL_LINEAR, resolve_targets, total_params
+from .shapes import ModelShape
+
+HEAD_TERMS = ("layernorm input", "layernorm mean/rstd", "linear input", "log-softmax output", "targets",
+              "loss total_weight")
+
+
+@dataclass(frozen=True)
+class Peak:
+    phase: str  # the phase where the step peaks
+    phases: dict[str, dict[str, int]]  # every phase's live tensors, term -> bytes
+
+    @property
+    def terms(self) -> dict[str, int]:
+        return self.phases[self.phase]
+
+    @property
+    def bytes(self) -> int:
+        return sum(self.terms.values())
+
+    def to_dict(self) -> dict:
+        return {"phase": self.phase, "bytes": self.bytes, "terms": self.terms,
+                "phases": {k: sum(v.values()) for k, v in self.phases.items()}}
+
+
+def minigpt_phases(shape: ModelShape, regime: str, rank: int | None, targets: str | Iterable[str],
+                   batch_size: int, seq_len: int, act_bytes: int, grad_checkpoint: bool,
+                   weights: int, grads: int, optimizer: int, grad_bytes: int) -> dict[str, dict[str, int]]:
+    """Live bytes per term at the worst moment of each phase of one MiniGPT (or GPT-2) training step."""
+    shape, targets = as_minigpt(shape, targets)  # GPT-2 trains as the MiniGPT it imports into
+    saved = minigpt_saved_by_layer(shape, batch_size, seq_len, regime, rank, targets, act_bytes, grad_checkpoint)
+    plain = minigpt_saved_by_layer(shape, batch_size, seq_len, regime, rank, targets, act_bytes) if grad_checkpoint \
+        else saved
+    N, C, F, V, e = batch_size * seq_len, shape.d_model, shape.d_ff, shape.vocab_size, act_bytes
+    A, full = saved.total(), regime == "full"
+    head_saved = sum(saved.head.get(t, 0) for t in HEAD_TERMS)
+    embedding = V * C * FP32  # the token embedding (and a tied head): its gradient is fp32 like Adam's state
+    base = {"weights": weights, "optimizer state": optimizer}
+    phases = {
+        "forward (loss)": {**base, "grads (last step's; zero_grad follows the forward)": grads, "activations": A,
+                           "logits": N * V * e + (N * V * FP32 if e != FP32 else 0)},
+        "backward: loss": {**base, "activations": A, "nll and log-softmax gradients (N x V, fp32)": 2 * N * V * FP32},
+        "backward: head": {**base, "activations (log-softmax output freed)": A - saved.head["log-softmax output"],
+                           "logit gradient (N x V, fp32)": N * V * FP32, "head input gradient": N * C * e,
+                           "head weight gradient": embedding if full else 0},
+    }
+    if full:
+        per_block = (total_params(shape) - V * C * (1 if shape.tie_embeddings else 2) - shape.n_positions * C
+                     - shape.final_norm.params) // shape.n_layer
+        so_far = (embedding + per_block * FP32)
+    else:
+        lins = resolve_targets(shape, targets)
+        so_far = sum((rank or 0) * (lin.in_features + lin.out_features) for lin in lins) * grad_bytes
+    block = {**base, "grads so far (head, last block)": so_far, "activations (head's freed)": A - head_saved,
+             "residual and MLP gradients": N * C * e + N * F * e}
+    if regime == "qlora":
+        quantized = lora_paths(shape, targets)
+        block["dequantized weight"] = max(lin.weight_params for lin in shape.linears if lin.path in quantized) * e
+    if grad_checkpoint:
+        block["recomputed block's saved tensors"] = sum(plain.blocks[-1].values())
+        # inside the last block's forward: what it would save is alive until it returns
+        phases["forward: last block"] = {**base, "grads (last step's)": grads,
+                                         "activations (before the head)": A - head_saved,
+                                         "block's tensors during its forward": sum(plain.blocks[-1].values())}
+    phases["backward: last block"] = block
+    if full:
+        phases["backward: embeddings"] = {**base, "grads": grads, "activations (ids)": sum(saved.embed.values()),
+                                          "embedding gradient temporaries":
+                                              embedding * (2 if shape.tie_embeddings else 1)}
+    phases["optimizer step"] = {"weights": weights, "grads": grads, "optimizer state": optimizer,
+                                "AdamW temporaries (sqrt, division)":
+                                    2 * largest_trainable(shape, regime, rank, targets) * FP32}
+    return phases
+
+
+def largest_trainable(shape: ModelShape, regime: str, rank: int | None, targets: str | Iterable[str]) -> int:
+    """Elements of the largest trainable tensor (AdamW's temporaries are its size)."""
+    if regime == "full":
+        sizes = [shape.vocab_size * shape.d_model, shape.n_positions * shape.d_model,
+                 *(lin.weight_params for lin in shape.linears)]
+        return max(sizes)
+    return max((rank or 0) * max(lin.in_features, lin.out_features) for lin in resolve_targets(shape, targets))
+
+
+PhaseModel = Callable[..., dict[str, dict[str, int]]]
+PEAK_MODELS: dict[str, PhaseModel] = {"minigpt": minigpt_phases, "gpt2": minigpt_phases}  # Llama: to add
+
+
+def has_peak_model(shape: ModelShape) -> bool:
+    return shape.family in PEAK_MODELS
+
+
+def step_peak(shape: ModelShape, regime: str, rank: int | None = None, targets: str | Iterable[str] = ALL_LINEAR,
+              batch_size: int = 16, seq_len: int = 32, act_bytes: int = 4, grad_checkpoint: bool = False, *,
+              weights: int, grads: int, optimizer: int, grad_bytes: int = 4) -> Peak:
+    """The phase where a training step peaks and what is alive there (``PEAK_MODELS[shape.family]``)."""
+    phases = PEAK_MODELS[shape.family](shape, regime, rank, targets, batch_size, seq_len, act_bytes, grad_checkpoint,
+                                       weights, grads, optimizer, grad_bytes)
+    worst = max(phases, key=lambda k: sum(phases[k].values()))
+    return Peak(worst, phases)

@@ -1,0 +1,110 @@
+"""The planner's step peak (planner/peak.py): its terms on tiny configs, and the phase it picks."""
+from __future__ import annotations
+
+from minigpt.model import GPTConfig
+from minituner.planner import MemoryConfig, Regime, minigpt_shape, preset_shape, regime_bytes
+from minituner.planner.activations import minigpt_activation_bytes, minigpt_saved_by_layer
+from minituner.planner.peak import PEAK_MODELS, has_peak_model, largest_trainable, step_peak
+
+TINY = dict(vocab_size=40, block_size=16, n_layer=2, n_head=2, d_model=16)
+B, T = 2, 8
+N = B * T
+
+
+def buckets(shape, regime, **kw):
+    cfg = MemoryConfig(batch_size=B, seq_len=T, full_precision="fp32", activations="exact", dtype="fp32", **kw)
+    return regime_bytes(shape, regime, "all-linear", cfg)
+
+
+def phases(shape, regime, rank=None, ckpt=False):
+    b = buckets(shape, Regime(regime, rank), grad_checkpoint=ckpt)
+    return step_peak(shape, regime, rank, "all-linear", B, T, 4, ckpt, weights=b.weights, grads=b.grads,
+                     optimizer=b.optimizer), b
+
+
+def test_loss_terms_are_the_logits():
+    shape = minigpt_shape(GPTConfig(**TINY))
+    peak, b = phases(shape, "lora", 4)
+    V = shape.vocab_size
+    assert peak.phases["forward (loss)"]["logits"] == N * V * 4
+    assert peak.phases["backward: loss"]["nll and log-softmax gradients (N x V, fp32)"] == 2 * N * V * 4
+    assert sum(peak.phases["backward: loss"].values()) == b.weights + b.optimizer + b.activations + 2 * N * V * 4
+    # the previous step's grads are alive in the forward (zero_grad comes after it), not in the backward
+    assert peak.phases["forward (loss)"]["grads (last step's; zero_grad follows the forward)"] == b.grads
+
+
+def test_peak_is_the_largest_phase_and_lands_in_buckets():
+    shape = minigpt_shape(GPTConfig(**TINY))
+    for regime, rank in (("full", None), ("lora", 4), ("qlora", 4)):
+        peak, b = phases(shape, regime, rank)
+        assert peak.bytes == max(sum(v.values()) for v in peak.phases.values())
+        assert (b.peak, b.peak_phase) == (peak.bytes, peak.phase)
+        assert b.peak >= b.weights + b.optimizer + b.activations
+
+
+def test_full_ft_embedding_and_adamw_temporaries():
+    shape = minigpt_shape(GPTConfig(**{**TINY, "vocab_size": 1000}))  # V x C is the largest tensor
+    peak, b = phases(shape, "full")
+    assert largest_trainable(shape, "full", None, "all-linear") == 1000 * 16
+    assert peak.phases["optimizer step"]["AdamW temporaries (sqrt, division)"] == 2 * 1000 * 16 * 4
+    assert peak.phases["backward: embeddings"]["embedding gradient temporaries"] == 2 * 1000 * 16 * 4  # tied
+    untied = minigpt_shape(GPTConfig(**{**TINY, "vocab_size": 1000, "tie_weights": False}))
+    assert phases(untied, "full")[0].phases["backward: embeddings"]["embedding gradient temporaries"] == 1000 * 16 * 4
+
+
+def test_lora_optimizer_temporaries_follow_the_largest_factor():
+    shape = minigpt_shape(GPTConfig(**TINY))  # fc1/fc2: 16 <-> 64, so the largest factor is r x 64
+    assert largest_trainable(shape, "lora", 4, "all-linear") == 4 * 64
+    assert largest_trainable(shape, "lora", 4, "q_proj") == 4 * 16
+
+
+def test_qlora_adds_the_dequantized_weight():
+    shape = minigpt_shape(GPTConfig(**TINY))
+    peak, _ = phases(shape, "qlora", 4)
+    assert peak.phases["backward: last block"]["dequantized weight"] == 16 * 64 * 4  # fc1/fc2, fp32
+
+
+def test_grad_checkpoint_keeps_block_inputs_and_recomputes_one_block():
+    shape = minigpt_shape(GPTConfig(**TINY))
+    plain = minigpt_saved_by_layer(shape, B, T, "lora", 4)
+    ckpt = minigpt_saved_by_layer(shape, B, T, "lora", 4, grad_checkpoint=True)
+    assert ckpt.blocks == ({"checkpointed block input": N * 16 * 4},) * 2
+    assert ckpt.head == plain.head and ckpt.embed == plain.embed
+    assert plain.total() == minigpt_activation_bytes(shape, B, T, "lora", 4)
+    peak, b = phases(shape, "lora", 4, ckpt=True)
+    assert b.activations == ckpt.total()
+    assert peak.phases["backward: last block"]["recomputed block's saved tensors"] == sum(plain.blocks[-1].values())
+
+
+def test_families_without_a_peak_model_have_none():
+    llama = preset_shape("llama-7b")
+    assert not has_peak_model(llama) and "llama" not in PEAK_MODELS
+    b = regime_bytes(llama, Regime("lora", 8), "all-linear", MemoryConfig(activations="korthikanti"))
+    assert b.peak is None and "peak" not in b.to_dict()
+    mini = regime_bytes(minigpt_shape(GPTConfig(**TINY)), Regime("lora", 8), "all-linear", MemoryConfig())
+    assert mini.peak is None  # the seed's estimate (Lab 01's) has no peak: it has no per-layer model
+
+
+def test_half_activations_add_the_fp32_logits_copy():
+    shape = minigpt_shape(GPTConfig(**TINY))
+    b = buckets(shape, Regime("lora", 4))
+    peak = step_peak(shape, "lora", 4, "all-linear", B, T, 2, False, weights=b.weights, grads=b.grads,
+                     optimizer=b.optimizer)
+    assert peak.phases["forward (loss)"]["logits"] == N * shape.vocab_size * (2 + 4)
+
+
+def test_gpt2_shape_is_planned_as_the_minigpt_it_imports_into(tmp_path):
+    """count on a GPT-2 config.json: exact activations as minituner trains it (c_attn split into q/k/v)."""
+    from minigpt.io import write_json
+    from minituner.planner import load_config_shape
+    write_json(tmp_path / "config.json", {"model_type": "gpt2", "vocab_size": 50, "n_positions": 16, "n_embd": 16,
+                                          "n_layer": 2, "n_head": 2})
+    gpt2 = load_config_shape(tmp_path / "config.json")
+    mini = minigpt_shape(GPTConfig(vocab_size=50, block_size=16, n_layer=2, n_head=2, d_model=16))
+    cfg = MemoryConfig(batch_size=B, seq_len=T, activations="exact", dtype="fp32", full_precision="fp32")
+    for regime, t_gpt2, t_mini in (("full", "all-linear", "all-linear"), ("lora", "c_attn", "q_proj,k_proj,v_proj"),
+                                   ("lora", "c_proj", "o_proj,fc2"), ("lora", "mlp.c_proj", "fc2")):
+        r = Regime(regime, None if regime == "full" else 4)
+        assert regime_bytes(gpt2, r, t_gpt2, cfg).activations == regime_bytes(mini, r, t_mini, cfg).activations
+    assert regime_bytes(gpt2, Regime("full"), "all-linear", cfg).peak == regime_bytes(mini, Regime("full"),
+                                                                                       "all-linear", cfg).peak
