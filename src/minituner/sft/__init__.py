@@ -1,0 +1,1 @@
+"""Supervised fine-tuning data: JSONL/JSON instruction and chat sets, chat templates, answer-only loss masks."""
