@@ -1,0 +1,140 @@
+"""Chat templates render the string transformers' apply_chat_template renders, and are read from a base folder."""
+import json
+import os
+
+import pytest
+
+from minigpt.errors import InputError
+from minituner.sft.templates import (DEFAULT_EOS, DEFAULT_TEMPLATE, ChatTemplate, default_template,
+                                     load_chat_template, render_template)
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+# Qwen2-style ChatML, written over several indented lines so that trim_blocks and lstrip_blocks matter.
+CHATML = """{% for message in messages %}
+    {% if loop.first and message['role'] != 'system' %}
+        {{- '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}
+    {% endif %}
+    {{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}
+{% endfor %}
+{% if add_generation_prompt %}
+    {{- '<|im_start|>assistant\\n' }}
+{% endif %}
+"""
+# Llama-3-Instruct's template (bos_token, trim), plus raise_exception, tojson and strftime_now.
+LLAMA3 = (
+    "{% if messages[0]['role'] == 'assistant' %}{{ raise_exception('Conversations start with a user or system "
+    "message') }}{% endif %}"
+    "{% set loop_messages = messages %}{% for message in loop_messages %}{% set content = '<|start_header_id|>' + "
+    "message['role'] + '<|end_header_id|>\n\n'+ message['content'] | trim + '<|eot_id|>' %}{% if loop.index0 == 0 %}"
+    "{% set content = bos_token + content %}{% endif %}{{ content }}{% endfor %}"
+    "{% if tools is defined %}{{ tools | tojson }}{% endif %}"
+    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
+)
+SPECIALS = ["<|im_start|>", "<|im_end|>", "<|begin_of_text|>", "<|eot_id|>", "<|start_header_id|>", "<|end_header_id|>"]
+CONVERSATIONS = [
+    [{"role": "user", "content": "What is 2+2?"}],
+    [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": " Hello! <b>é</b> "}],
+    [{"role": "system", "content": "You answer in French."}, {"role": "user", "content": "Hi"},
+     {"role": "assistant", "content": "Bonjour."}, {"role": "user", "content": "And 2+2?"},
+     {"role": "assistant", "content": "Quatre."}],
+]
+
+
+def hf_tokenizer(template: str, eos: str, bos: str = "<|begin_of_text|>"):
+    """A transformers fast tokenizer over a small byte-level BPE trained here (no download)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    transformers = pytest.importorskip("transformers")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    corpus = [json.dumps(c) for c in CONVERSATIONS] * 5
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=400, special_tokens=SPECIALS,
+                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos, bos_token=bos,
+                                                chat_template=template)
+
+
+# ChatML with transformers' {% generation %} tag around the assistant's answer (as TRL's assistant_only_loss wants).
+CHATML_GEN = CHATML.replace("{{- '<|im_start|>' + message['role']", """{% if message['role'] == 'assistant' %}
+    {{- '<|im_start|>assistant\\n' }}{% generation %}{{ message['content'] + '<|im_end|>' }}{% endgeneration %}{{ '\\n' }}
+    {% else %}
+    {{- '<|im_start|>' + message['role']""").replace("+ '\\n' }}\n{% endfor %}", "+ '\\n' }}\n    {% endif %}\n{% endfor %}")
+
+
+@pytest.mark.parametrize("source, eos", [(CHATML, "<|im_end|>"), (CHATML_GEN, "<|im_end|>"), (LLAMA3, "<|eot_id|>")],
+                         ids=["chatml", "chatml-generation-tag", "llama3"])
+@pytest.mark.parametrize("gen", [False, True])
+def test_render_equals_transformers(source, eos, gen):
+    hf = hf_tokenizer(source, eos)
+    ours = ChatTemplate(source, {"bos_token": "<|begin_of_text|>", "eos_token": eos}, "test")
+    for messages in CONVERSATIONS:
+        expected = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen)
+        assert ours.render(messages, add_generation_prompt=gen) == expected
+    tools = [{"name": "f", "description": "<é>"}]
+    assert ours.render(CONVERSATIONS[0], tools=tools) == hf.apply_chat_template(CONVERSATIONS[0], tools=tools,
+                                                                               tokenize=False)
+
+
+def test_saved_folder_loads_the_same_template_and_tokens(tmp_path):
+    hf = hf_tokenizer(LLAMA3, "<|eot_id|>")
+    hf.save_pretrained(tmp_path)  # writes chat_template.jinja and tokenizer_config.json, as on the Hub
+    t = load_chat_template(tmp_path)
+    assert t.source == LLAMA3 and t.eos_token == "<|eot_id|>" and t.bos_token == "<|begin_of_text|>"
+    assert t.render(CONVERSATIONS[2], add_generation_prompt=True) == hf.apply_chat_template(
+        CONVERSATIONS[2], tokenize=False, add_generation_prompt=True)
+
+
+def test_raise_exception_is_a_named_refusal():
+    t = ChatTemplate(LLAMA3, {"bos_token": "<s>", "eos_token": "</s>"})
+    with pytest.raises(InputError, match="Conversations start with a user or system message"):
+        t.render([{"role": "assistant", "content": "x"}])
+
+
+def test_template_sources_in_a_folder(tmp_path):
+    cfg = {"eos_token": {"content": "</s>", "special": True}, "bos_token": "<s>", "add_bos_token": True,
+           "chat_template": [{"name": "tool_use", "template": "T"}, {"name": "default", "template": "D{{ eos_token }}"}]}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    t = load_chat_template(tmp_path)
+    assert (t.source, t.eos_token, t.bos_token, t.render([])) == ("D{{ eos_token }}", "</s>", "<s>", "D</s>")
+    assert "add_bos_token" not in t.special_tokens
+    (tmp_path / "chat_template.jinja").write_text("J")  # the .jinja file wins, as in transformers
+    assert load_chat_template(tmp_path).source == "J"
+    (tmp_path / "chat_template.jinja").write_text("{% if %}")
+    with pytest.raises(InputError, match="does not parse"):
+        load_chat_template(tmp_path)
+    (tmp_path / "chat_template.jinja").unlink()
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": [{"name": "x", "template": "T"}]}))
+    with pytest.raises(InputError, match="without a template named 'default'"):
+        load_chat_template(tmp_path)
+
+
+def test_eos_from_generation_config_when_the_tokenizer_config_has_none(tmp_path):
+    (tmp_path / "tokenizer_config.json").write_text("{}")
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 2]}))
+    (tmp_path / "tokenizer.json").write_text(json.dumps({"added_tokens": [{"id": 7, "content": "<end_of_turn>"}]}))
+    t = load_chat_template(tmp_path)
+    assert t.origin == "default" and t.eos_token == "<end_of_turn>"
+
+
+def test_default_template_for_a_folder_without_one(tmp_path):
+    t = load_chat_template(tmp_path)  # MiniGPT: config.json and a character tokenizer.json only
+    assert (t.source, t.eos_token, t.origin) == (DEFAULT_TEMPLATE, DEFAULT_EOS, "default")
+    assert t.render(CONVERSATIONS[2]) == ("System: You answer in French.\nUser: Hi\nAssistant: Bonjour.<|end|>\n"
+                                          "User: And 2+2?\nAssistant: Quatre.<|end|>")
+    assert t.render(CONVERSATIONS[0], add_generation_prompt=True) == "User: What is 2+2?\nAssistant: "
+    assert t.render([], add_generation_prompt=True) == "Assistant: "
+    assert default_template("</s>").render(CONVERSATIONS[1]) == "User: Hi\nAssistant:  Hello! <b>é</b> </s>"
+
+
+def test_default_template_renders_the_same_in_transformers():
+    hf = hf_tokenizer(DEFAULT_TEMPLATE, DEFAULT_EOS)
+    for messages in CONVERSATIONS:
+        for gen in (False, True):
+            assert default_template().render(messages, gen) == hf.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=gen)
+
+
+def test_render_template_function():
+    assert render_template("{{ messages | length }}{{ x }}", [{"role": "user", "content": "a"}], x=5) == "15"
