@@ -1,10 +1,13 @@
-"""Chat templates render the string transformers' apply_chat_template renders, and are read from a base folder."""
+"""Chat templates render the string transformers' apply_chat_template renders, are read from a base folder, and
+mask everything but the answers and their EOS token under an HF tokenizer."""
 import json
 import os
 
 import pytest
 
 from minigpt.errors import InputError
+from minituner.sft.examples import IGNORE, plain_encoder, tokenize_record
+from minituner.sft.formats import Record
 from minituner.sft.templates import (DEFAULT_EOS, DEFAULT_TEMPLATE, ChatTemplate, default_template,
                                      load_chat_template, render_template)
 
@@ -13,22 +16,22 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # Qwen2-style ChatML, written over several indented lines so that trim_blocks and lstrip_blocks matter.
 CHATML = """{% for message in messages %}
     {% if loop.first and message['role'] != 'system' %}
-        {{- '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}
+        {{- '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' -}}
     {% endif %}
-    {{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}
+    {{- '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' -}}
 {% endfor %}
 {% if add_generation_prompt %}
-    {{- '<|im_start|>assistant\\n' }}
+    {{- '<|im_start|>assistant\n' -}}
 {% endif %}
 """
 # Llama-3-Instruct's template (bos_token, trim), plus raise_exception, tojson and strftime_now.
 LLAMA3 = (
+    "{% if tools is defined %}{{ tools | tojson }}{% endif %}{{ strftime_now('') }}"
     "{% if messages[0]['role'] == 'assistant' %}{{ raise_exception('Conversations start with a user or system "
     "message') }}{% endif %}"
     "{% set loop_messages = messages %}{% for message in loop_messages %}{% set content = '<|start_header_id|>' + "
     "message['role'] + '<|end_header_id|>\n\n'+ message['content'] | trim + '<|eot_id|>' %}{% if loop.index0 == 0 %}"
     "{% set content = bos_token + content %}{% endif %}{{ content }}{% endfor %}"
-    "{% if tools is defined %}{{ tools | tojson }}{% endif %}"
     "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
 )
 SPECIALS = ["<|im_start|>", "<|im_end|>", "<|begin_of_text|>", "<|eot_id|>", "<|start_header_id|>", "<|end_header_id|>"]
@@ -43,9 +46,9 @@ CONVERSATIONS = [
 
 def hf_tokenizer(template: str, eos: str, bos: str = "<|begin_of_text|>"):
     """A transformers fast tokenizer over a small byte-level BPE trained here (no download)."""
+    transformers = pytest.importorskip("transformers")
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    transformers = pytest.importorskip("transformers")
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -57,10 +60,21 @@ def hf_tokenizer(template: str, eos: str, bos: str = "<|begin_of_text|>"):
 
 
 # ChatML with transformers' {% generation %} tag around the assistant's answer (as TRL's assistant_only_loss wants).
-CHATML_GEN = CHATML.replace("{{- '<|im_start|>' + message['role']", """{% if message['role'] == 'assistant' %}
-    {{- '<|im_start|>assistant\\n' }}{% generation %}{{ message['content'] + '<|im_end|>' }}{% endgeneration %}{{ '\\n' }}
+CHATML_GEN = """{% for message in messages %}
+    {% if loop.first and message['role'] != 'system' %}
+        {{- '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' -}}
+    {% endif %}
+    {% if message['role'] == 'assistant' %}
+        {{- '<|im_start|>assistant\n' -}}
+        {% generation %}{{ message['content'] + '<|im_end|>' }}{% endgeneration %}{{ '\n' -}}
     {% else %}
-    {{- '<|im_start|>' + message['role']""").replace("+ '\\n' }}\n{% endfor %}", "+ '\\n' }}\n    {% endif %}\n{% endfor %}")
+        {{- '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' -}}
+    {% endif %}
+{% endfor %}
+{% if add_generation_prompt %}
+    {{- '<|im_start|>assistant\n' -}}
+{% endif %}
+"""
 
 
 @pytest.mark.parametrize("source, eos", [(CHATML, "<|im_end|>"), (CHATML_GEN, "<|im_end|>"), (LLAMA3, "<|eot_id|>")],
@@ -138,3 +152,27 @@ def test_default_template_renders_the_same_in_transformers():
 
 def test_render_template_function():
     assert render_template("{{ messages | length }}{{ x }}", [{"role": "user", "content": "a"}], x=5) == "15"
+
+
+CHAT = CONVERSATIONS[2]
+
+
+def counted_ids(ex):
+    return [t for t in ex.labels if t != IGNORE]
+
+
+@pytest.mark.parametrize("source, eos", [(CHATML, "<|im_end|>"), (CHATML_GEN, "<|im_end|>"), (LLAMA3, "<|eot_id|>")],
+                         ids=["chatml", "chatml-generation-tag", "llama3"])
+def test_hf_tokenizer_counts_answer_tokens_plus_one_eos_token(source, eos):
+    hf = hf_tokenizer(source, eos)
+    template = ChatTemplate(source, {"bos_token": "<|begin_of_text|>", "eos_token": eos})
+    encode = plain_encoder(hf)
+    ex = tokenize_record(Record("messages", "f:1", messages=CHAT), encode, template)
+    eos_id = hf.convert_tokens_to_ids(eos)
+    assert encode(eos) == [eos_id]
+    assert counted_ids(ex) == encode("Bonjour.") + [eos_id] + encode("Quatre.") + [eos_id]
+    # the pieces tokenize as the whole rendered string does with this tokenizer
+    assert ex.input_ids == hf.apply_chat_template(list(CHAT), tokenize=True, return_dict=False)
+    pc = tokenize_record(Record("prompt-completion", "f:2", prompt="Hi? ", completion="Bonjour."), encode, template)
+    assert counted_ids(pc) == encode("Bonjour.") + [eos_id]
+    assert plain_encoder(hf.backend_tokenizer)("Hi" + eos) == encode("Hi" + eos)
