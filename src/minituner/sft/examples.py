@@ -21,6 +21,8 @@ MiniGPT's character tokenizer has none: answers end with the text ``<|end|>`` (t
 """
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Iterable
 
@@ -179,6 +181,15 @@ def tokenize_records(records: Iterable[Record], tokenizer, template: ChatTemplat
         stats.tokens += len(ex.input_ids)
         stats.counted_tokens += ex.counted
     return examples, stats
+
+
+def examples_sha256(examples: Iterable[Example]) -> str:
+    """sha256 of the examples' ids and labels, in order: the data's identity in a run's checkpoints."""
+    h = hashlib.sha256()
+    for e in examples:
+        h.update(json.dumps([e.input_ids, e.labels], separators=(",", ":")).encode())
+        h.update(b"\n")
+    return h.hexdigest()
 
 
 def _note(stats: SFTStats, ex: Example) -> None:
