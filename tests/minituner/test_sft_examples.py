@@ -49,6 +49,22 @@ def test_chat_counts_each_assistant_turn_plus_eos():
     assert record_text(r, TEMPLATE) == TEMPLATE.render(list(CHAT))
 
 
+def test_turns_a_template_ends_without_eos_still_count_and_are_reported():
+    t = ChatTemplate("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                     "{% if add_generation_prompt %}assistant: {% endif %}", {"eos_token": "<|end|>"})
+    (ex,), st = tokenize_records([Record("messages", "f:1", messages=CHAT)], TOK, t, 128)
+    assert ex.without_eos and st.without_eos == 1 and "1 chats with a turn the template ends without EOS" in st.summary()
+    assert counted_ids(ex) == TOK.encode("Hello.\n4\n")
+    (ex,), st = tokenize_records([Record("messages", "f:1", messages=CHAT)], TOK, TEMPLATE, 128)
+    assert not ex.without_eos and st.without_eos == 0
+
+
+def test_an_answer_quoting_the_eos_text_counts_whole():
+    chat = ({"role": "user", "content": "Say <|end|>"}, {"role": "assistant", "content": "a <|end|> b"})
+    ex = tokenize_record(Record("messages", "f:1", messages=chat), TOK.encode, TEMPLATE)
+    assert counted_ids(ex) == TOK.encode("a <|end|> b<|end|>")
+
+
 def test_a_template_that_rewrites_earlier_turns_is_refused():
     # renders only the last message: not prefix by prefix
     t = ChatTemplate("{{ messages[-1]['content'] }}{% if add_generation_prompt %}>{% endif %}", {"eos_token": "."})

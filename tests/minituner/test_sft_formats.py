@@ -60,11 +60,25 @@ def test_json_file_with_one_object_per_line(tmp_path):
 def test_folder_reads_files_in_order_each_its_own_shape(tmp_path):
     write_jsonl(tmp_path / "b.jsonl", [{"messages": CHAT}])
     write_jsonl(tmp_path / "a.jsonl", [{"text": "t"}, {"text": "u"}])
-    (tmp_path / "notes.txt").write_text("ignored")
+    (tmp_path / "notes.csv").write_text("ignored")
     (tmp_path / ".hidden.jsonl").write_text("not json")
     recs = read_records(tmp_path)
     assert [r.format for r in recs] == ["text", "text", "messages"]
-    assert is_structured(tmp_path) and is_structured(tmp_path / "a.jsonl") and not is_structured(tmp_path / "notes.txt")
+    assert is_structured(tmp_path) and is_structured(tmp_path / "a.jsonl") and not is_structured(tmp_path / "notes.csv")
+    (tmp_path / "notes.txt").write_text("would be skipped")
+    with pytest.raises(InputError, match=r"holds .jsonl/.json files and text files \(notes.txt\)"):
+        read_records(tmp_path)
+    hidden_only = tmp_path / "h"
+    hidden_only.mkdir()
+    (hidden_only / ".x.jsonl").write_text("{}")
+    assert not is_structured(hidden_only)
+
+
+def test_line_separator_inside_a_string_keeps_line_numbers(tmp_path):
+    p = tmp_path / "a.jsonl"
+    p.write_text('{"text": "a\u2028b"}\n{"bad": 1}\n', encoding="utf-8")
+    with pytest.raises(InputError, match=r"a\.jsonl:2: fields found: bad"):
+        read_file(p)
 
 
 def test_forced_format(tmp_path):

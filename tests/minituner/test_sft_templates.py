@@ -6,7 +6,7 @@ import os
 import pytest
 
 from minigpt.errors import InputError
-from minituner.sft.examples import IGNORE, plain_encoder, tokenize_record
+from minituner.sft.examples import IGNORE, plain_encoder, special_prefix, tokenize_record, tokenize_records
 from minituner.sft.formats import Record
 from minituner.sft.templates import (DEFAULT_EOS, DEFAULT_TEMPLATE, ChatTemplate, default_template,
                                      load_chat_template, render_template)
@@ -176,3 +176,22 @@ def test_hf_tokenizer_counts_answer_tokens_plus_one_eos_token(source, eos):
     pc = tokenize_record(Record("prompt-completion", "f:2", prompt="Hi? ", completion="Bonjour."), encode, template)
     assert counted_ids(pc) == encode("Bonjour.") + [eos_id]
     assert plain_encoder(hf.backend_tokenizer)("Hi" + eos) == encode("Hi" + eos)
+
+
+def test_text_and_prompt_completion_start_with_the_tokenizers_own_bos():
+    from tokenizers import processors
+
+    hf = hf_tokenizer(LLAMA3, "<|eot_id|>")
+    bos = hf.convert_tokens_to_ids("<|begin_of_text|>")
+    hf.backend_tokenizer.post_processor = processors.TemplateProcessing(  # as Llama's tokenizer.json does
+        single="<|begin_of_text|> $A", special_tokens=[("<|begin_of_text|>", bos)])
+    assert special_prefix(hf) == [bos] == special_prefix(hf.backend_tokenizer)
+    template = ChatTemplate(LLAMA3, {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"})
+    recs = [Record("prompt-completion", "f:1", prompt="Hi? ", completion="Bonjour."),
+            Record("messages", "f:2", messages=tuple(CHAT))]
+    (pc, chat), stats = tokenize_records(recs, hf, template, block_size=512)
+    assert pc.input_ids[0] == bos and pc.labels[0] == IGNORE and pc.input_ids[1:] == hf.encode(
+        "Hi? Bonjour.<|eot_id|>", add_special_tokens=False)
+    assert chat.input_ids == hf.apply_chat_template(CHAT, tokenize=True, return_dict=False)  # one BOS, the template's
+    assert chat.input_ids.count(bos) == 1 and stats.without_eos == 0
+    assert special_prefix(hf_tokenizer(CHATML, "<|im_end|>")) == []

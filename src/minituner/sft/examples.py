@@ -14,7 +14,9 @@ prefix up to assistant turn k is the template rendered on the first k messages w
 which is exactly the string a model sees at inference before it answers; the template must render conversations
 prefix by prefix (every template that appends turns does), else the record is refused, named. With a character
 tokenizer pieces and the whole string tokenize identically; with BPE a merge across a piece boundary is not made,
-as it is not made at inference, where the prompt is tokenized alone.
+as it is not made at inference, where the prompt is tokenized alone. Text and prompt-completion records start with
+what the tokenizer itself puts before text (special_prefix: Llama's BOS), uncounted; chat templates write their own.
+A template that writes no EOS after an assistant turn still has the turn counted; SFTStats.without_eos says how often.
 
 The EOS: HF tokenizers encode their ``eos_token`` text (``<|im_end|>``, ``<|eot_id|>``, ``</s>``) to one id.
 MiniGPT's character tokenizer has none: answers end with the text ``<|end|>`` (templates.DEFAULT_EOS), 7 tokens.
@@ -50,6 +52,7 @@ class Example:
     input_ids: list[int]
     labels: list[int]  # aligned with input_ids; IGNORE where the token does not count
     where: str = ""  # "file:line" of the record
+    without_eos: bool = False  # an assistant turn of this chat does not end with the template's eos_token
 
     @property
     def counted(self) -> int:
@@ -64,6 +67,7 @@ class SFTStats:
     truncated: int = 0  # kept, cut to block_size + 1 tokens
     dropped: int = 0  # longer than block_size + 1 and dropped (overlong="drop")
     dropped_empty: int = 0  # truncation left no counted token, so dropped
+    without_eos: int = 0  # chats with an assistant turn where the template wrote no eos_token (the turn still counts)
     tokens: int = 0  # tokens of the kept examples
     counted_tokens: int = 0  # of which count in the loss
     longest: int = 0  # tokens of the longest record before truncation
@@ -74,8 +78,31 @@ class SFTStats:
 
     def summary(self) -> str:
         """One line for logs and manifests."""
-        return (f"{self.examples} of {self.records} examples, {self.counted_tokens} counted of {self.tokens} tokens; "
+        line = (f"{self.examples} of {self.records} examples, {self.counted_tokens} counted of {self.tokens} tokens; "
                 f"{self.truncated} truncated, {self.dropped + self.dropped_empty} dropped (longest {self.longest} tokens)")
+        return line + (f"; {self.without_eos} chats with a turn the template ends without EOS" if self.without_eos else "")
+
+
+def special_prefix(tokenizer) -> list[int]:
+    """The ids a tokenizer puts before plain text by itself (Llama's BOS; [] for GPT-2, Qwen and MiniGPT).
+
+    Text and prompt-completion records start with them, as ``tokenizer(text)`` starts in TRL; chat templates
+    write their own BOS.
+    """
+    try:
+        import tokenizers
+
+        if isinstance(tokenizer, tokenizers.Tokenizer):
+            with_special = tokenizer.encode("a", add_special_tokens=True).ids
+        elif hasattr(tokenizer, "apply_chat_template"):
+            with_special = tokenizer.encode("a", add_special_tokens=True)
+        else:
+            return []
+    except ImportError:
+        return []
+    plain = plain_encoder(tokenizer)("a")
+    n = len(with_special) - len(plain)
+    return list(with_special[:n]) if n > 0 and with_special[n:n + len(plain)] == plain else []
 
 
 def plain_encoder(tokenizer) -> Callable[[str], list[int]]:
@@ -103,7 +130,7 @@ def chat_pieces(messages: list[dict], template: ChatTemplate, where: str = "") -
         before = template.render(messages[:k], add_generation_prompt=True)
         upto = template.render(messages[: k + 1])
         turn = upto[len(before):]
-        cut = turn.find(eos)
+        cut = turn.rfind(eos)  # the last: an answer may quote the EOS text
         end = len(before) + (cut + len(eos) if cut >= 0 else len(turn))
         if not (upto.startswith(before) and full[:end] == upto[:end] and len(before) >= pos):
             raise InputError(f"{where}: the chat template does not render this conversation prefix by prefix "
@@ -130,17 +157,19 @@ def record_text(record: Record, template: ChatTemplate) -> str:
 
 
 def tokenize_record(record: Record, encode: Callable[[str], list[int]], template: ChatTemplate,
-                    train_on_inputs: bool = False) -> Example:
-    """One record as an Example (untruncated)."""
-    ids: list[int] = []
-    labels: list[int] = []
-    for text, answer in record_pieces(record, template):
+                    train_on_inputs: bool = False, prefix_ids: list[int] = ()) -> Example:
+    """One record as an Example (untruncated); `prefix_ids` (special_prefix) start a text or prompt-completion."""
+    pieces = record_pieces(record, template)
+    ids: list[int] = [] if record.kind == "chat" else list(prefix_ids)
+    labels: list[int] = [IGNORE] * len(ids)
+    for text, answer in pieces:
         piece = list(encode(text))
         ids += piece
         labels += piece if (answer or train_on_inputs) else [IGNORE] * len(piece)
     if labels:
         labels[0] = IGNORE  # nothing predicts the first token
-    return Example(ids, labels, record.where)
+    without_eos = record.kind == "chat" and any(a and not t.endswith(template.eos_token) for t, a in pieces)
+    return Example(ids, labels, record.where, without_eos)
 
 
 def tokenize_records(records: Iterable[Record], tokenizer, template: ChatTemplate, block_size: int,
@@ -154,19 +183,20 @@ def tokenize_records(records: Iterable[Record], tokenizer, template: ChatTemplat
     cfg.validate()
     if block_size < 1:
         raise InputError(f"block_size must be >= 1, got {block_size}")
-    encode = plain_encoder(tokenizer)
+    encode, prefix = plain_encoder(tokenizer), special_prefix(tokenizer)
     limit = block_size + 1
     examples, stats = [], SFTStats()
     for record in records:
-        ex = tokenize_record(record, encode, template, cfg.train_on_inputs)
+        ex = tokenize_record(record, encode, template, cfg.train_on_inputs, prefix)
         stats.records += 1
+        stats.without_eos += ex.without_eos
         stats.longest = max(stats.longest, len(ex.input_ids))
         if len(ex.input_ids) > limit:
             if cfg.overlong == "drop":
                 stats.dropped += 1
                 _note(stats, ex)
                 continue
-            ex = Example(ex.input_ids[:limit], ex.labels[:limit], ex.where)
+            ex = Example(ex.input_ids[:limit], ex.labels[:limit], ex.where, ex.without_eos)
             if ex.counted == 0:
                 stats.dropped_empty += 1
                 _note(stats, ex)

@@ -154,7 +154,7 @@ def _json_values(path: Path, text: str):
                 i += 1
             elif i >= len(text) or text[i] != "]":
                 raise InputError(f"{path}:{text.count(chr(10), 0, i) + 1}: expected ',' or ']' in the JSON array")
-    for n, line in enumerate(text.splitlines(), start=1):
+    for n, line in enumerate(text.split("\n"), start=1):  # not splitlines(): JSON strings may hold U+2028
         if line.strip():
             try:
                 yield n, json.loads(line)
@@ -184,17 +184,32 @@ def read_file(path: str | Path, fmt: str | None = None) -> list[Record]:
     return records
 
 
+TEXT_SUFFIXES = (".txt", ".text", ".md", ".rst")  # what minigpt.data reads as plain text
+
+
+def _listed(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.rglob("*") if p.is_file()
+                  and not any(part.startswith(".") for part in p.relative_to(folder).parts))
+
+
 def data_files(path: str | Path) -> list[Path]:
-    """`path` itself, or the .jsonl/.json files under a folder (recursively, sorted, hidden ones skipped)."""
+    """`path` itself, or the .jsonl/.json files under a folder (recursively, sorted, hidden ones skipped).
+
+    A folder that also holds text files is refused: they would be skipped, and data is never skipped silently.
+    """
     path = Path(path)
     if not path.exists():
         raise InputError(f"{path}: data file or folder not found")
     if path.is_file():
         return [path]
-    files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in SUFFIXES
-                   and not any(part.startswith(".") for part in p.relative_to(path).parts))
+    listed = _listed(path)
+    files = [p for p in listed if p.suffix.lower() in SUFFIXES]
     if not files:
         raise InputError(f"{path}: no .jsonl or .json files in the folder")
+    text = [p for p in listed if p.suffix.lower() in TEXT_SUFFIXES]
+    if text:
+        raise InputError(f"{path}: the folder holds .jsonl/.json files and text files ({text[0].name}); "
+                         "give a folder of one kind")
     return files
 
 
@@ -203,7 +218,7 @@ def is_structured(path: str | Path) -> bool:
     path = Path(path)
     if path.is_file():
         return path.suffix.lower() in SUFFIXES
-    return path.is_dir() and any(p.suffix.lower() in SUFFIXES for p in path.rglob("*") if p.is_file())
+    return path.is_dir() and any(p.suffix.lower() in SUFFIXES for p in _listed(path))
 
 
 def read_records(path: str | Path, fmt: str | None = None) -> list[Record]:
