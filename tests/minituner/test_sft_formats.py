@@ -36,6 +36,12 @@ def test_messages_shape(tmp_path):
     assert (r.format, r.kind) == ("messages", "chat") and list(r.messages) == CHAT
 
 
+def test_messages_keep_their_other_fields(tmp_path):
+    row = {"messages": [{"role": "user", "content": "hi", "name": "ann", "x": None}, {"role": "assistant", "content": "ok"}]}
+    (r,) = read_file(write_jsonl(tmp_path / "a.jsonl", [row]))
+    assert r.messages[0] == {"role": "user", "content": "hi", "name": "ann"}
+
+
 def test_alpaca_shape_with_and_without_input(tmp_path):
     rows = [{"instruction": "Add.", "input": "2 and 2", "output": "4"}, {"instruction": "Say hi.", "output": "hi"},
             {"instruction": "Say hi.", "input": "", "output": "hi"}]

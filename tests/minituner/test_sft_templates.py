@@ -91,6 +91,17 @@ def test_render_equals_transformers(source, eos, gen):
                                                                                tokenize=False)
 
 
+def test_extra_message_fields_reach_the_template_as_in_transformers():
+    source = ("{% for m in messages %}{{ m.role }}{% if m.name is defined %}({{ m.name }}){% endif %}"
+              "{% if m.reasoning_content is defined %}[{{ m.reasoning_content }}]{% endif %}: {{ m.content }}\n"
+              "{% endfor %}")
+    messages = [{"role": "user", "content": "hi", "name": "ann", "extra": None},
+                {"role": "assistant", "content": "ok", "thinking": "easy"}]
+    hf = hf_tokenizer(source, "<|im_end|>")
+    assert ChatTemplate(source).render(messages) == hf.apply_chat_template(messages, tokenize=False)
+    assert ChatTemplate(source).render(messages) == "user(ann): hi\nassistant[easy]: ok\n"
+
+
 def test_saved_folder_loads_the_same_template_and_tokens(tmp_path):
     hf = hf_tokenizer(LLAMA3, "<|eot_id|>")
     hf.save_pretrained(tmp_path)  # writes chat_template.jinja and tokenizer_config.json, as on the Hub

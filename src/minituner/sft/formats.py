@@ -34,7 +34,7 @@ class Record:
     text: str | None = None
     prompt: str | None = None
     completion: str | None = None
-    messages: tuple[dict, ...] | None = None  # each {"role": str, "content": str}
+    messages: tuple[dict, ...] | None = None  # each {"role": str, "content": str, ...any other fields}
 
     @property
     def kind(self) -> str:
@@ -80,7 +80,7 @@ def _messages(value, where: str, key: str = "messages") -> tuple[dict, ...]:
             raise InputError(f"{where}: {key}[{i}] has role {m['role']!r}; roles are {', '.join(ROLES)}")
         if m["role"] == "assistant" and not m["content"].strip():
             raise InputError(f"{where}: {key}[{i}] is an empty assistant message")
-        out.append({"role": m["role"], "content": m["content"]})
+        out.append({k: v for k, v in m.items() if v is not None})  # other fields (name, ...) reach the template
     return tuple(out)
 
 

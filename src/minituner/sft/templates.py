@@ -4,8 +4,10 @@ The environment matches transformers' (``utils/chat_template_utils.py``): an imm
 ``trim_blocks`` and ``lstrip_blocks``, the ``loopcontrols`` extension and the ``{% generation %}`` tag (rendered
 as its body; we find answers by rendering prefixes instead), a ``tojson`` filter that does not escape
 HTML and keeps non-ASCII (``json.dumps(ensure_ascii=False)``), and the globals ``raise_exception`` and
-``strftime_now``. The template sees ``messages``, ``add_generation_prompt`` and the tokenizer's special tokens
-(``bos_token``, ``eos_token``, ...) as strings, like ``tokenizer.special_tokens_map``. Where the template comes
+``strftime_now``. The template sees ``messages`` (keys holding None dropped, reasoning under all its names, as
+transformers 5 passes them), ``add_generation_prompt``, ``tools`` and ``documents`` (None), and the tokenizer's
+special tokens (``bos_token``, ``eos_token``, ...) as strings, like ``tokenizer.special_tokens_map``. Not copied:
+transformers' stricter ``namespace``/``dict`` globals, which only make some unsafe templates fail. Where the template comes
 from follows transformers too: ``chat_template.jinja`` wins over ``chat_template`` in ``tokenizer_config.json``,
 which may be a string or a list of ``{"name", "template"}`` (the one named ``default`` is used).
 
@@ -92,7 +94,21 @@ def compile_template(source: str):
     try:
         return env.from_string(source)
     except jinja2.TemplateSyntaxError as e:
-        raise InputError(f"the chat template does not parse (line {e.lineno}: {e.message})") from None
+        raise InputError(f"the chat template does not parse (line {e.lineno}: {_one_line(e.message)})") from None
+
+
+REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")  # one message's reasoning, under its names
+
+
+def template_message(message: dict) -> dict:
+    """A message as transformers hands it to a template: keys whose value is None dropped, reasoning under each name."""
+    m = {k: v for k, v in message.items() if v is not None}
+    reasoning = next((m[k] for k in REASONING_FIELDS if k in m), None)
+    return m if reasoning is None else {"thinking": reasoning, **m, "reasoning_content": reasoning}
+
+
+def _one_line(e: Exception) -> str:
+    return " ".join(str(e).split())
 
 
 def render_template(source: str, messages: list[dict], add_generation_prompt: bool = False, **variables) -> str:
@@ -101,10 +117,10 @@ def render_template(source: str, messages: list[dict], add_generation_prompt: bo
 
     try:
         context = {"tools": None, "documents": None, **variables}  # transformers always passes both
-        return compile_template(source).render(messages=[dict(m) for m in messages],
+        return compile_template(source).render(messages=[template_message(m) for m in messages],
                                                add_generation_prompt=add_generation_prompt, **context)
     except jinja2.TemplateError as e:
-        raise InputError(f"the chat template refused the conversation: {e}") from None
+        raise InputError(f"the chat template refused the conversation: {_one_line(e)}") from None
 
 
 def _token_text(value) -> str | None:
