@@ -5,7 +5,7 @@ from minigpt.data import load_documents, split_documents
 from minigpt.errors import InputError
 from minigpt.tokenizer import CharTokenizer
 from minituner.sft import (ExampleSampler, SFTConfig, default_template, is_sft_source, load_chat_template,
-                           load_records, prepare_sft, record_text, tokenize_records)
+                           load_records, prepare_eval, prepare_sft, record_text, tokenize_records)
 from minituner.sft.builtin import QUESTIONS, builtin_records, forecast_qa
 
 
@@ -58,3 +58,16 @@ def test_prepare_sft_end_to_end(minigpt_tokenizer):
     assert x.shape == y.shape and x.shape[0] == 16 and x.shape[1] <= 128
     with pytest.raises(InputError, match="fixed format"):
         load_records("builtin:forecast-qa", "text")
+
+
+def test_prepare_eval_takes_a_whole_file_or_a_split(minigpt_tokenizer, tmp_path):
+    val, stats = prepare_eval("builtin:forecast-qa", minigpt_tokenizer, default_template(), 128, split="test")
+    assert len(val) == stats.examples == 200
+    p = tmp_path / "qa.jsonl"
+    p.write_text('{"prompt": "Q: 2+2?\\nA: ", "completion": "4"}\n' * 3)
+    ex, stats = prepare_eval(p, minigpt_tokenizer, default_template(), 128)
+    assert len(ex) == 3 and stats.counted_tokens == 3 * (1 + 7)
+    with pytest.raises(InputError, match="no example to evaluate fits block_size 4"):
+        prepare_eval(p, minigpt_tokenizer, default_template(), 4, SFTConfig(overlong="drop"))
+    with pytest.raises(InputError, match="unknown split"):
+        prepare_eval(p, minigpt_tokenizer, default_template(), 128, split="dev")

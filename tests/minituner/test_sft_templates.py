@@ -115,6 +115,8 @@ def test_raise_exception_is_a_named_refusal():
     t = ChatTemplate(LLAMA3, {"bos_token": "<s>", "eos_token": "</s>"})
     with pytest.raises(InputError, match="Conversations start with a user or system message"):
         t.render([{"role": "assistant", "content": "x"}])
+    with pytest.raises(InputError, match=r"^f:7: the chat template refused the conversation: Conversations start"):
+        tokenize_record(Record("messages", "f:7", messages=({"role": "assistant", "content": "x"},)), str.encode, t)
 
 
 def test_template_sources_in_a_folder(tmp_path):

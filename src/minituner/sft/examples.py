@@ -4,7 +4,7 @@ An example is ``input_ids`` and ``labels`` of the same length, aligned as in Hug
 ``labels[i]`` is ``input_ids[i]`` where token i counts in the loss and -100 where it does not. By default only
 the completion, or each assistant turn, counts, together with the EOS that ends it (TRL's completion-only loss,
 axolotl's ``train_on_inputs: false``); ``train_on_inputs=True`` counts every token. ``labels[0]`` is always -100:
-no token predicts the first one. So for a prompt-completion record the counted tokens are exactly
+no token predicts the first one. So for a prompt-completion record (with a prompt) the counted tokens are exactly
 ``encode(completion) + encode(eos_token)``, and for a chat each assistant turn counts its content and the
 template's end-of-turn text up to and including the EOS token (what follows, e.g. ChatML's newline, does not).
 
@@ -66,7 +66,7 @@ class SFTStats:
     examples: int = 0  # examples kept
     truncated: int = 0  # kept, cut to block_size + 1 tokens
     dropped: int = 0  # longer than block_size + 1 and dropped (overlong="drop")
-    dropped_empty: int = 0  # truncation left no counted token, so dropped
+    dropped_empty: int = 0  # no counted token left (after truncation, or a one-token text), so dropped
     without_eos: int = 0  # chats with an assistant turn where the template wrote no eos_token (the turn still counts)
     tokens: int = 0  # tokens of the kept examples
     counted_tokens: int = 0  # of which count in the loss
@@ -121,14 +121,21 @@ def plain_encoder(tokenizer) -> Callable[[str], list[int]]:
 
 def chat_pieces(messages: list[dict], template: ChatTemplate, where: str = "") -> list[tuple[str, bool]]:
     """The rendered conversation as (text, is_answer) pieces; their concatenation is template.render(messages)."""
-    full = template.render(messages)
+
+    def render(msgs: list[dict], add_generation_prompt: bool = False) -> str:
+        try:
+            return template.render(msgs, add_generation_prompt)
+        except InputError as e:
+            raise InputError(f"{where}: {e}") from None
+
+    full = render(messages)
     eos = template.eos_token
     pieces, pos = [], 0
     for k, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
-        before = template.render(messages[:k], add_generation_prompt=True)
-        upto = template.render(messages[: k + 1])
+        before = render(messages[:k], add_generation_prompt=True)
+        upto = render(messages[: k + 1])
         turn = upto[len(before):]
         cut = turn.rfind(eos)  # the last: an answer may quote the EOS text
         end = len(before) + (cut + len(eos) if cut >= 0 else len(turn))

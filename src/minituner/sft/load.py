@@ -6,7 +6,7 @@ from pathlib import Path
 
 from minigpt.errors import InputError
 
-from .builtin import BUILTIN_SFT, builtin_records
+from .builtin import BUILTIN_SFT, SPLITS, builtin_records
 from .examples import Example, SFTConfig, SFTStats, tokenize_records
 from .formats import Record, is_structured, read_records, split_records
 from .templates import ChatTemplate
@@ -51,3 +51,18 @@ def prepare_sft(source: str | Path, tokenizer, template: ChatTemplate, block_siz
         if not examples:
             raise InputError(f"{source}: no {name} example fits block_size {block_size} ({stats.summary()})")
     return SFTData(train, val, train_stats, val_stats, template)
+
+
+def prepare_eval(source: str | Path, tokenizer, template: ChatTemplate, block_size: int,
+                 cfg: SFTConfig | None = None, fmt: str | None = None,
+                 split: str | None = None) -> tuple[list[Example], SFTStats]:
+    """Examples to evaluate on: every record of `source`, or one split of it (split_records: train, val, test)."""
+    records = load_records(source, fmt)
+    if split is not None:
+        if split not in SPLITS:
+            raise InputError(f"unknown split {split!r}; valid: {', '.join(SPLITS)}")
+        records = split_records(records)[split]
+    examples, stats = tokenize_records(records, tokenizer, template, block_size, cfg)
+    if not examples:
+        raise InputError(f"{source}: no example to evaluate fits block_size {block_size} ({stats.summary()})")
+    return examples, stats
