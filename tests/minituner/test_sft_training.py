@@ -41,7 +41,7 @@ def test_a_short_run_lowers_the_answer_loss_and_answers_stop_at_eos():
     before = evaluate_examples(model, val).loss
     sampler, gen = ExampleSampler(train), torch.Generator().manual_seed(0)
     opt = torch.optim.AdamW(model.parameters(), lr=2e-2)
-    for _ in range(25):
+    for _ in range(15):
         x, y = sampler(8, gen)
         loss = lm_loss(model, x, y)
         opt.zero_grad()
