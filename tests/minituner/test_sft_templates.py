@@ -192,9 +192,9 @@ def test_hf_tokenizer_counts_answer_tokens_plus_one_eos_token(source, eos):
 
 
 def test_text_and_prompt_completion_start_with_the_tokenizers_own_bos():
+    hf = hf_tokenizer(LLAMA3, "<|eot_id|>")  # skips without transformers
     from tokenizers import processors
 
-    hf = hf_tokenizer(LLAMA3, "<|eot_id|>")
     bos = hf.convert_tokens_to_ids("<|begin_of_text|>")
     hf.backend_tokenizer.post_processor = processors.TemplateProcessing(  # as Llama's tokenizer.json does
         single="<|begin_of_text|> $A", special_tokens=[("<|begin_of_text|>", bos)])
