@@ -53,7 +53,8 @@ def test_turns_a_template_ends_without_eos_still_count_and_are_reported():
     t = ChatTemplate("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
                      "{% if add_generation_prompt %}assistant: {% endif %}", {"eos_token": "<|end|>"})
     (ex,), st = tokenize_records([Record("messages", "f:1", messages=CHAT)], TOK, t, 128)
-    assert ex.without_eos and st.without_eos == 1 and "1 chats with a turn the template ends without EOS" in st.summary()
+    assert ex.without_eos and st.without_eos == 1
+    assert "1 chats with a turn the template ends without EOS" in st.summary()
     assert counted_ids(ex) == TOK.encode("Hello.\n4\n")
     (ex,), st = tokenize_records([Record("messages", "f:1", messages=CHAT)], TOK, TEMPLATE, 128)
     assert not ex.without_eos and st.without_eos == 0
@@ -103,7 +104,8 @@ def test_collate_pads_right_with_masked_targets():
 
 
 def test_batches_are_deterministic_from_a_seed():
-    recs = [Record("prompt-completion", f"f:{i}", prompt="q" * (i % 5), completion="a" * (1 + i % 3)) for i in range(23)]
+    recs = [Record("prompt-completion", f"f:{i}", prompt="q" * (i % 5), completion="a" * (1 + i % 3))
+            for i in range(23)]
     ex, _ = tokenize_records(recs, TOK, TEMPLATE, 64)
 
     def run(seed):
@@ -122,7 +124,8 @@ def test_batches_are_deterministic_from_a_seed():
 def test_evaluate_examples_is_the_mean_over_counted_tokens():
     torch.manual_seed(0)
     model = MiniGPT(GPTConfig(vocab_size=TOK.vocab_size, block_size=32, n_layer=1, n_head=2, d_model=16))
-    recs = [Record("prompt-completion", f"f:{i}", prompt="abc" * (1 + i % 3), completion="xy" * (1 + i)) for i in range(5)]
+    recs = [Record("prompt-completion", f"f:{i}", prompt="abc" * (1 + i % 3), completion="xy" * (1 + i))
+            for i in range(5)]
     ex, st = tokenize_records(recs, TOK, TEMPLATE, 32)
     r = evaluate_examples(model, ex, batch_size=2)
     total = n = 0

@@ -37,7 +37,8 @@ def test_messages_shape(tmp_path):
 
 
 def test_messages_keep_their_other_fields(tmp_path):
-    row = {"messages": [{"role": "user", "content": "hi", "name": "ann", "x": None}, {"role": "assistant", "content": "ok"}]}
+    row = {"messages": [{"role": "user", "content": "hi", "name": "ann", "x": None},
+                        {"role": "assistant", "content": "ok"}]}
     (r,) = read_file(write_jsonl(tmp_path / "a.jsonl", [row]))
     assert r.messages[0] == {"role": "user", "content": "hi", "name": "ann"}
 
@@ -110,9 +111,10 @@ def test_forced_format(tmp_path):
     ([{"instruction": "i", "output": ""}], r"a\.jsonl:1: empty output"),
     ([{"text": ""}], r"a\.jsonl:1: empty text"),
     ([{"messages": CHAT[:2]}], r"a\.jsonl:1: the conversation has no assistant turn"),
-    ([{"messages": CHAT[:2] + [{"role": "assistant", "content": ""}]}], r"a\.jsonl:1: messages\[2\] is an empty assistant"),
-    ([{"messages": [{"role": "user", "text": "hi"}]}], r"a\.jsonl:1: messages\[0\] must be an object with string 'role' "
-                                                       r"and 'content' \(found role, text\)"),
+    ([{"messages": CHAT[:2] + [{"role": "assistant", "content": ""}]}],
+     r"a\.jsonl:1: messages\[2\] is an empty assistant"),
+    ([{"messages": [{"role": "user", "text": "hi"}]}],
+     r"a\.jsonl:1: messages\[0\] must be an object with string 'role' and 'content' \(found role, text\)"),
     ([{"messages": [{"role": "bot", "content": "hi"}]}], r"a\.jsonl:1: messages\[0\] has role 'bot'"),
     ([{"messages": []}], r"a\.jsonl:1: 'messages' must be a non-empty list"),
     ([[1, 2]], r"a\.jsonl:1: expected a JSON object, got list"),

@@ -121,7 +121,8 @@ def test_raise_exception_is_a_named_refusal():
 
 def test_template_sources_in_a_folder(tmp_path):
     cfg = {"eos_token": {"content": "</s>", "special": True}, "bos_token": "<s>", "add_bos_token": True,
-           "chat_template": [{"name": "tool_use", "template": "T"}, {"name": "default", "template": "D{{ eos_token }}"}]}
+           "chat_template": [{"name": "tool_use", "template": "T"},
+                             {"name": "default", "template": "D{{ eos_token }}"}]}
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
     t = load_chat_template(tmp_path)
     assert (t.source, t.eos_token, t.bos_token, t.render([])) == ("D{{ eos_token }}", "</s>", "<s>", "D</s>")

@@ -21,7 +21,8 @@ from minigpt.errors import InputError
 from .examples import IGNORE, Example
 
 
-def collate(examples: Sequence[Example], pad_id: int = 0, length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def collate(examples: Sequence[Example], pad_id: int = 0,
+            length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x, y (B, T): T is the longest example less one, or `length`; padding on the right, its targets IGNORE."""
     if not examples:
         raise InputError("no examples to batch")

@@ -79,8 +79,11 @@ class SFTStats:
     def summary(self) -> str:
         """One line for logs and manifests."""
         line = (f"{self.examples} of {self.records} examples, {self.counted_tokens} counted of {self.tokens} tokens; "
-                f"{self.truncated} truncated, {self.dropped + self.dropped_empty} dropped (longest {self.longest} tokens)")
-        return line + (f"; {self.without_eos} chats with a turn the template ends without EOS" if self.without_eos else "")
+                f"{self.truncated} truncated, {self.dropped + self.dropped_empty} dropped "
+                f"(longest {self.longest} tokens)")
+        if self.without_eos:
+            line += f"; {self.without_eos} chats with a turn the template ends without EOS"
+        return line
 
 
 def special_prefix(tokenizer) -> list[int]:

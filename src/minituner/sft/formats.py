@@ -111,7 +111,8 @@ def parse_record(obj, fmt: str, where: str) -> Record:
         if not output.strip():
             raise InputError(f"{where}: empty output (nothing to learn from)")
         user = f"{instruction}\n\n{extra}" if extra.strip() else instruction
-        return Record(fmt, where, messages=({"role": "user", "content": user}, {"role": "assistant", "content": output}))
+        messages = ({"role": "user", "content": user}, {"role": "assistant", "content": output})
+        return Record(fmt, where, messages=messages)
     if fmt == "text" and "text" in obj:
         text = _string(obj, "text", where)
         if not text.strip():

@@ -7,9 +7,9 @@ HTML and keeps non-ASCII (``json.dumps(ensure_ascii=False)``), and the globals `
 ``strftime_now``. The template sees ``messages`` (keys holding None dropped, reasoning under all its names, as
 transformers 5 passes them), ``add_generation_prompt``, ``tools`` and ``documents`` (None), and the tokenizer's
 special tokens (``bos_token``, ``eos_token``, ...) as strings, like ``tokenizer.special_tokens_map``. Not copied:
-transformers' stricter ``namespace``/``dict`` globals, which only make some unsafe templates fail. Where the template comes
-from follows transformers too: ``chat_template.jinja`` wins over ``chat_template`` in ``tokenizer_config.json``,
-which may be a string or a list of ``{"name", "template"}`` (the one named ``default`` is used).
+transformers' stricter ``namespace``/``dict`` globals, which only make some unsafe templates fail. Where the
+template comes from follows transformers too: ``chat_template.jinja`` wins over ``chat_template`` in
+``tokenizer_config.json``, which may be a string or a list of ``{"name", "template"}`` (``default`` is used).
 
 Bases without a template (MiniGPT, GPT-2) get DEFAULT_TEMPLATE, plain text MiniGPT's character tokenizer
 encodes (every character occurs in the Python docs)::
@@ -19,7 +19,8 @@ encodes (every character occurs in the Python docs)::
     Assistant: {answer}{eos_token}      (turns separated by one newline, nothing after the last)
 
 A tokenizer without an EOS token (MiniGPT's characters) ends answers with DEFAULT_EOS, the text ``<|end|>``
-(7 characters, hence 7 tokens); generation stops when the model writes it.
+(7 characters, hence 7 tokens); generation stops when the model writes it. The headers are short ("User: ", not
+"### User:\n") because MiniGPT sees 128 tokens: a forecast-qa record with its bulletin and question fits in 124.
 """
 from __future__ import annotations
 
