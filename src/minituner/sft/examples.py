@@ -26,7 +26,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Sequence
 
 from minigpt.errors import InputError
 
@@ -167,7 +167,7 @@ def record_text(record: Record, template: ChatTemplate) -> str:
 
 
 def tokenize_record(record: Record, encode: Callable[[str], list[int]], template: ChatTemplate,
-                    train_on_inputs: bool = False, prefix_ids: list[int] = ()) -> Example:
+                    train_on_inputs: bool = False, prefix_ids: Sequence[int] = ()) -> Example:
     """One record as an Example (untruncated); `prefix_ids` (special_prefix) start a text or prompt-completion."""
     pieces = record_pieces(record, template)
     ids: list[int] = [] if record.kind == "chat" else list(prefix_ids)
