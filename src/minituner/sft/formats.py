@@ -1,0 +1,246 @@
+"""Read instruction and chat data sets: ``.jsonl`` / ``.json`` files, or folders of them, in four shapes.
+
+The shapes are the ones TRL's SFTTrainer, axolotl and torchtune agree on:
+
+- ``text``: ``{"text": "..."}``, every token counts;
+- ``prompt-completion``: ``{"prompt": "...", "completion": "..."}`` (TRL's "conversational" variant, where both
+  are lists of messages, is read as a conversation);
+- ``messages``: ``{"messages": [{"role": "user", "content": "..."}, ...]}``, rendered with a chat template;
+- ``alpaca``: ``{"instruction": "...", "input": "..." (optional), "output": "..."}``, read as a conversation of
+  one user turn (instruction, then a blank line and the input when there is one) and one assistant turn.
+
+The shape is recognised per file from the fields of its first record (or forced with ``fmt``); every record of
+the file must then fit it. Fields beyond the shape's are ignored. Mistakes name the file and the line.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from minigpt.errors import InputError
+
+FORMATS = ("text", "prompt-completion", "messages", "alpaca")
+SUFFIXES = (".jsonl", ".json")
+ROLES = ("system", "user", "assistant", "tool")
+
+
+@dataclass(frozen=True)
+class Record:
+    """One example as read: exactly one of `text`, (`prompt`, `completion`) or `messages` is set."""
+
+    format: str  # the shape it was read as (one of FORMATS)
+    where: str  # "file:line", for messages that name it
+    text: str | None = None
+    prompt: str | None = None
+    completion: str | None = None
+    messages: tuple[dict, ...] | None = None  # each {"role": str, "content": str, ...any other fields}
+
+    @property
+    def kind(self) -> str:
+        """How it is tokenized: "text", "completion" (prompt + completion) or "chat" (a template renders it)."""
+        return "text" if self.text is not None else "completion" if self.prompt is not None else "chat"
+
+
+def detect_format(obj: dict) -> str | None:
+    """The shape a record's fields fit, or None; `messages` wins over `prompt`/`completion`, then alpaca, then text."""
+    if "messages" in obj:
+        return "messages"
+    if "prompt" in obj and "completion" in obj:
+        return "prompt-completion"
+    if "instruction" in obj and "output" in obj:
+        return "alpaca"
+    if "text" in obj:
+        return "text"
+    return None
+
+
+def _fields(obj: dict) -> str:
+    return ", ".join(sorted(map(str, obj))) or "none"
+
+
+def _string(obj: dict, key: str, where: str, *, required: bool = True) -> str:
+    value = obj.get(key)
+    if value is None and not required:
+        return ""
+    if not isinstance(value, str):
+        raise InputError(f"{where}: field {key!r} must be a string, got {type(value).__name__}")
+    return value
+
+
+def _messages(value, where: str, key: str = "messages") -> tuple[dict, ...]:
+    if not isinstance(value, list) or not value:
+        raise InputError(f"{where}: {key!r} must be a non-empty list of {{role, content}} objects")
+    out = []
+    for i, m in enumerate(value):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            found = _fields(m) if isinstance(m, dict) else type(m).__name__
+            raise InputError(f"{where}: {key}[{i}] must be an object with string 'role' and 'content' (found {found})")
+        if m["role"] not in ROLES:
+            raise InputError(f"{where}: {key}[{i}] has role {m['role']!r}; roles are {', '.join(ROLES)}")
+        if m["role"] == "assistant" and not m["content"].strip():
+            raise InputError(f"{where}: {key}[{i}] is an empty assistant message")
+        out.append({k: v for k, v in m.items() if v is not None})  # other fields (name, ...) reach the template
+    return tuple(out)
+
+
+def _conversation(messages: tuple[dict, ...], fmt: str, where: str) -> Record:
+    if not any(m["role"] == "assistant" for m in messages):
+        raise InputError(f"{where}: the conversation has no assistant turn (nothing to learn from)")
+    return Record(fmt, where, messages=messages)
+
+
+def parse_record(obj, fmt: str, where: str) -> Record:
+    """Check one JSON value against a shape and return it as a Record; InputError names `where` and the fields."""
+    if not isinstance(obj, dict):
+        raise InputError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+    if fmt == "messages" and "messages" in obj:
+        return _conversation(_messages(obj["messages"], where), fmt, where)
+    if fmt == "prompt-completion" and "prompt" in obj and "completion" in obj:
+        prompt, completion = obj["prompt"], obj["completion"]
+        if isinstance(prompt, list) or isinstance(completion, list):  # TRL's conversational prompt-completion
+            messages = _messages(prompt, where, "prompt") + _messages(completion, where, "completion")
+            return _conversation(messages, fmt, where)
+        prompt, completion = _string(obj, "prompt", where), _string(obj, "completion", where)
+        if not completion.strip():
+            raise InputError(f"{where}: empty completion (nothing to learn from)")
+        return Record(fmt, where, prompt=prompt, completion=completion)
+    if fmt == "alpaca" and "instruction" in obj and "output" in obj:
+        instruction, extra = _string(obj, "instruction", where), _string(obj, "input", where, required=False)
+        output = _string(obj, "output", where)
+        if not output.strip():
+            raise InputError(f"{where}: empty output (nothing to learn from)")
+        user = f"{instruction}\n\n{extra}" if extra.strip() else instruction
+        messages = ({"role": "user", "content": user}, {"role": "assistant", "content": output})
+        return Record(fmt, where, messages=messages)
+    if fmt == "text" and "text" in obj:
+        text = _string(obj, "text", where)
+        if not text.strip():
+            raise InputError(f"{where}: empty text")
+        return Record(fmt, where, text=text)
+    found = detect_format(obj)
+    why = f"it looks like {found}" if found else "it fits none of text, prompt-completion, messages, alpaca"
+    raise InputError(f"{where}: fields found: {_fields(obj)}; expected {fmt} ({why})")
+
+
+def _decode(path: Path) -> str:
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8").removeprefix("\ufeff")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        col = e.start - (data.rfind(b"\n", 0, e.start) + 1) + 1
+        raise InputError(f"{path}:{line}: not UTF-8 (byte 0x{data[e.start]:02x} at column {col})") from None
+
+
+def _json_values(path: Path, text: str):
+    """(line, value) for each record: the elements of a JSON array, or one JSON value per non-blank line."""
+    stripped = text.lstrip()
+    if path.suffix.lower() == ".json" and stripped.startswith("["):
+        decoder, i = json.JSONDecoder(), text.index("[") + 1
+        while True:
+            while i < len(text) and text[i] in " \t\r\n":
+                i += 1
+            if i < len(text) and text[i] == "]":
+                return
+            line = text.count("\n", 0, i) + 1
+            try:
+                value, i = decoder.raw_decode(text, i)
+            except json.JSONDecodeError as e:
+                raise InputError(f"{path}:{text.count(chr(10), 0, e.pos) + 1}: not valid JSON ({e.msg})") from None
+            yield line, value
+            while i < len(text) and text[i] in " \t\r\n":
+                i += 1
+            if i < len(text) and text[i] == ",":
+                i += 1
+            elif i >= len(text) or text[i] != "]":
+                raise InputError(f"{path}:{text.count(chr(10), 0, i) + 1}: expected ',' or ']' in the JSON array")
+    for n, line in enumerate(text.split("\n"), start=1):  # not splitlines(): JSON strings may hold U+2028
+        if line.strip():
+            try:
+                yield n, json.loads(line)
+            except json.JSONDecodeError as e:
+                raise InputError(f"{path}:{n}: not valid JSON ({e.msg}); a .jsonl file holds one object per line, "
+                                 "a .json file an array of objects") from None
+
+
+def read_file(path: str | Path, fmt: str | None = None) -> list[Record]:
+    """The records of one .jsonl or .json file; the shape comes from its first record unless `fmt` forces it."""
+    path = Path(path)
+    if fmt is not None and fmt not in FORMATS:
+        raise InputError(f"unknown data format {fmt!r}; valid: {', '.join(FORMATS)}")
+    records: list[Record] = []
+    for line, obj in _json_values(path, _decode(path)):
+        where = f"{path}:{line}"
+        if fmt is None:
+            if not isinstance(obj, dict):
+                raise InputError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+            fmt = detect_format(obj)
+            if fmt is None:
+                raise InputError(f"{where}: fields found: {_fields(obj)}; a record needs 'text', 'prompt' and "
+                                 "'completion', 'messages', or 'instruction' and 'output'")
+        records.append(parse_record(obj, fmt, where))
+    if not records:
+        raise InputError(f"{path}: no records (empty data)")
+    return records
+
+
+TEXT_SUFFIXES = (".txt", ".text", ".md", ".rst")  # what minigpt.data reads as plain text
+
+
+def _listed(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.rglob("*") if p.is_file()
+                  and not any(part.startswith(".") for part in p.relative_to(folder).parts))
+
+
+def data_files(path: str | Path) -> list[Path]:
+    """`path` itself, or the .jsonl/.json files under a folder (recursively, sorted, hidden ones skipped).
+
+    A folder that also holds text files is refused: they would be skipped, and data is never skipped silently.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise InputError(f"{path}: data file or folder not found")
+    if path.is_file():
+        return [path]
+    listed = _listed(path)
+    files = [p for p in listed if p.suffix.lower() in SUFFIXES]
+    if not files:
+        raise InputError(f"{path}: no .jsonl or .json files in the folder")
+    text = [p for p in listed if p.suffix.lower() in TEXT_SUFFIXES]
+    if text:
+        raise InputError(f"{path}: the folder holds .jsonl/.json files and text files ({text[0].name}); "
+                         "give a folder of one kind")
+    return files
+
+
+def is_structured(path: str | Path) -> bool:
+    """True for a .jsonl/.json file or a folder holding one: data for these readers, not plain text."""
+    path = Path(path)
+    if path.is_file():
+        return path.suffix.lower() in SUFFIXES
+    return path.is_dir() and any(p.suffix.lower() in SUFFIXES for p in _listed(path))
+
+
+def read_records(path: str | Path, fmt: str | None = None) -> list[Record]:
+    """Every record of a .jsonl/.json file or folder, in file order (files sorted by path)."""
+    return [r for f in data_files(path) for r in read_file(f, fmt)]
+
+
+def split_records(records: list[Record], period: int = 20) -> dict[str, list[Record]]:
+    """Deterministic split as minigpt.data.split_documents: of every `period` records one goes to val, one to test.
+
+    With fewer than `period` records there is no test split and one record in five (at least one) is val.
+    """
+    if len(records) < 2:
+        raise InputError(f"{len(records)} record(s): at least 2 are needed for a train and a val split")
+    if len(records) < period:
+        period = min(5, len(records))
+        val = set(range(period - 1, len(records), period))
+        return {"train": [r for i, r in enumerate(records) if i not in val],
+                "val": [r for i, r in enumerate(records) if i in val], "test": []}
+    parts: dict[str, list[Record]] = {"train": [], "val": [], "test": []}
+    for i, r in enumerate(records):
+        k = i % period
+        parts["val" if k == period - 2 else "test" if k == period - 1 else "train"].append(r)
+    return parts

@@ -1,0 +1,68 @@
+"""From ``--data`` to tokenized train and val examples: the few calls a command needs."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from minigpt.errors import InputError
+
+from .builtin import BUILTIN_SFT, SPLITS, builtin_records
+from .examples import Example, SFTConfig, SFTStats, tokenize_records
+from .formats import Record, is_structured, read_records, split_records
+from .templates import ChatTemplate
+
+BUILTIN_PREFIX = "builtin:"
+
+
+def is_sft_source(source: str | Path) -> bool:
+    """True for a built-in instruction set or a .jsonl/.json file or folder; False for plain text (today's path)."""
+    s = str(source)
+    if s.startswith(BUILTIN_PREFIX):
+        return s[len(BUILTIN_PREFIX):] in BUILTIN_SFT
+    return is_structured(s)
+
+
+def load_records(source: str | Path, fmt: str | None = None) -> list[Record]:
+    """``builtin:forecast-qa`` or a .jsonl/.json file or folder, every record in order."""
+    s = str(source)
+    if s.startswith(BUILTIN_PREFIX):
+        if fmt is not None:
+            raise InputError(f"{s} has a fixed format; --format applies to files")
+        return builtin_records(s[len(BUILTIN_PREFIX):])
+    return read_records(Path(s), fmt)
+
+
+@dataclass
+class SFTData:
+    train: list[Example]
+    val: list[Example]
+    train_stats: SFTStats
+    val_stats: SFTStats
+    template: ChatTemplate
+
+
+def prepare_sft(source: str | Path, tokenizer, template: ChatTemplate, block_size: int,
+                cfg: SFTConfig | None = None, fmt: str | None = None) -> SFTData:
+    """Read, split (split_records) and tokenize a data set; refuses an empty train or val split."""
+    splits = split_records(load_records(source, fmt))
+    train, train_stats = tokenize_records(splits["train"], tokenizer, template, block_size, cfg)
+    val, val_stats = tokenize_records(splits["val"], tokenizer, template, block_size, cfg)
+    for name, examples, stats in (("train", train, train_stats), ("val", val, val_stats)):
+        if not examples:
+            raise InputError(f"{source}: no {name} example fits block_size {block_size} ({stats.summary()})")
+    return SFTData(train, val, train_stats, val_stats, template)
+
+
+def prepare_eval(source: str | Path, tokenizer, template: ChatTemplate, block_size: int,
+                 cfg: SFTConfig | None = None, fmt: str | None = None,
+                 split: str | None = None) -> tuple[list[Example], SFTStats]:
+    """Examples to evaluate on: every record of `source`, or one split of it (split_records: train, val, test)."""
+    records = load_records(source, fmt)
+    if split is not None:
+        if split not in SPLITS:
+            raise InputError(f"unknown split {split!r}; valid: {', '.join(SPLITS)}")
+        records = split_records(records)[split]
+    examples, stats = tokenize_records(records, tokenizer, template, block_size, cfg)
+    if not examples:
+        raise InputError(f"{source}: no example to evaluate fits block_size {block_size} ({stats.summary()})")
+    return examples, stats

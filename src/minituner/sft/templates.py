@@ -1,0 +1,214 @@
+"""Chat templates: read a base folder's Jinja template and render it as transformers' ``apply_chat_template`` does.
+
+The environment matches transformers' (``utils/chat_template_utils.py``): an immutable sandbox with
+``trim_blocks`` and ``lstrip_blocks``, the ``loopcontrols`` extension and the ``{% generation %}`` tag (rendered
+as its body; we find answers by rendering prefixes instead), a ``tojson`` filter that does not escape
+HTML and keeps non-ASCII (``json.dumps(ensure_ascii=False)``), and the globals ``raise_exception`` and
+``strftime_now``. The template sees ``messages`` (keys holding None dropped, reasoning under all its names, as
+transformers 5 passes them), ``add_generation_prompt``, ``tools`` and ``documents`` (None), and the tokenizer's
+special tokens (``bos_token``, ``eos_token``, ...) as strings, like ``tokenizer.special_tokens_map``. Not copied:
+transformers' stricter ``namespace``/``dict`` globals, which only make some unsafe templates fail. Where the
+template comes from follows transformers too: ``chat_template.jinja`` wins over ``chat_template`` in
+``tokenizer_config.json``, which may be a string or a list of ``{"name", "template"}`` (``default`` is used).
+
+Bases without a template (MiniGPT, GPT-2) get DEFAULT_TEMPLATE, plain text MiniGPT's character tokenizer
+encodes (every character occurs in the Python docs)::
+
+    System: {system}\n                  (when there is a system message)
+    User: {question}\n
+    Assistant: {answer}{eos_token}      (turns separated by one newline, nothing after the last)
+
+A tokenizer without an EOS token (MiniGPT's characters) ends answers with DEFAULT_EOS, the text ``<|end|>``
+(7 characters, hence 7 tokens); generation stops when the model writes it. The headers are short ("User: ", not
+"### User:\n") because MiniGPT sees 128 tokens: a forecast-qa record with its bulletin and question fits in 124.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from datetime import datetime
+from functools import lru_cache
+from pathlib import Path
+
+from minigpt.errors import InputError
+
+TEMPLATE_FILE = "chat_template.jinja"
+TOKENIZER_CONFIG = "tokenizer_config.json"
+GENERATION_CONFIG = "generation_config.json"
+HF_TOKENIZER = "tokenizer.json"
+DEFAULT_EOS = "<|end|>"
+DEFAULT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if not loop.first %}{{ '\\n' }}{% endif %}"
+    "{{ message['role'] | capitalize }}: {{ message['content'] }}"
+    "{% if message['role'] == 'assistant' %}{{ eos_token }}{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '\\n' if messages else '' }}Assistant: {% endif %}"
+)
+
+
+def _raise_exception(message):
+    import jinja2
+
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+def _generation_tag():
+    """``{% generation %}...{% endgeneration %}`` (transformers' assistant-mask tag), rendered as its body."""
+    import jinja2.ext
+    import jinja2.nodes
+
+    class Generation(jinja2.ext.Extension):
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        def _body(self, caller):
+            return caller()
+
+    return Generation
+
+
+@lru_cache(maxsize=32)
+def compile_template(source: str):
+    """A jinja2 Template built in transformers' environment (cached by source)."""
+    import jinja2
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[_generation_tag(), jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    try:
+        return env.from_string(source)
+    except jinja2.TemplateSyntaxError as e:
+        raise InputError(f"the chat template does not parse (line {e.lineno}: {_one_line(e.message)})") from None
+
+
+REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")  # one message's reasoning, under its names
+
+
+def template_message(message: dict) -> dict:
+    """A message as transformers hands it to a template: keys whose value is None dropped, reasoning under each name."""
+    m = {k: v for k, v in message.items() if v is not None}
+    reasoning = next((m[k] for k in REASONING_FIELDS if k in m), None)
+    return m if reasoning is None else {"thinking": reasoning, **m, "reasoning_content": reasoning}
+
+
+def _one_line(e: Exception) -> str:
+    return " ".join(str(e).split())
+
+
+def render_template(source: str, messages: list[dict], add_generation_prompt: bool = False, **variables) -> str:
+    """Render a Jinja chat template; `variables` are the special tokens and any extra template arguments."""
+    import jinja2
+
+    try:
+        context = {"tools": None, "documents": None, **variables}  # transformers always passes both
+        return compile_template(source).render(messages=[template_message(m) for m in messages],
+                                               add_generation_prompt=add_generation_prompt, **context)
+    except jinja2.TemplateError as e:
+        raise InputError(f"the chat template refused the conversation: {_one_line(e)}") from None
+
+
+def _token_text(value) -> str | None:
+    """A special token as tokenizer_config stores it: a string or an AddedToken dict {"content": ...}."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict) and isinstance(value.get("content"), str):
+        return value["content"]
+    return None
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        d = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise InputError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(d, dict):
+        raise InputError(f"{path}: expected a JSON object")
+    return d
+
+
+def _eos_from_generation_config(folder: Path) -> str | None:
+    """generation_config.json's eos_token_id (the first, if a list) named through tokenizer.json's added tokens."""
+    gen, tok = folder / GENERATION_CONFIG, folder / HF_TOKENIZER
+    if not (gen.is_file() and tok.is_file()):
+        return None
+    ids = _read_json(gen).get("eos_token_id")
+    ids = ids if isinstance(ids, list) else [ids]
+    added = {t.get("id"): t.get("content") for t in _read_json(tok).get("added_tokens", []) if isinstance(t, dict)}
+    return next((added[i] for i in ids if isinstance(added.get(i), str)), None)
+
+
+@dataclass(frozen=True)
+class ChatTemplate:
+    """A chat template, the special tokens it is rendered with, and where it came from."""
+
+    source: str  # the Jinja text
+    special_tokens: dict = field(default_factory=lambda: {"eos_token": DEFAULT_EOS})  # bos_token, eos_token, ...
+    origin: str = "default"  # a file path, or "default" for DEFAULT_TEMPLATE
+
+    @property
+    def eos_token(self) -> str:
+        """The text that ends a completion or an assistant turn."""
+        return self.special_tokens.get("eos_token") or DEFAULT_EOS
+
+    @property
+    def bos_token(self) -> str | None:
+        return self.special_tokens.get("bos_token")
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = False, **variables) -> str:
+        """The string transformers' apply_chat_template(messages, tokenize=False, ...) returns."""
+        return render_template(self.source, messages, add_generation_prompt, **{**self.special_tokens, **variables})
+
+
+def default_template(eos_token: str | None = None, bos_token: str | None = None) -> ChatTemplate:
+    tokens = {"eos_token": eos_token or DEFAULT_EOS}
+    if bos_token:
+        tokens["bos_token"] = bos_token
+    return ChatTemplate(DEFAULT_TEMPLATE, tokens, "default")
+
+
+def _pick(value, path: Path) -> str:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
+        if isinstance(named.get("default"), str):
+            return named["default"]
+        raise InputError(f"{path}: chat_template is a list without a template named 'default' "
+                         f"(names: {', '.join(sorted(map(str, named)))})")
+    raise InputError(f"{path}: chat_template must be a string or a list of {{name, template}}")
+
+
+def load_chat_template(folder: str | Path) -> ChatTemplate:
+    """The base folder's chat template and special tokens; DEFAULT_TEMPLATE when it has none (MiniGPT)."""
+    folder = Path(folder)
+    config_path = folder / TOKENIZER_CONFIG
+    config = _read_json(config_path) if config_path.is_file() else {}
+    tokens = {k: t for k, v in config.items() if k.endswith("_token") and (t := _token_text(v)) is not None}
+    if "eos_token" not in tokens and (eos := _eos_from_generation_config(folder)):
+        tokens["eos_token"] = eos
+    jinja_path = folder / TEMPLATE_FILE
+    if jinja_path.is_file():
+        source, origin = jinja_path.read_text(encoding="utf-8"), str(jinja_path)
+    elif config.get("chat_template") is not None:
+        source, origin = _pick(config["chat_template"], config_path), str(config_path)
+    else:
+        return default_template(tokens.get("eos_token"), tokens.get("bos_token"))
+    compile_template(source)  # a template that does not parse is refused when the folder is read
+    return ChatTemplate(source, tokens, origin)

@@ -1,0 +1,171 @@
+"""Readers for .jsonl/.json instruction and chat data: the four shapes and every refusal, named by file and line."""
+import json
+
+import pytest
+
+from minigpt.errors import InputError
+from minituner.sft.formats import FORMATS, is_structured, read_file, read_records, split_records
+
+CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi?"},
+        {"role": "assistant", "content": "Hello."}]
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return path
+
+
+def test_text_shape(tmp_path):
+    (r,) = read_file(write_jsonl(tmp_path / "a.jsonl", [{"text": "some text", "id": 3}]))
+    assert (r.format, r.kind, r.text, r.where) == ("text", "text", "some text", f"{tmp_path / 'a.jsonl'}:1")
+
+
+def test_prompt_completion_shape(tmp_path):
+    (r,) = read_file(write_jsonl(tmp_path / "a.jsonl", [{"prompt": "2+2=", "completion": "4"}]))
+    assert (r.format, r.kind, r.prompt, r.completion) == ("prompt-completion", "completion", "2+2=", "4")
+
+
+def test_conversational_prompt_completion_is_a_chat(tmp_path):
+    row = {"prompt": CHAT[:2], "completion": CHAT[2:]}
+    (r,) = read_file(write_jsonl(tmp_path / "a.jsonl", [row]))
+    assert r.kind == "chat" and list(r.messages) == CHAT
+
+
+def test_messages_shape(tmp_path):
+    (r,) = read_file(write_jsonl(tmp_path / "a.jsonl", [{"messages": CHAT}]))
+    assert (r.format, r.kind) == ("messages", "chat") and list(r.messages) == CHAT
+
+
+def test_messages_keep_their_other_fields(tmp_path):
+    row = {"messages": [{"role": "user", "content": "hi", "name": "ann", "x": None},
+                        {"role": "assistant", "content": "ok"}]}
+    (r,) = read_file(write_jsonl(tmp_path / "a.jsonl", [row]))
+    assert r.messages[0] == {"role": "user", "content": "hi", "name": "ann"}
+
+
+def test_alpaca_shape_with_and_without_input(tmp_path):
+    rows = [{"instruction": "Add.", "input": "2 and 2", "output": "4"}, {"instruction": "Say hi.", "output": "hi"},
+            {"instruction": "Say hi.", "input": "", "output": "hi"}]
+    a, b, c = read_file(write_jsonl(tmp_path / "a.jsonl", rows))
+    assert a.format == "alpaca" and a.kind == "chat"
+    assert list(a.messages) == [{"role": "user", "content": "Add.\n\n2 and 2"}, {"role": "assistant", "content": "4"}]
+    assert b.messages == c.messages == ({"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "hi"})
+
+
+def test_json_array_has_line_numbers(tmp_path):
+    p = tmp_path / "a.json"
+    p.write_text('[\n  {"prompt": "a", "completion": "b"},\n  {"prompt": "c",\n   "completion": "d"}\n]\n')
+    recs = read_file(p)
+    assert [r.where for r in recs] == [f"{p}:2", f"{p}:3"] and recs[1].completion == "d"
+
+
+def test_json_file_with_one_object_per_line(tmp_path):
+    recs = read_file(write_jsonl(tmp_path / "a.json", [{"text": "x"}, {"text": "y"}]))
+    assert [r.text for r in recs] == ["x", "y"]
+
+
+def test_folder_reads_files_in_order_each_its_own_shape(tmp_path):
+    write_jsonl(tmp_path / "b.jsonl", [{"messages": CHAT}])
+    write_jsonl(tmp_path / "a.jsonl", [{"text": "t"}, {"text": "u"}])
+    (tmp_path / "notes.csv").write_text("ignored")
+    (tmp_path / ".hidden.jsonl").write_text("not json")
+    recs = read_records(tmp_path)
+    assert [r.format for r in recs] == ["text", "text", "messages"]
+    assert is_structured(tmp_path) and is_structured(tmp_path / "a.jsonl") and not is_structured(tmp_path / "notes.csv")
+    (tmp_path / "notes.txt").write_text("would be skipped")
+    with pytest.raises(InputError, match=r"holds .jsonl/.json files and text files \(notes.txt\)"):
+        read_records(tmp_path)
+    hidden_only = tmp_path / "h"
+    hidden_only.mkdir()
+    (hidden_only / ".x.jsonl").write_text("{}")
+    assert not is_structured(hidden_only)
+
+
+def test_line_separator_inside_a_string_keeps_line_numbers(tmp_path):
+    p = tmp_path / "a.jsonl"
+    p.write_text('{"text": "a\u2028b"}\n{"bad": 1}\n', encoding="utf-8")
+    with pytest.raises(InputError, match=r"a\.jsonl:2: fields found: bad"):
+        read_file(p)
+
+
+def test_forced_format(tmp_path):
+    p = write_jsonl(tmp_path / "a.jsonl", [{"text": "t", "prompt": "p", "completion": "c"}])
+    assert read_file(p)[0].kind == "completion"  # detected: prompt-completion wins over text
+    assert read_file(p, "text")[0].text == "t"
+    with pytest.raises(InputError, match=r"a\.jsonl:1: fields found: completion, prompt, text; expected alpaca"):
+        read_file(p, "alpaca")
+    with pytest.raises(InputError, match="unknown data format 'csv'"):
+        read_file(p, "csv")
+    assert set(FORMATS) == {"text", "prompt-completion", "messages", "alpaca"}
+
+
+@pytest.mark.parametrize("rows, message", [
+    ([{"text": "ok"}, {"question": "q", "answer": "a"}],
+     r"a\.jsonl:2: fields found: answer, question; expected text \(it fits none of"),
+    ([{"foo": 1}], r"a\.jsonl:1: fields found: foo; a record needs 'text'"),
+    ([{"text": "ok"}, {"prompt": "p", "completion": "c"}], r"a\.jsonl:2: fields found: completion, prompt; "
+                                                           r"expected text \(it looks like prompt-completion\)"),
+    ([{"prompt": "p", "completion": ""}], r"a\.jsonl:1: empty completion"),
+    ([{"prompt": "p", "completion": "  \n"}], r"a\.jsonl:1: empty completion"),
+    ([{"prompt": "p", "completion": 4}], r"a\.jsonl:1: field 'completion' must be a string, got int"),
+    ([{"instruction": "i", "output": ""}], r"a\.jsonl:1: empty output"),
+    ([{"text": ""}], r"a\.jsonl:1: empty text"),
+    ([{"messages": CHAT[:2]}], r"a\.jsonl:1: the conversation has no assistant turn"),
+    ([{"messages": CHAT[:2] + [{"role": "assistant", "content": ""}]}],
+     r"a\.jsonl:1: messages\[2\] is an empty assistant"),
+    ([{"messages": [{"role": "user", "text": "hi"}]}],
+     r"a\.jsonl:1: messages\[0\] must be an object with string 'role' and 'content' \(found role, text\)"),
+    ([{"messages": [{"role": "bot", "content": "hi"}]}], r"a\.jsonl:1: messages\[0\] has role 'bot'"),
+    ([{"messages": []}], r"a\.jsonl:1: 'messages' must be a non-empty list"),
+    ([[1, 2]], r"a\.jsonl:1: expected a JSON object, got list"),
+])
+def test_bad_records_are_refused_with_file_and_line(tmp_path, rows, message):
+    with pytest.raises(InputError, match=message):
+        read_file(write_jsonl(tmp_path / "a.jsonl", rows))
+
+
+def test_malformed_json_line(tmp_path):
+    p = tmp_path / "a.jsonl"
+    p.write_text('{"text": "ok"}\n\n{"text": "cut\n')
+    with pytest.raises(InputError, match=r"a\.jsonl:3: not valid JSON"):
+        read_file(p)
+
+
+def test_malformed_json_array(tmp_path):
+    p = tmp_path / "a.json"
+    p.write_text('[\n {"text": "a"}\n {"text": "b"}\n]')
+    with pytest.raises(InputError, match=r"a\.json:3: expected ',' or ']'"):
+        read_file(p)
+
+
+def test_non_utf8_bytes_are_refused_with_the_line(tmp_path):
+    p = tmp_path / "a.jsonl"
+    p.write_bytes(b'{"text": "fine"}\n{"text": "caf\xe9"}\n')
+    with pytest.raises(InputError, match=r"a\.jsonl:2: not UTF-8 \(byte 0xe9 at column 14\)"):
+        read_file(p)
+
+
+def test_utf8_bom_is_accepted(tmp_path):
+    p = tmp_path / "a.jsonl"
+    p.write_bytes(b'\xef\xbb\xbf{"text": "x"}\n')
+    assert read_file(p)[0].text == "x"
+
+
+def test_empty_and_missing(tmp_path):
+    (tmp_path / "e.jsonl").write_text("\n\n")
+    with pytest.raises(InputError, match=r"e\.jsonl: no records"):
+        read_file(tmp_path / "e.jsonl")
+    with pytest.raises(InputError, match="not found"):
+        read_records(tmp_path / "missing.jsonl")
+    (tmp_path / "d").mkdir()
+    with pytest.raises(InputError, match="no .jsonl or .json files"):
+        read_records(tmp_path / "d")
+
+
+def test_split_records_is_deterministic_and_disjoint(tmp_path):
+    recs = read_file(write_jsonl(tmp_path / "a.jsonl", [{"text": str(i)} for i in range(45)]))
+    s = split_records(recs)
+    assert [len(s[k]) for k in ("train", "val", "test")] == [41, 2, 2]
+    assert [r.text for r in s["val"]] == ["18", "38"] and [r.text for r in s["test"]] == ["19", "39"]
+    small = split_records(recs[:7])
+    assert [r.text for r in small["val"]] == ["4"] and len(small["train"]) == 6 and small["test"] == []
