@@ -107,10 +107,18 @@ def _read(path: str) -> str:
         return "n/a"
 
 
+def _bf16_units() -> str:
+    from minigpt.bf16_support import BF16_CPU_FLAGS, cpu_flags
+
+    flags = cpu_flags()
+    return ", ".join(f"{f} {'yes' if f in flags else 'no'}" for f in BF16_CPU_FLAGS if f != "bf16" or "asimd" in flags)
+
+
 def machine_description() -> list[str]:
     load = os.getloadavg() if hasattr(os, "getloadavg") else (float("nan"),) * 3
     return [
         f"- CPU: {_cpu_name()}; {os.cpu_count()} logical cores visible, torch threads {torch.get_num_threads()}",
+        f"- CPU bf16 units (/proc/cpuinfo flags): {_bf16_units()}",
         f"- Memory: {psutil.virtual_memory().total / 2**30:.1f} GiB; {platform.system()} {platform.release()}; "
         f"transparent huge pages: {_read('/sys/kernel/mm/transparent_hugepage/enabled')}",
         f"- Python {platform.python_version()}; " + ", ".join(package_versions()),

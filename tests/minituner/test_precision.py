@@ -152,3 +152,25 @@ def test_idempotent_and_disabled_adapters():
 def test_unsupported_dtype_is_refused():
     with pytest.raises(InputError, match="bfloat16 or float16"):
         use_bf16_compute(_model("lora"), dtype=torch.float64)
+
+
+@pytest.mark.parametrize("kind", ["lora", "qlora"])
+def test_every_matrix_product_of_a_step_runs_in_bf16(kind):
+    """Forward and backward: no fp32 product is left (attention's fused kernel is not a product)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    products = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.addmm_.default,
+                torch.ops.aten.bmm.default, torch.ops.aten.baddbmm.default}
+    dtypes = set()
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in products:
+                dtypes.update(a.dtype for a in args if isinstance(a, torch.Tensor))
+            return func(*args, **(kwargs or {}))
+
+    model = use_bf16_compute(_model(kind))
+    x, y = _batch()
+    with Record():
+        _loss(model, x, y).backward()
+    assert dtypes == {torch.bfloat16}
