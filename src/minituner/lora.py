@@ -203,6 +203,9 @@ class LoRALinear(nn.Module):
         """Add the active adapters into the nn.Linear base weight (fp32 arithmetic); a no-op if merged."""
         if self.merged_adapters or self.disabled:
             return
+        if self.compute_dtype is not None:
+            raise InputError(f"cannot merge under {self.compute_dtype} compute: the base is stored in that dtype and "
+                             "unmerge would not restore it exactly; save the adapter and merge into the fp32 base")
         if not isinstance(self.base_layer, nn.Linear):
             raise InputError("cannot merge into a quantized base in place; use merged_linear() (dequantize -> merge -> float layer)")
         self._set_weight(self.delta_weight(), "merge")

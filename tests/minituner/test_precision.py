@@ -174,3 +174,10 @@ def test_every_matrix_product_of_a_step_runs_in_bf16(kind):
     with Record():
         _loss(model, x, y).backward()
     assert dtypes == {torch.bfloat16}
+
+
+def test_merge_is_refused_under_bf16_compute():
+    model = use_bf16_compute(_model("lora"))
+    with pytest.raises(InputError, match="cannot merge under torch.bfloat16 compute"):
+        model.blocks[0].attn.q_proj.merge()
+    assert not model.blocks[0].attn.q_proj.merged_adapters
