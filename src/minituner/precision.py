@@ -87,6 +87,18 @@ def _factor_modules(model: nn.Module) -> set[int]:
     return {id(f) for m in lora_modules(model).values() for d in (m.lora_A, m.lora_B) for f in d.values()}
 
 
+def _non_fp32_tensors(model: nn.Module) -> list[str]:
+    """Float parameters and buffers that are not fp32, outside the modules use_bf16_compute made low-precision."""
+    out = []
+    for path, m in model.named_modules():
+        if isinstance(m, (Bf16Linear, Bf16Embedding, QuantizedLinear)):
+            continue
+        for name, t in [*m.named_parameters(recurse=False), *m.named_buffers(recurse=False)]:
+            if t is not None and t.is_floating_point() and t.dtype != torch.float32:
+                out.append(f"{path}.{name}" if path else name)
+    return out
+
+
 def check_frozen_base(model: nn.Module) -> None:
     """InputError unless every trainable parameter is a LoRA factor (bf16 compute needs a frozen base)."""
     masters = {id(p) for m in lora_modules(model).values() for d in (m.lora_A, m.lora_B) for f in d.values()
@@ -108,6 +120,10 @@ def use_bf16_compute(model: nn.Module, dtype: torch.dtype = BF16) -> nn.Module:
     if dtype not in (torch.bfloat16, torch.float16):
         raise InputError(f"low-precision compute dtype must be bfloat16 or float16, got {dtype}")
     check_frozen_base(model)
+    low = _non_fp32_tensors(model)
+    if low:
+        raise InputError(f"bf16 compute starts from an fp32 model (norms stay fp32), but {low[0]} is not fp32: "
+                         "build the model in fp32 (e.g. wrap_minigpt_qlora(..., compute_dtype=torch.float32))")
     cache: dict[int, nn.Parameter] = {}
     output_dtype = torch.float32
     lora_factors = _factor_modules(model)

@@ -181,3 +181,11 @@ def test_merge_is_refused_under_bf16_compute():
     with pytest.raises(InputError, match="cannot merge under torch.bfloat16 compute"):
         model.blocks[0].attn.q_proj.merge()
     assert not model.blocks[0].attn.q_proj.merged_adapters
+
+
+def test_a_model_already_cast_to_bf16_is_refused():
+    """wrap_minigpt_qlora's compute_dtype=bf16 casts the norms too; use_bf16_compute keeps them fp32, so it wants fp32."""
+    torch.manual_seed(0)
+    model = wrap_minigpt_qlora(MiniGPT(GPTConfig(**CFG)), r=4, device="cpu", compute_dtype=torch.bfloat16)
+    with pytest.raises(InputError, match=r"starts from an fp32 model .* is not fp32"):
+        use_bf16_compute(model)
