@@ -1,8 +1,8 @@
 """bf16 compute for LoRA and QLoRA: the frozen base held in bf16, the LoRA masters, norms, softmax and loss in fp32.
 
-    model = load_base(...) ; apply_lora(model, cfg)          # or wrap_minigpt_qlora(model, ...)
-    check_bf16(device, allow_slow_bf16)                       # minigpt.bf16_support: refuse slow bf16
-    use_bf16_compute(model)                                   # in place; then build the optimizer
+    model = load_base(...) ; apply_lora(model, cfg)          # or wrap_minigpt_qlora(..., compute_dtype=fp32)
+    apply_precision(model, "bf16", device, allow_slow_bf16)   # check_bf16 (refuse slow bf16), then
+                                                              # use_bf16_compute(model); then the optimizer
 
 What changes, module by module (no model code changes; the residual stream stays fp32):
 - a frozen ``nn.Linear`` becomes a ``Bf16Linear``: its weight (and bias) stored in bf16 once, never cast
@@ -25,12 +25,14 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from minigpt.bf16_support import Bf16Support, check_bf16
 from minigpt.errors import InputError
 from miniquant import QuantizedLinear
 
 from .lora import LoRALinear, lora_modules
 
 BF16 = torch.bfloat16
+PRECISIONS = ("fp32", "bf16")  # what a --precision flag offers (bf16: this module's path, on CPU and CUDA)
 
 
 class Bf16Linear(nn.Linear):
@@ -127,7 +129,7 @@ def use_bf16_compute(model: nn.Module, dtype: torch.dtype = BF16) -> nn.Module:
     cache: dict[int, nn.Parameter] = {}
     output_dtype = torch.float32
     lora_factors = _factor_modules(model)
-    replacements = []  # (parent, leaf, new module): replaced after the walk
+    replacements = []  # (path, new module): swapped in after the walk
     for path, m in model.named_modules():
         if id(m) in lora_factors:
             continue  # the fp32 masters
@@ -169,3 +171,17 @@ def compute_dtypes(model: nn.Module) -> dict[str, str]:
         elif isinstance(m, (nn.LayerNorm, getattr(nn, "RMSNorm", nn.LayerNorm))) and m.weight is not None:
             add("norms", m.weight.dtype)
     return {k: ", ".join(sorted(v)) for k, v in kinds.items()}
+
+
+def apply_precision(model: nn.Module, precision: str, device: torch.device | str = "cpu",
+                    allow_slow_bf16: bool = False, flags=None) -> Bf16Support | None:
+    """One call for a training command: "fp32" changes nothing; "bf16" refuses a device without bf16 units
+    (one-line InputError, unless allow_slow_bf16) and then calls use_bf16_compute. Returns what was found."""
+    if precision not in PRECISIONS:
+        raise InputError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+    if precision == "fp32":
+        return None
+    check_frozen_base(model)  # a full fine-tune is refused before the device is looked at
+    support = check_bf16(device, allow_slow_bf16, flags)
+    use_bf16_compute(model)
+    return support

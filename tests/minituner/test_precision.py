@@ -189,3 +189,21 @@ def test_a_model_already_cast_to_bf16_is_refused():
     model = wrap_minigpt_qlora(MiniGPT(GPTConfig(**CFG)), r=4, device="cpu", compute_dtype=torch.bfloat16)
     with pytest.raises(InputError, match=r"starts from an fp32 model .* is not fp32"):
         use_bf16_compute(model)
+
+
+def test_apply_precision_checks_the_cpu_then_converts():
+    from minituner.precision import apply_precision
+
+    model = _model("lora")
+    assert apply_precision(model, "fp32") is None and isinstance(model.lm_head, nn.Linear)
+    with pytest.raises(InputError, match="no bf16 units.*--precision fp32"):
+        apply_precision(model, "bf16", "cpu", flags={"avx2", "avx512f"})
+    assert type(model.lm_head) is nn.Linear  # refused: nothing changed
+    support = apply_precision(model, "bf16", "cpu", allow_slow_bf16=True, flags={"avx2"})
+    assert not support.fast and isinstance(model.lm_head, Bf16Linear)
+    assert apply_precision(_model("qlora"), "bf16", "cpu", flags={"avx512_bf16"}).fast
+    with pytest.raises(InputError, match="precision must be one of fp32, bf16"):
+        apply_precision(model, "bf16-autocast")
+    full = MiniGPT(GPTConfig(**CFG))
+    with pytest.raises(InputError, match="full fine-tuning trains in fp32"):
+        apply_precision(full, "bf16", "cpu", flags={"avx512_bf16"})
