@@ -1,22 +1,23 @@
 """bf16 training steps (issue 13): ours (use_bf16_compute) against PEFT + bitsandbytes under CPU autocast, and the floor.
 
 For each model shape (SHAPES: a builder of the float base model plus its batch; the GPT-shaped stack of
-bench_step.py here, a Llama-1B shape plugs in as one more entry) and each configuration (CONFIGS), one
-subprocess builds the model, warms up, times optimizer steps and profiles one more step. Rows: our LoRA and
-QLoRA in fp32 and in bf16, PEFT + bitsandbytes QLoRA in fp32 and with compute_dtype bf16 under
-torch.autocast (its best CPU setting). Every configuration starts from the same weights and batch.
+bench_step.py here, a Llama-1B shape plugs in as one more entry) one subprocess builds every configuration
+(CONFIGS) and times their optimizer steps in interleaved rounds (timing.time_interleaved: each round calls
+every row once, in rotating order), so load from other processes falls on all rows alike; then it profiles
+one more step of each. Rows: our LoRA and QLoRA in fp32 and in bf16, PEFT + bitsandbytes QLoRA in fp32 and
+with compute_dtype bf16 under torch.autocast (its best CPU setting). Every row starts from the same weights
+and batch.
 
 The floor: one step of our QLoRA bf16 runs under a TorchDispatchMode that records every matrix product
-(aten::mm, addmm, addmm_, bmm, baddbmm) with its shapes, strides and dtypes; each distinct product is then
-timed alone (random inputs of the same layout, after warm-up) and the floor is the sum over the step's
-products of their medians. Attention's fused CPU kernel is not a matrix product: it is reported apart.
+(aten::mm, addmm, addmm_, bmm, baddbmm) with its shapes, strides and dtypes; the floor row replays them all,
+back to back, on random inputs of the same layouts, timed in the same interleaved rounds as the steps.
+Attention's fused CPU kernel is not a matrix product: it is reported apart.
 On a CPU without bf16 units (minigpt.bf16_support) the bf16 goals are reported as not measurable here.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import subprocess
 import sys
 import time
@@ -148,21 +149,17 @@ def _materialize(spec):
     return (torch.randn(storage) * 0.05).to(getattr(torch, dtype)).as_strided(shape, stride)
 
 
-def time_products(calls: Counter, repeats: int = 7) -> tuple[float, dict[str, float]]:
-    """Sum over the recorded products of count × median time of that product alone; and the sum by op."""
-    total, by_op = 0.0, Counter()
-    for (op, args, kwargs), count in calls.items():
-        fn, a, kw = getattr(torch.ops.aten, op).default, [_materialize(s) for s in args], {k: _materialize(v) for k, v in kwargs}
-        for _ in range(2):
-            fn(*a, **kw)
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            fn(*a, **kw)
-            times.append(time.perf_counter() - t0)
-        total += count * statistics.median(times)
-        by_op[op] += count * statistics.median(times)
-    return total, dict(by_op)
+def products_fn(calls: Counter) -> Callable[[], None]:
+    """A function that runs every recorded product (each as often as the step did) on random inputs of its layout."""
+    prepared = [(getattr(torch.ops.aten, op).default, [_materialize(a) for a in args],
+                 {k: _materialize(v) for k, v in kwargs}, count) for (op, args, kwargs), count in calls.items()]
+
+    def run() -> None:
+        for fn, args, kwargs, count in prepared:
+            for _ in range(count):
+                fn(*args, **kwargs)
+
+    return run
 
 
 PROFILE_GROUPS = {  # profiler op name -> group, for "what the rest of the step is"
@@ -188,143 +185,143 @@ def profile_groups(step: Callable[[], object]) -> tuple[float, dict[str, float]]
     return wall, dict(groups)
 
 
-def measure(shape_name: str, config: str, warmup: int, steps: int, floor: bool) -> dict:
-    import bitsandbytes  # noqa: F401  the same imports in every configuration
+def measure(shape_name: str, warmup: int, repeats: int) -> dict:
+    """Every configuration and the floor in this one process, timed in interleaved rounds (timing.py)."""
+    import bitsandbytes  # noqa: F401
     import peft  # noqa: F401
 
+    from timing import time_interleaved
+
     shape = SHAPES[shape_name]
-    model = build(shape, config)
-    model.train()
     g = torch.Generator().manual_seed(1)
     x = torch.randint(0, shape.vocab, (shape.batch, shape.seq), generator=g)
     y = torch.randint(0, shape.vocab, (shape.batch, shape.seq), generator=g)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
-    autocast = config == "peft_bnb_bf16"
+    losses: dict[str, list[float]] = {c: [] for c in CONFIGS}
 
-    def step() -> float:
-        opt.zero_grad(set_to_none=True)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            logits = model(x)  # (B, T, V)
-        loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1))  # fp32 loss
-        loss.backward()
-        opt.step()
-        return loss.item()
+    def make_step(config: str) -> Callable[[], None]:
+        model = build(shape, config)
+        model.train()
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
+        autocast = config == "peft_bnb_bf16"
 
-    losses = [step() for _ in range(warmup)]
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        losses.append(step())
-        times.append(time.perf_counter() - t0)
-    profiled_s, groups = profile_groups(step)
-    out = {"config": config, "times": times, "loss_first": losses[0], "loss_last": losses[-1],
-           "profiled_s": profiled_s, "groups": groups, "threads": torch.get_num_threads(),
-           "trainable_params": sum(p.numel() for p in model.parameters() if p.requires_grad)}
-    if floor:
-        calls = record_products(step)
-        out["floor_s"], out["floor_by_op"] = time_products(calls)
-        out["products"] = sum(calls.values())
-        out["product_dtypes"] = sorted({s[3] for (_, args, _), _ in calls.items() for s in args
-                                        if isinstance(s, tuple) and s and s[0] == "tensor"})
-    return out
+        def forward_backward() -> torch.Tensor:
+            opt.zero_grad(set_to_none=True)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                logits = model(x)  # (B, T, V)
+            loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1))  # fp32 loss
+            loss.backward()
+            return loss
+
+        def step() -> None:
+            losses[config].append(forward_backward().item())
+            opt.step()
+
+        step.forward_backward = forward_backward  # the step without the update, for recording its products
+        return step
+
+    steps = {c: make_step(c) for c in CONFIGS}
+    calls = record_products(steps["qlora_bf16"].forward_backward)  # AdamW holds no products; the weights stay
+    timings = time_interleaved({**steps, "floor": products_fn(calls)}, repeats=repeats, warmup=warmup)
+    profiles = {c: profile_groups(steps[c]) for c in CONFIGS}
+    return {"timings": {c: [t.median_s, t.min_s, t.first_s] for c, t in timings.items()},
+            "rounds": timings["floor"].repeats,
+            "losses": {c: [v[0], v[-1]] for c, v in losses.items()},
+            "groups": {c: p[1] for c, p in profiles.items()}, "threads": torch.get_num_threads(),
+            "products": sum(calls.values()),
+            "product_dtypes": sorted({a[3] for (_, args, _), _ in calls.items() for a in args
+                                      if isinstance(a, tuple) and a and a[0] == "tensor"}),
+            }
 
 
 # ---- the section (runs in the parent) ------------------------------------------------------------
 
 
-def _run_config(shape: str, config: str, warmup: int, steps: int) -> dict:
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--shape", shape, "--config", config,
-           "--warmup", str(warmup), "--steps", str(steps)] + (["--floor"] if config == "qlora_bf16" else [])
+def _run(shape: str, warmup: int, repeats: int) -> dict:
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--shape", shape, "--warmup", str(warmup),
+           "--repeats", str(repeats)]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
     if out.returncode != 0:
-        raise RuntimeError(f"{shape}/{config} failed:\n{out.stderr[-3000:]}")
+        raise RuntimeError(f"bf16 {shape} failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+GROUPS = ("matrix products", "attention kernel (fp32)", "dtype casts and copies", "other")
+
+
 def run(quick: bool = False, shape: str = "gpt", wait_s: float | None = None) -> Section:
-    warmup, steps, rounds = (1, 2, 1) if quick else (2, 4, 2)
+    warmup, repeats = (1, 2) if quick else (2, 7)
     wait_s = (0.0 if quick else WAIT_PER_CONFIG_S) if wait_s is None else wait_s
     spec, support = SHAPES[shape], bf16_support("cpu")
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
-    results: dict[str, list[dict]] = {c: [] for c in CONFIGS}
-    order = list(CONFIGS)
-    for r in range(rounds):  # the second round in reverse order, so drift in machine load evens out
-        for config in order if r % 2 == 0 else order[::-1]:
-            busy, _ = wait_for_quiet(wait_s, log=log)
-            log(f"[bench]   bf16 {shape}: {config} (round {r + 1}/{rounds}, machine busy {busy:.0f}%)")
-            results[config].append({**_run_config(shape, config, warmup, steps), "busy_before": busy})
-    med = {c: statistics.median([t for res in rs for t in res["times"]]) for c, rs in results.items()}
-    floor = statistics.median(r["floor_s"] for r in results["qlora_bf16"])
-    q = results["qlora_bf16"][0]
+    busy, _ = wait_for_quiet(wait_s, log=log)
+    log(f"[bench]   bf16 {shape}: {len(CONFIGS)} configurations and the floor, interleaved (machine busy {busy:.0f}%)")
+    res = _run(shape, warmup, repeats)
+    t = {c: v[0] for c, v in res["timings"].items()}  # medians
+    floor = t["floor"]
     section = Section(
         f"bf16 training step, {shape} shape",
         f"{spec.describe}; LoRA r = {spec.rank}, alpha {spec.alpha:g} on {', '.join(spec.targets)}; AdamW; loss in "
         f"fp32. Ours in bf16: `use_bf16_compute` (frozen base stored in bf16, NF4 dequantized to bf16 into a reused "
         "workspace, LoRA factors fp32 masters computed in bf16, norms, attention softmax and loss in fp32). PEFT + "
         "bitsandbytes in bf16: Linear4bit(compute_dtype=bf16) with the forward under torch.autocast('cpu', bf16). "
-        f"Median of {steps} timed steps × {rounds} subprocess(es) after {warmup} warm-up step(s). The floor: every "
-        f"matrix product of one QLoRA bf16 step ({q['products']} calls; dtypes {', '.join(q['product_dtypes'])}), "
-        "each timed alone with inputs of the same shapes and strides, summed. 'profiled share': self CPU time by "
-        f"group in one profiled step (profiler overhead included). CPU bf16 units: {support.reason}.",
-        ["configuration", "median step", "per round", "vs ours QLoRA bf16", "matrix products / attention / casts / "
-         "other (profiled share)", "loss step 0 → last", "machine busy before (%)"],
+        f"All rows live in one process and are timed in {res['rounds']} interleaved rounds (each round calls every "
+        f"row once, in rotating order) after {warmup} warm-up round(s), so load from other processes falls on all "
+        f"rows alike. The floor: every matrix product of one QLoRA bf16 step ({res['products']} calls; dtypes "
+        f"{', '.join(res['product_dtypes'])}), recorded with a TorchDispatchMode and replayed back to back on random "
+        "inputs of the same shapes and strides. 'profiled share': self CPU time by group in one profiled step "
+        f"(profiler overhead included). CPU bf16 units: {support.reason}. Machine CPU use before the run: {busy:.0f}%.",
+        ["configuration", "median step", "fastest step", "vs ours QLoRA bf16",
+         "matrix products / attention / casts / other (profiled share)", "loss step 0 → last"],
     )
     for config, label in CONFIGS.items():
-        rs = results[config]
-        shares = []
-        for group in ("matrix products", "attention kernel (fp32)", "dtype casts and copies", "other"):
-            total = statistics.median(sum(r["groups"].values()) for r in rs)
-            shares.append(f"{100 * statistics.median(r['groups'].get(group, 0.0) for r in rs) / total:.0f}%")
-        section.rows.append([label, fmt_seconds(med[config]), " / ".join(fmt_seconds(statistics.median(r["times"])) for r in rs),
-                             fmt_ratio(med[config] / med["qlora_bf16"]), " / ".join(shares),
-                             f"{rs[0]['loss_first']:.4f} → {rs[0]['loss_last']:.4f}",
-                             " / ".join(f"{r['busy_before']:.0f}" for r in rs)])
-    by_op = q["floor_by_op"]
-    section.rows.append(["floor: the matrix products of ours QLoRA bf16, each timed alone, summed", fmt_seconds(floor),
-                         " / ".join(fmt_seconds(r["floor_s"]) for r in results["qlora_bf16"]),
-                         fmt_ratio(floor / med["qlora_bf16"]),
-                         ", ".join(f"{k} {fmt_seconds(v)}" for k, v in sorted(by_op.items(), key=lambda kv: -kv[1])),
-                         "", ""])
-    groups = {g: statistics.median(r["groups"].get(g, 0.0) for r in results["qlora_bf16"])
-              for g in ("attention kernel (fp32)", "dtype casts and copies", "other")}
-    rest = med["qlora_bf16"] - floor
+        groups = res["groups"][config]
+        total = sum(groups.values())
+        shares = " / ".join(f"{100 * groups.get(g, 0.0) / total:.0f}%" for g in GROUPS)
+        first, last = res["losses"][config]
+        section.rows.append([label, fmt_seconds(t[config]), fmt_seconds(res["timings"][config][1]),
+                             fmt_ratio(t[config] / t["qlora_bf16"]), shares, f"{first:.4f} → {last:.4f}"])
+    section.rows.append(["floor: the matrix products of ours QLoRA bf16, replayed alone", fmt_seconds(floor),
+                         fmt_seconds(res["timings"]["floor"][1]), fmt_ratio(floor / t["qlora_bf16"]), "100% / – / – / –",
+                         ""])
+    q = res["groups"]["qlora_bf16"]
+    rest = t["qlora_bf16"] - floor
     not_here = "" if support.fast else "not measurable here: this CPU has no bf16 units. "
     section.goals += [
-        Goal(f"bf16 step ({shape}): ours QLoRA / PEFT + bitsandbytes (autocast)", med["qlora_bf16"] / med["peft_bnb_bf16"],
+        Goal(f"bf16 step ({shape}): ours QLoRA / PEFT + bitsandbytes (autocast)", t["qlora_bf16"] / t["peft_bnb_bf16"],
              VS_PEFT_BNB_GOAL, False,
-             f"{not_here}PEFT + bitsandbytes under autocast casts its frozen weights to bf16 on every call (autocast's "
-             f"cache keeps only leaf tensors that require grad) and runs LoRA through PEFT's modules; fp32 beside: "
-             f"ours QLoRA {fmt_seconds(med['qlora_fp32'])}, PEFT + bitsandbytes {fmt_seconds(med['peft_bnb_fp32'])}",
+             f"{not_here}PEFT + bitsandbytes under autocast dequantizes to bf16 and casts activations per call; both "
+             f"run the same bf16 products and fp32 attention; fp32 beside: ours QLoRA {fmt_seconds(t['qlora_fp32'])}, "
+             f"PEFT + bitsandbytes {fmt_seconds(t['peft_bnb_fp32'])}",
              measurable=support.fast),
-        Goal(f"bf16 step ({shape}): ours QLoRA / its matrix products alone", med["qlora_bf16"] / floor, VS_FLOOR_GOAL,
+        Goal(f"bf16 step ({shape}): ours QLoRA / its matrix products alone", t["qlora_bf16"] / floor, VS_FLOOR_GOAL,
              False,
              f"{not_here}the rest, {fmt_seconds(rest)} a step, is outside the products: in one profiled step the fused "
-             f"attention kernel (fp32, softmax inside) took {fmt_seconds(groups['attention kernel (fp32)'])}, dtype "
-             f"casts {fmt_seconds(groups['dtype casts and copies'])}, everything else (GELU, norms, loss, embeddings, "
-             f"NF4 dequantization, AdamW, autograd) {fmt_seconds(groups['other'])}",
+             f"attention kernel (fp32, softmax inside) took {fmt_seconds(q.get('attention kernel (fp32)', 0.0))}, "
+             f"dtype casts between the fp32 residual stream and the bf16 products "
+             f"{fmt_seconds(q.get('dtype casts and copies', 0.0))}, everything else (GELU, norms, loss, embeddings, "
+             f"NF4 dequantization, AdamW, autograd) {fmt_seconds(q.get('other', 0.0))}",
              measurable=support.fast),
-        Goal(f"bf16 step ({shape}): ours QLoRA / ours LoRA", med["qlora_bf16"] / med["lora_bf16"], VS_LORA_GOAL, False,
-             f"{not_here}two NF4 dequantizations of every base weight per step, into one reused bf16 workspace",
+        Goal(f"bf16 step ({shape}): ours QLoRA / ours LoRA", t["qlora_bf16"] / t["lora_bf16"], VS_LORA_GOAL, False,
+             f"{not_here}two NF4 dequantizations of every base weight per step, into one reused bf16 workspace, and "
+             "the finite-output guards of wrap_minigpt_qlora",
              measurable=support.fast),
     ]
     section.notes += [
-        f"bf16 over fp32, same run: ours LoRA {fmt_ratio(med['lora_fp32'] / med['lora_bf16'])} faster, ours QLoRA "
-        f"{fmt_ratio(med['qlora_fp32'] / med['qlora_bf16'])}, PEFT + bitsandbytes "
-        f"{fmt_ratio(med['peft_bnb_fp32'] / med['peft_bnb_bf16'])}",
-        f"torch threads in each subprocess: {q['threads']}; trainable params in every row: {q['trainable_params']:,}",
+        f"bf16 over fp32, same run: ours LoRA {fmt_ratio(t['lora_fp32'] / t['lora_bf16'])} faster, ours QLoRA "
+        f"{fmt_ratio(t['qlora_fp32'] / t['qlora_bf16'])}, PEFT + bitsandbytes "
+        f"{fmt_ratio(t['peft_bnb_fp32'] / t['peft_bnb_bf16'])}",
+        f"torch threads: {res['threads']}",
     ]
     return section
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="one bf16-section configuration, as JSON on the last line")
+    parser = argparse.ArgumentParser(description="every bf16-section configuration of one shape, as JSON on the last line")
     parser.add_argument("--shape", default="gpt", choices=list(SHAPES))
-    parser.add_argument("--config", required=True, choices=list(CONFIGS))
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--floor", action="store_true", help="also record and time the step's matrix products")
+    parser.add_argument("--repeats", type=int, default=7)
     args = parser.parse_args(argv)
-    print(json.dumps(measure(args.shape, args.config, max(1, args.warmup), max(1, args.steps), args.floor)))
+    print(json.dumps(measure(args.shape, max(1, args.warmup), max(1, args.repeats))))
     return 0
 
 
