@@ -11,10 +11,16 @@ class Goal:
     target: float
     higher_is_better: bool  # True: measured >= target meets the goal
     limit: str  # what limits the figure (printed whether met or not)
+    measurable: bool = True  # False: this machine cannot test the goal (e.g. bf16 goals on a CPU without bf16 units)
 
     @property
     def met(self) -> bool:
+        if not self.measurable:
+            return False
         return self.measured >= self.target if self.higher_is_better else self.measured <= self.target
+
+    def met_text(self) -> str:
+        return "not measurable here" if not self.measurable else "yes" if self.met else "**no**"
 
     def target_text(self) -> str:
         return f"{'≥' if self.higher_is_better else '≤'} {self.target:g}×"
@@ -38,6 +44,9 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
 def render(machine: list[str], sections: list[Section], command: str, wall_s: float) -> str:
     goals = [g for s in sections for g in s.goals]
     met = sum(g.met for g in goals)
+    unmeasurable = sum(not g.measurable for g in goals)
+    heading = f"## Goals: {met} of {len(goals) - unmeasurable} met" + (
+        f" ({unmeasurable} not measurable on this machine)" if unmeasurable else "")
     out = [
         "# Benchmarks",
         "",
@@ -49,11 +58,11 @@ def render(machine: list[str], sections: list[Section], command: str, wall_s: fl
         "",
         *machine,
         "",
-        f"## Goals: {met} of {len(goals)} met",
+        heading,
         "",
         *_table(
             ["goal", "target", "measured", "met", "what limits it"],
-            [[g.name, g.target_text(), f"{g.measured:.2f}×", "yes" if g.met else "**no**", g.limit] for g in goals],
+            [[g.name, g.target_text(), f"{g.measured:.2f}×", g.met_text(), g.limit] for g in goals],
         ),
     ]
     for s in sections:

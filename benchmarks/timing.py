@@ -111,15 +111,11 @@ CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16")  # what d
 
 
 def cpu_flags() -> dict[str, bool]:
-    """Which of CPU_FLAGS /proc/cpuinfo lists (all False where it cannot be read)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                have = set(line.split(":", 1)[1].split())
-                return {f: f in have for f in CPU_FLAGS}
-    except OSError:
-        pass
-    return {f: False for f in CPU_FLAGS}
+    """Which of CPU_FLAGS this CPU has (minigpt.bf16_support reads /proc/cpuinfo; all False where it cannot)."""
+    from minigpt.bf16_support import cpu_flags as read_flags
+
+    have = read_flags()
+    return {f: f in have for f in CPU_FLAGS}
 
 
 def cpu_summary() -> str:

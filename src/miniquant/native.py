@@ -370,11 +370,19 @@ class NativeKernels:
         self._split(blocks, bs, lambda b0, b1: self._quantize(*args, b0, b1, *tail))
         return packed, absmax
 
-    def dequantize(self, packed: Tensor, scales: Tensor, code: Tensor, dtype: torch.dtype) -> Tensor:
-        """(blocks, blocksize/2) uint8, (blocks,) float32 scales -> (blocks, blocksize) dtype."""
+    def dequantize(self, packed: Tensor, scales: Tensor, code: Tensor, dtype: torch.dtype,
+                   out: Tensor | None = None) -> Tensor:
+        """(blocks, blocksize/2) uint8, (blocks,) float32 scales -> (blocks, blocksize) dtype.
+
+        With `out` (a contiguous CPU tensor of that shape and dtype) the values are written into it: no
+        allocation and, once it has been written before, no page faults."""
         blocks, half = packed.shape
         packed, scales, code = packed.contiguous(), scales.contiguous().float(), code.contiguous().float()
-        out = self._fresh((blocks, 2 * half), dtype)
+        if out is None:
+            out = self._fresh((blocks, 2 * half), dtype)
+        elif out.shape != (blocks, 2 * half) or out.dtype != dtype or not out.is_contiguous() or out.device.type != "cpu":
+            raise ValueError(f"out must be a contiguous CPU {dtype} tensor of shape {(blocks, 2 * half)}, "
+                             f"got {out.dtype} {tuple(out.shape)} on {out.device}")
         head = (packed.data_ptr(), scales.data_ptr())
         tail = (code.data_ptr(), out.data_ptr(), _DTYPE_CODE[dtype])
         # One thread: writing a fresh output is bound by its first touch (page faults), and on the 2-core

@@ -256,8 +256,12 @@ def _dequantize_eager(packed: Tensor, count: int, scales: Tensor, blocksize: int
     return values
 
 
-def dequantize_nf4(q: NF4Tensor, dtype: torch.dtype | None = None) -> Tensor:
-    """NF4Tensor -> tensor of q.shape: code value x block absmax in float32, then cast to dtype (default q.dtype)."""
+def dequantize_nf4(q: NF4Tensor, dtype: torch.dtype | None = None, out: Tensor | None = None) -> Tensor:
+    """NF4Tensor -> tensor of q.shape: code value x block absmax in float32, then cast to dtype (default q.dtype).
+
+    `out`: an existing contiguous tensor of q.numel values in dtype on q's device to write into (a reused
+    workspace: no allocation, no page faults); the result is then `out` viewed as q.shape.
+    """
     dtype = dtype or q.dtype
     n, bs = q.numel, q.blocksize
     if q.packed.numel() != -(-n // 2) or q.absmax.numel() != -(-n // bs):
@@ -265,17 +269,24 @@ def dequantize_nf4(q: NF4Tensor, dtype: torch.dtype | None = None) -> Tensor:
             f"NF4 tensor of {n} values in blocks of {bs} needs {-(-n // 2)} bytes and {-(-n // bs)} scales, "
             f"got {q.packed.numel()} and {q.absmax.numel()}"
         )
+    if out is not None and (out.numel() != n or out.dtype != dtype or not out.is_contiguous()
+                            or out.device != q.packed.device):
+        raise QuantizationError(f"out must be a contiguous {dtype} tensor of {n} values on {q.packed.device}, "
+                                f"got {out.dtype} of {out.numel()} on {out.device}")
     scales = q.block_scales()
     full = n - n % bs
     kernels = _native_for(q.packed, n, bs, dtype) if full else None
     if kernels is not None:
-        head = kernels.dequantize(q.packed[: full // 2].view(-1, bs // 2), scales, nf4_code_table(), dtype)
+        head_out = None if out is None else out.view(-1)[:full].view(-1, bs)
+        head = kernels.dequantize(q.packed[: full // 2].view(-1, bs // 2), scales, nf4_code_table(), dtype, head_out)
         if full == n:
             return head.view(q.shape)  # written once
-    out = torch.empty(n, dtype=dtype, device=q.packed.device)
+    out = torch.empty(n, dtype=dtype, device=q.packed.device) if out is None else out.view(-1)
     done = 0
     if kernels is not None:  # whole blocks native, the partial last block eager
-        out[:full], done = head.view(-1), full
+        if head.data_ptr() != out.data_ptr():
+            out[:full] = head.view(-1)
+        done = full
     step = _chunk_elements(bs)
     for start in range(done, n, step):
         stop = min(start + step, n)

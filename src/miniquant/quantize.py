@@ -18,11 +18,15 @@ The scheme and the original weight dtype are constructor arguments, not state: b
 forward(x) dequantizes the weight to x's dtype, computes x @ W^T + b and drops W. Its backward
 dequantizes W again to return the gradient for x only: nothing dequantized is kept for backward
 (only the quantized buffers are saved, which costs no memory and catches in-place changes).
+NF4 weights are dequantized into a workspace reused by every layer (one buffer per thread, device and
+dtype, as large as the largest layer): no allocation and no page faults per call. With
+`compute_dtype` set (e.g. torch.bfloat16), forward casts x to it, computes in it and returns x's dtype.
 """
 from __future__ import annotations
 
 import math
 import re
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -77,12 +81,45 @@ def _nf4_surely_finite(absmax: Tensor, dtype: torch.dtype) -> bool:
     return math.isfinite(peak) and peak <= torch.finfo(dtype).max
 
 
+class _Workspace(threading.local):
+    """Per-thread scratch buffers for transient dequantized weights, one per (device, dtype), grown to fit.
+
+    A dequantized weight lives only between its dequantization and the matrix product that reads it (in
+    DequantLinearFunction's forward and backward), so all layers can share one buffer. Per thread: a thread
+    running another model's forward or backward gets its own. On CUDA the product is queued on the same
+    stream as the next dequantization, so the stream orders the reuse."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[tuple[torch.device, torch.dtype], Tensor] = {}
+
+    def get(self, numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+        """A contiguous (numel,) tensor of `dtype` on `device`; its contents are undefined."""
+        key = (device, dtype)
+        buf = self.buffers.get(key)
+        if buf is None or buf.numel() < numel:
+            buf = self.buffers[key] = torch.empty(numel, dtype=dtype, device=device)
+        return buf[:numel]
+
+
+_workspace = _Workspace()
+
+
+def workspace_bytes() -> int:
+    """Bytes held by this thread's dequantization workspace (all devices and dtypes)."""
+    return sum(b.numel() * b.element_size() for b in _workspace.buffers.values())
+
+
+def release_workspace() -> None:
+    """Free this thread's dequantization workspace (it is allocated again on the next use)."""
+    _workspace.buffers.clear()
+
+
 class DequantLinearFunction(torch.autograd.Function):
     """y = x @ W^T + b with W dequantized on the fly in forward and again in backward; grad for x only."""
 
     @staticmethod
     def forward(ctx, x: Tensor, bias: Tensor | None, layer: "QuantizedLinear", *qtensors: Tensor) -> Tensor:
-        w = layer.dequantize_from(qtensors, x.dtype)  # (out, in), transient
+        w = layer.dequantize_from(qtensors, x.dtype, transient=True)  # (out, in), in the shared workspace
         ctx.layer, ctx.dtype = layer, x.dtype
         ctx.save_for_backward(*qtensors)  # the quantized buffers only: no extra memory
         return F.linear(x, w, None if bias is None else bias.to(x.dtype))  # (N, in) -> (N, out)
@@ -93,7 +130,7 @@ class DequantLinearFunction(torch.autograd.Function):
         qtensors = ctx.saved_tensors  # raises if a buffer was modified in place since forward
         grad_x = None
         if ctx.needs_input_grad[0]:
-            w = ctx.layer.dequantize_from(qtensors, ctx.dtype)  # (out, in), recomputed
+            w = ctx.layer.dequantize_from(qtensors, ctx.dtype, transient=True)  # (out, in), recomputed
             grad_x = grad_out @ w  # (N, out) @ (out, in) -> (N, in)
         return (grad_x, None, None) + (None,) * len(qtensors)
 
@@ -115,6 +152,7 @@ class QuantizedLinear(nn.Module):
         self._scheme = parse_scheme(scheme)
         self.scheme = self._scheme.name
         self.weight_dtype = weight_dtype  # dtype of the original weight; default for dequantize()
+        self.compute_dtype: torch.dtype | None = None  # None: compute in the input's dtype
         for name, (shape, dtype) in _buffer_shapes(self._scheme, out_features, in_features).items():
             self.register_buffer(name, torch.zeros(shape, dtype=dtype, device=device))
         self.register_buffer("bias", torch.zeros(out_features, dtype=weight_dtype, device=device) if bias else None)
@@ -149,11 +187,15 @@ class QuantizedLinear(nn.Module):
         """The quantized weight buffers, in the order `dequantize_from` takes them."""
         return tuple(getattr(self, name) for name in _buffer_shapes(self._scheme, 1, 1))
 
-    def dequantize_from(self, qtensors: tuple[Tensor, ...], dtype: torch.dtype) -> Tensor:
-        """(out, in) weight from the given quantized buffers; raises if the result is not finite."""
+    def dequantize_from(self, qtensors: tuple[Tensor, ...], dtype: torch.dtype, transient: bool = False) -> Tensor:
+        """(out, in) weight from the given quantized buffers; raises if the result is not finite.
+
+        transient=True: NF4 is written into the shared workspace, valid only until the next transient
+        dequantization on this thread (for a product computed at once, as DequantLinearFunction does)."""
         s, shape = self._scheme, torch.Size((self.out_features, self.in_features))
         if s.kind == "nf4":
-            w = dequantize_nf4(NF4Tensor(qtensors[0], qtensors[1], shape, self.weight_dtype, s.group_size), dtype)
+            out = _workspace.get(shape.numel(), dtype, qtensors[0].device) if transient else None
+            w = dequantize_nf4(NF4Tensor(qtensors[0], qtensors[1], shape, self.weight_dtype, s.group_size), dtype, out)
             if _nf4_surely_finite(qtensors[1], dtype):  # one look at the scales instead of a pass over w
                 return w
         else:
@@ -180,6 +222,11 @@ class QuantizedLinear(nn.Module):
             raise QuantizationError(
                 f"expected input with last dimension {self.in_features}, got shape {tuple(x.shape)}"
             )
+        if self.compute_dtype is not None and x.dtype != self.compute_dtype:
+            return self._forward(x.to(self.compute_dtype)).to(x.dtype)  # compute in compute_dtype, return x's
+        return self._forward(x)
+
+    def _forward(self, x: Tensor) -> Tensor:
         # the Function sees 2-D tensors, so its output is not a view (callers such as LoRA may add into it in place)
         if x.dim() == 2:  # (N, in): no reshape, no view node in the graph
             return DequantLinearFunction.apply(x, self.bias, self, *self.quantized_tensors())  # (N, out)
@@ -190,4 +237,5 @@ class QuantizedLinear(nn.Module):
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"scheme={self.scheme}, bias={self.bias is not None}"
+            + ("" if self.compute_dtype is None else f", compute_dtype={self.compute_dtype}")
         )

@@ -132,6 +132,7 @@ class LoRALinear(nn.Module):
         self.active_adapters: dict[str, float] = {}  # adapter name -> weight in the output
         self.merged_adapters: dict[str, float] = {}  # what merge() added into the base weight
         self.disabled = False  # True: output is the base layer's alone
+        self.compute_dtype: torch.dtype | None = None  # e.g. bf16: base and LoRA path computed in it (one input cast)
         self.train(base_layer.training)  # a wrapper in an eval()-mode model stays in eval mode
         self.add_adapter(adapter_name, r, alpha, dropout, use_rslora)
         self.active_adapters = {adapter_name: 1.0}
@@ -161,20 +162,27 @@ class LoRALinear(nn.Module):
             d.pop(name, None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        cd = self.compute_dtype
         if self.disabled or self.merged_adapters:  # merged adapters already live in the base weight
-            return self.base_layer(x)  # (..., out)
+            return self.base_layer(x) if cd is None else self.base_layer(x.to(cd)).to(x.dtype)  # (..., out)
         x2 = x.reshape(-1, self.in_features)  # (N, in): 2-D, so the base output is a plain (N, out) tensor
+        if cd is not None:
+            x2 = x2.to(cd)  # one cast, shared by the base and every adapter; the base computes in its input's dtype
         y = self.base_layer(x2)  # (N, out)
         for name, weight in self.active_adapters.items():
             if name not in self.lora_A:
                 continue
-            A, B = self.lora_A[name], self.lora_B[name]
-            h = self.lora_dropout[name](x2.to(A.weight.dtype))  # (N, in)
+            A, B = self.lora_A[name].weight, self.lora_B[name].weight  # the masters (fp32)
+            if cd is not None:  # computed in cd; autograd casts their gradients back to the masters' dtype
+                A, B = A.to(cd), B.to(cd)
+            h = self.lora_dropout[name](x2.to(A.dtype))  # (N, in)
             scale = self.scaling[name] * weight
-            if y.dtype == B.weight.dtype and y._base is None and y.is_contiguous():
-                y = LoRAUpdate.apply(y, h, A.weight, B.weight, scale)  # in place: y += scale · h·Aᵀ·Bᵀ
+            if y.dtype == B.dtype and y._base is None and y.is_contiguous():
+                y = LoRAUpdate.apply(y, h, A, B, scale)  # in place: y += scale · h·Aᵀ·Bᵀ
             else:
-                y = y + (B(A(h)) * scale).to(y.dtype)  # (N, r) -> (N, out)
+                y = y + ((h @ A.t()) @ B.t() * scale).to(y.dtype)  # (N, r) -> (N, out)
+        if cd is not None:
+            y = y.to(x.dtype)  # back to the caller's dtype (fp32 residual stream)
         return y.view(*x.shape[:-1], self.out_features)  # (..., out)
 
     def delta_weight(self, adapters: dict[str, float] | None = None) -> torch.Tensor:
@@ -197,6 +205,9 @@ class LoRALinear(nn.Module):
         """Add the active adapters into the nn.Linear base weight (fp32 arithmetic); a no-op if merged."""
         if self.merged_adapters or self.disabled:
             return
+        if self.compute_dtype is not None:
+            raise InputError(f"cannot merge under {self.compute_dtype} compute: the base is stored in that dtype and "
+                             "unmerge would not restore it exactly; save the adapter and merge into the fp32 base")
         if not isinstance(self.base_layer, nn.Linear):
             raise InputError("cannot merge into a quantized base in place; use merged_linear() (dequantize -> merge -> float layer)")
         self._set_weight(self.delta_weight(), "merge")

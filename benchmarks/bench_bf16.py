@@ -1,0 +1,329 @@
+"""bf16 training steps (issue 13): ours (use_bf16_compute) against PEFT + bitsandbytes under CPU autocast, and the floor.
+
+For each model shape (SHAPES: a builder of the float base model plus its batch; the GPT-shaped stack of
+bench_step.py here, a Llama-1B shape plugs in as one more entry) one subprocess builds every configuration
+(CONFIGS) and times their optimizer steps in interleaved rounds (timing.time_interleaved: each round calls
+every row once, in rotating order), so load from other processes falls on all rows alike; then it profiles
+one more step of each. Rows: our LoRA and QLoRA in fp32 and in bf16, PEFT + bitsandbytes QLoRA in fp32 and
+with compute_dtype bf16 under torch.autocast (its best CPU setting). Every row starts from the same weights
+and batch.
+
+The floor: one step of our QLoRA bf16 runs under a TorchDispatchMode that records every matrix product
+(aten::mm, addmm, addmm_, bmm, baddbmm) with its shapes, strides and dtypes; the floor row replays them all,
+back to back, on random inputs of the same layouts, timed in the same interleaved rounds as the steps.
+Attention's fused CPU kernel is not a matrix product: it is reported apart.
+On a CPU without bf16 units (minigpt.bf16_support) the bf16 goals are reported as not measurable here.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+HERE = Path(__file__).resolve().parent
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))
+
+import torch  # noqa: E402
+import torch.nn as nn  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import bench_step  # noqa: E402
+from minigpt.bf16_support import bf16_support  # noqa: E402
+from minigpt.model import MiniGPT  # noqa: E402
+from report import Goal, Section  # noqa: E402
+from timing import fmt_ratio, fmt_seconds, wait_for_quiet  # noqa: E402
+
+VS_PEFT_BNB_GOAL = 0.5  # our QLoRA bf16 step / PEFT + bitsandbytes bf16 (autocast) step
+VS_FLOOR_GOAL = 1.3  # our QLoRA bf16 step / the sum of its matrix products timed alone
+VS_LORA_GOAL = 1.10  # our QLoRA bf16 step / our LoRA bf16 step
+WAIT_PER_CONFIG_S = 60.0
+LR = 1e-4
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A model shape to benchmark: how to build its float base (seeded by the caller) and its batch."""
+
+    describe: str  # one line for the report
+    build: Callable[[], nn.Module]  # a float32 base model; forward(idx (B, T)) -> logits (B, T, V)
+    vocab: int
+    batch: int
+    seq: int
+    targets: tuple[str, ...]  # LoRA (and NF4) targets
+    rank: int = 8
+    alpha: float = 16.0
+
+
+SHAPES: dict[str, Shape] = {
+    "gpt": Shape(
+        f"MiniGPT d_model {bench_step.STACK.d_model}, {bench_step.STACK.n_layer} layers, {bench_step.STACK.n_head} "
+        f"heads, vocab {bench_step.STACK.vocab_size}; batch {bench_step.BATCH} × {bench_step.STACK.block_size} tokens",
+        lambda: MiniGPT(bench_step.STACK), bench_step.STACK.vocab_size, bench_step.BATCH, bench_step.STACK.block_size,
+        tuple(bench_step.TARGETS)),
+}
+
+# name -> label, in the order of the table (and of the first round)
+CONFIGS = {
+    "lora_fp32": "ours, LoRA fp32",
+    "qlora_fp32": "ours, QLoRA fp32",
+    "peft_bnb_fp32": "PEFT + bitsandbytes QLoRA, fp32",
+    "lora_bf16": "ours, LoRA bf16 (use_bf16_compute)",
+    "qlora_bf16": "ours, QLoRA bf16 (use_bf16_compute)",
+    "peft_bnb_bf16": "PEFT + bitsandbytes QLoRA, compute_dtype bf16 under CPU autocast",
+}
+
+
+# ---- inside the subprocess ----------------------------------------------------------------------
+
+
+def build(shape: Shape, config: str) -> nn.Module:
+    """The model of one configuration, only its LoRA factors requiring grad."""
+    from minituner.lora import LoRAConfig, apply_lora
+    from minituner.precision import use_bf16_compute
+    from minituner.build import wrap_minigpt_qlora
+
+    torch.manual_seed(0)
+    model = shape.build()
+    if config.startswith("lora"):
+        apply_lora(model, LoRAConfig(r=shape.rank, alpha=shape.alpha, target_modules=list(shape.targets)))
+    elif config.startswith("qlora"):
+        wrap_minigpt_qlora(model, r=shape.rank, alpha=shape.alpha, targets=list(shape.targets), device="cpu",
+                           compute_dtype=torch.float32)
+    elif config.startswith("peft_bnb"):
+        from peft import LoraConfig, get_peft_model
+
+        dtype = torch.bfloat16 if config.endswith("bf16") else torch.float32
+        for path in [n for n, m in model.named_modules()
+                     if isinstance(m, nn.Linear) and n.rsplit(".", 1)[-1] in shape.targets]:
+            parent, _, leaf = path.rpartition(".")
+            setattr(model.get_submodule(parent), leaf, bench_step._bnb_linear4bit(model.get_submodule(path), dtype))
+        model = get_peft_model(model, LoraConfig(r=shape.rank, lora_alpha=shape.alpha,
+                                                 target_modules=list(shape.targets), lora_dropout=0.0))
+    else:
+        raise ValueError(f"unknown configuration {config!r}; valid: {list(CONFIGS)}")
+    if config in ("lora_bf16", "qlora_bf16"):
+        use_bf16_compute(model)
+    return model
+
+
+MM_OPS = ("mm", "addmm", "addmm_", "bmm", "baddbmm")
+
+
+def _spec(a):
+    if isinstance(a, torch.Tensor):
+        return ("tensor", tuple(a.shape), tuple(a.stride()), str(a.dtype).removeprefix("torch."))
+    return a
+
+
+def record_products(step: Callable[[], object]) -> Counter:
+    """Run step() once, counting each distinct matrix product (op, argument layouts) it dispatches."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    ops = {getattr(torch.ops.aten, name).default: name for name in MM_OPS}
+    calls: Counter = Counter()
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func in ops:
+                calls[(ops[func], tuple(_spec(a) for a in args), tuple(sorted((k, _spec(v)) for k, v in kwargs.items())))] += 1
+            return func(*args, **kwargs)
+
+    with Record():
+        step()
+    return calls
+
+
+def _materialize(spec):
+    if not (isinstance(spec, tuple) and spec and spec[0] == "tensor"):
+        return spec
+    _, shape, stride, dtype = spec
+    storage = 1 + sum((n - 1) * s for n, s in zip(shape, stride)) if all(shape) else 0
+    return (torch.randn(storage) * 0.05).to(getattr(torch, dtype)).as_strided(shape, stride)
+
+
+def products_fn(calls: Counter) -> Callable[[], None]:
+    """A function that runs every recorded product (each as often as the step did) on random inputs of its layout."""
+    prepared = [(getattr(torch.ops.aten, op).default, [_materialize(a) for a in args],
+                 {k: _materialize(v) for k, v in kwargs}, count) for (op, args, kwargs), count in calls.items()]
+
+    def run() -> None:
+        for fn, args, kwargs, count in prepared:
+            for _ in range(count):
+                fn(*args, **kwargs)
+
+    return run
+
+
+PROFILE_GROUPS = {  # profiler op name -> group, for "what the rest of the step is"
+    "aten::mm": "matrix products", "aten::addmm": "matrix products", "aten::addmm_": "matrix products",
+    "aten::bmm": "matrix products", "aten::baddbmm": "matrix products",
+    "aten::_scaled_dot_product_flash_attention_for_cpu": "attention kernel (fp32)",
+    "aten::_scaled_dot_product_flash_attention_for_cpu_backward": "attention kernel (fp32)",
+    "aten::copy_": "dtype casts and copies",
+}
+
+
+def profile_groups(step: Callable[[], object]) -> tuple[float, dict[str, float]]:
+    """(wall seconds of one profiled step, self CPU seconds by group); everything unlisted is 'other'."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        step()
+        wall = time.perf_counter() - t0
+    groups: Counter = Counter()
+    for e in prof.key_averages():
+        groups[PROFILE_GROUPS.get(e.key, "other")] += e.self_cpu_time_total / 1e6
+    return wall, dict(groups)
+
+
+def measure(shape_name: str, warmup: int, repeats: int) -> dict:
+    """Every configuration and the floor in this one process, timed in interleaved rounds (timing.py)."""
+    import bitsandbytes  # noqa: F401
+    import peft  # noqa: F401
+
+    from timing import time_interleaved
+
+    shape = SHAPES[shape_name]
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(0, shape.vocab, (shape.batch, shape.seq), generator=g)
+    y = torch.randint(0, shape.vocab, (shape.batch, shape.seq), generator=g)
+    losses: dict[str, list[float]] = {c: [] for c in CONFIGS}
+
+    def make_step(config: str) -> Callable[[], None]:
+        model = build(shape, config)
+        model.train()
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
+        autocast = config == "peft_bnb_bf16"
+
+        def forward_backward() -> torch.Tensor:
+            opt.zero_grad(set_to_none=True)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                logits = model(x)  # (B, T, V)
+            loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1))  # fp32 loss
+            loss.backward()
+            return loss
+
+        def step() -> None:
+            losses[config].append(forward_backward().item())
+            opt.step()
+
+        step.forward_backward = forward_backward  # the step without the update, for recording its products
+        return step
+
+    steps = {c: make_step(c) for c in CONFIGS}
+    calls = record_products(steps["qlora_bf16"].forward_backward)  # AdamW holds no products; the weights stay
+    timings = time_interleaved({**steps, "floor": products_fn(calls)}, repeats=repeats, warmup=warmup)
+    profiles = {c: profile_groups(steps[c]) for c in CONFIGS}
+    return {"timings": {c: [t.median_s, t.min_s, t.first_s] for c, t in timings.items()},
+            "rounds": timings["floor"].repeats,
+            "losses": {c: [v[0], v[-1]] for c, v in losses.items()},
+            "groups": {c: p[1] for c, p in profiles.items()}, "threads": torch.get_num_threads(),
+            "products": sum(calls.values()),
+            "product_dtypes": sorted({a[3] for (_, args, _), _ in calls.items() for a in args
+                                      if isinstance(a, tuple) and a and a[0] == "tensor"}),
+            }
+
+
+# ---- the section (runs in the parent) ------------------------------------------------------------
+
+
+def _run(shape: str, warmup: int, repeats: int) -> dict:
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--shape", shape, "--warmup", str(warmup),
+           "--repeats", str(repeats)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+    if out.returncode != 0:
+        raise RuntimeError(f"bf16 {shape} failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+GROUPS = ("matrix products", "attention kernel (fp32)", "dtype casts and copies", "other")
+
+
+def run(quick: bool = False, shape: str = "gpt", wait_s: float | None = None) -> Section:
+    warmup, repeats = (1, 2) if quick else (2, 7)
+    wait_s = (0.0 if quick else WAIT_PER_CONFIG_S) if wait_s is None else wait_s
+    spec, support = SHAPES[shape], bf16_support("cpu")
+    log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+    busy, _ = wait_for_quiet(wait_s, log=log)
+    log(f"[bench]   bf16 {shape}: {len(CONFIGS)} configurations and the floor, interleaved (machine busy {busy:.0f}%)")
+    res = _run(shape, warmup, repeats)
+    t = {c: v[0] for c, v in res["timings"].items()}  # medians
+    floor = t["floor"]
+    section = Section(
+        f"bf16 training step, {shape} shape",
+        f"{spec.describe}; LoRA r = {spec.rank}, alpha {spec.alpha:g} on {', '.join(spec.targets)}; AdamW; loss in "
+        f"fp32. Ours in bf16: `use_bf16_compute` (frozen base stored in bf16, NF4 dequantized to bf16 into a reused "
+        "workspace, LoRA factors fp32 masters computed in bf16, norms, attention softmax and loss in fp32). PEFT + "
+        "bitsandbytes in bf16: Linear4bit(compute_dtype=bf16) with the forward under torch.autocast('cpu', bf16). "
+        f"All rows live in one process and are timed in {res['rounds']} interleaved rounds (each round calls every "
+        f"row once, in rotating order) after {warmup} warm-up round(s), so load from other processes falls on all "
+        f"rows alike. The floor: every matrix product of one QLoRA bf16 step ({res['products']} calls; dtypes "
+        f"{', '.join(res['product_dtypes'])}), recorded with a TorchDispatchMode and replayed back to back on random "
+        "inputs of the same shapes and strides. 'profiled share': self CPU time by group in one profiled step "
+        f"(profiler overhead included). CPU bf16 units: {support.reason}. Machine CPU use before the run: {busy:.0f}%.",
+        ["configuration", "median step", "fastest step", "vs ours QLoRA bf16",
+         "matrix products / attention / casts / other (profiled share)", "loss step 0 → last"],
+    )
+    for config, label in CONFIGS.items():
+        groups = res["groups"][config]
+        total = sum(groups.values())
+        shares = " / ".join(f"{100 * groups.get(g, 0.0) / total:.0f}%" for g in GROUPS)
+        first, last = res["losses"][config]
+        section.rows.append([label, fmt_seconds(t[config]), fmt_seconds(res["timings"][config][1]),
+                             fmt_ratio(t[config] / t["qlora_bf16"]), shares, f"{first:.4f} → {last:.4f}"])
+    section.rows.append(["floor: the matrix products of ours QLoRA bf16, replayed alone", fmt_seconds(floor),
+                         fmt_seconds(res["timings"]["floor"][1]), fmt_ratio(floor / t["qlora_bf16"]), "100% / – / – / –",
+                         ""])
+    q = res["groups"]["qlora_bf16"]
+    rest = t["qlora_bf16"] - floor
+    not_here = "" if support.fast else "not measurable here: this CPU has no bf16 units. "
+    section.goals += [
+        Goal(f"bf16 step ({shape}): ours QLoRA / PEFT + bitsandbytes (autocast)", t["qlora_bf16"] / t["peft_bnb_bf16"],
+             VS_PEFT_BNB_GOAL, False,
+             f"{not_here}PEFT + bitsandbytes under autocast dequantizes to bf16 and casts activations per call; both "
+             f"run the same bf16 products and fp32 attention; fp32 beside: ours QLoRA {fmt_seconds(t['qlora_fp32'])}, "
+             f"PEFT + bitsandbytes {fmt_seconds(t['peft_bnb_fp32'])}",
+             measurable=support.fast),
+        Goal(f"bf16 step ({shape}): ours QLoRA / its matrix products alone", t["qlora_bf16"] / floor, VS_FLOOR_GOAL,
+             False,
+             f"{not_here}the rest, {fmt_seconds(rest)} a step, is outside the products: in one profiled step the fused "
+             f"attention kernel (fp32, softmax inside) took {fmt_seconds(q.get('attention kernel (fp32)', 0.0))}, "
+             f"dtype casts between the fp32 residual stream and the bf16 products "
+             f"{fmt_seconds(q.get('dtype casts and copies', 0.0))}, everything else (GELU, norms, loss, embeddings, "
+             f"NF4 dequantization, AdamW, autograd) {fmt_seconds(q.get('other', 0.0))}",
+             measurable=support.fast),
+        Goal(f"bf16 step ({shape}): ours QLoRA / ours LoRA", t["qlora_bf16"] / t["lora_bf16"], VS_LORA_GOAL, False,
+             f"{not_here}two NF4 dequantizations of every base weight per step, into one reused bf16 workspace, and "
+             "the finite-output guards of wrap_minigpt_qlora",
+             measurable=support.fast),
+    ]
+    section.notes += [
+        f"bf16 over fp32, same run: ours LoRA {fmt_ratio(t['lora_fp32'] / t['lora_bf16'])} faster, ours QLoRA "
+        f"{fmt_ratio(t['qlora_fp32'] / t['qlora_bf16'])}, PEFT + bitsandbytes "
+        f"{fmt_ratio(t['peft_bnb_fp32'] / t['peft_bnb_bf16'])}",
+        f"torch threads: {res['threads']}",
+    ]
+    return section
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="every bf16-section configuration of one shape, as JSON on the last line")
+    parser.add_argument("--shape", default="gpt", choices=list(SHAPES))
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=7)
+    args = parser.parse_args(argv)
+    print(json.dumps(measure(args.shape, max(1, args.warmup), max(1, args.repeats))))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

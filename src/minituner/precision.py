@@ -1,0 +1,187 @@
+"""bf16 compute for LoRA and QLoRA: the frozen base held in bf16, the LoRA masters, norms, softmax and loss in fp32.
+
+    model = load_base(...) ; apply_lora(model, cfg)          # or wrap_minigpt_qlora(..., compute_dtype=fp32)
+    apply_precision(model, "bf16", device, allow_slow_bf16)   # check_bf16 (refuse slow bf16), then
+                                                              # use_bf16_compute(model); then the optimizer
+
+What changes, module by module (no model code changes; the residual stream stays fp32):
+- a frozen ``nn.Linear`` becomes a ``Bf16Linear``: its weight (and bias) stored in bf16 once, never cast
+  per call; forward computes ``x.to(bf16) @ Wᵀ + b`` and returns the input's dtype;
+- a frozen ``nn.Embedding`` becomes a ``Bf16Embedding``: a bf16 table, fp32 rows out. A weight shared by
+  several modules (MiniGPT's ``lm_head`` tied to ``wte``) becomes one shared bf16 parameter: still tied;
+- a ``QuantizedLinear`` computes in bf16 (``compute_dtype``): NF4 dequantizes straight to bf16 into a
+  workspace reused by every layer (miniquant.quantize), its bias is stored in bf16;
+- a ``LoRALinear`` casts its input to bf16 once, runs the base and the LoRA path in bf16 (the fp32 masters
+  A and B are cast per call: r × in values, and autograd returns their gradients in fp32) and returns fp32;
+- norms (LayerNorm, RMSNorm), attention's softmax, GELU and the loss see fp32 tensors, as before; AdamW
+  holds fp32 state for the fp32 masters.
+
+Full fine-tuning is refused: bf16 compute is defined for a frozen base (every trainable parameter a LoRA
+factor); full fine-tuning trains in fp32. The same path runs on CUDA (cuBLAS bf16 products).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from minigpt.bf16_support import Bf16Support, check_bf16
+from minigpt.errors import InputError
+from miniquant import QuantizedLinear
+
+from .lora import LoRALinear, lora_modules
+
+BF16 = torch.bfloat16
+PRECISIONS = ("fp32", "bf16")  # what a --precision flag offers (bf16: this module's path, on CPU and CUDA)
+
+
+class Bf16Linear(nn.Linear):
+    """A frozen Linear whose weight and bias are stored in a low-precision dtype; returns the input's dtype."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        if x.dtype == w.dtype:  # called from a LoRALinear that already cast its input
+            return F.linear(x, w, self.bias)  # (..., out)
+        return F.linear(x.to(w.dtype), w, self.bias).to(x.dtype)  # (..., out), computed in w.dtype
+
+
+class Bf16Embedding(nn.Embedding):
+    """A frozen Embedding whose table is stored in a low-precision dtype; returns `output_dtype` rows."""
+
+    output_dtype: torch.dtype = torch.float32
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return super().forward(idx).to(self.output_dtype)  # (..., C)
+
+
+def _frozen_copy(param: nn.Parameter, dtype: torch.dtype, cache: dict[int, nn.Parameter]) -> nn.Parameter:
+    """`param` cast to dtype as a frozen Parameter; one object per source parameter, so ties stay ties."""
+    if id(param) not in cache:
+        cache[id(param)] = nn.Parameter(param.detach().to(dtype), requires_grad=False)
+    return cache[id(param)]
+
+
+def _bf16_linear(m: nn.Linear, dtype: torch.dtype, cache: dict[int, nn.Parameter]) -> Bf16Linear:
+    layer = Bf16Linear.__new__(Bf16Linear)
+    nn.Module.__init__(layer)
+    layer.in_features, layer.out_features = m.in_features, m.out_features
+    layer.weight = _frozen_copy(m.weight, dtype, cache)
+    layer.bias = None if m.bias is None else _frozen_copy(m.bias, dtype, cache)
+    layer.train(m.training)
+    return layer
+
+
+def _bf16_embedding(m: nn.Embedding, dtype: torch.dtype, output_dtype: torch.dtype,
+                    cache: dict[int, nn.Parameter]) -> Bf16Embedding:
+    layer = Bf16Embedding.__new__(Bf16Embedding)
+    nn.Module.__init__(layer)
+    for attr in ("num_embeddings", "embedding_dim", "padding_idx", "max_norm", "norm_type", "scale_grad_by_freq",
+                 "sparse"):
+        setattr(layer, attr, getattr(m, attr))
+    layer.weight = _frozen_copy(m.weight, dtype, cache)
+    layer.output_dtype = output_dtype
+    layer.train(m.training)
+    return layer
+
+
+def _factor_modules(model: nn.Module) -> set[int]:
+    """ids of the LoRA factor modules (lora_A / lora_B nn.Linears): the fp32 masters, never converted."""
+    return {id(f) for m in lora_modules(model).values() for d in (m.lora_A, m.lora_B) for f in d.values()}
+
+
+def _non_fp32_tensors(model: nn.Module) -> list[str]:
+    """Float parameters and buffers that are not fp32, outside the modules use_bf16_compute made low-precision."""
+    out = []
+    for path, m in model.named_modules():
+        if isinstance(m, (Bf16Linear, Bf16Embedding, QuantizedLinear)):
+            continue
+        for name, t in [*m.named_parameters(recurse=False), *m.named_buffers(recurse=False)]:
+            if t is not None and t.is_floating_point() and t.dtype != torch.float32:
+                out.append(f"{path}.{name}" if path else name)
+    return out
+
+
+def check_frozen_base(model: nn.Module) -> None:
+    """InputError unless every trainable parameter is a LoRA factor (bf16 compute needs a frozen base)."""
+    masters = {id(p) for m in lora_modules(model).values() for d in (m.lora_A, m.lora_B) for f in d.values()
+               for p in f.parameters()}
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in masters]
+    if trainable:
+        more = f" and {len(trainable) - 3} more" if len(trainable) > 3 else ""
+        raise InputError(f"bf16 compute needs a frozen base, but {', '.join(trainable[:3])}{more} would train: "
+                         "full fine-tuning trains in fp32 (--precision fp32)")
+
+
+@torch.no_grad()
+def use_bf16_compute(model: nn.Module, dtype: torch.dtype = BF16) -> nn.Module:
+    """Compute the frozen base and the LoRA path in `dtype` (default bf16), keep fp32 elsewhere; in place.
+
+    Call after LoRA/QLoRA wrapping and before building the optimizer (the LoRA masters are not replaced, so
+    an optimizer built before still holds them). Returns the model. Idempotent.
+    """
+    if dtype not in (torch.bfloat16, torch.float16):
+        raise InputError(f"low-precision compute dtype must be bfloat16 or float16, got {dtype}")
+    check_frozen_base(model)
+    low = _non_fp32_tensors(model)
+    if low:
+        raise InputError(f"bf16 compute starts from an fp32 model (norms stay fp32), but {low[0]} is not fp32: "
+                         "build the model in fp32 (e.g. wrap_minigpt_qlora(..., compute_dtype=torch.float32))")
+    cache: dict[int, nn.Parameter] = {}
+    output_dtype = torch.float32
+    lora_factors = _factor_modules(model)
+    replacements = []  # (path, new module): swapped in after the walk
+    for path, m in model.named_modules():
+        if id(m) in lora_factors:
+            continue  # the fp32 masters
+        if isinstance(m, LoRALinear):
+            m.compute_dtype = dtype
+        elif isinstance(m, QuantizedLinear):
+            m.compute_dtype = dtype
+            if m.bias is not None:
+                m.bias = m.bias.to(dtype)  # a buffer: stored once in dtype, not cast per call
+        elif type(m) is nn.Linear:
+            replacements.append((path, _bf16_linear(m, dtype, cache)))
+        elif type(m) is nn.Embedding:
+            replacements.append((path, _bf16_embedding(m, dtype, output_dtype, cache)))
+    for path, new in replacements:
+        parent, _, leaf = path.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, leaf, new)
+    return model
+
+
+def compute_dtypes(model: nn.Module) -> dict[str, str]:
+    """Where each kind of tensor lives: for reports and checks (e.g. {'frozen linear weights': 'bfloat16'})."""
+    kinds: dict[str, set[str]] = {}
+    add = lambda kind, t: kinds.setdefault(kind, set()).add(str(t).removeprefix("torch."))  # noqa: E731
+    factors = _factor_modules(model)
+    for m in model.modules():
+        if id(m) in factors:
+            continue
+        if isinstance(m, LoRALinear):
+            add("LoRA compute", m.compute_dtype or "input dtype")
+            for d in (m.lora_A, m.lora_B):
+                for f in d.values():
+                    add("LoRA masters", f.weight.dtype)
+        elif isinstance(m, QuantizedLinear):
+            add("quantized linear compute", m.compute_dtype or "input dtype")
+        elif isinstance(m, nn.Linear):
+            add("frozen linear weights", m.weight.dtype)
+        elif isinstance(m, nn.Embedding):
+            add("embeddings", m.weight.dtype)
+        elif isinstance(m, (nn.LayerNorm, getattr(nn, "RMSNorm", nn.LayerNorm))) and m.weight is not None:
+            add("norms", m.weight.dtype)
+    return {k: ", ".join(sorted(v)) for k, v in kinds.items()}
+
+
+def apply_precision(model: nn.Module, precision: str, device: torch.device | str = "cpu",
+                    allow_slow_bf16: bool = False, flags=None) -> Bf16Support | None:
+    """One call for a training command: "fp32" changes nothing; "bf16" refuses a device without bf16 units
+    (one-line InputError, unless allow_slow_bf16) and then calls use_bf16_compute. Returns what was found."""
+    if precision not in PRECISIONS:
+        raise InputError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+    if precision == "fp32":
+        return None
+    check_frozen_base(model)  # a full fine-tune is refused before the device is looked at
+    support = check_bf16(device, allow_slow_bf16, flags)
+    use_bf16_compute(model)
+    return support

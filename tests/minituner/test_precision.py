@@ -1,0 +1,209 @@
+"""bf16 compute (minituner.precision): bf16 frozen base, fp32 masters, norms and loss; against an fp32 reference."""
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from minigpt.errors import InputError
+from minigpt.model import GPTConfig, MiniGPT
+from miniquant import QuantizedLinear
+from minituner.lora import LoRAConfig, apply_lora, lora_modules
+from minituner.precision import Bf16Embedding, Bf16Linear, compute_dtypes, use_bf16_compute
+from minituner.build import wrap_minigpt_qlora
+
+CFG = dict(vocab_size=37, block_size=16, n_layer=2, n_head=2, d_model=32)
+LOSS_RTOL = 2e-3  # bf16 keeps 8 significant bits; the loss is a mean over many tokens
+GRAD_RTOL = 6e-2  # relative Frobenius error of each LoRA gradient (products and casts in bf16)
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA"))]
+
+
+def _model(kind: str, device: str = "cpu", targets="all-linear") -> nn.Module:
+    torch.manual_seed(0)
+    model = MiniGPT(GPTConfig(**CFG))
+    if kind == "lora":
+        apply_lora(model, LoRAConfig(r=4, alpha=8.0, target_modules=targets))
+        model.to(device)
+    else:
+        wrap_minigpt_qlora(model, r=4, alpha=8.0, targets=targets, device=device, compute_dtype=torch.float32)
+    with torch.no_grad():  # a non-zero B, so the LoRA path contributes to the output and to every gradient
+        for m in lora_modules(model).values():
+            for b in m.lora_B.values():
+                b.weight.normal_(std=0.1)
+    return model
+
+
+def _batch(device="cpu"):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(0, CFG["vocab_size"], (4, CFG["block_size"]), generator=g)
+    y = torch.randint(0, CFG["vocab_size"], (4, CFG["block_size"]), generator=g)
+    return x.to(device), y.to(device)
+
+
+def _loss(model, x, y):
+    logits = model(x)  # (B, T, V)
+    assert logits.dtype == torch.float32
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
+
+
+def _grads(model):
+    return {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", ["lora", "qlora"])
+def test_loss_and_lora_grads_match_fp32(kind, device):
+    ref = _model(kind, device)
+    bf = use_bf16_compute(copy.deepcopy(ref))
+    x, y = _batch(device)
+    loss_ref, loss_bf = _loss(ref, x, y), _loss(bf, x, y)
+    loss_ref.backward()
+    loss_bf.backward()
+    assert abs(loss_bf.item() - loss_ref.item()) <= LOSS_RTOL * loss_ref.item()
+    g_ref, g_bf = _grads(ref), _grads(bf)
+    assert g_ref.keys() == g_bf.keys() and all("lora_" in n for n in g_bf)
+    for n in g_ref:
+        assert g_bf[n].dtype == torch.float32, n
+        err = float((g_bf[n] - g_ref[n]).norm() / g_ref[n].norm())
+        assert err < GRAD_RTOL, f"{n}: relative gradient error {err:.3g}"
+
+
+@pytest.mark.parametrize("kind", ["lora", "qlora"])
+def test_dtypes_after_conversion(kind):
+    model = use_bf16_compute(_model(kind))
+    expected = {"embeddings": "bfloat16", "norms": "float32", "LoRA compute": "bfloat16", "LoRA masters": "float32",
+                "frozen linear weights": "bfloat16"}  # lm_head (and, for LoRA, the wrapped bases)
+    if kind == "qlora":
+        expected["quantized linear compute"] = "bfloat16"
+    assert compute_dtypes(model) == expected
+    assert isinstance(model.wte, Bf16Embedding) and isinstance(model.lm_head, Bf16Linear)
+    assert model.lm_head.weight is model.wte.weight  # still tied: one bf16 tensor
+    assert model.wte(torch.tensor([[1, 2]])).dtype == torch.float32
+    seen = {}
+    model.blocks[0].ln_1.register_forward_hook(lambda m, a, out: seen.update(ln_in=a[0].dtype, ln_out=out.dtype))
+    model(_batch()[0])
+    assert seen == {"ln_in": torch.float32, "ln_out": torch.float32}  # residual stream and norms in fp32
+
+
+def test_step_zero_output_equals_the_bf16_base():
+    """B = 0: the LoRA path adds exactly nothing, in bf16 too."""
+    torch.manual_seed(0)
+    base = MiniGPT(GPTConfig(**CFG)).requires_grad_(False)
+    lora = copy.deepcopy(base)
+    apply_lora(lora, LoRAConfig(r=4, alpha=8.0))
+    x, _ = _batch()
+    assert torch.equal(use_bf16_compute(lora)(x), use_bf16_compute(base)(x))
+
+
+@pytest.mark.parametrize("kind", ["lora", "qlora"])
+def test_an_adamw_step_changes_only_the_lora_masters(kind):
+    model = use_bf16_compute(_model(kind))
+    frozen = {k: v.clone() for k, v in model.state_dict().items() if "lora_" not in k}
+    masters = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    x, y = _batch()
+    _loss(model, x, y).backward()
+    opt.step()
+    for k, v in model.state_dict().items():
+        if k in frozen:
+            assert torch.equal(v, frozen[k]), f"frozen {k} changed"
+    for n, p in model.named_parameters():
+        if n in masters:
+            assert p.dtype == torch.float32 and not torch.equal(p, masters[n]), n
+    for state in opt.state.values():
+        assert state["exp_avg"].dtype == state["exp_avg_sq"].dtype == torch.float32
+
+
+def test_lora_on_some_targets_leaves_other_linears_bf16_with_fp32_outputs():
+    model = use_bf16_compute(_model("qlora", targets=["q_proj", "v_proj"]))
+    assert isinstance(model.blocks[0].mlp.fc1, Bf16Linear) and model.blocks[0].mlp.fc1.bias.dtype == torch.bfloat16
+    assert model.blocks[0].mlp.fc1(torch.randn(3, 32)).dtype == torch.float32
+    q = model.blocks[0].attn.q_proj.base_layer
+    assert isinstance(q, QuantizedLinear) and q.compute_dtype == torch.bfloat16 and q.bias.dtype == torch.bfloat16
+    x, y = _batch()
+    _loss(model, x, y).backward()
+    assert {n for n, p in model.named_parameters() if p.requires_grad} == {
+        n for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_full_fine_tuning_is_refused():
+    torch.manual_seed(0)
+    model = MiniGPT(GPTConfig(**CFG))
+    with pytest.raises(InputError, match=r"frozen base.*full fine-tuning trains in fp32"):
+        use_bf16_compute(model)
+    assert type(model.lm_head) is nn.Linear and model.wte.weight.dtype == torch.float32  # nothing changed
+
+
+def test_idempotent_and_disabled_adapters():
+    model = use_bf16_compute(_model("lora"))
+    params = {n: p for n, p in model.named_parameters()}
+    use_bf16_compute(model)
+    assert {n: p for n, p in model.named_parameters()}.keys() == params.keys()
+    assert all(params[n] is p for n, p in model.named_parameters())
+    layer = model.blocks[0].attn.q_proj
+    layer.disabled = True
+    x = torch.randn(2, 5, 32)
+    assert layer(x).dtype == torch.float32
+    assert torch.equal(layer(x), layer.base_layer(x))
+
+
+def test_unsupported_dtype_is_refused():
+    with pytest.raises(InputError, match="bfloat16 or float16"):
+        use_bf16_compute(_model("lora"), dtype=torch.float64)
+
+
+@pytest.mark.parametrize("kind", ["lora", "qlora"])
+def test_every_matrix_product_of_a_step_runs_in_bf16(kind):
+    """Forward and backward: no fp32 product is left (attention's fused kernel is not a product)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    products = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.addmm_.default,
+                torch.ops.aten.bmm.default, torch.ops.aten.baddbmm.default}
+    dtypes = set()
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in products:
+                dtypes.update(a.dtype for a in args if isinstance(a, torch.Tensor))
+            return func(*args, **(kwargs or {}))
+
+    model = use_bf16_compute(_model(kind))
+    x, y = _batch()
+    with Record():
+        _loss(model, x, y).backward()
+    assert dtypes == {torch.bfloat16}
+
+
+def test_merge_is_refused_under_bf16_compute():
+    model = use_bf16_compute(_model("lora"))
+    with pytest.raises(InputError, match="cannot merge under torch.bfloat16 compute"):
+        model.blocks[0].attn.q_proj.merge()
+    assert not model.blocks[0].attn.q_proj.merged_adapters
+
+
+def test_a_model_already_cast_to_bf16_is_refused():
+    """wrap_minigpt_qlora's compute_dtype=bf16 casts the norms too; use_bf16_compute keeps them fp32, so it wants fp32."""
+    torch.manual_seed(0)
+    model = wrap_minigpt_qlora(MiniGPT(GPTConfig(**CFG)), r=4, device="cpu", compute_dtype=torch.bfloat16)
+    with pytest.raises(InputError, match=r"starts from an fp32 model .* is not fp32"):
+        use_bf16_compute(model)
+
+
+def test_apply_precision_checks_the_cpu_then_converts():
+    from minituner.precision import apply_precision
+
+    model = _model("lora")
+    assert apply_precision(model, "fp32") is None and isinstance(model.lm_head, nn.Linear)
+    with pytest.raises(InputError, match="no bf16 units.*--precision fp32"):
+        apply_precision(model, "bf16", "cpu", flags={"avx2", "avx512f"})
+    assert type(model.lm_head) is nn.Linear  # refused: nothing changed
+    support = apply_precision(model, "bf16", "cpu", allow_slow_bf16=True, flags={"avx2"})
+    assert not support.fast and isinstance(model.lm_head, Bf16Linear)
+    assert apply_precision(_model("qlora"), "bf16", "cpu", flags={"avx512_bf16"}).fast
+    with pytest.raises(InputError, match="precision must be one of fp32, bf16"):
+        apply_precision(model, "bf16-autocast")
+    full = MiniGPT(GPTConfig(**CFG))
+    with pytest.raises(InputError, match="full fine-tuning trains in fp32"):
+        apply_precision(full, "bf16", "cpu", flags={"avx512_bf16"})
