@@ -40,7 +40,12 @@ RANK, ALPHA = 16, 32.0
 BATCH, SEQ = 1, 512
 LR = 1e-4
 SCHEME = "nf4_per_group_64"
-CONTENDERS = {"ours": "ours (load_hf_decoder NF4 + LoRALinear)", "peft_bnb": "PEFT + bitsandbytes (load_in_4bit nf4)"}
+CONTENDERS = {"ours": "ours (load_hf_decoder NF4 + LoRALinear)", "peft_bnb": "PEFT + bitsandbytes (load_in_4bit nf4)",
+              "ours_mmap": "informational: ours, glibc MALLOC_MMAP_THRESHOLD_=131072"}
+DEFAULT_CONTENDERS = ("ours", "peft_bnb")
+# glibc raises its mmap threshold (up to 32 MiB) after each large free, so later activations come from the heap
+# and freed holes stay resident; a fixed threshold returns every large block to the OS when freed
+CONTENDER_ENV = {"ours_mmap": {"MALLOC_MMAP_THRESHOLD_": "131072"}}
 DTYPES = {"float32": "fp32", "bfloat16": "bf16"}  # torch name -> planner MemoryConfig.dtype
 LOAD_GOAL = 1.10  # peak RSS while loading / (planner QLoRA weights + largest tensor + baseline)
 TRAIN_GOAL_7B = 1.15  # peak RSS while training / planner total
@@ -107,7 +112,7 @@ def measure(contender: str, folder: str, dtype_name: str, steps: int) -> dict:
     import torch.nn.functional as F
 
     dtype = getattr(torch, dtype_name)
-    load, prepare, forward = (_build_ours if contender == "ours" else _build_peft_bnb)(folder, dtype)
+    load, prepare, forward = (_build_peft_bnb if contender == "peft_bnb" else _build_ours)(folder, dtype)
     gc.collect()
     baseline = current_rss_mib()  # torch and the contender's own libraries imported, nothing built
     reset_ok = reset_peak_rss()
@@ -117,6 +122,7 @@ def measure(contender: str, folder: str, dtype_name: str, steps: int) -> dict:
     load_s, load_cpu_s = time.perf_counter() - t0, time.process_time() - c0
     load_peak = peak_rss_mib()
     rss_loaded = current_rss_mib()
+    split_loaded = _rss_split_mib()
     t0 = time.perf_counter()
     model, facts = prepare(model)
     prepare_s = time.perf_counter() - t0
@@ -145,12 +151,22 @@ def measure(contender: str, folder: str, dtype_name: str, steps: int) -> dict:
         losses.append(step())
         times.append(time.perf_counter() - t0)
     train_peak = peak_rss_mib()
-    return {"contender": contender, "dtype": dtype_name, "load_s": load_s, "load_cpu_s": load_cpu_s,
+    split_trained = _rss_split_mib()
+    return {"rss_anon_file_loaded_mib": split_loaded, "rss_anon_file_trained_mib": split_trained,"contender": contender, "dtype": dtype_name, "load_s": load_s, "load_cpu_s": load_cpu_s,
             "prepare_s": prepare_s, "baseline_mib": baseline, "load_peak_mib": load_peak,
             "rss_loaded_mib": rss_loaded, "rss_before_train_mib": rss_before_train, "train_peak_mib": train_peak,
             "first_step_s": times[0], "step_times": times[1:], "losses": losses, "peak_reset": reset_ok,
             "trainable_params": sum(p.numel() for p in trainable), "threads": torch.get_num_threads(),
             "loadavg_at_start": load_avg, "loadavg_at_end": os.getloadavg()[0], **facts}
+
+
+def _rss_split_mib() -> list[float]:
+    """[anonymous, file-backed] resident MiB now (RssAnon, RssFile of /proc/self/status; [] elsewhere)."""
+    try:
+        fields = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines() if ":" in line)
+        return [int(fields[k].split()[0]) / 1024 for k in ("RssAnon", "RssFile")]
+    except (OSError, KeyError, ValueError):
+        return []
 
 
 # ---- the section (runs in the parent) ------------------------------------------------------------
@@ -164,7 +180,8 @@ def _run_contender(contender: str, folder: Path, dtype: str, steps: int) -> dict
     cmd = [sys.executable, str(Path(__file__).resolve()), "--contender", contender, "--folder", str(folder),
            "--dtype", dtype, "--steps", str(steps)]
     t0 = time.perf_counter()
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=4 * 3600)
+    env = {**os.environ, **CONTENDER_ENV.get(contender, {})}
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=4 * 3600, env=env)
     if out.returncode != 0:
         _log(f"[bench]   {contender} {dtype} failed:\n{out.stderr[-3000:]}")
         return {"contender": contender, "dtype": dtype, "error": (out.stderr.strip().splitlines() or ["?"])[-1]}
@@ -209,7 +226,7 @@ def _fmt_s(s: float) -> str:
     return f"{s:.1f} s" if s < 600 else f"{s / 60:.1f} min"
 
 
-def run(quick: bool = False, plan: dict | None = None) -> Section:
+def run(quick: bool = False, plan: dict | None = None, contenders: tuple[str, ...] = DEFAULT_CONTENDERS) -> Section:
     from real_checkpoints import write_checkpoint
 
     plan = plan or (QUICK_PLAN if quick else PLAN)
@@ -229,7 +246,7 @@ def run(quick: bool = False, plan: dict | None = None) -> Section:
             results[shape] = []
             for dtype in dtypes:
                 # ours first, then theirs; the machine's load is logged beside each
-                for contender in CONTENDERS:
+                for contender in contenders:
                     _log(f"[bench]   real_models: {shape} {contender} {dtype} (load average {os.getloadavg()[0]:.1f})")
                     results[shape].append({"shape": shape, **_run_contender(contender, folder, dtype, steps)})
                     _log(f"[bench]   -> {json.dumps(results[shape][-1])}")
@@ -254,7 +271,7 @@ def from_logs(logs: list[Path]) -> Section:
                 continue
             rec = json.loads(line.removeprefix("[bench]   -> "))
             if "written" in rec:
-                written[rec["shape"]] = tuple(rec["written"])
+                written.setdefault(rec["shape"], tuple(rec["written"]))  # the first run of a shape
                 plan[rec["shape"]] = (tuple(rec["plan"][0]), rec["plan"][1])
                 continue
             rec.setdefault("shape", shape)
@@ -358,10 +375,11 @@ def section(results: dict[str, list[dict]], planner: dict, written: dict, plan: 
                     r["train_peak_mib"] / r["planner_total"], TRAIN_GOAL_7B, False,
                     f"planner total {r['planner_total']:.0f} MiB uses the seed's activation estimate "
                     f"(batch × seq × d_model × layers × 16 B = {planner[seven][(DTYPES[dtype], 'seed')]['activations']:.0f} MiB); "
-                    f"with Korthikanti's it is {kor:.0f} MiB (peak / that: {r['train_peak_mib'] / kor:.2f}×). The "
-                    f"process baseline ({r['baseline_mib']:.0f} MiB) and the activations a step saves for "
-                    "backward without recomputation are the gap; RSS before the first step "
-                    f"{r['rss_before_train_mib']:.0f} MiB"))
+                    f"with Korthikanti's it is {kor:.0f} MiB (peak / that: {r['train_peak_mib'] / kor:.2f}×). RSS "
+                    f"before the first step {r['rss_before_train_mib']:.0f} MiB (weights, LoRA, baseline "
+                    f"{r['baseline_mib']:.0f} MiB); the step adds the activations saved for backward (no "
+                    "recomputation; this bf16 path also saves fp32 copies of every LoRA input) and freed memory "
+                    "glibc keeps resident (see the MALLOC_MMAP_THRESHOLD_ note)"))
             if r and t:
                 s.goals.append(Goal(
                     f"7B load + quantize: transformers + bitsandbytes load_in_4bit / ours ({DTYPES[dtype]} run)",
@@ -372,7 +390,8 @@ def section(results: dict[str, list[dict]], planner: dict, written: dict, plan: 
             if t:
                 s.notes.append(f"7B PEFT + bitsandbytes ({DTYPES[dtype]}) fits this machine: train peak RSS "
                                f"{t['train_peak_mib'] / 1024:.1f} GiB, load peak {t['load_peak_mib'] / 1024:.1f} GiB "
-                               f"(of {_total_gib():.1f} GiB)")
+                               f"(of {_total_gib():.1f} GiB), both counting the mapped checkpoint pages it read "
+                               "(see the note on file-backed pages)")
             elif by.get((seven, "peft_bnb", dtype)):
                 s.notes.append(f"7B PEFT + bitsandbytes ({DTYPES[dtype]}) did not complete: "
                                f"{by[(seven, 'peft_bnb', dtype)]['error']}")
@@ -386,7 +405,35 @@ def section(results: dict[str, list[dict]], planner: dict, written: dict, plan: 
                     STEP_GOAL_1B, False,
                     f"ours {_fmt_s(r['step'])}, theirs {_fmt_s(t['step'])} "
                     f"({len(r['step_times'])} vs {len(t['step_times'])} timed steps, after one untimed); load "
-                    f"average {r['loadavg_at_start']:.1f} / {t['loadavg_at_start']:.1f} when each started"))
+                    f"average {r['loadavg_at_start']:.1f} / {t['loadavg_at_start']:.1f} when each started. "
+                    + ("Both run the same fp32 products on dequantized NF4 weights, which dominate the step; "
+                       "a lead of 20% needs fewer or cheaper products, not less overhead" if dtype == "float32" else
+                       "Ours is the informational whole-model bf16 path: NF4 dequantizes to bf16, but the LoRA "
+                       "factors stay fp32, so each LoRA input is cast to fp32 and each LoRA output back (copies "
+                       "PEFT under autocast does not make); a dedicated bf16 compute path is being built")))
+    for shape in results:
+        base, mm = ok((shape, "ours", "bfloat16")) or ok((shape, "ours", "float32")), ok((shape, "ours_mmap", "bfloat16"))
+        if base and mm:
+            s.notes.append(
+                f"{SHORT[shape]} ({DTYPES[mm['dtype']]}): with glibc's mmap threshold fixed at 128 KiB "
+                f"(MALLOC_MMAP_THRESHOLD_=131072, no code change) our train peak RSS is {mm['train_peak_mib']:.0f} MiB "
+                f"against {base['train_peak_mib']:.0f} MiB with the default ({mm['train_peak_mib'] / mm['planner_total']:.2f}× "
+                "the planner's total instead of "
+                f"{base['train_peak_mib'] / base['planner_total']:.2f}×): by default glibc raises its threshold after each "
+                "large free, so activations then come from the heap, and freed holes in it stay resident")
+        for dtype in plan[shape][0]:
+            r, t = ok((shape, "ours", dtype)), ok((shape, "peft_bnb", dtype))
+            if r and t and r.get("losses") and t.get("losses"):
+                s.notes.append(f"{SHORT[shape]} {DTYPES[dtype]}: loss at step 0 ours {r['losses'][0]:.6f}, theirs "
+                               f"{t['losses'][0]:.6f} (same weights, NF4 codes and LoRA B = 0: the same model)")
+            for who in (r, t):
+                if who and who.get("rss_anon_file_trained_mib"):
+                    a, f = who["rss_anon_file_trained_mib"]
+                    s.notes.append(f"{SHORT[shape]} {DTYPES[dtype]} {who['contender']}: after training, RSS = {a:.0f} MiB "
+                                   f"anonymous + {f:.0f} MiB file-backed pages")
+    s.notes.append("RSS counts file-backed pages a process maps: transformers keeps the checkpoint's shards mapped "
+                   "(safetensors), so pages of it that were read count in PEFT + bitsandbytes' RSS (page cache, "
+                   "reclaimable); our loader keeps no mapping (it copies what it keeps), so ours is anonymous memory")
     for shape, (secs, gib) in written.items():
         s.notes.append(f"{shape}: checkpoint of {gib:.2f} GiB written in {_fmt_s(secs)}; compute dtypes run: "
                        f"{', '.join(DTYPES[d] for d in plan[shape][0])}; timed steps after the first: {plan[shape][1]}")
@@ -419,6 +466,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shapes", help=f"section mode: comma-separated of {list(PLAN)}")
     parser.add_argument("--dtypes", help="section mode: override the compute dtypes (comma-separated)")
     parser.add_argument("--out", type=Path, help="section mode: write a Markdown report here")
+    parser.add_argument("--contenders", default=",".join(DEFAULT_CONTENDERS), help=f"section mode: of {list(CONTENDERS)}")
     parser.add_argument("--from-logs", type=Path, nargs="+", help="render the section from earlier runs' stderr")
     args = parser.parse_args(argv)
     if args.contender:
@@ -432,8 +480,12 @@ def main(argv: list[str] | None = None) -> int:
     plan = {sh: ((tuple(args.dtypes.split(",")) if args.dtypes else PLAN[sh][0]), args.steps if args.steps >= 0
                  else PLAN[sh][1]) for sh in shapes}
     machine = machine_description()
+    if args.from_logs:  # the load average now says nothing about the runs; each subprocess's is in the table
+        machine = [m for m in machine if not m.startswith("- Load average")] + [
+            f"- Rendered from the logs of earlier runs ({', '.join(p.name for p in args.from_logs)}): the load "
+            "average when each subprocess started is in the table ('load avg')"]
     t0 = time.perf_counter()
-    sec = from_logs(args.from_logs) if args.from_logs else run(plan=plan)
+    sec = from_logs(args.from_logs) if args.from_logs else run(plan=plan, contenders=tuple(args.contenders.split(",")))
     text = render(machine, [sec], "python benchmarks/bench_real_models.py " + " ".join(argv or sys.argv[1:]),
                   time.perf_counter() - t0)
     if args.out:

@@ -9,7 +9,7 @@ optionally ``tokenizer.json`` and ``generation_config.json``. No hub access, no 
 2. The model is built on the meta device (no memory, no random init); each tensor is then read,
    converted (``dtype=None`` keeps the checkpoint's: a bf16 checkpoint stays bf16) and assigned. The
    file is opened per tensor, and every kept tensor is copied into memory of its own: safetensors
-   (0.6+) hands out tensors that are views of its file mapping, which would keep the checkpoint mapped
+   (0.8 at least) hands out tensors that are views of its file mapping, which would keep the checkpoint mapped
    for the model's lifetime (a model whose resident size grows as pages are first touched, and whose
    weights change if the file is rewritten in place). A tensor quantized as it is read is not copied.
 3. With ``quantize``, each selected Linear is a QuantizedLinear (NF4 by default) from the start and
