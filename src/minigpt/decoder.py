@@ -15,13 +15,13 @@ from minituner.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .errors import InputError
+from .errors import InputError, check_known_fields
 
 NORMS = ("rmsnorm", "layernorm")
 POSITIONS = ("rope", "learned")
@@ -100,10 +100,7 @@ class DecoderConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "DecoderConfig":
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise InputError(f"unknown DecoderConfig fields {unknown}; valid: {sorted(known)}")
+        check_known_fields(cls, d)
         return cls(**d)
 
 

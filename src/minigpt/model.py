@@ -11,14 +11,14 @@ block's input and the backward recomputes the block before differentiating it.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from .errors import InputError
+from .errors import InputError, check_known_fields
 
 ACTIVATIONS = {"gelu": "none", "gelu_tanh": "tanh"}  # name -> F.gelu(approximate=...)
 
@@ -60,10 +60,7 @@ class GPTConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "GPTConfig":
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise InputError(f"unknown GPTConfig fields {unknown}; valid: {sorted(known)}")
+        check_known_fields(cls, d)
         missing = sorted({"vocab_size", "block_size"} - set(d))
         if missing:
             raise InputError(f"GPTConfig is missing required fields {missing}")

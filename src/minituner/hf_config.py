@@ -45,9 +45,12 @@ DEFAULTS = {
 DEFAULT_ROPE_THETA = 10000.0  # transformers' default_theta for all three families
 
 
-def _int(cfg: dict, key: str, default, where: str) -> int:
-    """A positive integer from cfg[key], else the family's default."""
+def config_int(cfg: dict, key: str, default, where: str, aliases: tuple[str, ...] = ()) -> int:
+    """A positive integer from cfg[key] (or the first alias present), else the family's default."""
     value = cfg.get(key)
+    for alias in aliases:
+        if value is None:
+            value = cfg.get(alias)
     if value is None:
         value = default
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -55,7 +58,7 @@ def _int(cfg: dict, key: str, default, where: str) -> int:
     return value
 
 
-def _bool(cfg: dict, key: str, default: bool, where: str) -> bool:
+def config_bool(cfg: dict, key: str, default: bool, where: str) -> bool:
     value = cfg.get(key, default)
     if value is None:
         value = default
@@ -99,7 +102,7 @@ def rope_fields(cfg: dict, where: str, max_pos: int, check: bool = True) -> dict
         out.update(rope_factor=_float(params, "factor", 0, where),
                    rope_low_freq_factor=_float(params, "low_freq_factor", 0, where),
                    rope_high_freq_factor=_float(params, "high_freq_factor", 0, where),
-                   rope_original_max_position_embeddings=_int(params, "original_max_position_embeddings", max_pos, where))
+                   rope_original_max_position_embeddings=config_int(params, "original_max_position_embeddings", max_pos, where))
         if out["rope_high_freq_factor"] <= out["rope_low_freq_factor"]:
             raise InputError(f"{where}: rope_scaling high_freq_factor must exceed low_freq_factor")
     return out
@@ -111,11 +114,11 @@ def _sliding(cfg: dict, family: str, n_layer: int, where: str) -> tuple[int | No
     if family == "llama":
         return None, []
     window = cfg.get("sliding_window", dflt["sliding_window"])
-    if family == "qwen2" and not _bool(cfg, "use_sliding_window", False, where):
+    if family == "qwen2" and not config_bool(cfg, "use_sliding_window", False, where):
         window = None  # Qwen2Config drops the window unless use_sliding_window is true
     if window is None:
         return None, []
-    window = _int({"sliding_window": window}, "sliding_window", None, where)
+    window = config_int({"sliding_window": window}, "sliding_window", None, where)
     if family == "mistral":
         return window, list(range(n_layer))
     layer_types = cfg.get("layer_types")
@@ -123,7 +126,7 @@ def _sliding(cfg: dict, family: str, n_layer: int, where: str) -> tuple[int | No
         if not isinstance(layer_types, list) or len(layer_types) != n_layer:
             raise InputError(f"{where}: layer_types must list one type per layer ({n_layer})")
         return window, [i for i, t in enumerate(layer_types) if t == "sliding_attention"]
-    first = _int(cfg, "max_window_layers", dflt["max_window_layers"], where)
+    first = config_int(cfg, "max_window_layers", dflt["max_window_layers"], where)
     return window, [i for i in range(n_layer) if i >= first]
 
 
@@ -138,17 +141,17 @@ def decoder_config_from_hf(cfg: dict, where: str = "config.json", check_rope: bo
     if family not in ROTARY_FAMILIES:
         raise InputError(f"{where}: model_type {family!r} is not supported; valid: {', '.join(FAMILIES)}")
     dflt = DEFAULTS[family]
-    h = _int(cfg, "hidden_size", dflt["hidden_size"], where)
-    n_head = _int(cfg, "num_attention_heads", dflt["num_attention_heads"], where)
-    n_kv = _int(cfg, "num_key_value_heads", dflt["num_key_value_heads"] or n_head, where)
+    h = config_int(cfg, "hidden_size", dflt["hidden_size"], where)
+    n_head = config_int(cfg, "num_attention_heads", dflt["num_attention_heads"], where)
+    n_kv = config_int(cfg, "num_key_value_heads", dflt["num_key_value_heads"] or n_head, where)
     if n_head % n_kv:
         raise InputError(f"{where}: num_key_value_heads={n_kv} does not divide num_attention_heads={n_head}")
-    head_dim = _int(cfg, "head_dim", h // n_head or None, where)  # the config's, else hidden // heads
+    head_dim = config_int(cfg, "head_dim", h // n_head or None, where)  # the config's, else hidden // heads
     if family == "llama" and h % n_head:  # LlamaConfig.validate_architecture
         raise InputError(f"{where}: num_attention_heads={n_head} does not divide hidden_size={h}")
     if family == "llama":
-        qkv_bias = o_bias = _bool(cfg, "attention_bias", False, where)
-        mlp_bias = _bool(cfg, "mlp_bias", False, where)
+        qkv_bias = o_bias = config_bool(cfg, "attention_bias", False, where)
+        mlp_bias = config_bool(cfg, "mlp_bias", False, where)
     elif family == "qwen2":
         qkv_bias, o_bias, mlp_bias = True, False, False
     else:
@@ -156,18 +159,18 @@ def decoder_config_from_hf(cfg: dict, where: str = "config.json", check_rope: bo
     act = cfg.get("hidden_act", "silu")
     if act not in ACTIVATIONS:
         raise InputError(f"{where}: hidden_act {act!r} is not supported; valid: {sorted(ACTIVATIONS)}")
-    n_layer = _int(cfg, "num_hidden_layers", dflt["num_hidden_layers"], where)
-    max_pos = _int(cfg, "max_position_embeddings", dflt["max_position_embeddings"], where)
+    n_layer = config_int(cfg, "num_hidden_layers", dflt["num_hidden_layers"], where)
+    max_pos = config_int(cfg, "max_position_embeddings", dflt["max_position_embeddings"], where)
     window, sliding_layers = _sliding(cfg, family, n_layer, where)
     try:
         return DecoderConfig(
-            model_type=family, vocab_size=_int(cfg, "vocab_size", dflt["vocab_size"], where), block_size=max_pos,
+            model_type=family, vocab_size=config_int(cfg, "vocab_size", dflt["vocab_size"], where), block_size=max_pos,
             n_layer=n_layer, n_head=n_head, n_kv_head=n_kv, d_model=h, head_dim=head_dim,
-            d_ff=_int(cfg, "intermediate_size", dflt["intermediate_size"], where),
+            d_ff=config_int(cfg, "intermediate_size", dflt["intermediate_size"], where),
             norm="rmsnorm", norm_eps=_float(cfg, "rms_norm_eps", dflt["rms_norm_eps"], where), positions="rope",
             **rope_fields(cfg, where, max_pos, check_rope), mlp="swiglu", activation=act,
             qkv_bias=qkv_bias, o_bias=o_bias, mlp_bias=mlp_bias,
-            tie_word_embeddings=_bool(cfg, "tie_word_embeddings", False, where),
+            tie_word_embeddings=config_bool(cfg, "tie_word_embeddings", False, where),
             sliding_window=window, sliding_layers=sliding_layers,
             attention_dropout=_float(cfg, "attention_dropout", 0.0, where),
         )

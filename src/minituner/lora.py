@@ -10,13 +10,13 @@ idempotent, computed in fp32 and refused when the result is not finite.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from typing import NamedTuple
 
 import torch
 import torch.nn as nn
 
-from minigpt.errors import InputError
+from minigpt.errors import InputError, check_known_fields
 
 from .planner.counts import ALL_LINEAR  # one spelling of PEFT's "all-linear", shared with the planner
 
@@ -46,10 +46,7 @@ class LoRAConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "LoRAConfig":
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise InputError(f"unknown LoRAConfig fields {unknown}; valid: {sorted(known)}")
+        check_known_fields(cls, d)
         return cls(**d)
 
 

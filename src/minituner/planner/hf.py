@@ -18,45 +18,23 @@ from minigpt.errors import InputError
 from minigpt.io import read_json
 from minigpt.model import GPTConfig
 
-from ..hf_config import decoder_config_from_hf
+from ..hf_config import config_bool, config_int, decoder_config_from_hf
 from .shapes import ATTENTION, MLP, LinearShape, ModelShape, NormShape, minigpt_shape
 
 FAMILIES = ("gpt2", "llama", "minigpt", "mistral", "qwen2")
 
 
-def _int(cfg: dict, key: str, default, where: str, aliases: tuple[str, ...] = ()) -> int:
-    """A positive integer from cfg[key] (or an alias), else the family's default."""
-    value = cfg.get(key)
-    for alias in aliases:
-        if value is None:
-            value = cfg.get(alias)
-    if value is None:
-        value = default
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise InputError(f"{where}: {key} must be a positive integer, got {value!r}")
-    return value
-
-
-def _bool(cfg: dict, key: str, default: bool, where: str) -> bool:
-    value = cfg.get(key, default)
-    if value is None:
-        value = default
-    if not isinstance(value, bool):
-        raise InputError(f"{where}: {key} must be true or false, got {value!r}")
-    return value
-
-
 def _gpt2(cfg: dict, where: str) -> ModelShape:
     # GPT2Config defaults; attribute_map lets a config say hidden_size for n_embd, etc.
-    h = _int(cfg, "n_embd", 768, where, ("hidden_size",))
-    n_layer = _int(cfg, "n_layer", 12, where, ("num_hidden_layers",))
-    n_head = _int(cfg, "n_head", 12, where, ("num_attention_heads",))
+    h = config_int(cfg, "n_embd", 768, where, ("hidden_size",))
+    n_layer = config_int(cfg, "n_layer", 12, where, ("num_hidden_layers",))
+    n_head = config_int(cfg, "n_head", 12, where, ("num_attention_heads",))
     if h % n_head:
         raise InputError(f"{where}: n_head={n_head} does not divide n_embd={h}")
-    if _bool(cfg, "add_cross_attention", False, where):
+    if config_bool(cfg, "add_cross_attention", False, where):
         raise InputError(f"{where}: add_cross_attention is not supported (decoder-only GPT-2 only)")
     ff = cfg.get("n_inner")
-    ff = 4 * h if ff is None else _int(cfg, "n_inner", None, where)
+    ff = 4 * h if ff is None else config_int(cfg, "n_inner", None, where)
     linears = (
         LinearShape("attn.c_attn", ATTENTION, h, 3 * h, True),  # fused q, k, v
         LinearShape("attn.c_proj", ATTENTION, h, h, True),
@@ -64,10 +42,10 @@ def _gpt2(cfg: dict, where: str) -> ModelShape:
         LinearShape("mlp.c_proj", MLP, ff, h, True),
     )
     return ModelShape(
-        family="gpt2", name=where, vocab_size=_int(cfg, "vocab_size", 50257, where), d_model=h,
+        family="gpt2", name=where, vocab_size=config_int(cfg, "vocab_size", 50257, where), d_model=h,
         n_layer=n_layer, n_head=n_head, n_kv_head=n_head, head_dim=h // n_head, d_ff=ff,
-        n_positions=_int(cfg, "n_positions", 1024, where, ("max_position_embeddings",)),
-        tie_embeddings=_bool(cfg, "tie_word_embeddings", True, where), linears=linears,
+        n_positions=config_int(cfg, "n_positions", 1024, where, ("max_position_embeddings",)),
+        tie_embeddings=config_bool(cfg, "tie_word_embeddings", True, where), linears=linears,
         norms=(NormShape("ln_1", h, True), NormShape("ln_2", h, True)), final_norm=NormShape("ln_f", h, True),
     )
 
