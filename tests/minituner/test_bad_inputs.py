@@ -87,7 +87,7 @@ def f(tmp_path_factory):
             config = json.dumps({k: v for k, v in json.loads(cfg_path.read_text()).items() if k != "r"})
         cfg_path.write_text(config)
     for name, config in (("base_missing", {"model_type": "minigpt", "n_layer": 1}),
-                         ("base_llama", {"model_type": "llama", "vocab_size": tok.vocab_size, "block_size": 32})):
+                         ("base_gemma", {"model_type": "gemma", "vocab_size": tok.vocab_size, "block_size": 32})):
         shutil.copytree(base, root / name)
         (root / name / "config.json").write_text(json.dumps(config))
     run_cfg = FinetuneConfig(data=str(root / "data.txt"), lora=LoRAConfig(r=2, alpha=4), base_domain=None,
@@ -146,8 +146,8 @@ CASES = [
      lambda f, o: load_api(f, f.peft_no_r), "bad LoRA fields ('r')"),
     ("config-missing-fields", lambda f, o: finetune_cli(f, o, base=f.base_missing),
      lambda f, o: finetune_api(f, o, base=f.base_missing), "missing required fields ['block_size', 'vocab_size']"),
-    ("config-unknown-model-type", lambda f, o: finetune_cli(f, o, base=f.base_llama),
-     lambda f, o: finetune_api(f, o, base=f.base_llama), "model_type 'llama' is not supported"),
+    ("config-unknown-model-type", lambda f, o: finetune_cli(f, o, base=f.base_gemma),
+     lambda f, o: finetune_api(f, o, base=f.base_gemma), "model_type 'gemma' is not supported"),
     ("r-zero", lambda f, o: finetune_cli(f, o, "--rank", 0),
      lambda f, o: finetune_api(f, o, r=0), "rank r must be a positive integer, got 0"),
     ("r-negative", None,
