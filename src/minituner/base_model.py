@@ -16,12 +16,14 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from minigpt.base_folder import CONFIG, WEIGHTS, WEIGHTS_INDEX, load_minigpt_folder
+from minigpt.base_folder import CONFIG, WEIGHTS, WEIGHTS_INDEX, load_config, load_minigpt_folder
+from minigpt.decoder import DecoderConfig
 from minigpt.errors import InputError
 from minigpt.io import read_json, sha256_file
+from minigpt.model import GPTConfig
 
-from .hf_config import ROTARY_FAMILIES, eos_token_ids
-from .hf_gpt2 import load_gpt2
+from .hf_config import ROTARY_FAMILIES, eos_token_ids, read_decoder_config
+from .hf_gpt2 import config_from_gpt2, load_gpt2
 from .hf_load import QuantizeSpec, checkpoint_files, load_hf_decoder, load_hf_tokenizer, quantized_paths
 from .qlora import quantize_linears
 from .tokenizer_files import HFTokenizer, Tokenizer, load_tokenizer  # noqa: F401  (re-exported)
@@ -75,8 +77,20 @@ def load_base(folder: str | Path, device: str | torch.device = "cpu", dtype: tor
     return model, tokenizer
 
 
-def default_seq_len(folder: str | Path, context: int) -> int:
+def base_config(folder: str | Path) -> GPTConfig | DecoderConfig:
+    """The config a base folder's model is built from, read from its config.json alone (no weights)."""
+    folder = Path(folder)
+    kind = base_kind(folder)
+    if kind in ROTARY_FAMILIES:
+        return read_decoder_config(folder)
+    if kind == "gpt2":
+        return config_from_gpt2(read_json(folder / CONFIG), str(folder / CONFIG))
+    return load_config(folder)
+
+
+def default_seq_len(folder: str | Path) -> int:
     """The training window: a MiniGPT base's block size; the smaller of the context and 512 for Hugging Face bases."""
+    context = base_config(folder).block_size
     return context if base_kind(folder) == "minigpt" else min(context, DEFAULT_SEQ_LEN)
 
 
