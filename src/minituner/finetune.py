@@ -1,4 +1,4 @@
-"""Fine-tune a base folder (MiniGPT, GPT-2, Llama, Mistral, Qwen2) with LoRA, QLoRA or fully, reusing minigpt.train.train.
+"""Fine-tune a base folder (MiniGPT, GPT-2, Llama, Mistral, Qwen2) with LoRA, QLoRA or fully (minigpt.train.train).
 
 A LoRA run writes ``adapter_final.safetensors`` (minituner-lora-v1, see adapter_io), ``adapter_peft/``
 (a PEFT folder), ``metrics.jsonl``, ``loss_curve.png`` and ``manifest.json`` (sha256 of base and adapter).
@@ -94,7 +94,7 @@ def encode_domain(source: str, tokenizer: Tokenizer, block_size: int) -> tuple[t
 
 def domain_val_loss(model: nn.Module, tokenizer: Tokenizer, source: str, train_cfg: TrainConfig,
                     block: int | None = None) -> float:
-    """Validation loss (nats/token) of `model` on the val split of a corpus, in windows of `block` (default: the context)."""
+    """Validation loss (nats/token) of `model` on the val split of a corpus, in windows of `block` (default: context)."""
     block = block or model.config.block_size
     _, val_ids = encode_domain(source, tokenizer, block)
     return evaluate(model, val_ids, block, train_cfg.batch_size, train_cfg.eval_batches)

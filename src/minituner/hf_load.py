@@ -122,7 +122,8 @@ def quantized_paths(model: nn.Module, quantize: QuantizeSpec | None) -> tuple[li
     if quantize is None:
         return [], DEFAULT_QUANT_SCHEME
     if callable(quantize):
-        return [p for p, m in linear_candidates(model).items() if type(m) is nn.Linear and quantize(p)], DEFAULT_QUANT_SCHEME
+        paths = [p for p, m in linear_candidates(model).items() if type(m) is nn.Linear and quantize(p)]
+        return paths, DEFAULT_QUANT_SCHEME
     if isinstance(quantize, tuple) and len(quantize) == 2:
         targets, scheme = quantize
         return find_targets(model, targets), check_scheme(scheme)

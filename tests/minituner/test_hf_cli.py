@@ -135,15 +135,16 @@ def test_generate_stops_at_the_eos_id(hf_folder, hf_words, tmp_path, capsys):
 
     base = tmp_path / "llama"
     shutil.copytree(hf_folder("llama", name="llama-cli"), base)
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(hf_words + [f"w{i}" for i in range(40 - len(hf_words))])},
-                                     unk_token="w0"))
+    words = hf_words + [f"w{i}" for i in range(40 - len(hf_words))]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="w0"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.save(str(base / "tokenizer.json"))  # every id of the model's 40 decodes to a word
     model, tok = load_base(base)
     prompt = "the wind"
     first = int(model(torch.tensor([tok.encode(prompt)]))[0, -1].argmax())  # what greedy sampling emits next
     (base / "generation_config.json").write_text(json.dumps({"eos_token_id": [first]}))
-    assert main(["generate", "--base", str(base), "--prompt", prompt, "--temperature", "0", "--max-new-tokens", "20"]) == 0
+    argv = ["generate", "--base", str(base), "--prompt", prompt, "--temperature", "0", "--max-new-tokens", "20"]
+    assert main(argv) == 0
     text = capsys.readouterr().out.splitlines()[1]
     assert text.split() == [*prompt.split(), tok.decode([first])]  # one token, then it stopped
 

@@ -23,7 +23,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     src.add_argument("--preset", choices=PRESETS, help="built-in shape (default minigpt)")
     src.add_argument("--config", type=Path, help="config.json (or its folder): Hugging Face gpt2/llama/mistral/qwen2 or a MiniGPT base")
     src.add_argument("--base", type=Path, metavar="FOLDER",
-                     help="a model folder (as finetune --base takes): planned from its config.json alone, no weights read")
+                     help="a model folder (as finetune --base takes): planned from its config.json alone, "
+                          "no weights read")
     p.add_argument("--tokenizer", type=Path, help="tokenizer.json giving MiniGPT presets their vocab_size "
                    "(default artifacts/base/tokenizer.json if present, else rebuilt from the built-in corpus)")
     p.add_argument("--rank", action="append", metavar="R[,R...]",
