@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from .errors import InputError, check_known_fields
+from .sampling import generate
 
 ACTIVATIONS = {"gelu": "none", "gelu_tanh": "tanh"}  # name -> F.gelu(approximate=...)
 
@@ -155,30 +156,7 @@ class MiniGPT(nn.Module):
             x = checkpoint(block, x, use_reentrant=False) if recompute else block(x)  # (B, T, C)
         return self.lm_head(self.ln_f(x))  # (B, T, V)
 
-    @torch.no_grad()
-    def generate(
-        self,
-        idx: torch.Tensor,
-        max_new_tokens: int,
-        temperature: float = 1.0,
-        top_k: int | None = None,
-        generator: torch.Generator | None = None,
-    ) -> torch.Tensor:
-        """Sample max_new_tokens continuations of idx (B, T); temperature 0 means greedy."""
-        was_training = self.training
-        self.eval()
-        for _ in range(max_new_tokens):
-            context = idx[:, -self.config.block_size :]
-            logits = self(context)[:, -1, :]  # (B, V)
-            if temperature <= 0:
-                nxt = logits.argmax(dim=-1, keepdim=True)
-            else:
-                logits = logits / temperature
-                if top_k is not None:
-                    kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
-                    logits = logits.masked_fill(logits < kth, float("-inf"))
-                probs = F.softmax(logits, dim=-1)
-                nxt = torch.multinomial(probs, 1, generator=generator)
-            idx = torch.cat([idx, nxt], dim=1)
-        self.train(was_training)
-        return idx
+    def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
+                 generator: torch.Generator | None = None, eos_id: int | list[int] | None = None) -> torch.Tensor:
+        """Sample continuations of idx (B, T), stopping once every row has sampled an eos_id (minigpt.sampling)."""
+        return generate(self, idx, max_new_tokens, temperature, top_k, generator, eos_id)

@@ -1,96 +1,43 @@
 """Load any base model minituner can fine-tune, chosen by ``model_type`` in the folder's config.json.
 
-    model, tokenizer = load_base("artifacts/base")   # a MiniGPT folder, or a Hugging Face GPT-2 folder
+    model, tokenizer = load_base("artifacts/base")              # MiniGPT, GPT-2, Llama, Mistral or Qwen2
+    model, tokenizer = load_base("models/llama", quantize=("all-linear", "nf4_per_group_64"))  # QLoRA
+
+minigpt and gpt2 folders load as ``MiniGPT``; llama, mistral and qwen2 folders as ``Decoder``
+(``hf_load.load_hf_decoder``: tensor by tensor, each quantized as it is read when ``quantize`` selects it,
+so a QLoRA base is never in memory at full precision). ``dtype`` None keeps the checkpoint's dtype (a bf16
+checkpoint stays bf16). A Hugging Face tokenizer carries ``eos_ids`` from generation_config/config.json.
 """
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
-from typing import Protocol
 
 import torch
+import torch.nn as nn
 
-from minigpt.base_folder import CONFIG, TOKENIZER, WEIGHTS, WEIGHTS_INDEX, load_minigpt_folder
+from minigpt.base_folder import CONFIG, WEIGHTS, WEIGHTS_INDEX, load_config, load_minigpt_folder
+from minigpt.decoder import DecoderConfig
 from minigpt.errors import InputError
-from minigpt.io import atomic_write_text, read_json
-from minigpt.model import MiniGPT
-from minigpt.tokenizer import FORMAT, CharTokenizer
+from minigpt.io import read_json, sha256_file
+from minigpt.model import GPTConfig
 
-from .hf_gpt2 import load_gpt2
+from .hf_config import ROTARY_FAMILIES, eos_token_ids, read_decoder_config
+from .hf_gpt2 import config_from_gpt2, load_gpt2
+from .hf_load import QuantizeSpec, checkpoint_files, load_hf_decoder, load_hf_tokenizer, quantized_paths
+from .qlora import quantize_linears
+from .tokenizer_files import HFTokenizer, Tokenizer, load_tokenizer  # noqa: F401  (re-exported)
 
 KINDS = {
     "minigpt": "a minituner base folder (written by `minituner pretrain`)",
     "gpt2": "a Hugging Face GPT-2 folder (config.json + model.safetensors)",
+    **{f: f"a Hugging Face {f} folder (config.json + model.safetensors or a sharded index)" for f in ROTARY_FAMILIES},
 }
+DEFAULT_SEQ_LEN = 512  # training window of a Hugging Face base unless --seq-len says otherwise
 
 
-class Tokenizer(Protocol):
-    vocab_size: int
-
-    def encode(self, text: str) -> list[int]: ...
-
-    def decode(self, ids) -> str: ...
-
-    def unseen_characters(self, text: str) -> list[str]: ...
-
-    def save(self, path: str | Path) -> None: ...
-
-
-class HFTokenizer:
-    """A Hugging Face ``tokenizer.json`` read with the ``tokenizers`` package, behind CharTokenizer's API."""
-
-    def __init__(self, path: Path) -> None:
-        from tokenizers import Tokenizer as _Tokenizer  # optional: only for HF tokenizer files
-
-        try:
-            self._tok = _Tokenizer.from_file(str(path))
-        except Exception as e:  # the Rust side raises a bare Exception for a bad file
-            raise InputError(f"{path}: not a readable Hugging Face tokenizer ({str(e).splitlines()[0]})") from None
-        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
-        self.eos_ids: list[int] = []  # end-of-sequence ids (set by the loader from generation_config/config)
-
-    def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
-
-    def decode(self, ids) -> str:
-        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
-
-    def unseen_characters(self, text: str) -> list[str]:
-        """Characters that encode to the model's unknown token (none for byte-level BPE such as GPT-2's)."""
-        unk = getattr(self._tok.model, "unk_token", None)
-        unk_id = self._tok.token_to_id(unk) if unk else None
-        if unk_id is None:
-            return []
-        return sorted(c for c in set(text) if unk_id in self.encode(c))
-
-    def save(self, path: str | Path) -> None:
-        atomic_write_text(Path(path), self._tok.to_str())
-
-
-def load_tokenizer(folder: str | Path, vocab_size: int) -> tuple[Tokenizer | None, str]:
-    """The tokenizer beside a GPT-2 model, or None and the reason in words."""
-    path = Path(folder) / TOKENIZER
-    if not path.is_file():
-        if (Path(folder) / "vocab.json").is_file():
-            return None, f"{folder}: has vocab.json but no {TOKENIZER} (save it with a fast tokenizer)"
-        return None, f"{folder}: no {TOKENIZER} beside the model"
-    d = read_json(path)
-    if d.get("format") == FORMAT:
-        tok: Tokenizer = CharTokenizer.load(path)
-    elif "model" in d:
-        try:
-            import tokenizers  # noqa: F401
-        except ImportError:
-            return None, f"{path} is a Hugging Face tokenizer and the `tokenizers` package is not installed"
-        tok = HFTokenizer(path)
-    else:
-        raise InputError(f"{path}: neither a {FORMAT} nor a Hugging Face tokenizer")
-    if tok.vocab_size > vocab_size:
-        raise InputError(f"{path}: tokenizer has {tok.vocab_size} tokens but the model only {vocab_size}")
-    return tok, ""
-
-
-def load_base(folder: str | Path, device: str | torch.device = "cpu") -> tuple[MiniGPT, Tokenizer | None]:
-    """A minituner base folder or a Hugging Face GPT-2 folder -> (MiniGPT in eval mode, tokenizer or None)."""
+def base_kind(folder: str | Path) -> str:
+    """model_type of a base folder (minigpt when the config has none); an InputError for anything else."""
     folder = Path(folder)
     valid = "; ".join(f"{k}: {v}" for k, v in KINDS.items())
     if not folder.is_dir():
@@ -98,17 +45,67 @@ def load_base(folder: str | Path, device: str | torch.device = "cpu") -> tuple[M
     if not (folder / CONFIG).is_file():
         raise InputError(f"{folder}: not a model folder, no {CONFIG} (valid: {valid})")
     kind = read_json(folder / CONFIG).get("model_type", "minigpt")
+    if kind not in KINDS:
+        raise InputError(f"{folder}/{CONFIG}: model_type {kind!r} is not supported; valid: {', '.join(KINDS)}")
+    return kind
+
+
+def load_base(folder: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
+              quantize: QuantizeSpec | None = None) -> tuple[nn.Module, Tokenizer | None]:
+    """A base folder -> (model in eval mode, tokenizer or None).
+
+    dtype: None keeps the checkpoint's float dtype, else every float tensor is read as it. quantize: a
+    predicate over Linear paths or (targets, scheme); those Linears become QuantizedLinear (while reading for
+    Hugging Face decoders; after the load for MiniGPT and GPT-2, whose checkpoints are small).
+    """
+    folder = Path(folder)
+    kind = base_kind(folder)
+    if kind in ROTARY_FAMILIES:
+        model = load_hf_decoder(folder, device, dtype, quantize)
+        return model, load_hf_tokenizer(folder, model.config.vocab_size)
     if kind == "minigpt":
-        return load_minigpt_folder(folder, device)
-    if kind == "gpt2":
+        model, tokenizer = load_minigpt_folder(folder, device)
+    else:
         model = load_gpt2(folder, device)
         tokenizer, _ = load_tokenizer(folder, model.config.vocab_size)
-        return model, tokenizer
-    raise InputError(f"{folder}/{CONFIG}: model_type {kind!r} is not supported; valid model_type values: {valid}")
+        if isinstance(tokenizer, HFTokenizer):
+            tokenizer.eos_ids = eos_token_ids(folder)
+    if dtype is not None:
+        model.to(dtype)
+    paths, scheme = quantized_paths(model, quantize)
+    quantize_linears(model, paths, scheme)
+    return model, tokenizer
+
+
+def base_config(folder: str | Path) -> GPTConfig | DecoderConfig:
+    """The config a base folder's model is built from, read from its config.json alone (no weights)."""
+    folder = Path(folder)
+    kind = base_kind(folder)
+    if kind in ROTARY_FAMILIES:
+        return read_decoder_config(folder)
+    if kind == "gpt2":
+        return config_from_gpt2(read_json(folder / CONFIG), str(folder / CONFIG))
+    return load_config(folder)
+
+
+def default_seq_len(folder: str | Path) -> int:
+    """The training window: a MiniGPT base's block size; the smaller of the context and 512 for Hugging Face bases."""
+    context = base_config(folder).block_size
+    return context if base_kind(folder) == "minigpt" else min(context, DEFAULT_SEQ_LEN)
 
 
 def base_weights_file(folder: str | Path) -> Path:
-    """The file whose sha256 identifies a base: model.safetensors, or the index of a sharded checkpoint."""
+    """The file naming a base's weights: model.safetensors, or the index of a sharded checkpoint."""
     folder = Path(folder)
     single = folder / WEIGHTS
     return single if single.is_file() else folder / WEIGHTS_INDEX
+
+
+def base_weights_sha256(folder: str | Path) -> tuple[str, int]:
+    """(sha256, bytes) of a base's weights: the file's for model.safetensors; for a sharded checkpoint the
+    sha256 of ``sha256sum``'s lines over the shards (name order), so every shard's bytes count."""
+    files = checkpoint_files(Path(folder))
+    if len(files) == 1 and files[0].name == WEIGHTS:
+        return sha256_file(files[0]), files[0].stat().st_size
+    lines = "".join(f"{sha256_file(f)}  {f.name}\n" for f in files)
+    return hashlib.sha256(lines.encode()).hexdigest(), sum(f.stat().st_size for f in files)

@@ -10,9 +10,11 @@ target that is already a ``QuantizedLinear`` of the scheme, e.g. quantized by a 
 kept as it is) -> cast the frozen float tensors to the compute dtype -> wrap the targets with LoRA (fresh
 factors, or an adapter loaded from a file) -> finite-output guards (QLoRA) -> check the trainable set.
 
-Compute dtype: QLoRA defaults to bfloat16 on CUDA and float32 on CPU; LoRA and full fine-tuning default
-to float32 (on CUDA, ``--precision bf16-autocast`` runs their forward in bf16). Full fine-tuning trains
-every weight, so it only builds in float32.
+Compute dtype: QLoRA defaults to bfloat16 on CUDA and float32 on CPU; LoRA defaults to the dtype the base
+was loaded in (``float_dtype``: a float32 MiniGPT computes in float32, a bf16 Llama checkpoint stays bf16,
+no silent 2x upcast of the frozen weights; the LoRA factors are float32 either way and LoRALinear casts
+to them and back). On CUDA, ``--precision bf16-autocast`` runs a float32 forward in bf16. Full fine-tuning
+trains every weight, so it only builds in float32.
 """
 from __future__ import annotations
 
@@ -38,6 +40,15 @@ def training_device(device: str | torch.device | None = "auto") -> torch.device:
     if device is None or (isinstance(device, str) and device in DEVICES):
         return resolve_device(device or "auto")
     return torch.device(device)
+
+
+def float_dtype(model: nn.Module) -> torch.dtype:
+    """The float dtype holding most of the model's float parameters (float32 when it has none)."""
+    counts: dict[torch.dtype, int] = {}
+    for p in model.parameters():
+        if p.is_floating_point():
+            counts[p.dtype] = counts.get(p.dtype, 0) + p.numel()
+    return max(counts, key=counts.get) if counts else torch.float32
 
 
 def quantize_step(model: nn.Module, paths: list[str], scheme: str) -> list[str]:
@@ -90,7 +101,7 @@ def build_for_training(base: nn.Module, method: str = "lora", lora: LoRAConfig |
     """
     lora = lora or LoRAConfig()
     dev = training_device(device)
-    dtype = compute_dtype or (default_compute_dtype(dev) if method == "qlora" else torch.float32)
+    dtype = compute_dtype or {"qlora": default_compute_dtype(dev), "lora": float_dtype(base)}.get(method, torch.float32)
     paths = _check(base, method, lora, quant_scheme, dtype)
     base.to(dev)
     if method == "full":

@@ -9,6 +9,12 @@ MiniGPT base is written as GPT-2, ``GPT2LMHeadModel``, in GPT-2's Conv1D layout)
 or shards of at most ``max_shard_bytes`` with ``model.safetensors.index.json``, and the base's tokenizer
 files and ``generation_config.json`` copied. It is written to a temporary folder beside OUT and renamed
 into place; an existing OUT is refused unless ``overwrite``, and is replaced only once the new one is complete.
+
+``export_adapter`` (``minituner export``) is the whole path from folders: load the base (``load_base``),
+load the adapter (our file, a run folder or a PEFT folder), ``export_merged``. An adapter trained by QLoRA
+learned its update against the dequantized NF4 weights, not the original ones; as PEFT merges onto the
+dequantized 4-bit base, so does the export: the base is loaded with the adapter's targets quantized by the
+scheme the run's manifest.json records (``quant_scheme``), then dequantized and merged in float32.
 """
 from __future__ import annotations
 
@@ -23,6 +29,7 @@ import torch
 import torch.nn as nn
 
 from minigpt.decoder import Decoder
+from minigpt.base_folder import MANIFEST
 from minigpt.errors import InputError
 from minigpt.io import atomic_save_safetensors, read_json, write_json
 from minigpt.model import MiniGPT
@@ -30,8 +37,12 @@ from miniquant import QuantizedLinear
 
 from .hf_config import ARCHITECTURES
 from .hf_gpt2 import gpt2_config_dict, gpt2_state_dict_from_minigpt
+from .adapter_io import load_adapter, read_adapter
+from .adapter_tensors import module_paths
+from .base_model import load_base
 from .hf_load import checkpoint_files, read_headers
 from .lora import LoRALinear
+from .qlora import check_scheme
 
 COPIED = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model", "vocab.json",
           "merges.txt", "added_tokens.json", "generation_config.json")
@@ -136,21 +147,27 @@ def _gpt2_tensors(model: MiniGPT) -> dict[str, tuple[torch.Size, torch.dtype, Th
     return {k: (v.shape, v.dtype, lambda v=v: v) for k, v in sd.items()}
 
 
-def export_merged(model: nn.Module, base_folder: str | Path, out: str | Path, dtype: torch.dtype | None = None,
-                  overwrite: bool = False, max_shard_bytes: int = 5 * 10**9) -> Path:
-    """Write ``model`` (a Decoder or MiniGPT, adapters merged) as a Hugging Face folder at ``out``; return it.
-
-    dtype None: the base checkpoint's dtype. The model itself is not changed.
-    """
-    base_folder, out = Path(base_folder), Path(out)
-    if out.exists() and not overwrite:
-        raise InputError(f"{out}: already exists (pass overwrite=True to replace it)")
-    if out.exists() and not out.is_dir():
-        raise InputError(f"{out}: exists and is not a folder")
+def _check_options(dtype: torch.dtype | None, max_shard_bytes: int) -> None:
     if not isinstance(max_shard_bytes, int) or max_shard_bytes < 1:
         raise InputError(f"max_shard_bytes must be a positive integer, got {max_shard_bytes!r}")
     if dtype is not None and dtype not in DTYPE_NAMES:
         raise InputError(f"dtype must be one of {list(DTYPE_NAMES.values())}, got {dtype}")
+
+
+def check_out(out: Path, overwrite: bool) -> None:
+    """An existing OUT is refused unless `overwrite`; one that is not a folder always."""
+    if out.exists() and not overwrite:
+        raise InputError(f"{out}: already exists (pass --overwrite to replace it)")
+    if out.exists() and not out.is_dir():
+        raise InputError(f"{out}: exists and is not a folder")
+
+
+def write_hf_folder(model: nn.Module, base_folder: str | Path, folder: str | Path, dtype: torch.dtype | None = None,
+                    max_shard_bytes: int = 5 * 10**9) -> None:
+    """Write ``model`` (adapters merged) as Hugging Face files into the existing `folder`: weights, config.json,
+    the base's tokenizer files and generation_config. dtype None: the base checkpoint's dtype."""
+    base_folder, folder = Path(base_folder), Path(folder)
+    _check_options(dtype, max_shard_bytes)
     config = read_json(base_folder / "config.json")
     dtype = dtype or base_dtype(base_folder)
     if isinstance(model, Decoder):
@@ -168,15 +185,26 @@ def export_merged(model: nn.Module, base_folder: str | Path, out: str | Path, dt
     config.pop("quantization_config", None)
     config.update(model_type=family, architectures=[ARCHITECTURES[family]], dtype=DTYPE_NAMES.get(dtype, "float32"),
                   torch_dtype=DTYPE_NAMES.get(dtype, "float32"))
+    _write_weights(folder, tensors, dtype, max_shard_bytes)
+    for name in COPIED:
+        if (base_folder / name).is_file():
+            shutil.copyfile(base_folder / name, folder / name)
+    write_json(folder / "config.json", config)
 
+
+def export_merged(model: nn.Module, base_folder: str | Path, out: str | Path, dtype: torch.dtype | None = None,
+                  overwrite: bool = False, max_shard_bytes: int = 5 * 10**9) -> Path:
+    """Write ``model`` (a Decoder or MiniGPT, adapters merged) as a Hugging Face folder at ``out``; return it.
+
+    dtype None: the base checkpoint's dtype. The model itself is not changed.
+    """
+    out = Path(out)
+    check_out(out, overwrite)
+    _check_options(dtype, max_shard_bytes)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".tmp-{out.name}."))
     try:
-        _write_weights(tmp, tensors, dtype, max_shard_bytes)
-        for name in COPIED:
-            if (base_folder / name).is_file():
-                shutil.copyfile(base_folder / name, tmp / name)
-        write_json(tmp / "config.json", config)
+        write_hf_folder(model, base_folder, tmp, dtype, max_shard_bytes)
         if out.exists():  # replace only now that the new folder is complete
             old = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".old-{out.name}."))
             os.replace(out, old / out.name)
@@ -188,3 +216,36 @@ def export_merged(model: nn.Module, base_folder: str | Path, out: str | Path, dt
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def run_quant_scheme(adapter: str | Path) -> str | None:
+    """The quant_scheme the finetune run holding `adapter` trained on (None: a float base, or no run manifest).
+
+    The manifest is looked for in `adapter` when it is a folder, and in the folder holding it (a run's
+    adapter file or its adapter_peft/)."""
+    adapter = Path(adapter)
+    for folder in ([adapter] if adapter.is_dir() else []) + [adapter.parent]:
+        if (folder / MANIFEST).is_file():
+            scheme = (read_json(folder / MANIFEST).get("config") or {}).get("quant_scheme")
+            return check_scheme(scheme) if scheme else None
+    return None
+
+
+def export_adapter(base: str | Path, adapter: str | Path, out: str | Path, dtype: torch.dtype | None = None,
+                   quant_scheme: str | None = "auto", overwrite: bool = False) -> Path:
+    """Merge the adapter at `adapter` into the base folder `base` and write a Hugging Face folder at `out`.
+
+    quant_scheme: "auto" takes the run's (``run_quant_scheme``); None merges onto the float base; a scheme
+    name merges onto the base with the adapter's targets quantized by it, then dequantized (QLoRA).
+    """
+    out = Path(out)
+    check_out(out, overwrite)  # before any weight is read
+    _check_options(dtype, 1)
+    scheme = run_quant_scheme(adapter) if quant_scheme == "auto" else quant_scheme and check_scheme(quant_scheme)
+    quantize = None
+    if scheme:
+        sd, _ = read_adapter(adapter)
+        quantize = (module_paths(sd), scheme)
+    model, _ = load_base(base, quantize=quantize)
+    load_adapter(model, adapter)
+    return export_merged(model, base, out, dtype, overwrite)

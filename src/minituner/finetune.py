@@ -1,8 +1,13 @@
-"""Fine-tune a base MiniGPT folder with LoRA (or fully) on new text, reusing minigpt.train.train.
+"""Fine-tune a base folder (MiniGPT, GPT-2, Llama, Mistral, Qwen2) with LoRA, QLoRA or fully (minigpt.train.train).
 
 A LoRA run writes ``adapter_final.safetensors`` (minituner-lora-v1, see adapter_io), ``adapter_peft/``
 (a PEFT folder), ``metrics.jsonl``, ``loss_curve.png`` and ``manifest.json`` (sha256 of base and adapter).
-A full fine-tune writes a complete base folder instead of the adapter.
+A full fine-tune writes a complete base folder instead of the adapter (a Hugging Face folder for a
+Hugging Face decoder).
+
+How the base is loaded (``load_base``, then ``build_for_training``): full fine-tuning reads it in float32;
+LoRA keeps the checkpoint's dtype (a bf16 base stays bf16 and computes in bf16; the factors are float32);
+QLoRA quantizes the targets as they are read, so the full-precision model is never in memory at once.
 """
 from __future__ import annotations
 
@@ -14,27 +19,29 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from minigpt.base_folder import MANIFEST, WEIGHTS, save_base
+from minigpt.base_folder import MANIFEST, WEIGHTS, WEIGHTS_INDEX, save_base
+from minigpt.decoder import Decoder
 from minigpt.run_dir import check_run_dir
 from minigpt.data import FINETUNE_DATA, PRETRAIN_DATA, encode_split, load_documents, split_documents
 from minigpt.distributed import barrier, is_writer
 from minigpt.errors import InputError
-from minigpt.io import sha256_file
 from minigpt.manifest import seed_everything, write_manifest
 from minigpt.train import TrainConfig, evaluate, train
 from miniquant import DEFAULT_QUANT_SCHEME
 
-from .base_model import Tokenizer, base_weights_file, load_base
+from .base_model import (Tokenizer, base_config, base_weights_file, base_weights_sha256, default_seq_len,
+                         load_base)
 from .build import build_for_training
 from .adapter_io import ADAPTER_FILE, save_adapter
+from .export import write_hf_folder
 from .lora import LoRAConfig, trainable_numel
 from .peft_format import save_peft_adapter
-from .qlora import check_scheme
+from .qlora import check_scheme, logical_numel
 
 DEFAULT_DATA = FINETUNE_DATA
 BASE_DOMAIN = PRETRAIN_DATA  # val loss here before/after shows what fine-tuning forgets
 PEFT_DIR = "adapter_peft"
-RUN_MARKERS = (MANIFEST, "metrics.jsonl", ADAPTER_FILE, WEIGHTS)  # any of these: the folder holds a run
+RUN_MARKERS = (MANIFEST, "metrics.jsonl", ADAPTER_FILE, WEIGHTS, WEIGHTS_INDEX)  # any of these: the folder holds a run
 
 
 def default_train_config() -> TrainConfig:
@@ -53,10 +60,13 @@ class FinetuneConfig:
     base_domain: str | None = BASE_DOMAIN  # also report val loss here before/after (forgetting); None skips
     quant_scheme: str | None = None  # QLoRA: quantize the LoRA targets (e.g. nf4_per_group_64) first; None: LoRA
     allow_unknown_chars: bool = False  # train on characters the base tokenizer never saw (as <unk>) instead of refusing
+    seq_len: int | None = None  # training window in tokens; None: MiniGPT's block size, else min(context, 512)
 
     def validate(self) -> None:
         if self.method not in ("lora", "full"):
             raise InputError(f"method must be 'lora' or 'full', got {self.method!r}")
+        if self.seq_len is not None and (not isinstance(self.seq_len, int) or self.seq_len < 1):
+            raise InputError(f"seq_len must be a positive integer, got {self.seq_len!r}")
         if self.epochs is not None and not (self.epochs > 0 and math.isfinite(self.epochs)):
             raise InputError(f"epochs must be a positive number, got {self.epochs}")
         if self.method == "lora":
@@ -82,15 +92,25 @@ def encode_domain(source: str, tokenizer: Tokenizer, block_size: int) -> tuple[t
             encode_split(splits.val, tokenizer, block_size, "val"))
 
 
-def domain_val_loss(model: nn.Module, tokenizer: Tokenizer, source: str, train_cfg: TrainConfig) -> float:
-    """Validation loss (nats/token) of `model` on the val split of a corpus."""
-    block = model.config.block_size
+def domain_val_loss(model: nn.Module, tokenizer: Tokenizer, source: str, train_cfg: TrainConfig,
+                    block: int | None = None) -> float:
+    """Validation loss (nats/token) of `model` on the val split of a corpus, in windows of `block` (default: context)."""
+    block = block or model.config.block_size
     _, val_ids = encode_domain(source, tokenizer, block)
     return evaluate(model, val_ids, block, train_cfg.batch_size, train_cfg.eval_batches)
 
 
 def steps_for_epochs(epochs: float, train_tokens: int, batch_size: int, block_size: int) -> int:
     return max(1, math.ceil(epochs * train_tokens / (batch_size * block_size)))
+
+
+def training_window(base: Path, seq_len: int | None) -> int:
+    """seq_len, or the base's default window (default_seq_len); longer than the model's context is an InputError."""
+    context = base_config(base).block_size
+    n = seq_len or default_seq_len(base)
+    if n > context:
+        raise InputError(f"--seq-len {n} exceeds the model's context of {context} tokens ({base}/config.json)")
+    return n
 
 
 def finetune(base: str | Path, out: str | Path, cfg: FinetuneConfig, progress: bool = True, log=print,
@@ -110,12 +130,14 @@ def finetune(base: str | Path, out: str | Path, cfg: FinetuneConfig, progress: b
     barrier()  # every rank has checked the folder before rank 0 writes to it
     writer = is_writer()
     progress, log = progress and writer, log if writer else (lambda *a, **k: None)
+    block = training_window(base, cfg.seq_len)  # from config.json, before any weight is read
     seed_everything(cfg.train.seed)
-    model, tokenizer = load_base(base, device)
+    method = "qlora" if cfg.quant_scheme else cfg.method
+    # full: float32 weights; LoRA: the checkpoint's dtype; QLoRA: the targets quantized as they are read
+    quantize = (cfg.lora.target_modules, cfg.quant_scheme) if method == "qlora" else None
+    model, tokenizer = load_base(base, device, torch.float32 if method == "full" else None, quantize)
     if tokenizer is None:
         raise InputError(f"{base}: no tokenizer.json beside the model")
-    base_weights = base_weights_file(base)
-    block = model.config.block_size
     train_ids, val_ids = encode_domain(cfg.data, tokenizer, block)
     text = "\n\n".join(load_documents(cfg.data))
     chars = tokenizer.unseen_characters(text)
@@ -130,13 +152,12 @@ def finetune(base: str | Path, out: str | Path, cfg: FinetuneConfig, progress: b
     if cfg.epochs is not None:
         train_cfg = TrainConfig(**{**asdict(train_cfg), "steps": steps_for_epochs(cfg.epochs, train_ids.numel(),
                                                                                  train_cfg.batch_size, block)})
-    n_params = sum(p.numel() for p in model.parameters())
+    n_params = logical_numel(model)  # a QLoRA base is already quantized: its weights count by element
     val_before = evaluate(model, val_ids, block, train_cfg.batch_size, train_cfg.eval_batches)
-    base_before = domain_val_loss(model, tokenizer, cfg.base_domain, train_cfg) if cfg.base_domain else None
+    base_before = domain_val_loss(model, tokenizer, cfg.base_domain, train_cfg, block) if cfg.base_domain else None
 
     lora_cfg = cfg.lora
-    method = "qlora" if cfg.quant_scheme else cfg.method
-    # QLoRA computes in bf16 on CUDA and fp32 on CPU (build's default); LoRA and full FT keep fp32 weights
+    # QLoRA computes in bf16 on CUDA and fp32 on CPU, LoRA in the base's dtype, full FT in fp32 (build's defaults)
     build_for_training(model, method, lora_cfg, cfg.quant_scheme or DEFAULT_QUANT_SCHEME, device,
                        init_adapter=cfg.init_adapter)
     trainable = trainable_numel(model)
@@ -144,18 +165,22 @@ def finetune(base: str | Path, out: str | Path, cfg: FinetuneConfig, progress: b
         f"{train_ids.numel():,} train / {val_ids.numel():,} val tokens from {cfg.data}; {train_cfg.steps} steps")
 
     out.mkdir(parents=True, exist_ok=True)
-    fingerprint = {"base_sha256": sha256_file(base_weights), **{k: v for k, v in asdict(cfg).items() if k != "train"}}
+    base_sha, base_bytes = base_weights_sha256(base)
+    fingerprint = {"base_sha256": base_sha, **{k: v for k, v in asdict(cfg).items() if k != "train"}}
     result = train(model, train_ids, val_ids, train_cfg, out_dir=out, progress=progress, resume=resume,
-                   fingerprint=fingerprint, log=log)
+                   fingerprint=fingerprint, log=log, block_size=block)
     if not math.isfinite(result.final_val_loss):
         raise FloatingPointError(f"validation loss is {result.final_val_loss}; nothing was saved")
-    base_after = domain_val_loss(model, tokenizer, cfg.base_domain, train_cfg) if cfg.base_domain else None
+    base_after = domain_val_loss(model, tokenizer, cfg.base_domain, train_cfg, block) if cfg.base_domain else None
 
     if not writer:
         return FinetuneResult(model, tokenizer, {})
     if cfg.method == "lora":
         artifact = save_adapter(model, out / ADAPTER_FILE)
         save_peft_adapter(model, out / PEFT_DIR, base_model_name_or_path=str(base))
+    elif isinstance(model, Decoder):  # a Hugging Face folder, loadable by load_base and transformers
+        write_hf_folder(model, base, out, torch.float32)
+        artifact = base_weights_file(out)
     else:
         save_base(model, tokenizer, out)
         artifact = out / WEIGHTS
@@ -173,7 +198,7 @@ def finetune(base: str | Path, out: str | Path, cfg: FinetuneConfig, progress: b
         "base_domain": cfg.base_domain,
         "base_domain_val_loss_before": base_before,
         "base_domain_val_loss_after": base_after,
-        "base_bytes": base_weights.stat().st_size,
+        "base_bytes": base_bytes,
         "artifact_bytes": artifact.stat().st_size,
         "train_wall_time_s": result.wall_time_s,
         "skipped_steps": result.skipped_steps,
@@ -181,15 +206,14 @@ def finetune(base: str | Path, out: str | Path, cfg: FinetuneConfig, progress: b
     write_manifest(
         out / MANIFEST,
         seed=train_cfg.seed,
-        config={"base": str(base), "data": cfg.data, "method": cfg.method, "epochs": cfg.epochs,
+        config={"base": str(base), "data": cfg.data, "method": cfg.method, "epochs": cfg.epochs, "seq_len": block,
                 "init_adapter": cfg.init_adapter, "quant_scheme": cfg.quant_scheme,
                 "lora": lora_cfg.to_dict() if cfg.method == "lora" else None,
                 "train": asdict(train_cfg), "model": model.config.to_dict()},
         wall_time_s=time.perf_counter() - start,
-        base_weights=base_weights,
         adapter=artifact if cfg.method == "lora" else None,
-        extra={"results": summary, "resumes": result.resumes,
-               **({} if cfg.method == "lora" else {"finetuned_sha256": sha256_file(artifact)})},
+        extra={"base_sha256": base_sha, "results": summary, "resumes": result.resumes,
+               **({} if cfg.method == "lora" else {"finetuned_sha256": base_weights_sha256(out)[0]})},
     )
     log(f"val loss on {cfg.data}: {val_before:.3f} -> {result.final_val_loss:.3f} nats/token"
         + (f"; on {cfg.base_domain}: {base_before:.3f} -> {base_after:.3f}" if cfg.base_domain else ""))

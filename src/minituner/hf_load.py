@@ -29,10 +29,10 @@ from minigpt.errors import InputError
 from minigpt.io import read_json
 from miniquant import DEFAULT_QUANT_SCHEME, QuantizedLinear
 
-from .base_model import load_tokenizer
 from .hf_config import eos_token_ids, read_decoder_config
 from .lora import find_targets, linear_candidates
 from .qlora import check_scheme
+from .tokenizer_files import load_tokenizer
 
 WEIGHTS, INDEX = "model.safetensors", "model.safetensors.index.json"
 IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)  # buffers older checkpoints saved; recomputed from the config
@@ -122,7 +122,8 @@ def quantized_paths(model: nn.Module, quantize: QuantizeSpec | None) -> tuple[li
     if quantize is None:
         return [], DEFAULT_QUANT_SCHEME
     if callable(quantize):
-        return [p for p, m in linear_candidates(model).items() if type(m) is nn.Linear and quantize(p)], DEFAULT_QUANT_SCHEME
+        paths = [p for p, m in linear_candidates(model).items() if type(m) is nn.Linear and quantize(p)]
+        return paths, DEFAULT_QUANT_SCHEME
     if isinstance(quantize, tuple) and len(quantize) == 2:
         targets, scheme = quantize
         return find_targets(model, targets), check_scheme(scheme)

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+from minigpt.decoder import Decoder
 from minigpt.errors import InputError
 from minigpt.io import atomic_save_safetensors, load_safetensors, read_json, write_json
 
@@ -35,7 +36,7 @@ def peft_config_dict(model: nn.Module, adapter_name: str | None = None, base_mod
     cfg = adapter_config(model, adapter_name)
     return {
         "peft_type": "LORA",
-        "task_type": None,
+        "task_type": "CAUSAL_LM" if isinstance(model, Decoder) else None,  # PEFT's word for a Hugging Face LM
         "base_model_name_or_path": base_model_name_or_path,
         "r": cfg.r,
         "lora_alpha": cfg.alpha,

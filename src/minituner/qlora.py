@@ -142,6 +142,13 @@ class ParamSummary:
                 "quantized_bytes": self.quantized_bytes, "all": self.all}
 
 
+def logical_numel(model: nn.Module) -> int:
+    """Parameters of the model, a quantized layer counted by its logical elements (in x out weight + bias)."""
+    quantized = quantized_modules(model).values()
+    return sum(p.numel() for p in model.parameters()) + sum(
+        q.in_features * q.out_features + (0 if q.bias is None else q.bias.numel()) for q in quantized)
+
+
 def param_summary(model: nn.Module) -> ParamSummary:
     """Counts with quantized weights at their logical size (PEFT and the QLoRA scripts once halved them)."""
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)

@@ -80,6 +80,12 @@ def hf_folder(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def hf_words() -> list[str]:
+    """The words the fixture tokenizer knows (each one token)."""
+    return list(WORDS)
+
+
+@pytest.fixture(scope="session")
 def hf_ref():
     """The transformers model of a folder, fp32, eval mode."""
     import transformers

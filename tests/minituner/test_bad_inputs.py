@@ -87,7 +87,7 @@ def f(tmp_path_factory):
             config = json.dumps({k: v for k, v in json.loads(cfg_path.read_text()).items() if k != "r"})
         cfg_path.write_text(config)
     for name, config in (("base_missing", {"model_type": "minigpt", "n_layer": 1}),
-                         ("base_llama", {"model_type": "llama", "vocab_size": tok.vocab_size, "block_size": 32})):
+                         ("base_gemma", {"model_type": "gemma", "vocab_size": tok.vocab_size, "block_size": 32})):
         shutil.copytree(base, root / name)
         (root / name / "config.json").write_text(json.dumps(config))
     run_cfg = FinetuneConfig(data=str(root / "data.txt"), lora=LoRAConfig(r=2, alpha=4), base_domain=None,
@@ -146,8 +146,8 @@ CASES = [
      lambda f, o: load_api(f, f.peft_no_r), "bad LoRA fields ('r')"),
     ("config-missing-fields", lambda f, o: finetune_cli(f, o, base=f.base_missing),
      lambda f, o: finetune_api(f, o, base=f.base_missing), "missing required fields ['block_size', 'vocab_size']"),
-    ("config-unknown-model-type", lambda f, o: finetune_cli(f, o, base=f.base_llama),
-     lambda f, o: finetune_api(f, o, base=f.base_llama), "model_type 'llama' is not supported"),
+    ("config-unknown-model-type", lambda f, o: finetune_cli(f, o, base=f.base_gemma),
+     lambda f, o: finetune_api(f, o, base=f.base_gemma), "model_type 'gemma' is not supported"),
     ("r-zero", lambda f, o: finetune_cli(f, o, "--rank", 0),
      lambda f, o: finetune_api(f, o, r=0), "rank r must be a positive integer, got 0"),
     ("r-negative", None,
@@ -212,3 +212,67 @@ def test_the_hostile_files_do_run_code_when_loaded_unsafely(tmp_path):
     (tmp_path / "ran").unlink()
     torch.load(zipped, weights_only=False)
     assert (tmp_path / "ran").exists()
+
+
+# Hugging Face folders (the tiny llama / qwen2 of conftest.py), each broken one way, through `minituner finetune`
+# in-process (cli.main): exit 2, one line on stderr naming the problem, no output folder, the folder unchanged.
+def _edit_config(**edit):
+    def apply(folder: Path) -> None:
+        cfg = json.loads((folder / "config.json").read_text())
+        cfg.update(edit)
+        (folder / "config.json").write_text(json.dumps(cfg))
+    return apply
+
+
+def _truncate(folder: Path) -> None:
+    data = (folder / "model.safetensors").read_bytes()
+    (folder / "model.safetensors").write_bytes(data[: len(data) - 100])
+
+
+def _big_tokenizer(folder: Path) -> None:
+    tok = json.loads((folder / "tokenizer.json").read_text())
+    tok["model"]["vocab"].update({f"w{i}": 100 + i for i in range(60)})
+    (folder / "tokenizer.json").write_text(json.dumps(tok))
+
+
+HF_CASES = {  # id -> (family, sharded, how to break the copy, extra flags, fragment of the one line)
+    "unsupported-model-type": ("llama", False, _edit_config(model_type="gemma"), [],
+                               "model_type 'gemma' is not supported"),
+    "unsupported-rope-scaling": ("llama", False, _edit_config(rope_scaling={"rope_type": "yarn", "factor": 4.0}), [],
+                                 "rope_scaling type 'yarn' is not supported"),
+    "missing-shard": ("qwen2", True, lambda f: (f / "model-00002-of-00004.safetensors").unlink(), [],
+                      "shard model-00002-of-00004.safetensors is missing"),
+    "shape-misfit": ("llama", False, _edit_config(intermediate_size=50), [],
+                     "tensor model.layers.0.mlp.gate_proj.weight has shape (48, 32) in model.safetensors, "
+                     "the config implies (50, 32)"),
+    "tokenizer-larger-than-embedding": ("llama", False, _big_tokenizer, [],
+                                        "tokenizer has 77 tokens but the model only 40"),
+    "truncated-safetensors": ("llama", False, _truncate, [], "model.safetensors: not a readable safetensors file"),
+    "seq-len-too-long": ("llama", False, lambda f: None, ["--seq-len", "65"],
+                         "--seq-len 65 exceeds the model's context of 64 tokens"),
+    "qlora-unknown-target": ("llama", False, lambda f: None, ["--qlora", "--target", "c_attn"],
+                             "unknown LoRA target 'c_attn'"),
+}
+
+
+@pytest.mark.parametrize("case", list(HF_CASES))
+def test_hf_folder_cli(hf_folder, tmp_path, capsys, case):
+    pytest.importorskip("transformers")
+    from minituner.cli import main
+
+    family, sharded, corrupt, extra, fragment = HF_CASES[case]
+    src = hf_folder(family, name=f"{family}-bad{'-sharded' if sharded else ''}",
+                    **({"max_shard_size": "20KB", "tie_word_embeddings": True} if sharded else {}))
+    base = tmp_path / "base"
+    shutil.copytree(src, base)
+    corrupt(base)
+    (tmp_path / "data.txt").write_text("\n\n".join(["the wind is calm rain later"] * 100))
+    before = snapshot(tmp_path)
+    out = tmp_path / "out"
+    capsys.readouterr()  # what building the fixture printed
+    argv = ["finetune", "--base", base, "--data", tmp_path / "data.txt", "--out", out, "--steps", 1, "--batch-size", 1,
+            "--base-domain", "none", "--no-progress", *extra]
+    assert main(list(map(str, argv))) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and "Traceback" not in err and fragment in err, err
+    assert not out.exists() and snapshot(tmp_path) == before

@@ -194,7 +194,7 @@ BAD_FOLDERS = {
     "no config": (lambda f: (f / "config.json").unlink(), "not a model folder, no config.json"),
     "malformed config": (lambda f: (f / "config.json").write_text("{"), "malformed JSON"),
     "missing n_embd": (_edit_config(n_embd=None), "missing GPT-2 config fields ['n_embd']"),
-    "unknown model_type": (_edit_config(model_type="llama"), "model_type 'llama' is not supported; valid"),
+    "unknown model_type": (_edit_config(model_type="gemma"), "model_type 'gemma' is not supported; valid"),
     "layer-idx scaling": (_edit_config(scale_attn_by_inverse_layer_idx=True), "scale_attn_by_inverse_layer_idx"),
     "upcast attention": (_edit_config(reorder_and_upcast_attn=True), "reorder_and_upcast_attn"),
     "cross attention": (_edit_config(add_cross_attention=True), "add_cross_attention"),
@@ -222,11 +222,11 @@ def test_bad_folder_is_one_input_error(tmp_path, case):
 
 def test_cli_reports_a_bad_folder_in_one_line(tmp_path):
     make_gpt2(tmp_path)
-    _edit_config(model_type="llama")(tmp_path)
+    _edit_config(model_type="gemma")(tmp_path)
     r = subprocess.run([sys.executable, "-m", "minituner", "generate", "--base", str(tmp_path)],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
-    assert "model_type 'llama' is not supported" in r.stderr and "gpt2" in r.stderr
+    assert "model_type 'gemma' is not supported" in r.stderr and "gpt2" in r.stderr
 
 
 def test_config_mapping_is_pure():

@@ -14,8 +14,9 @@ from minigpt.errors import InputError  # noqa: E402
 from miniquant import QuantizedLinear  # noqa: E402
 from minituner.hf_config import eos_token_ids  # noqa: E402
 from minituner.hf_load import load_hf_decoder, load_hf_tokenizer  # noqa: E402
+from minituner.build import quantize_step  # noqa: E402
 from minituner.lora import find_targets  # noqa: E402
-from minituner.qlora import quantize_linears, quantized_modules  # noqa: E402
+from minituner.qlora import quantized_modules  # noqa: E402
 
 
 def copy(folder, tmp_path):
@@ -29,7 +30,7 @@ def test_streaming_nf4_equals_quantizing_after_a_full_load(hf_folder, dtype):
     folder = hf_folder("qwen2", name=f"qwen2-{dtype}", dtype=dtype, max_shard_size="20KB")
     streamed = load_hf_decoder(folder, quantize=("all-linear", "nf4_per_group_64"))
     full = load_hf_decoder(folder)
-    quantize_linears(full, find_targets(full, "all-linear"), "nf4_per_group_64")
+    quantize_step(full, find_targets(full, "all-linear"), "nf4_per_group_64")
     a, b = quantized_modules(streamed), quantized_modules(full)
     assert set(a) == set(b) and len(a) == 2 * 7  # every block Linear; never lm_head
     for path in a:

@@ -22,6 +22,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--preset", choices=PRESETS, help="built-in shape (default minigpt)")
     src.add_argument("--config", type=Path, help="config.json (or its folder): Hugging Face gpt2/llama/mistral/qwen2 or a MiniGPT base")
+    src.add_argument("--base", type=Path, metavar="FOLDER",
+                     help="a model folder (as finetune --base takes): planned from its config.json alone, "
+                          "no weights read")
     p.add_argument("--tokenizer", type=Path, help="tokenizer.json giving MiniGPT presets their vocab_size "
                    "(default artifacts/base/tokenizer.json if present, else rebuilt from the built-in corpus)")
     p.add_argument("--rank", action="append", metavar="R[,R...]",
@@ -66,10 +69,13 @@ def parse_ranks(values: list[str] | None) -> list[int] | None:
 
 def run(args: argparse.Namespace) -> int:
     ranks = parse_ranks(args.rank)
-    if args.config is not None:
+    if args.base is not None and not args.base.is_dir():
+        raise InputError(f"{args.base}: no such model folder (--base takes a folder; --config a config.json)")
+    config = args.config if args.config is not None else args.base
+    if config is not None:
         if args.tokenizer is not None:
-            raise InputError("--tokenizer applies to the MiniGPT presets, not to --config")
-        shape = load_config_shape(args.config)
+            raise InputError("--tokenizer applies to the MiniGPT presets, not to --config or --base")
+        shape = load_config_shape(config)
     else:
         name = args.preset or "minigpt"
         if args.tokenizer is not None and name not in MINIGPT_SIZES:

@@ -35,7 +35,8 @@ def number(text: str) -> float:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     d, lora = default_train_config(), LoRAConfig()
-    p.add_argument("--base", type=Path, default=Path("artifacts/base"), help="base model folder (default %(default)s)")
+    p.add_argument("--base", type=Path, default=Path("artifacts/base"),
+                   help="base model folder: minituner, or Hugging Face gpt2/llama/mistral/qwen2 (default %(default)s)")
     p.add_argument("--data", default=DEFAULT_DATA, help="text file or folder, or builtin:NAME (default %(default)s)")
     p.add_argument("--out", type=Path, required=True, help="run folder to write")
     p.add_argument("--rank", type=rank, default=lora.r, help="LoRA rank r (default %(default)s)")
@@ -53,6 +54,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     length.add_argument("--steps", type=positive_int, help=f"optimizer steps (default {d.steps})")
     length.add_argument("--epochs", type=positive_float, help="passes over the training split instead of --steps")
     p.add_argument("--batch-size", type=positive_int, default=d.batch_size)
+    p.add_argument("--seq-len", type=positive_int, metavar="N",
+                   help="training window in tokens (default: a MiniGPT base's block size; for a Hugging Face base the "
+                        "smaller of its context and 512); longer than the model's context is refused")
     p.add_argument("--lr", type=positive_float, default=d.lr)
     p.add_argument("--schedule", choices=("cosine", "constant"), default=d.schedule)
     p.add_argument("--warmup-steps", type=int, default=d.warmup_steps)
@@ -89,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
                          quant_scheme=quant_scheme,
                          epochs=args.epochs, init_adapter=str(args.init_adapter) if args.init_adapter else None,
                          base_domain=None if args.base_domain.lower() == "none" else args.base_domain,
-                         allow_unknown_chars=args.allow_unknown_chars)
+                         allow_unknown_chars=args.allow_unknown_chars, seq_len=args.seq_len)
     device = resolve_device(args.device, local_rank())
     check_precision(args.precision, device)
     init_from_env(device)  # torchrun: join the process group (gloo on CPU, nccl on CUDA)

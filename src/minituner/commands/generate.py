@@ -11,7 +11,8 @@ from minigpt.errors import InputError
 from ..base_model import load_base, load_tokenizer
 from ._common import positive_int
 
-HELP = "print samples from a base model folder (minituner base or Hugging Face GPT-2)"
+HELP = ("print samples from a base model folder (minituner base, or Hugging Face gpt2/llama/mistral/qwen2 with its "
+        "tokenizer; sampling stops at the eos id(s) of generation_config.json or config.json)")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -32,7 +33,9 @@ def run(args: argparse.Namespace) -> int:
         raise InputError("--prompt is empty")
     gen = torch.Generator().manual_seed(args.seed)
     x = torch.tensor([tokenizer.encode(args.prompt)] * args.num_samples)
-    out = model.generate(x, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, generator=gen)
+    eos = getattr(tokenizer, "eos_ids", None)  # a Hugging Face folder's end-of-sequence id(s)
+    out = model.generate(x, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, generator=gen,
+                         eos_id=eos)
     for i, row in enumerate(out):
         print(f"--- sample {i + 1} ---")
         print(tokenizer.decode(row.tolist()))

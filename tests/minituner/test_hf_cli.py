@@ -1,0 +1,158 @@
+"""Every command on tiny llama / mistral / qwen2 folders, through the CLI: finetune (LoRA, QLoRA, full),
+the PEFT folder in PEFT, export, generate stopping at eos, count --base."""
+import json
+import random
+import shutil
+import warnings
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+from minituner.adapter_io import load_adapter  # noqa: E402
+from minituner.base_model import load_base  # noqa: E402
+from minituner.cli import main  # noqa: E402
+
+IDS = torch.randint(0, 40, (2, 11), generator=torch.Generator().manual_seed(4))
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory, hf_words):
+    """Plain text over the fixture tokenizer's words: 300 paragraphs of 8 words."""
+    rng = random.Random(0)
+    path = tmp_path_factory.mktemp("data") / "words.txt"
+    path.write_text("\n\n".join(" ".join(rng.choice(hf_words) for _ in range(8)) for _ in range(300)))
+    return path
+
+
+def finetune(base, data, out, *extra):
+    argv = ["finetune", "--base", str(base), "--data", str(data), "--out", str(out), "--steps", "3", "--batch-size",
+            "2", "--rank", "4", "--alpha", "8", "--lr", "1e-2", "--base-domain", "none", "--no-progress",
+            "--checkpoint-every", "0", *map(str, extra)]
+    assert main(argv) == 0
+
+
+def ours_with_adapter(base, adapter, **load):
+    model, _ = load_base(base, **load)
+    load_adapter(model, adapter)
+    return model.eval()
+
+
+def hf(folder, hf_ref):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return hf_ref(folder)
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2"])
+def test_lora_run_loads_in_peft_with_our_logits(hf_folder, hf_ref, data, tmp_path, family, capsys):
+    base = hf_folder(family, name=f"{family}-cli")
+    finetune(base, data, tmp_path / "run", "--seq-len", 16)
+    peft_dir = tmp_path / "run" / "adapter_peft"
+    cfg = json.loads((peft_dir / "adapter_config.json").read_text())
+    assert cfg["base_model_name_or_path"] == str(base) and cfg["task_type"] == "CAUSAL_LM"
+    manifest = json.loads((tmp_path / "run" / "manifest.json").read_text())
+    assert manifest["config"]["seq_len"] == 16 and len(manifest["base_sha256"]) == 64
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        theirs = peft.PeftModel.from_pretrained(hf(base, hf_ref), peft_dir).eval()
+    ours = ours_with_adapter(base, tmp_path / "run")
+    with torch.no_grad():
+        assert (ours(IDS) - theirs(input_ids=IDS).logits).abs().max() < 1e-4
+    capsys.readouterr()
+
+
+def test_qlora_run_streams_nf4_and_exports_onto_the_dequantized_base(hf_folder, hf_ref, data, tmp_path, capsys):
+    base = hf_folder("qwen2", name="qwen2-cli-sharded", max_shard_size="20KB")
+    finetune(base, data, tmp_path / "run", "--qlora", "--seq-len", 16, "--target", "q_proj,v_proj,down_proj")
+    manifest = json.loads((tmp_path / "run" / "manifest.json").read_text())
+    assert manifest["config"]["quant_scheme"] == "nf4_per_group_64" and manifest["results"]["params_total"] == sum(
+        p.numel() for p in load_base(base)[0].parameters())
+    out = tmp_path / "merged"
+    assert main(["export", "--base", str(base), "--adapter", str(tmp_path / "run"), "--out", str(out)]) == 0
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["Qwen2ForCausalLM"]
+    assert (out / "tokenizer.json").is_file() and (out / "generation_config.json").is_file()
+    ours = ours_with_adapter(base, tmp_path / "run", quantize=(["q_proj", "v_proj", "down_proj"], "nf4_per_group_64"))
+    with torch.no_grad():
+        assert (ours(IDS) - hf(out, hf_ref)(input_ids=IDS).logits).abs().max() < 1e-4
+    # an existing OUT needs --overwrite (one line, exit 2, OUT untouched)
+    before = (out / "model.safetensors").read_bytes()
+    assert main(["export", "--base", str(base), "--adapter", str(tmp_path / "run"), "--out", str(out)]) == 2
+    assert "already exists" in capsys.readouterr().err and (out / "model.safetensors").read_bytes() == before
+    assert main(["export", "--base", str(base), "--adapter", str(tmp_path / "run"), "--out", str(out), "--overwrite",
+                 "--dtype", "bf16"]) == 0
+    assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
+
+
+def test_lora_on_a_bf16_base_keeps_it_bf16_and_exports(hf_folder, hf_ref, data, tmp_path, capsys):
+    from minigpt.train import TrainConfig
+    from minituner.finetune import FinetuneConfig, finetune as finetune_api
+    from minituner.lora import LoRAConfig
+
+    base = hf_folder("llama", name="llama-cli-bf16", dtype=torch.bfloat16)
+    cfg = FinetuneConfig(data=str(data), lora=LoRAConfig(r=4, alpha=8.0), base_domain=None, seq_len=16,
+                         train=TrainConfig(steps=2, batch_size=2, eval_every=2, eval_batches=1))
+    res = finetune_api(base, tmp_path / "run", cfg, progress=False, log=lambda *_: None)
+    frozen = {p.dtype for n, p in res.model.named_parameters() if "lora_" not in n}
+    assert frozen == {torch.bfloat16}  # no silent upcast of the frozen base
+    assert {p.dtype for n, p in res.model.named_parameters() if "lora_" in n} == {torch.float32}
+    out = tmp_path / "merged"
+    assert main(["export", "--base", str(base), "--adapter", str(tmp_path / "run" / "adapter_peft"),
+                 "--out", str(out)]) == 0
+    assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"  # the base's dtype by default
+    capsys.readouterr()
+
+
+def test_full_finetune_writes_a_hugging_face_folder(hf_folder, hf_ref, data, tmp_path, capsys):
+    base = hf_folder("mistral", name="mistral-cli")
+    finetune(base, data, tmp_path / "run", "--full", "--seq-len", 16)
+    run = tmp_path / "run"
+    assert json.loads((run / "config.json").read_text())["model_type"] == "mistral"
+    ours, tok = load_base(run)
+    assert tok.eos_ids == [2] and all(p.dtype == torch.float32 for p in ours.parameters())
+    with torch.no_grad():
+        assert (ours(IDS) - hf(run, hf_ref)(input_ids=IDS).logits).abs().max() < 1e-4
+        assert (ours(IDS) - load_base(base)[0](IDS)).abs().max() > 1e-3  # it did train
+    capsys.readouterr()
+
+
+def test_default_window_and_too_long_a_window(hf_folder, data, tmp_path, capsys):
+    base = hf_folder("llama", name="llama-cli")
+    finetune(base, data, tmp_path / "run")
+    assert json.loads((tmp_path / "run" / "manifest.json").read_text())["config"]["seq_len"] == 64  # min(64, 512)
+    capsys.readouterr()
+    argv = ["finetune", "--base", str(base), "--data", str(data), "--out", str(tmp_path / "long"), "--seq-len", "65"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "--seq-len 65 exceeds the model's context of 64 tokens" in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "long").exists()
+
+
+def test_generate_stops_at_the_eos_id(hf_folder, hf_words, tmp_path, capsys):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    base = tmp_path / "llama"
+    shutil.copytree(hf_folder("llama", name="llama-cli"), base)
+    words = hf_words + [f"w{i}" for i in range(40 - len(hf_words))]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(base / "tokenizer.json"))  # every id of the model's 40 decodes to a word
+    model, tok = load_base(base)
+    prompt = "the wind"
+    first = int(model(torch.tensor([tok.encode(prompt)]))[0, -1].argmax())  # what greedy sampling emits next
+    (base / "generation_config.json").write_text(json.dumps({"eos_token_id": [first]}))
+    argv = ["generate", "--base", str(base), "--prompt", prompt, "--temperature", "0", "--max-new-tokens", "20"]
+    assert main(argv) == 0
+    text = capsys.readouterr().out.splitlines()[1]
+    assert text.split() == [*prompt.split(), tok.decode([first])]  # one token, then it stopped
+
+
+def test_count_base_plans_from_the_folders_config(hf_folder, capsys):
+    base = hf_folder("qwen2", name="qwen2-cli-count", tie_word_embeddings=True)
+    assert main(["count", "--base", str(base), "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["total_params"] == sum(p.numel() for p in load_base(base)[0].parameters())
+    assert main(["count", "--base", str(base / "config.json")]) == 2
+    assert "--base takes a folder" in capsys.readouterr().err
