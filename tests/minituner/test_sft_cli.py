@@ -24,8 +24,17 @@ SHAPES = {  # file name -> records (one JSON object per line; .json: one array)
     "alpaca.json": [{"instruction": "wind?", "input": str(i), "output": f"force {i % 7}"} for i in range(30)],
 }
 FORMAT = {"text.jsonl": "text", "pc.jsonl": "prompt-completion", "chat.jsonl": "messages", "alpaca.json": "alpaca"}
-TRAIN = ["--rank", "2", "--alpha", "4", "--steps", "3", "--batch-size", "4", "--lr", "0.01", "--warmup-steps", "1",
-         "--eval-every", "3", "--checkpoint-every", "0", "--base-domain", "none", "--no-progress"]
+FLAGS = {"rank": 2, "alpha": 4, "steps": 3, "batch-size": 4, "lr": 0.01, "warmup-steps": 1, "eval-every": 3,
+         "checkpoint-every": 0, "base-domain": "none"}
+
+
+def flags(**changes) -> list[str]:
+    """finetune's flags for a tiny run; changes use underscores (eval_every=2) and None drops a flag."""
+    chosen = {**FLAGS, **{k.replace("_", "-"): v for k, v in changes.items()}}
+    return [a for k, v in chosen.items() if v is not None for a in (f"--{k}", str(v))] + ["--no-progress"]
+
+
+TRAIN = flags()
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
@@ -122,8 +131,8 @@ def test_eval_and_generate_with_an_adapter(root, tmp_path, capsys):
 
 
 def test_resume_of_an_instruction_run_is_bit_identical(root, tmp_path, capsys):
-    args = ["finetune", "--base", root / "base", "--data", root / "chat.jsonl", *TRAIN[:-7], "--steps", "4",
-            "--checkpoint-every", "2", "--base-domain", "none", "--no-progress", "--dropout", "0.1"]
+    args = ["finetune", "--base", root / "base", "--data", root / "chat.jsonl",
+            *flags(steps=4, checkpoint_every=2, dropout=0.1)]
     ref, resumed = tmp_path / "ref", tmp_path / "resumed"
     assert cli(capsys, *args, "--out", ref)[0] == 0
     shutil.copytree(ref, resumed)
@@ -164,3 +173,11 @@ def test_flags_that_do_not_fit_the_data_are_refused(root, tmp_path, capsys):
     assert code == 2 and "pc.jsonl:1" in err
     code, _, err = cli(capsys, "generate", "--base", root / "base", "--chat", " ")
     assert code == 2 and "--chat is empty" in err
+
+
+def test_epochs_count_examples(root, tmp_path, capsys):
+    out = tmp_path / "run"
+    argv = flags(steps=None, epochs=0.5)
+    code, _, err = cli(capsys, "finetune", "--base", root / "base", "--data", root / "pc.jsonl", "--out", out, *argv)
+    assert code == 0, err
+    assert json.loads((out / "manifest.json").read_text())["results"]["steps"] == 4  # ceil(0.5 · 28 examples / 4)
