@@ -27,7 +27,7 @@ from .train_state import (CHECKPOINT_DIR, TrainState, capture_rng, check_compati
                             latest_checkpoint, list_checkpoints, restore, save_checkpoint)
 from .data import eval_batches, sample_batch
 from .device import PRECISIONS, autocast, check_precision
-from .distributed import barrier, check_batch, is_writer, mean_across_ranks, shard, wrap_ddp
+from .distributed import barrier, check_batch, is_writer, mean_across_ranks, shard, world_size, wrap_ddp
 from .errors import InputError
 from .io import atomic_write_text, sha256_file
 
@@ -76,8 +76,28 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 
 
 def lm_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Mean next-token loss over the targets of y that count (y = -100, cross_entropy's ignore_index, does not)."""
     logits = model(x)  # (B, T, V)
     return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1))
+
+
+IGNORE_INDEX = -100  # a target that does not count (F.cross_entropy's default ignore_index)
+
+
+def counted_loss(counted: int, ranks: int) -> Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]:
+    """A loss_fn for one rank's shard of a global batch with `counted` counted targets over `ranks` processes.
+
+    Each rank returns (sum of its shard's token losses) / counted * ranks, so DDP's mean of the ranks'
+    gradients is the gradient of the global batch's mean loss even when the shards count different numbers
+    of tokens (masked labels); lm_loss on each shard would weigh a short shard's tokens more.
+    """
+
+    def loss_fn(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        logits = model(x)  # (B/N, T, V)
+        total = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1), reduction="sum")
+        return total * (ranks / counted)
+
+    return loss_fn
 
 
 @torch.no_grad()
@@ -121,11 +141,14 @@ def tensor_sha256(t: torch.Tensor) -> str:
     return hashlib.sha256(t.detach().cpu().contiguous().numpy().tobytes()).hexdigest()
 
 
-def run_identity(cfg: TrainConfig, train_ids: torch.Tensor, val_ids: torch.Tensor, fingerprint: dict | None) -> dict:
+def run_identity(cfg: TrainConfig, train_ids: torch.Tensor | None, val_ids: torch.Tensor | None,
+                 fingerprint: dict | None, data_identity: dict | None = None) -> dict:
     """What a checkpoint must share with the run that resumes it: the config (checkpoint options aside),
-    the data and the caller's fingerprint of the model (e.g. the base's sha256)."""
+    the data (the sha256 of train_ids and val_ids, or the caller's `data_identity`, e.g. the sha256 of
+    tokenized examples) and the caller's fingerprint of the model (e.g. the base's sha256)."""
     config = {k: v for k, v in asdict(cfg).items() if k not in RESUME_FREE}
-    data = {"train_ids_sha256": tensor_sha256(train_ids), "val_ids_sha256": tensor_sha256(val_ids)}
+    data = data_identity if data_identity is not None else {
+        "train_ids_sha256": tensor_sha256(train_ids), "val_ids_sha256": tensor_sha256(val_ids)}
     return {"config": config, "fingerprint": {**(fingerprint or {}), **data}}
 
 
@@ -211,8 +234,8 @@ def last_good_checkpoint(ckpt_dir: Path | None, every: int) -> str:
 
 def train(
     model: nn.Module,
-    train_ids: torch.Tensor,
-    val_ids: torch.Tensor,
+    train_ids: torch.Tensor | None,
+    val_ids: torch.Tensor | None,
     cfg: TrainConfig,
     out_dir: Path | None = None,
     block_size: int | None = None,
@@ -220,14 +243,23 @@ def train(
     resume: bool = False,
     fingerprint: dict | None = None,
     log=print,
+    batches: Callable[[int, torch.Generator], tuple[torch.Tensor, torch.Tensor]] | None = None,
+    val_loss: Callable[[nn.Module], float] | None = None,
+    data_identity: dict | None = None,
 ) -> TrainResult:
     """Train the parameters of `model` that require grad; write metrics, loss curve and checkpoints to out_dir.
 
+    The data is random windows of train_ids (sample_batch) evaluated on fixed windows of val_ids, or, for
+    other data (e.g. padded instruction examples), `batches(batch_size, generator) -> (x, y)` (the global
+    batch; y = -100 where a target does not count), `val_loss(model) -> float` and `data_identity` (what
+    identifies the data in checkpoints), which replace train_ids and val_ids (then None).
     resume=True continues from the newest checkpoint in out_dir/checkpoints, which must come from a run with
     the same config (checkpoint options aside), data and `fingerprint`; otherwise old checkpoints are removed.
     Under torchrun (minigpt.distributed) each rank trains on its shard of the global batch and rank 0 writes.
     """
     cfg.validate()
+    if (train_ids is None and (batches is None or data_identity is None)) or (val_ids is None and val_loss is None):
+        raise ValueError("train() needs train_ids and val_ids, or batches, val_loss and data_identity in their place")
     check_batch(cfg.batch_size)
     writer = is_writer()
     block_size = block_size or model.config.block_size
@@ -241,7 +273,10 @@ def train(
     check_precision(cfg.precision, device)
     opt = adamw(params, cfg.lr, cfg.weight_decay)
     gen = torch.Generator().manual_seed(cfg.seed)
-    identity = run_identity(cfg, train_ids, val_ids, fingerprint)
+    identity = run_identity(cfg, train_ids, val_ids, fingerprint, data_identity)
+    draw = batches or (lambda n, g: sample_batch(train_ids, n, block_size, g))
+    validate = val_loss or (lambda m: evaluate(m, val_ids, block_size, cfg.batch_size, cfg.eval_batches))
+    ranks = world_size()
     ckpt_dir = Path(out_dir) / CHECKPOINT_DIR if out_dir else None
     history: list[dict] = []
     first, elapsed, skipped, resumes, loss_val = 0, 0.0, 0, [], float("nan")
@@ -277,8 +312,12 @@ def train(
             lr = lr_at(step, cfg)
             for group in opt.param_groups:
                 group["lr"] = lr
-            x, y = shard(*sample_batch(train_ids, cfg.batch_size, block_size, gen))  # this rank's rows
-            reported, problem = train_step(step_model, opt, params, x, y, cfg.grad_clip, cfg.precision,
+            x, y = draw(cfg.batch_size, gen)  # the global batch, drawn alike on every rank
+            loss_fn = None  # lm_loss; masked targets under torchrun: weigh by the global batch's counted tokens
+            if batches is not None and ranks > 1:
+                loss_fn = counted_loss(max(1, int((y != IGNORE_INDEX).sum())), ranks)
+            x, y = shard(x, y)  # this rank's rows
+            reported, problem = train_step(step_model, opt, params, x, y, cfg.grad_clip, cfg.precision, loss_fn,
                                            reduce=mean_across_ranks)  # reported: the global batch's loss
             if problem is None:
                 row = {"step": step + 1, "lr": lr, "train_loss": reported.item()}
@@ -290,7 +329,7 @@ def train(
                 raise NonFiniteError(f"{problem} at step {step + 1}; the run stopped before updating the weights; "
                                      + last_good_checkpoint(ckpt_dir, cfg.checkpoint_every))
             if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
-                loss_val = evaluate(model, val_ids, block_size, cfg.batch_size, cfg.eval_batches)
+                loss_val = validate(model)
                 row["val_loss"] = loss_val
                 bar.set_postfix(train=f"{reported.item():.3f}", val=f"{loss_val:.3f}")
             history.append(row)

@@ -13,7 +13,7 @@ import sys
 from minigpt.errors import InputError
 
 # Subcommand name -> module in minituner.commands exposing HELP, add_arguments(parser), run(args) -> int.
-COMMANDS = ("pretrain", "generate", "count", "finetune", "export", "memory-check")
+COMMANDS = ("pretrain", "generate", "count", "finetune", "eval", "export", "memory-check")
 
 EXIT_USAGE = 2
 

@@ -1,5 +1,8 @@
 """Fine-tune a base folder (MiniGPT, GPT-2, Llama, Mistral, Qwen2) with LoRA, QLoRA or fully (minigpt.train.train).
 
+The data is plain text, or instruction and chat data (.jsonl/.json, builtin:forecast-qa) trained on the answers
+only (finetune_data).
+
 A LoRA run writes ``adapter_final.safetensors`` (minituner-lora-v1, see adapter_io), ``adapter_peft/``
 (a PEFT folder), ``metrics.jsonl``, ``loss_curve.png`` and ``manifest.json`` (sha256 of base and adapter).
 A full fine-tune writes a complete base folder instead of the adapter (a Hugging Face folder for a
@@ -22,7 +25,7 @@ import torch.nn as nn
 from minigpt.base_folder import MANIFEST, WEIGHTS, WEIGHTS_INDEX, save_base
 from minigpt.decoder import Decoder
 from minigpt.run_dir import check_run_dir
-from minigpt.data import FINETUNE_DATA, PRETRAIN_DATA, encode_split, load_documents, split_documents
+from minigpt.data import FINETUNE_DATA, PRETRAIN_DATA
 from minigpt.distributed import barrier, is_writer
 from minigpt.errors import InputError
 from minigpt.manifest import seed_everything, write_manifest
@@ -34,9 +37,11 @@ from .base_model import (Tokenizer, base_config, base_weights_file, base_weights
 from .build import build_for_training
 from .adapter_io import ADAPTER_FILE, save_adapter
 from .export import write_hf_folder
+from .finetune_data import encode_domain, training_data
 from .lora import LoRAConfig, trainable_numel
 from .peft_format import save_peft_adapter
 from .qlora import check_scheme, logical_numel
+from .sft import FORMATS, SFTConfig
 
 DEFAULT_DATA = FINETUNE_DATA
 BASE_DOMAIN = PRETRAIN_DATA  # val loss here before/after shows what fine-tuning forgets
@@ -51,22 +56,29 @@ def default_train_config() -> TrainConfig:
 
 @dataclass
 class FinetuneConfig:
-    data: str = DEFAULT_DATA  # builtin:NAME, a text file or a folder of text files
+    data: str = DEFAULT_DATA  # builtin:NAME, a text file or folder, or .jsonl/.json instruction data (file or folder)
     method: str = "lora"  # "lora" (train adapters only) or "full" (every parameter)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     train: TrainConfig = field(default_factory=default_train_config)
-    epochs: float | None = None  # if set, steps = ceil(epochs · train tokens / (batch_size · block_size))
+    epochs: float | None = None  # if set, steps = ceil(epochs · train tokens / (batch_size · block_size));
+    # for instruction data ceil(epochs · train examples / batch_size)
     init_adapter: str | None = None  # start LoRA from this adapter (file, run folder or PEFT folder)
     base_domain: str | None = BASE_DOMAIN  # also report val loss here before/after (forgetting); None skips
     quant_scheme: str | None = None  # QLoRA: quantize the LoRA targets (e.g. nf4_per_group_64) first; None: LoRA
     allow_unknown_chars: bool = False  # train on characters the base tokenizer never saw (as <unk>) instead of refusing
     seq_len: int | None = None  # training window in tokens; None: MiniGPT's block size, else min(context, 512)
+    format: str | None = None  # .jsonl/.json shape (sft.FORMATS); None: recognised per file from its fields
+    train_on_inputs: bool = False  # instruction data: count prompt/user tokens in the loss too (default: answers only)
+    overlong: str = "truncate"  # instruction data: an example longer than the block is "truncate"d or "drop"ped
 
     def validate(self) -> None:
         if self.method not in ("lora", "full"):
             raise InputError(f"method must be 'lora' or 'full', got {self.method!r}")
         if self.seq_len is not None and (not isinstance(self.seq_len, int) or self.seq_len < 1):
             raise InputError(f"seq_len must be a positive integer, got {self.seq_len!r}")
+        if self.format is not None and self.format not in FORMATS:
+            raise InputError(f"format must be one of {', '.join(FORMATS)}, got {self.format!r}")
+        SFTConfig(self.train_on_inputs, self.overlong).validate()
         if self.epochs is not None and not (self.epochs > 0 and math.isfinite(self.epochs)):
             raise InputError(f"epochs must be a positive number, got {self.epochs}")
         if self.method == "lora":
@@ -83,13 +95,6 @@ class FinetuneResult:
     model: nn.Module  # the trained model (LoRA-wrapped for method "lora")
     tokenizer: Tokenizer
     summary: dict  # the numbers written to manifest.json["results"]
-
-
-def encode_domain(source: str, tokenizer: Tokenizer, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Train and val token ids of a corpus, encoded with the base's tokenizer."""
-    splits = split_documents(load_documents(source))
-    return (encode_split(splits.train, tokenizer, block_size, "train"),
-            encode_split(splits.val, tokenizer, block_size, "val"))
 
 
 def domain_val_loss(model: nn.Module, tokenizer: Tokenizer, source: str, train_cfg: TrainConfig,
@@ -138,22 +143,16 @@ def finetune(base: str | Path, out: str | Path, cfg: FinetuneConfig, progress: b
     model, tokenizer = load_base(base, device, torch.float32 if method == "full" else None, quantize)
     if tokenizer is None:
         raise InputError(f"{base}: no tokenizer.json beside the model")
-    train_ids, val_ids = encode_domain(cfg.data, tokenizer, block)
-    text = "\n\n".join(load_documents(cfg.data))
-    chars = tokenizer.unseen_characters(text)
-    unk = sum(text.count(c) for c in chars) / max(1, len(text))  # fraction of characters that would be <unk>
-    if chars and not cfg.allow_unknown_chars:
-        raise InputError(f"{cfg.data}: {len(chars)} characters the base tokenizer never saw "
-                         f"({', '.join(map(repr, chars[:5]))}{', ...' if len(chars) > 5 else ''}); they would train "
-                         "as <unk>: clean the data, or pass --allow-unknown-chars to train anyway")
+    data = training_data(cfg.data, base, tokenizer, block, cfg.train, cfg.format,
+                         SFTConfig(cfg.train_on_inputs, cfg.overlong), cfg.allow_unknown_chars, log)
+    unk = data.unk_fraction  # fraction of characters that would be <unk>
     if unk > 0.01:
         log(f"warning: {unk:.1%} of the training characters are unknown to the base tokenizer (<unk>)")
     train_cfg = cfg.train
     if cfg.epochs is not None:
-        train_cfg = TrainConfig(**{**asdict(train_cfg), "steps": steps_for_epochs(cfg.epochs, train_ids.numel(),
-                                                                                 train_cfg.batch_size, block)})
+        train_cfg = TrainConfig(**{**asdict(train_cfg), "steps": data.steps_for_epochs(cfg.epochs)})
     n_params = logical_numel(model)  # a QLoRA base is already quantized: its weights count by element
-    val_before = evaluate(model, val_ids, block, train_cfg.batch_size, train_cfg.eval_batches)
+    val_before = data.val_loss(model)
     base_before = domain_val_loss(model, tokenizer, cfg.base_domain, train_cfg, block) if cfg.base_domain else None
 
     lora_cfg = cfg.lora
@@ -162,13 +161,14 @@ def finetune(base: str | Path, out: str | Path, cfg: FinetuneConfig, progress: b
                        init_adapter=cfg.init_adapter)
     trainable = trainable_numel(model)
     log(f"{cfg.method}: {trainable:,} of {n_params:,} parameters trainable ({trainable / n_params:.2%}); "
-        f"{train_ids.numel():,} train / {val_ids.numel():,} val tokens from {cfg.data}; {train_cfg.steps} steps")
+        f"{data.description}; {train_cfg.steps} steps")
 
     out.mkdir(parents=True, exist_ok=True)
     base_sha, base_bytes = base_weights_sha256(base)
     fingerprint = {"base_sha256": base_sha, **{k: v for k, v in asdict(cfg).items() if k != "train"}}
-    result = train(model, train_ids, val_ids, train_cfg, out_dir=out, progress=progress, resume=resume,
-                   fingerprint=fingerprint, log=log, block_size=block)
+    result = train(model, data.train_ids, data.val_ids, train_cfg, out_dir=out, progress=progress, resume=resume,
+                   fingerprint=fingerprint, log=log, block_size=block, batches=data.batches,
+                   val_loss=data.val_loss if data.batches else None, data_identity=data.data_identity)
     if not math.isfinite(result.final_val_loss):
         raise FloatingPointError(f"validation loss is {result.final_val_loss}; nothing was saved")
     base_after = domain_val_loss(model, tokenizer, cfg.base_domain, train_cfg, block) if cfg.base_domain else None
@@ -190,8 +190,7 @@ def finetune(base: str | Path, out: str | Path, cfg: FinetuneConfig, progress: b
         "params_trainable": trainable,
         "trainable_fraction": trainable / n_params,
         "steps": train_cfg.steps,
-        "train_tokens": train_ids.numel(),
-        "val_tokens": val_ids.numel(),
+        **data.results,  # train_tokens, val_tokens; for instruction data "sft": stats and template
         "unk_fraction": unk,
         "val_loss_before": val_before,
         "val_loss_after": result.final_val_loss,
@@ -206,7 +205,8 @@ def finetune(base: str | Path, out: str | Path, cfg: FinetuneConfig, progress: b
     write_manifest(
         out / MANIFEST,
         seed=train_cfg.seed,
-        config={"base": str(base), "data": cfg.data, "method": cfg.method, "epochs": cfg.epochs, "seq_len": block,
+        config={"base": str(base), "data": cfg.data, "format": cfg.format, "train_on_inputs": cfg.train_on_inputs,
+                "overlong": cfg.overlong, "method": cfg.method, "epochs": cfg.epochs, "seq_len": block,
                 "init_adapter": cfg.init_adapter, "quant_scheme": cfg.quant_scheme,
                 "lora": lora_cfg.to_dict() if cfg.method == "lora" else None,
                 "train": asdict(train_cfg), "model": model.config.to_dict()},

@@ -90,6 +90,33 @@ def test_resume_under_torchrun(base, runs):
     assert losses(resumed) == pytest.approx(losses(two), abs=1e-6)
 
 
+@pytest.fixture(scope="module")
+def sft(tmp_path_factory):
+    """Instruction data whose answers differ in length, so the two ranks' shards count different numbers of tokens."""
+    folder = tmp_path_factory.mktemp("ddp-sft")
+    records = [{"prompt": f"wind {i}? ", "completion": "calm" if i % 3 else f"force {i % 7} and rising"}
+               for i in range(40)]
+    text = "".join(json.dumps(r) + "\n" for r in records)
+    (folder / "data.jsonl").write_text(text, encoding="utf-8")
+    torch.manual_seed(0)
+    tok = CharTokenizer.train(text + "<|end|>")
+    save_base(MiniGPT(GPTConfig(vocab_size=tok.vocab_size, block_size=32, n_layer=2, n_head=2, d_model=16)), tok,
+              folder / "base")
+    return folder
+
+
+def test_two_processes_match_one_on_masked_instruction_data(sft):
+    data = ["--data", str(sft / "data.jsonl")]  # the later --data wins over the data.txt finetune() names
+    one, two = sft / "one", sft / "two"
+    finetune(sft, one, 1, *data)
+    finetune(sft, two, 2, *data)
+    a, b = adapter(one), adapter(two)
+    for k in a:
+        assert torch.allclose(a[k], b[k], atol=1e-6, rtol=0), (k, (a[k] - b[k]).abs().max().item())
+    assert any(a[k].abs().max() > 0 for k in a if "lora_B" in k)
+    assert losses(one) == pytest.approx(losses(two), abs=1e-5)
+
+
 def test_single_process_helpers_are_identities():
     x, y = torch.arange(6).view(3, 2), torch.arange(6).view(3, 2) + 1
     assert world_size() == 1

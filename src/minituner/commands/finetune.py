@@ -12,6 +12,8 @@ from miniquant import DEFAULT_QUANT_SCHEME
 
 from ..finetune import BASE_DOMAIN, DEFAULT_DATA, FinetuneConfig, default_train_config, finetune
 from ..lora import ALL_LINEAR, LoRAConfig
+from ..sft import FORMATS
+from ..sft.examples import OVERLONG
 from ._common import add_run_arguments, checkpoint_options, positive_float, positive_int
 
 HELP = ("fine-tune a base model with LoRA (default) or fully; writes adapter_final.safetensors, a PEFT folder, "
@@ -37,7 +39,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     d, lora = default_train_config(), LoRAConfig()
     p.add_argument("--base", type=Path, default=Path("artifacts/base"),
                    help="base model folder: minituner, or Hugging Face gpt2/llama/mistral/qwen2 (default %(default)s)")
-    p.add_argument("--data", default=DEFAULT_DATA, help="text file or folder, or builtin:NAME (default %(default)s)")
+    p.add_argument("--data", default=DEFAULT_DATA,
+                   help="text file or folder; .jsonl/.json instruction or chat data (file or folder); or builtin:NAME "
+                        "(forecasts: text, forecast-qa: questions and answers) (default %(default)s)")
+    p.add_argument("--format", choices=FORMATS,
+                   help=".jsonl/.json shape (default: recognised per file from its fields)")
+    p.add_argument("--train-on-inputs", action="store_true",
+                   help="instruction data: count the prompt, system and user tokens in the loss too "
+                        "(default: only completions and assistant turns, with their EOS)")
+    p.add_argument("--overlong", choices=OVERLONG, default="truncate",
+                   help="instruction data: an example longer than the context is truncated (its start kept) or "
+                        "dropped; the count is reported either way (default %(default)s)")
     p.add_argument("--out", type=Path, required=True, help="run folder to write")
     p.add_argument("--rank", type=rank, default=lora.r, help="LoRA rank r (default %(default)s)")
     p.add_argument("--alpha", type=number, default=lora.alpha, help="lora_alpha; scaling = alpha/r (default %(default)s)")
@@ -93,7 +105,8 @@ def run(args: argparse.Namespace) -> int:
                          quant_scheme=quant_scheme,
                          epochs=args.epochs, init_adapter=str(args.init_adapter) if args.init_adapter else None,
                          base_domain=None if args.base_domain.lower() == "none" else args.base_domain,
-                         allow_unknown_chars=args.allow_unknown_chars, seq_len=args.seq_len)
+                         allow_unknown_chars=args.allow_unknown_chars, seq_len=args.seq_len,
+                         format=args.format, train_on_inputs=args.train_on_inputs, overlong=args.overlong)
     device = resolve_device(args.device, local_rank())
     check_precision(args.precision, device)
     init_from_env(device)  # torchrun: join the process group (gloo on CPU, nccl on CUDA)

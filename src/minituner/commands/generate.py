@@ -1,4 +1,4 @@
-"""minituner generate: sample text from a base model (optionally with a LoRA adapter)."""
+"""minituner generate: sample text from a base model (optionally with a LoRA adapter), or answer a chat question."""
 from __future__ import annotations
 
 import argparse
@@ -8,19 +8,29 @@ import torch
 
 from minigpt.errors import InputError
 
+from ..adapter_io import load_adapter
 from ..base_model import load_base, load_tokenizer
+from ..sft import answer, load_chat_template
 from ._common import positive_int
 
 HELP = ("print samples from a base model folder (minituner base, or Hugging Face gpt2/llama/mistral/qwen2 with its "
-        "tokenizer; sampling stops at the eos id(s) of generation_config.json or config.json)")
+        "tokenizer; sampling stops at the eos id(s) of generation_config.json or config.json), optionally with a "
+        "LoRA adapter; --chat asks a question through the base's chat template")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base", type=Path, default=Path("artifacts/base"))
-    p.add_argument("--prompt", default="\n")
+    p.add_argument("--adapter", type=Path, help="LoRA adapter: a finetune run folder, a PEFT folder or an adapter file")
+    what = p.add_mutually_exclusive_group()
+    what.add_argument("--prompt", default="\n", help="text to continue (default: a newline)")
+    what.add_argument("--chat", metavar="QUESTION",
+                      help="a user message, rendered with the base's chat template (or the default one); "
+                           "prints the answer, cut at the end-of-turn token")
+    p.add_argument("--system", help="--chat: a system message before the question")
     p.add_argument("--max-new-tokens", type=positive_int, default=200)
     p.add_argument("--num-samples", type=positive_int, default=1)
-    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--temperature", type=float, default=None,
+                   help="sampling temperature; 0 is greedy (default 0.8 with --prompt, 0 with --chat)")
     p.add_argument("--top-k", type=positive_int, default=None)
     p.add_argument("--seed", type=int, default=0)
 
@@ -29,12 +39,31 @@ def run(args: argparse.Namespace) -> int:
     model, tokenizer = load_base(args.base)
     if tokenizer is None:
         raise InputError(load_tokenizer(args.base, model.config.vocab_size)[1])
+    if args.adapter is not None:
+        load_adapter(model, args.adapter)
+    model.eval()
+    gen = torch.Generator().manual_seed(args.seed)
+    if args.chat is not None:
+        if not args.chat.strip():
+            raise InputError("--chat is empty")
+        if args.system is not None and not args.system.strip():
+            raise InputError("--system is empty")
+        template = load_chat_template(args.base)
+        temperature = 0.0 if args.temperature is None else args.temperature
+        for i in range(args.num_samples):
+            if args.num_samples > 1:
+                print(f"--- answer {i + 1} ---")
+            print(answer(model, tokenizer, template, args.chat, args.system, args.max_new_tokens, temperature,
+                         args.top_k, gen))
+        return 0
+    if args.system is not None:
+        raise InputError("--system applies to --chat")
     if not args.prompt:
         raise InputError("--prompt is empty")
-    gen = torch.Generator().manual_seed(args.seed)
+    temperature = 0.8 if args.temperature is None else args.temperature
     x = torch.tensor([tokenizer.encode(args.prompt)] * args.num_samples)
     eos = getattr(tokenizer, "eos_ids", None)  # a Hugging Face folder's end-of-sequence id(s)
-    out = model.generate(x, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, generator=gen,
+    out = model.generate(x, args.max_new_tokens, temperature=temperature, top_k=args.top_k, generator=gen,
                          eos_id=eos)
     for i, row in enumerate(out):
         print(f"--- sample {i + 1} ---")

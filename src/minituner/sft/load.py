@@ -42,9 +42,11 @@ class SFTData:
 
 
 def prepare_sft(source: str | Path, tokenizer, template: ChatTemplate, block_size: int,
-                cfg: SFTConfig | None = None, fmt: str | None = None) -> SFTData:
-    """Read, split (split_records) and tokenize a data set; refuses an empty train or val split."""
-    splits = split_records(load_records(source, fmt))
+                cfg: SFTConfig | None = None, fmt: str | None = None, records: list[Record] | None = None) -> SFTData:
+    """Read, split (split_records) and tokenize a data set; refuses an empty train or val split.
+
+    `records` are the source's records when the caller has already read them (load_records)."""
+    splits = split_records(load_records(source, fmt) if records is None else records)
     train, train_stats = tokenize_records(splits["train"], tokenizer, template, block_size, cfg)
     val, val_stats = tokenize_records(splits["val"], tokenizer, template, block_size, cfg)
     for name, examples, stats in (("train", train, train_stats), ("val", val, val_stats)):

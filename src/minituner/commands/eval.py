@@ -1,0 +1,56 @@
+"""minituner eval: mean loss over the counted tokens of a data set, perplexity and counts, for a base (+ adapter)."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from minigpt.device import DEVICES, resolve_device
+from minigpt.errors import InputError
+
+from ..adapter_io import load_adapter
+from ..base_model import load_base, load_tokenizer
+from ..evaluation import SPLITS, evaluate_data
+from ..sft import FORMATS, SFTConfig
+from ..sft.examples import OVERLONG
+from ._common import positive_int
+
+HELP = ("mean loss over the counted tokens of --data (answers only for instruction data, every token for text), "
+        "perplexity, examples and tokens; --json prints one object")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--base", type=Path, default=Path("artifacts/base"), help="base model folder (default %(default)s)")
+    p.add_argument("--adapter", type=Path, help="LoRA adapter: a finetune run folder, a PEFT folder or an adapter file")
+    p.add_argument("--data", required=True,
+                   help="text file or folder, .jsonl/.json instruction or chat data, or builtin:NAME")
+    p.add_argument("--split", choices=SPLITS, default="all",
+                   help="evaluate one split as finetune splits the data, or all of it (default %(default)s)")
+    p.add_argument("--format", choices=FORMATS, help=".jsonl/.json shape (default: recognised per file)")
+    p.add_argument("--train-on-inputs", action="store_true",
+                   help="instruction data: count the prompt and user tokens too (default: answers only)")
+    p.add_argument("--overlong", choices=OVERLONG, default="truncate",
+                   help="an example longer than the context is truncated or dropped (default %(default)s)")
+    p.add_argument("--batch-size", type=positive_int, default=32)
+    p.add_argument("--device", choices=DEVICES, default="cpu", help="cpu (default), cuda, or auto")
+    p.add_argument("--json", action="store_true",
+                   help='print one object: {"loss", "perplexity", "examples", "tokens"}')
+
+
+def run(args: argparse.Namespace) -> int:
+    model, tokenizer = load_base(args.base, resolve_device(args.device))
+    if tokenizer is None:
+        raise InputError(load_tokenizer(args.base, model.config.vocab_size)[1])
+    if args.adapter is not None:
+        load_adapter(model, args.adapter)
+    model.eval()
+    result = evaluate_data(model, tokenizer, args.base, args.data, args.split, args.format,
+                           SFTConfig(args.train_on_inputs, args.overlong), args.batch_size,
+                           log=lambda m: print(m, file=sys.stderr))
+    if args.json:
+        print(json.dumps(result.as_dict()))
+    else:
+        print(f"{args.data} ({args.split}): loss {result.loss:.4f} nats/token, perplexity {result.perplexity:.3f}, "
+              f"{result.examples} examples, {result.tokens} counted tokens")
+    return 0

@@ -1,0 +1,112 @@
+"""What `finetune` trains on: windows of plain text, or instruction examples whose labels count the answers only.
+
+``training_data`` reads ``--data`` once and returns a TrainingData, the arguments minigpt.train.train needs
+(token ids, or a batch sampler, a validation loss and the data's identity) plus the figures a run reports.
+Plain text (``.txt``, folders of it, ``builtin:forecasts``) keeps the windowed path; ``.jsonl`` / ``.json`` and
+``builtin:forecast-qa`` go through minituner.sft: the base's chat template (or the default one), answer-only
+labels (``train_on_inputs`` counts everything), truncation or dropping of overlong examples, always reported.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from minigpt.data import encode_split, load_documents, split_documents
+from minigpt.errors import InputError
+from minigpt.train import TrainConfig, evaluate
+
+from .sft import (ExampleSampler, SFTConfig, evaluate_examples, examples_sha256, is_sft_source, load_chat_template,
+                  load_records, prepare_sft, record_text)
+
+
+@dataclass
+class TrainingData:
+    """The data of a run, in the form minigpt.train.train takes it."""
+
+    description: str  # one line for the log: how much data, from where
+    train_size: int  # what --epochs counts: train tokens (text) or train examples (instruction data)
+    per_step: int  # how much of train_size one optimizer step consumes
+    val_loss: Callable[[nn.Module], float]  # validation loss (nats per counted token)
+    train_ids: torch.Tensor | None = None  # text: token ids, windows drawn by sample_batch
+    val_ids: torch.Tensor | None = None
+    batches: Callable[[int, torch.Generator], tuple[torch.Tensor, torch.Tensor]] | None = None  # instruction data
+    data_identity: dict | None = None  # instruction data: what checkpoints record of it (sha256 of the examples)
+    unk_fraction: float = 0.0  # fraction of the characters the base tokenizer never saw
+    results: dict = field(default_factory=dict)  # figures for manifest.json["results"]
+
+    def steps_for_epochs(self, epochs: float) -> int:
+        return max(1, math.ceil(epochs * self.train_size / self.per_step))
+
+
+def encode_domain(source: str, tokenizer, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Train and val token ids of a corpus, encoded with the base's tokenizer."""
+    splits = split_documents(load_documents(source))
+    return (encode_split(splits.train, tokenizer, block_size, "train"),
+            encode_split(splits.val, tokenizer, block_size, "val"))
+
+
+def unknown_fraction(text: str, tokenizer, source: str, allow: bool) -> float:
+    """The fraction of `text`'s characters the tokenizer never saw; refuses any unless `allow`."""
+    chars = tokenizer.unseen_characters(text)
+    if chars and not allow:
+        raise InputError(f"{source}: {len(chars)} characters the base tokenizer never saw "
+                         f"({', '.join(map(repr, chars[:5]))}{', ...' if len(chars) > 5 else ''}); they would train "
+                         "as <unk>: clean the data, or pass --allow-unknown-chars to train anyway")
+    return sum(text.count(c) for c in chars) / max(1, len(text))
+
+
+def text_data(source: str, tokenizer, block_size: int, train_cfg: TrainConfig, allow_unknown: bool) -> TrainingData:
+    """Plain text: random windows of the train split, validation on fixed windows of the val split."""
+    train_ids, val_ids = encode_domain(source, tokenizer, block_size)
+    unk = unknown_fraction("\n\n".join(load_documents(source)), tokenizer, source, allow_unknown)
+    return TrainingData(
+        f"{train_ids.numel():,} train / {val_ids.numel():,} val tokens from {source}", train_ids.numel(),
+        train_cfg.batch_size * block_size,
+        lambda m: evaluate(m, val_ids, block_size, train_cfg.batch_size, train_cfg.eval_batches),
+        train_ids=train_ids, val_ids=val_ids, unk_fraction=unk,
+        results={"train_tokens": train_ids.numel(), "val_tokens": val_ids.numel()})
+
+
+def sft_data(source: str, base: Path, tokenizer, block_size: int, train_cfg: TrainConfig, fmt: str | None,
+             sft_cfg: SFTConfig, allow_unknown: bool, log=print) -> TrainingData:
+    """Instruction data: padded batches of whole examples, validation over the val split's counted tokens."""
+    template = load_chat_template(base)
+    records = load_records(source, fmt)
+    text = "".join(record_text(r, template) for r in records)  # what the model reads, template and EOS included
+    unk = unknown_fraction(text, tokenizer, source, allow_unknown)
+    data = prepare_sft(source, tokenizer, template, block_size, sft_cfg, fmt, records=records)
+    for name, stats in (("train", data.train_stats), ("val", data.val_stats)):
+        log(f"{name}: {stats.summary()}")
+        lost = stats.dropped + stats.dropped_empty
+        if stats.truncated or lost:
+            log(f"warning: {name}: {stats.truncated} examples longer than {block_size + 1} tokens truncated, "
+                f"{lost} dropped" + (f" (first: {', '.join(stats.dropped_where[:3])})" if lost else ""))
+    val, batch_size = data.val, train_cfg.batch_size
+    formats = sorted({r.format for r in records})
+    return TrainingData(
+        f"{len(data.train):,} train / {len(data.val):,} val examples ({', '.join(formats)}; "
+        f"{data.train_stats.counted_tokens:,} counted train tokens) from {source}; chat template: {template.origin}",
+        len(data.train), batch_size,
+        lambda m: evaluate_examples(m, val, batch_size).loss,
+        batches=ExampleSampler(data.train), unk_fraction=unk,
+        data_identity={"train_examples_sha256": examples_sha256(data.train),
+                       "val_examples_sha256": examples_sha256(data.val)},
+        results={"train_tokens": data.train_stats.tokens, "val_tokens": data.val_stats.tokens,
+                 "sft": {"formats": formats, "template": template.origin, "eos_token": template.eos_token,
+                         "train_on_inputs": sft_cfg.train_on_inputs, "overlong": sft_cfg.overlong,
+                         "train": data.train_stats.as_dict(), "val": data.val_stats.as_dict()}})
+
+
+def training_data(source: str, base: Path, tokenizer, block_size: int, train_cfg: TrainConfig, fmt: str | None = None,
+                  sft_cfg: SFTConfig | None = None, allow_unknown: bool = False, log=print) -> TrainingData:
+    """The data of `finetune --data SOURCE`: instruction data (is_sft_source) or plain text."""
+    if is_sft_source(source):
+        return sft_data(source, base, tokenizer, block_size, train_cfg, fmt, sft_cfg or SFTConfig(), allow_unknown, log)
+    if fmt is not None:
+        raise InputError(f"--format applies to .jsonl/.json data, not to {source} (plain text)")
+    return text_data(source, tokenizer, block_size, train_cfg, allow_unknown)

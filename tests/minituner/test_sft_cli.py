@@ -1,0 +1,183 @@
+"""Instruction data through the commands: `finetune` on each JSONL/JSON shape, `eval`, `generate --chat/--adapter`,
+answer-only masking end to end, resume, and bad data refused in one line (exit 2)."""
+import json
+import shutil
+
+import pytest
+import torch
+
+from minigpt.base_folder import save_base
+from minigpt.model import GPTConfig, MiniGPT
+from minigpt.tokenizer import CharTokenizer
+from minituner.adapter_io import ADAPTER_FILE, load_adapter
+from minituner.base_model import load_base
+from minituner.cli import main
+from minituner.sft import SFTConfig, answer, default_template, prepare_eval, prepare_sft
+
+TEMPLATE = default_template()
+QUESTIONS = [(f"wind {i}?", f"force {i % 7}") for i in range(30)]
+SHAPES = {  # file name -> records (one JSON object per line; .json: one array)
+    "text.jsonl": [{"text": f"the wind is force {i % 7} today"} for i in range(30)],
+    "pc.jsonl": [{"prompt": q + " ", "completion": a} for q, a in QUESTIONS],
+    "chat.jsonl": [{"messages": [{"role": "system", "content": "be short"}, {"role": "user", "content": q},
+                                 {"role": "assistant", "content": a}]} for q, a in QUESTIONS],
+    "alpaca.json": [{"instruction": "wind?", "input": str(i), "output": f"force {i % 7}"} for i in range(30)],
+}
+FORMAT = {"text.jsonl": "text", "pc.jsonl": "prompt-completion", "chat.jsonl": "messages", "alpaca.json": "alpaca"}
+FLAGS = {"rank": 2, "alpha": 4, "steps": 3, "batch-size": 4, "lr": 0.01, "warmup-steps": 1, "eval-every": 3,
+         "checkpoint-every": 0, "base-domain": "none"}
+
+
+def flags(**changes) -> list[str]:
+    """finetune's flags for a tiny run; changes use underscores (eval_every=2) and None drops a flag."""
+    chosen = {**FLAGS, **{k.replace("_", "-"): v for k, v in changes.items()}}
+    return [a for k, v in chosen.items() if v is not None for a in (f"--{k}", str(v))] + ["--no-progress"]
+
+
+TRAIN = flags()
+
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
+
+def write(path, records):
+    if path.suffix == ".json":
+        path.write_text(json.dumps(records), encoding="utf-8")
+    else:
+        path.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+    return path
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    """A tiny MiniGPT base (block 48) whose characters cover the data and the default template, and the data."""
+    root = tmp_path_factory.mktemp("sft")
+    text = json.dumps(SHAPES) + "System: User: Assistant: <|end|>\nthe wind is force today"
+    tok = CharTokenizer.train(text)
+    torch.manual_seed(0)
+    save_base(MiniGPT(GPTConfig(vocab_size=tok.vocab_size, block_size=48, n_layer=1, n_head=2, d_model=16)), tok,
+              root / "base")
+    for name, records in SHAPES.items():
+        write(root / name, records)
+    (root / "plain.txt").write_text("\n\n".join(r["text"] for r in SHAPES["text.jsonl"]), encoding="utf-8")
+    return root
+
+
+def cli(capsys, *argv):
+    capsys.readouterr()
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_finetune_on_each_shape_reports_what_it_counted(root, tmp_path, capsys, name):
+    out = tmp_path / "run"
+    code, stdout, err = cli(capsys, "finetune", "--base", root / "base", "--data", root / name, "--out", out, *TRAIN)
+    assert code == 0, err
+    assert (out / ADAPTER_FILE).is_file() and "train: 28 of 28 examples" in stdout  # of 30 records one goes to val, one to test
+    sft = json.loads((out / "manifest.json").read_text())["results"]["sft"]
+    tok = load_base(root / "base")[1]
+    data = prepare_sft(root / name, tok, TEMPLATE, 48)
+    assert sft["formats"] == [FORMAT[name]] and sft["template"] == "default" and sft["train_on_inputs"] is False
+    assert sft["train"]["counted_tokens"] == data.train_stats.counted_tokens
+    assert sft["val"] == data.val_stats.as_dict()
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 3 and rows[-1]["val_loss"] > 0
+
+
+def test_eval_counts_the_answers_and_their_eos_only(root, capsys):
+    tok = load_base(root / "base")[1]
+    code, stdout, err = cli(capsys, "eval", "--base", root / "base", "--data", root / "pc.jsonl", "--json")
+    assert code == 0, err
+    result = json.loads(stdout)
+    assert list(result) == ["loss", "perplexity", "examples", "tokens"]
+    completions = sum(len(tok.encode(a)) + len(tok.encode("<|end|>")) for _, a in QUESTIONS)
+    assert result["examples"] == 30 and result["tokens"] == completions
+    assert result["perplexity"] == pytest.approx(torch.tensor(result["loss"]).exp().item(), rel=1e-6)
+    code, stdout, _ = cli(capsys, "eval", "--base", root / "base", "--data", root / "pc.jsonl", "--json",
+                          "--train-on-inputs", "--split", "val")
+    examples, stats = prepare_eval(root / "pc.jsonl", tok, TEMPLATE, 48, SFTConfig(train_on_inputs=True), split="val")
+    val = json.loads(stdout)
+    assert val["examples"] == len(examples) == 1 and val["tokens"] == stats.counted_tokens == stats.tokens - 1
+
+
+def test_eval_on_text_counts_every_token_of_its_windows(root, capsys):
+    code, stdout, err = cli(capsys, "eval", "--base", root / "base", "--data", root / "plain.txt", "--json")
+    assert code == 0, err
+    result = json.loads(stdout)
+    n = len((root / "plain.txt").read_text())
+    assert result["examples"] == (n - 1) // 48 and result["tokens"] == result["examples"] * 48
+    code, stdout, _ = cli(capsys, "eval", "--base", root / "base", "--data", root / "plain.txt")
+    assert code == 0 and "perplexity" in stdout
+
+
+def test_eval_and_generate_with_an_adapter(root, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert cli(capsys, "finetune", "--base", root / "base", "--data", root / "chat.jsonl", "--out", out, *TRAIN)[0] == 0
+    base = json.loads(cli(capsys, "eval", "--base", root / "base", "--data", root / "chat.jsonl", "--json")[1])
+    tuned = json.loads(cli(capsys, "eval", "--base", root / "base", "--adapter", out, "--data", root / "chat.jsonl",
+                           "--json")[1])
+    assert tuned["tokens"] == base["tokens"] and tuned["loss"] != base["loss"]
+    code, stdout, err = cli(capsys, "generate", "--base", root / "base", "--adapter", out, "--chat", "wind 3?",
+                            "--max-new-tokens", "12")
+    assert code == 0, err
+    model, tok = load_base(root / "base")
+    load_adapter(model, out)
+    assert stdout == answer(model, tok, TEMPLATE, "wind 3?", max_new_tokens=12) + "\n"
+    code, stdout, err = cli(capsys, "generate", "--base", root / "base", "--adapter", out / ADAPTER_FILE,
+                            "--prompt", "wind", "--max-new-tokens", "5")
+    assert code == 0 and stdout.startswith("--- sample 1 ---\nwind"), err
+
+
+def test_resume_of_an_instruction_run_is_bit_identical(root, tmp_path, capsys):
+    args = ["finetune", "--base", root / "base", "--data", root / "chat.jsonl",
+            *flags(steps=4, checkpoint_every=2, dropout=0.1)]
+    ref, resumed = tmp_path / "ref", tmp_path / "resumed"
+    assert cli(capsys, *args, "--out", ref)[0] == 0
+    shutil.copytree(ref, resumed)
+    (resumed / "checkpoints" / "step-00000004.safetensors").unlink()
+    assert cli(capsys, *args, "--out", resumed, "--resume")[0] == 0
+    assert (ref / ADAPTER_FILE).read_bytes() == (resumed / ADAPTER_FILE).read_bytes()
+    code, _, err = cli(capsys, *args, "--out", resumed, "--resume", "--train-on-inputs")  # other labels: refused
+    assert code == 2 and len(err.strip().splitlines()) == 1
+
+
+BAD = {
+    "malformed.jsonl": ('{"prompt": "a", "completion": "b"}\n{"prompt": "a", "completion"\n', ":2:"),
+    "no_assistant.jsonl": ('{"messages": [{"role": "user", "content": "hi"}]}\n', "no assistant turn"),
+    "latin1.jsonl": ('{"text": "caf\xe9"}\n'.encode("latin-1"), ":1: not UTF-8"),
+    "no_shape.jsonl": ('{"question": "a", "answer": "b"}\n', "fields found: answer, question"),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD))
+@pytest.mark.parametrize("command", ["finetune", "eval"])
+def test_bad_data_is_refused_in_one_line_naming_the_line(root, tmp_path, capsys, name, command):
+    content, fragment = BAD[name]
+    path = tmp_path / name
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    out = tmp_path / "run"
+    argv = [command, "--base", root / "base", "--data", path]
+    argv += ["--out", out, *TRAIN] if command == "finetune" else []
+    code, _, err = cli(capsys, *argv)
+    assert code == 2 and len(err.strip().splitlines()) == 1 and fragment in err and name in err, err
+    assert not out.exists()
+
+
+def test_flags_that_do_not_fit_the_data_are_refused(root, tmp_path, capsys):
+    code, _, err = cli(capsys, "finetune", "--base", root / "base", "--data", root / "plain.txt", "--out",
+                       tmp_path / "run", "--format", "messages", *TRAIN)
+    assert code == 2 and "--format applies to .jsonl/.json data" in err
+    code, _, err = cli(capsys, "eval", "--base", root / "base", "--data", root / "pc.jsonl", "--format", "messages")
+    assert code == 2 and "pc.jsonl:1" in err
+    code, _, err = cli(capsys, "generate", "--base", root / "base", "--chat", " ")
+    assert code == 2 and "--chat is empty" in err
+
+
+def test_epochs_count_examples(root, tmp_path, capsys):
+    out = tmp_path / "run"
+    argv = flags(steps=None, epochs=0.5)
+    code, _, err = cli(capsys, "finetune", "--base", root / "base", "--data", root / "pc.jsonl", "--out", out, *argv)
+    assert code == 0, err
+    assert json.loads((out / "manifest.json").read_text())["results"]["steps"] == 4  # ceil(0.5 · 28 examples / 4)
