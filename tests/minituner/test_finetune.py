@@ -160,3 +160,20 @@ def test_cli_adapter_for_another_rank_or_base_is_exit_2(base, tmp_path, capsys):
 def test_cli_missing_base_is_exit_2(tmp_path, capsys):
     assert cli("--base", tmp_path / "nope", "--out", tmp_path / "r", "--steps", 1) == 2
     assert "no such model folder" in capsys.readouterr().err
+
+
+def test_grad_checkpoint_flag_trains_the_same_adapter(base, tmp_path):
+    """`finetune --grad-checkpoint` recomputes each block in backward: the adapter equals the plain run's."""
+    from minituner.adapter_io import read_adapter
+
+    flags = ["finetune", "--base", str(base), "--steps", "4", "--batch-size", "4", "--eval-every", "4",
+             "--base-domain", "none", "--no-progress"]
+    assert main([*flags, "--out", str(tmp_path / "plain")]) == 0
+    assert main([*flags, "--out", str(tmp_path / "ckpt"), "--grad-checkpoint"]) == 0
+    plain, _ = read_adapter(tmp_path / "plain" / ADAPTER_FILE)
+    ckpt, _ = read_adapter(tmp_path / "ckpt" / ADAPTER_FILE)
+    assert plain.keys() == ckpt.keys()
+    for k in plain:
+        torch.testing.assert_close(ckpt[k], plain[k], rtol=1e-5, atol=1e-6)
+    manifest = json.loads((tmp_path / "ckpt" / "manifest.json").read_text())
+    assert manifest["config"]["train"]["grad_checkpoint"] is True

@@ -84,6 +84,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--precision", choices=PRECISIONS, default="fp32",
                    help="fp32, or bf16-autocast on CUDA (forward in bf16; weights, grads and Adam stay fp32)")
     add_run_arguments(p)
+    p.add_argument("--grad-checkpoint", action="store_true",
+                   help="recompute each block in backward (torch.utils.checkpoint): less activation memory, same "
+                        "result, about one more forward per step")
     p.add_argument("--no-progress", action="store_true")
 
 
@@ -98,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
     train = TrainConfig(steps=steps, batch_size=args.batch_size, lr=args.lr, warmup_steps=min(args.warmup_steps, steps),
                         schedule=args.schedule, grad_clip=args.grad_clip, eval_every=min(args.eval_every, steps),
                         eval_batches=d.eval_batches, seed=args.seed, precision=args.precision,
-                        **checkpoint_options(args))
+                        grad_checkpoint=args.grad_checkpoint, **checkpoint_options(args))
     lora = LoRAConfig(r=args.rank, alpha=args.alpha, dropout=args.dropout, target_modules=args.target,
                       use_rslora=args.use_rslora)
     cfg = FinetuneConfig(data=args.data, method="full" if args.full else "lora", lora=lora, train=train,
