@@ -27,12 +27,12 @@ import torch.nn as nn
 from minigpt.decoder import Decoder, DecoderConfig
 from minigpt.errors import InputError
 from minigpt.io import read_json
-from miniquant import QuantizedLinear
+from miniquant import DEFAULT_QUANT_SCHEME, QuantizedLinear
 
 from .base_model import load_tokenizer
 from .hf_config import eos_token_ids, read_decoder_config
 from .lora import find_targets, linear_candidates
-from .qlora import DEFAULT_SCHEME, check_scheme
+from .qlora import check_scheme
 
 WEIGHTS, INDEX = "model.safetensors", "model.safetensors.index.json"
 IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)  # buffers older checkpoints saved; recomputed from the config
@@ -120,9 +120,9 @@ def check_tensors(expected: dict[str, tuple[int, ...]], found: dict[str, TensorI
 def quantized_paths(model: nn.Module, quantize: QuantizeSpec | None) -> tuple[list[str], str]:
     """The Linear paths to quantize and the scheme, from a predicate or (targets, scheme)."""
     if quantize is None:
-        return [], DEFAULT_SCHEME
+        return [], DEFAULT_QUANT_SCHEME
     if callable(quantize):
-        return [p for p, m in linear_candidates(model).items() if type(m) is nn.Linear and quantize(p)], DEFAULT_SCHEME
+        return [p for p, m in linear_candidates(model).items() if type(m) is nn.Linear and quantize(p)], DEFAULT_QUANT_SCHEME
     if isinstance(quantize, tuple) and len(quantize) == 2:
         targets, scheme = quantize
         return find_targets(model, targets), check_scheme(scheme)
