@@ -27,8 +27,10 @@ CONFIGS = {  # tied/untied, GQA/MHA, biases, an explicit head_dim, a sliding win
     "mistral window head_dim": dict(model_type="mistral", n_kv_head=1, head_dim=16, sliding_window=4,
                                     sliding_layers=[1]),
 }
-CASES = [("full", "all-linear"), ("lora", "all-linear"), ("lora", "v_proj"), ("lora", "o_proj"),
-         ("lora", "up_proj"), ("lora", "down_proj"), ("qlora", "all-linear"), ("qlora", "q_proj,gate_proj")]
+# every branch of the model: the stream hot from the embeddings (full), or cold until the first adapter, which
+# sits in attention (v, o) or in the MLP (up: SwiGLU keeps only act(gate); down: only its input), QLoRA's layers
+CASES = [("full", "all-linear"), ("lora", "v_proj"), ("lora", "o_proj"), ("lora", "up_proj"), ("qlora", "down_proj"),
+         ("qlora", "q_proj,gate_proj")]
 
 
 def decoder(name: str) -> DecoderConfig:
