@@ -5,8 +5,10 @@ without gradient checkpointing.
     python benchmarks/memory_sweep.py --quick   # three small points, to check that it runs
 
 Each point is one `minituner memory-check --json` in a fresh process (so the peak is that run's alone)
-on MiniGPT (the `minigpt` preset) and on a GPT-2-124M-shaped model (GPT-2 small's config.json, random
-weights, imported into MiniGPT); full, LoRA and QLoRA; fp32 on CPU. `run(quick)` returns the same figures as a section of
+on MiniGPT (the `minigpt` preset), a GPT-2-124M-shaped model (GPT-2 small's config.json, random
+weights, imported into MiniGPT) and two small llama-family shapes built as ``minigpt.decoder.Decoder``
+(a llama with grouped-query attention and an untied head, a qwen2 with q/k/v biases and a tied head);
+full, LoRA and QLoRA; fp32 on CPU. `run(quick)` returns the same figures as a section of
 benchmarks/RESULTS.md for benchmarks/run.py.
 """
 from __future__ import annotations
@@ -30,6 +32,15 @@ GOAL = 10.0  # percent: the step's peak predicted within ±10% of the measuremen
 # GPT-2 small (124M) as its Hugging Face config.json says it; the weights are random.
 GPT2_124M = {"model_type": "gpt2", "vocab_size": 50257, "n_positions": 1024, "n_embd": 768, "n_layer": 12,
              "n_head": 12, "activation_function": "gelu_new", "layer_norm_epsilon": 1e-5}
+# Small llama-family shapes (random weights), sized so that each run takes seconds on 2 cores: a llama with GQA
+# (8 query / 2 K/V heads) and an untied head, a qwen2 (q/k/v biases) with GQA and a tied head.
+LLAMA_GQA = {"model_type": "llama", "vocab_size": 4096, "hidden_size": 256, "intermediate_size": 688,
+             "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2,
+             "max_position_embeddings": 1024, "tie_word_embeddings": False}
+QWEN2_BIAS = {"model_type": "qwen2", "vocab_size": 6000, "hidden_size": 192, "intermediate_size": 512,
+              "num_hidden_layers": 3, "num_attention_heads": 6, "num_key_value_heads": 2,
+              "max_position_embeddings": 1024, "tie_word_embeddings": True}
+CONFIGS = {"gpt2-124m": GPT2_124M, "llama-gqa": LLAMA_GQA, "qwen2-bias": QWEN2_BIAS}  # --config files, by model
 # (model, regime, rank, batch, seq, grad_checkpoint); rank is ignored for full fine-tuning
 POINTS = [
     *[("minigpt", regime, 8, b, t, ck) for regime in ("full", "lora", "qlora") for b, t in ((8, 64), (32, 128))
@@ -40,18 +51,22 @@ POINTS = [
     *[("gpt2-124m", "lora", 8, 2, 256, ck) for ck in (False, True)],
     ("gpt2-124m", "qlora", 8, 2, 256, False),
     *[("gpt2-124m", "full", 8, 2, 128, ck) for ck in (False, True)],
+    *[("llama-gqa", regime, 8, 4, 128, ck) for regime in ("full", "lora", "qlora") for ck in (False, True)],
+    *[("llama-gqa", "lora", r, 8, 128, False) for r in (4, 32)],
+    *[("llama-gqa", "lora", 8, 2, 512, ck) for ck in (False, True)],
+    *[("qwen2-bias", regime, 8, 2, 256, ck) for regime in ("full", "lora", "qlora") for ck in (False, True)],
 ]
 # the same runs with glibc's malloc left as it is: how much the resident set keeps beyond the live tensors
 UNPINNED_POINTS = [("minigpt", "full", 8, 32, 128, False), ("minigpt", "lora", 8, 32, 128, False),
                    ("gpt2-124m", "lora", 8, 2, 256, False)]
 QUICK_POINTS = [("minigpt", "full", 8, 8, 64, False), ("minigpt", "lora", 8, 8, 64, True),
-                ("gpt2-124m", "lora", 8, 1, 64, False)]
+                ("gpt2-124m", "lora", 8, 1, 64, False), ("llama-gqa", "qlora", 8, 2, 64, True)]
 
 
-def measure(model: str, regime: str, rank: int, batch: int, seq: int, ckpt: bool, gpt2_config: Path,
+def measure(model: str, regime: str, rank: int, batch: int, seq: int, ckpt: bool, configs: Path,
             pinned: bool = True) -> dict:
     """One memory-check run in a fresh process (so the peak is that run's alone); its JSON."""
-    source = ["--preset", "minigpt"] if model == "minigpt" else ["--config", str(gpt2_config)]
+    source = ["--preset", "minigpt"] if model == "minigpt" else ["--config", str(configs / model / "config.json")]
     cmd = [sys.executable, "-m", "minituner", "memory-check", *source, "--regime", regime, "--rank", str(rank),
            "--batch-size", str(batch), "--seq-len", str(seq), "--device", "cpu", "--json",
            *(["--grad-checkpoint"] if ckpt else []), *([] if pinned else ["--default-allocator"])]
@@ -64,8 +79,10 @@ def measure(model: str, regime: str, rank: int, batch: int, seq: int, ckpt: bool
 
 def sweep(quick: bool = False) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
-        cfg = Path(tmp) / "config.json"
-        write_json(cfg, GPT2_124M)
+        cfg = Path(tmp)
+        for name, config in CONFIGS.items():
+            (cfg / name).mkdir()
+            write_json(cfg / name / "config.json", config)
         results = []
         for point, pinned in [(p, True) for p in (QUICK_POINTS if quick else POINTS)] + \
                 [(p, False) for p in ([] if quick else UNPINNED_POINTS)]:
@@ -181,7 +198,7 @@ def plot(results: list[dict]) -> bytes:
 
     fig, ax = plt.subplots(figsize=(6.8, 5.6), dpi=100)
     colors = {"full": "tab:red", "lora": "tab:blue", "qlora": "tab:green"}
-    markers = {"minigpt": "o", "gpt2-124m": "s"}
+    markers = {"minigpt": "o", "gpt2-124m": "s", "llama-gqa": "^", "qwen2-bias": "D"}
     everything = []
     for res in results:
         d = res["details"]
@@ -206,7 +223,8 @@ def plot(results: list[dict]) -> bytes:
     ax.set_ylim(lo, hi)
     ax.set_xlabel("measured peak of a training step (MiB, 1024²)")
     ax.set_ylabel("predicted peak (MiB)")
-    ax.set_title("step peak: planner vs measured\n(MiniGPT and a GPT-2-124M shape, fp32, CPU)", fontsize=10)
+    ax.set_title("step peak: planner vs measured\n(MiniGPT, a GPT-2-124M shape, llama and qwen2 shapes; fp32, CPU)",
+                 fontsize=10)
     ax.legend(handles=handles, fontsize=7, loc="upper left")
     ax.grid(alpha=0.3, which="both")
     fig.tight_layout()
@@ -223,7 +241,11 @@ INTRO = ("`minituner memory-check --json` on each point (a fresh process each): 
          "pinned at 16 KiB (freed tensors go back to the system, as CUDA's allocated bytes count them), above "
          "the process's own memory (RSS minus live tensors before those steps; its growth since before the model "
          "was built is the baseline column). fp32 on CPU, MiB = 1024² bytes, AdamW, 2 steps, random tokens; "
-         "error = (predicted − measured) / measured. Plot: `benchmarks/memory_sweep.png`.")
+         "error = (predicted − measured) / measured. Plot: `benchmarks/memory_sweep.png`. Models: `minigpt` (the preset), "
+         "`gpt2-124m` (GPT-2 small's config, imported into MiniGPT), `llama-gqa` (llama: d_model 256, 4 layers, 8 query "
+         "/ 2 K/V heads, SwiGLU 688, vocab 4,096, untied) and `qwen2-bias` (qwen2: d_model 192, 3 layers, 6 / 2 heads, "
+         "q/k/v biases, SwiGLU 512, vocab 6,000, tied), the last two as `minigpt.decoder.Decoder` with random weights "
+         "(exact model: `planner/decoder_activations.py`).")
 
 
 def markdown(results: list[dict], command: str) -> str:

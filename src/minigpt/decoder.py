@@ -11,6 +11,11 @@ are the ones users know: ``model.embed_tokens``, ``model.layers.N.input_layernor
 ``model.layers.N.mlp.{gate,up,down}_proj``, ``model.norm``, ``lm_head``.
 Reading a config.json into a DecoderConfig lives in ``minituner.hf_config``; this file imports nothing
 from minituner.
+
+Gradient checkpointing is a switch on the model, as on MiniGPT (it changes memory, never the result; no
+config field, no module, no state-dict key): ``model.grad_checkpoint = True`` runs each layer under
+``torch.utils.checkpoint`` (non-reentrant) while training with grad enabled, so the forward keeps only each
+layer's input (and the rotary cos/sin it is called with) and the backward recomputes the layer.
 """
 from __future__ import annotations
 
@@ -20,6 +25,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from .errors import InputError, check_known_fields
 from .sampling import generate
@@ -244,6 +250,7 @@ class Decoder(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         # RoPE frequencies: a plain float32 tensor, not a buffer, so no dtype cast of the model touches it.
         self._inv_freq = rope_inv_freq(cfg) if cfg.positions == "rope" else None
+        self.grad_checkpoint = False  # recompute each layer in backward (training only); no state, no new module
         self.apply(self._init_weights)  # a no-op on the meta device, where loaders build the model
 
     @staticmethod
@@ -281,8 +288,9 @@ class Decoder(nn.Module):
             x = x + m.embed_positions(torch.arange(T, device=idx.device))  # (B, T, C)
         else:
             rope = self.rope(T, idx.device, x.dtype)
+        recompute = self.grad_checkpoint and self.training and torch.is_grad_enabled()
         for layer in m.layers:
-            x = layer(x, rope)  # (B, T, C)
+            x = checkpoint(layer, x, rope, use_reentrant=False) if recompute else layer(x, rope)  # (B, T, C)
         return self.lm_head(m.norm(x))  # (B, T, V)
 
     def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,

@@ -48,7 +48,8 @@ def test_json_contract_is_exact(capsys):
         ("full", None), ("lora", 8), ("lora", 16), ("qlora", 8), ("qlora", 16)]
     for r in d["regimes"]:
         assert set(r) == {"name", "rank", "trainable_params", "frozen_params", "bytes", "ratio_vs_full"}
-        assert set(r["bytes"]) == {"weights", "grads", "optimizer", "activations", "total"}
+        # the llama family's default is the exact model, which gives the step's peak and its phase
+        assert set(r["bytes"]) == {"weights", "grads", "optimizer", "activations", "total", "peak", "peak_phase"}
         assert isinstance(r["ratio_vs_full"], float)
     assert d["regimes"][1]["trainable_params"] == 4_194_304
     assert d == count_json(capsys, "--preset", "llama-7b", "--rank", "8,16", "--target", "q_proj", "--target", "v_proj")
@@ -71,15 +72,17 @@ def test_flags_change_only_their_bucket(capsys):
 
 
 def test_default_activation_model_is_the_most_accurate(capsys):
-    """MiniGPT: the exact model (with the step's peak); other families: Korthikanti; the seed's stays by name."""
+    """MiniGPT and the llama family: the exact model (with the step's peak); the seed's and Korthikanti's by name."""
     mini = count_json(capsys, "--rank", "8", "--batch-size", "2", "--seq-len", "16")
     exact = count_json(capsys, "--rank", "8", "--batch-size", "2", "--seq-len", "16", "--activations", "exact")
     seed = count_json(capsys, "--rank", "8", "--batch-size", "2", "--seq-len", "16", "--activations", "seed")
     assert mini == exact and "peak" in mini["regimes"][1]["bytes"] and "peak" not in seed["regimes"][1]["bytes"]
     assert all(r["bytes"]["peak"] >= r["bytes"]["weights"] + r["bytes"]["optimizer"] for r in mini["regimes"])
     llama = count_json(capsys, "--preset", "llama-7b", "--rank", "8")
+    assert llama == count_json(capsys, "--preset", "llama-7b", "--rank", "8", "--activations", "exact")
+    assert all("peak" in r["bytes"] for r in llama["regimes"])
     korthikanti = count_json(capsys, "--preset", "llama-7b", "--rank", "8", "--activations", "korthikanti")
-    assert llama == korthikanti
+    assert "peak" not in korthikanti["regimes"][1]["bytes"]
     ckpt = count_json(capsys, "--rank", "8", "--batch-size", "2", "--seq-len", "16", "--grad-checkpoint")
     assert all(c["bytes"]["activations"] < m["bytes"]["activations"]
                for c, m in zip(ckpt["regimes"], mini["regimes"]))

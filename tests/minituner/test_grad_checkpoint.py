@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from minigpt.decoder import Decoder, DecoderConfig
 from minigpt.model import GPTConfig, MiniGPT
 from minigpt.train import TrainConfig, train
 from minituner.lora import LoRAConfig, apply_lora
@@ -12,11 +13,14 @@ from minituner.planner.activations import minigpt_activation_bytes
 from minituner.build import wrap_minigpt_qlora
 
 TINY = dict(vocab_size=40, block_size=16, n_layer=2, n_head=2, d_model=16)
+# a llama-family Decoder: grouped-query attention, q/k/v biases, tied head (qwen2's layout)
+DECODER = dict(vocab_size=40, block_size=16, n_layer=2, n_head=4, n_kv_head=2, d_model=16, d_ff=24, qkv_bias=True,
+               tie_word_embeddings=True)
 
 
-def lora_after_training(grad_checkpoint: bool, qlora: bool = False) -> dict[str, torch.Tensor]:
+def lora_after_training(grad_checkpoint: bool, qlora: bool = False, decoder: bool = False) -> dict[str, torch.Tensor]:
     torch.manual_seed(0)
-    model = MiniGPT(GPTConfig(**TINY))
+    model = Decoder(DecoderConfig(model_type="qwen2", **DECODER)) if decoder else MiniGPT(GPTConfig(**TINY))
     if qlora:
         wrap_minigpt_qlora(model, r=4, alpha=8.0, device="cpu", compute_dtype=torch.float32)
     else:
@@ -34,6 +38,19 @@ def test_lora_adapter_equals_the_run_without_checkpointing():
     for name in plain:
         assert not torch.equal(plain[name], torch.zeros_like(plain[name]))  # B moved off zero: it trained
         torch.testing.assert_close(ckpt[name], plain[name], rtol=1e-5, atol=1e-6)
+
+
+def test_decoder_adapter_equals_the_run_without_checkpointing():
+    """The llama family's Decoder: each layer under torch.utils.checkpoint, the same adapter; no new state."""
+    plain, ckpt = lora_after_training(False, decoder=True), lora_after_training(True, decoder=True)
+    assert plain.keys() == ckpt.keys() and len(plain) == 2 * 7 * 2
+    for name in plain:
+        assert not torch.equal(plain[name], torch.zeros_like(plain[name]))
+        torch.testing.assert_close(ckpt[name], plain[name], rtol=1e-5, atol=1e-6)
+    model = Decoder(DecoderConfig(**DECODER))
+    keys = set(model.state_dict())
+    model.grad_checkpoint = True
+    assert set(model.state_dict()) == keys  # a switch, not a module or a tensor
 
 
 def test_qlora_adapter_equals_the_run_without_checkpointing():

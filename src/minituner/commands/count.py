@@ -43,9 +43,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="full FT mixed: count the fp32 master copy with the weights (the seed: 6N/2N/8N, default) "
                    "or with the optimizer state (ZeRO: 2N/2N/12N); same total")
     p.add_argument("--activations", choices=ACTIVATION_MODELS, default=None,
-                   help="activation model: exact (what the forward saves, derived for MiniGPT; with the step's peak), "
-                        "the seed's B*T*d*L*16 bytes, or Korthikanti et al. 2022 (default: the most accurate for the "
-                        "architecture: exact for MiniGPT, korthikanti otherwise)")
+                   help="activation model: exact (what the forward saves, derived for MiniGPT, GPT-2 and the llama "
+                        "family; with the step's peak), the seed's B*T*d*L*16 bytes, or Korthikanti et al. 2022 "
+                        "(default: the most accurate for the architecture, exact for every family count reads)")
     p.add_argument("--grad-checkpoint", action="store_true",
                    help="exact model: each block recomputed in backward (it keeps only its input)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")

@@ -9,12 +9,13 @@ from minigpt.device import DEVICES, PRECISIONS, resolve_device
 from minigpt.base_folder import CONFIG
 from minigpt.errors import InputError
 from minigpt.io import read_json
+from minigpt.decoder import Decoder, DecoderConfig
 from minigpt.model import GPTConfig, MiniGPT
 
-from ..base_model import load_base
+from ..hf_config import ROTARY_FAMILIES, decoder_config_from_hf
 from ..hf_gpt2 import config_from_gpt2
 from ..lora import ALL_LINEAR
-from ..memory.check import REGIMES, CheckConfig, describe, format_table, memory_check
+from ..memory.check import REGIMES, CheckConfig, describe, format_table, load_model_folder, memory_check
 from ..planner import minigpt_vocab
 from ..planner.presets import MINIGPT_SIZES
 from ._common import positive_float, positive_int
@@ -27,8 +28,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--preset", choices=tuple(MINIGPT_SIZES), help="MiniGPT size, random weights (default minigpt)")
     src.add_argument("--config", type=Path,
-                     help="config.json (or its folder) of a Hugging Face GPT-2 or a MiniGPT base; random weights")
-    src.add_argument("--base", type=Path, help="model folder (minituner base or Hugging Face GPT-2), its weights loaded")
+                     help="config.json (or its folder) of a Hugging Face gpt2, llama, mistral or qwen2 model or a "
+                          "MiniGPT base; random weights")
+    src.add_argument("--base", type=Path, help="model folder (minituner base, or Hugging Face gpt2, llama, mistral "
+                                               "or qwen2), its weights loaded in fp32")
     p.add_argument("--tokenizer", type=Path, help="tokenizer.json giving a --preset its vocab_size")
     d = CheckConfig()
     p.add_argument("--regime", choices=REGIMES, default=d.regime)
@@ -52,16 +55,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         'relative error}, "details": {...}} over weights, grads, optimizer, activations, peak')
 
 
-def config_from_file(path: Path) -> GPTConfig:
-    """A GPT-2 or MiniGPT config.json -> the GPTConfig of the MiniGPT that memory-check builds."""
+def config_from_file(path: Path) -> GPTConfig | DecoderConfig:
+    """A config.json -> the config of the model memory-check builds: MiniGPT (MiniGPT, GPT-2) or a Decoder (llama,
+    mistral, qwen2)."""
     path = path / CONFIG if path.is_dir() else path
     d = read_json(path)
     kind = d.get("model_type", "minigpt")
     if kind == "gpt2":
         return config_from_gpt2(d, str(path))
+    if kind in ROTARY_FAMILIES:
+        return decoder_config_from_hf(d, str(path))
     if kind != "minigpt":
-        raise InputError(f"{path}: memory-check builds the model, so it takes gpt2 or minigpt configs, not {kind!r} "
-                         "(`minituner count` plans any family)")
+        raise InputError(f"{path}: model_type {kind!r} is not supported; valid: minigpt, gpt2, "
+                         f"{', '.join(ROTARY_FAMILIES)}")
     try:
         return GPTConfig.from_dict({k: v for k, v in d.items() if k != "model_type"})
     except TypeError as e:
@@ -74,18 +80,17 @@ def run(args: argparse.Namespace) -> int:
         raise InputError("--tokenizer applies to --preset, not to --config or --base")
     if args.base is not None:
         name = str(args.base)
-        build = lambda: load_base(args.base, device)[0]  # noqa: E731
+        build = lambda: load_model_folder(args.base, device)  # noqa: E731
     else:
         if args.config is not None:
             cfg, name = config_from_file(args.config), str(args.config)
         else:
             name = args.preset or "minigpt"
             cfg = GPTConfig(vocab_size=minigpt_vocab(args.tokenizer).size, **MINIGPT_SIZES[name])
-        cfg.dropout = 0.0
 
-        def build() -> MiniGPT:
+        def build() -> MiniGPT | Decoder:
             with device:
-                return MiniGPT(cfg)
+                return Decoder(cfg) if isinstance(cfg, DecoderConfig) else MiniGPT(cfg)
 
     check = CheckConfig(regime=args.regime, rank=args.rank, alpha=args.alpha, targets=args.target,
                         batch_size=args.batch_size, seq_len=args.seq_len, steps=args.steps, seed=args.seed,

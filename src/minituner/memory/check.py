@@ -20,7 +20,8 @@ Measured, bucket by bucket (bytes; every storage counted once, so tied weights a
 
 The prediction is ``planner.regime_bytes`` told the run's dtypes (fp32 weights, grads and Adam; fp32
 activations, or bf16 under autocast, which the exact model does not cover) with the exact activation
-model of ``planner/activations.py``; the seed's and Korthikanti's activation estimates are shown with
+model of ``planner/activations.py`` (MiniGPT, GPT-2) or ``planner/decoder_activations.py`` (llama, mistral,
+qwen2: ``minigpt.decoder.Decoder``); the seed's and Korthikanti's activation estimates are shown with
 their own errors.
 """
 from __future__ import annotations
@@ -36,16 +37,19 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from minigpt.device import autocast, check_precision
+from minigpt.decoder import DecoderConfig
+from minigpt.device import check_precision
 from minigpt.errors import InputError
 from minigpt.model import GPTConfig, MiniGPT
 from minigpt.train import adamw, lm_loss, train_step
 
+from ..base_model import load_base
 from ..build import build_for_training
 from ..lora import ALL_LINEAR, LoRAConfig
 from .accounting import account, storage_bytes
-from ..planner import (MemoryConfig, Regime, korthikanti_activation_bytes, minigpt_shape, regime_bytes,
-                      seed_activation_bytes)
+from ..planner import (MemoryConfig, ModelShape, Regime, korthikanti_activation_bytes, minigpt_shape,
+                       regime_bytes, seed_activation_bytes)
+from ..planner.hf import decoder_shape
 from ..planner.peak import step_peak
 from ..planner.report import UNITS
 from ..qlora import param_summary
@@ -85,7 +89,9 @@ class CheckConfig:
 
 def disable_dropout(model: nn.Module) -> None:
     """Dropout 0 everywhere (the exact activation model covers the dropout-free forward)."""
-    model.config.dropout = 0.0
+    for name in ("dropout", "attention_dropout"):  # MiniGPT's config field, the Decoder's
+        if hasattr(model.config, name):
+            setattr(model.config, name, 0.0)
     for m in model.modules():
         if isinstance(m, nn.Dropout):
             m.p = 0.0
@@ -93,7 +99,7 @@ def disable_dropout(model: nn.Module) -> None:
             m.dropout = 0.0
 
 
-def prepare(model: MiniGPT, check: CheckConfig, device: torch.device) -> None:
+def prepare(model: nn.Module, check: CheckConfig, device: torch.device) -> None:
     """Make the model trainable the way the regime trains it (QLoRA: NF4 targets, fp32 float parts)."""
     build_for_training(model, check.regime, LoRAConfig(r=check.rank, alpha=check.alpha, target_modules=check.targets),
                        device=device, compute_dtype=torch.float32)
@@ -105,6 +111,23 @@ def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str,
     steps = storage_bytes([state["step"] for state in optimizer.state.values() if torch.is_tensor(state.get("step"))])
     return {"weights": acc["weights"], "grads": acc["grads"], "optimizer": acc["optimizer"] - steps,
             "optimizer_steps": steps}
+
+
+def block_list(model: nn.Module) -> list[nn.Module]:
+    """The transformer blocks a model runs in order: MiniGPT's ``blocks``, the Decoder's ``model.layers``."""
+    if hasattr(model, "blocks"):
+        return list(model.blocks)
+    return list(model.model.layers)
+
+
+def model_shape(cfg: GPTConfig | DecoderConfig, name: str = "model") -> ModelShape:
+    """The planner's shape of a built model: MiniGPT (GPT-2 imported into it) or a llama-family Decoder."""
+    return decoder_shape(cfg, name) if isinstance(cfg, DecoderConfig) else minigpt_shape(cfg, name)
+
+
+def load_model_folder(folder: Path, device: torch.device) -> nn.Module:
+    """A base folder's model in fp32 (MiniGPT, GPT-2, llama, mistral, qwen2), through the one loader."""
+    return load_base(folder, device, torch.float32)[0]
 
 
 class _Packed:
@@ -133,7 +156,7 @@ class SavedTensors:
         self.inputs: list[weakref.ref] = []
         self.bytes = 0
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda packed: packed.tensor)
-        self._blocks = list(model.blocks) if getattr(model, "grad_checkpoint", False) else []
+        self._blocks = block_list(model) if getattr(model, "grad_checkpoint", False) else []
         self._handles: list = []
 
     def _pack(self, t: torch.Tensor) -> _Packed:
@@ -142,7 +165,9 @@ class SavedTensors:
         return packed
 
     def _block_input(self, module: nn.Module, args: tuple) -> None:
-        self.inputs += [weakref.ref(a) for a in args if torch.is_tensor(a)]
+        # a Decoder layer is called with (x, (cos, sin)): the rotary tensors are inputs the checkpoint holds too
+        flat = [t for a in args for t in (a if isinstance(a, (tuple, list)) else (a,))]
+        self.inputs += [weakref.ref(t) for t in flat if torch.is_tensor(t)]
 
     def __enter__(self) -> "SavedTensors":
         self._handles = [b.register_forward_pre_hook(self._block_input) for b in self._blocks]
@@ -298,11 +323,11 @@ class CheckResult:
         return {"predicted": predicted, "measured": measured, "error": error, "details": details}
 
 
-def predict(cfg: GPTConfig, check: CheckConfig, name: str = "model"
+def predict(cfg: GPTConfig | DecoderConfig, check: CheckConfig, name: str = "model"
             ) -> tuple[dict[str, int], dict[str, int], str, dict[str, int]]:
     """The planner's buckets and peak for this run (fp32 weights, grads, Adam; exact activations), the two
     activation estimates, the predicted peak phase and every phase's bytes."""
-    shape = minigpt_shape(cfg, name)
+    shape = model_shape(cfg, name)
     regime = Regime("full") if check.regime == "full" else Regime(check.regime, check.rank)
     dtype = "bf16" if check.precision == "bf16-autocast" else "fp32"
     mem = MemoryConfig(batch_size=check.batch_size, seq_len=check.seq_len, full_precision="fp32",
@@ -331,7 +356,7 @@ def warm_up(device: torch.device) -> None:
     opt.step()
 
 
-def memory_check(build: Callable[[], MiniGPT], check: CheckConfig, device: torch.device,
+def memory_check(build: Callable[[], nn.Module], check: CheckConfig, device: torch.device,
                  name: str = "model") -> CheckResult:
     """Build the model with `build` (on `device`), train check.steps steps on random tokens, measure, predict."""
     check_precision(check.precision, device)
@@ -379,7 +404,8 @@ def memory_check(build: Callable[[], MiniGPT], check: CheckConfig, device: torch
     measured = {**state_bytes(model, opt), "grads": grads, "activations": activations, "peak": max(phases.values()),
                 "baseline": own - meter.base, "peak_raw": max(meter.phases.values()) - meter.base}
     predicted, estimates, phase, predicted_phases = predict(model.config, check, name)
-    note = ("exact model (planner/activations.py)" if check.precision == "fp32"
+    exact = "decoder_activations.py" if isinstance(model.config, DecoderConfig) else "activations.py"
+    note = (f"exact model (planner/{exact})" if check.precision == "fp32"
             else "exact model's op structure at 2 bytes/element: an approximation under autocast")
     source = meter.source + (f", glibc mmap threshold pinned at {MMAP_THRESHOLD // 1024} KiB" if pinned else "")
     return CheckResult(name, check, str(device), predicted, measured, estimates, source,

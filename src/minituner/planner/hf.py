@@ -14,6 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from minigpt.base_folder import CONFIG
+from minigpt.decoder import DecoderConfig
 from minigpt.errors import InputError
 from minigpt.io import read_json
 from minigpt.model import GPTConfig
@@ -52,7 +53,14 @@ def _gpt2(cfg: dict, where: str) -> ModelShape:
 
 def _rotary(cfg: dict, where: str) -> ModelShape:
     """The shape of the DecoderConfig that hf_config reads (one reader for model and planner)."""
-    d = decoder_config_from_hf(cfg, where, check_rope=False)  # scaling changes frequencies, never shapes
+    return decoder_shape(decoder_config_from_hf(cfg, where, check_rope=False), where)  # scaling: frequencies only
+
+
+def decoder_shape(d: DecoderConfig, name: str = "decoder") -> ModelShape:
+    """The shape of ``minigpt.decoder.Decoder(d)`` for the llama family's layout (RMSNorm, rotary, SwiGLU)."""
+    if (d.norm, d.positions, d.mlp) != ("rmsnorm", "rope", "swiglu"):
+        raise InputError(f"{name}: the planner covers decoders with RMSNorm, rotary positions and a SwiGLU MLP "
+                         f"(the llama family), not norm={d.norm!r}, positions={d.positions!r}, mlp={d.mlp!r}")
     h, ff, q_out, kv_out = d.d_model, d.d_ff, d.n_head * d.head_dim, d.n_kv_head * d.head_dim
     linears = (
         LinearShape("self_attn.q_proj", ATTENTION, h, q_out, d.qkv_bias),
@@ -63,11 +71,13 @@ def _rotary(cfg: dict, where: str) -> ModelShape:
         LinearShape("mlp.up_proj", MLP, h, ff, d.mlp_bias),
         LinearShape("mlp.down_proj", MLP, ff, h, d.mlp_bias),
     )
+    window = d.sliding_window if d.sliding_layers else None
     return ModelShape(
-        family=d.model_type, name=where, vocab_size=d.vocab_size, d_model=h, n_layer=d.n_layer, n_head=d.n_head,
+        family=d.model_type, name=name, vocab_size=d.vocab_size, d_model=h, n_layer=d.n_layer, n_head=d.n_head,
         n_kv_head=d.n_kv_head, head_dim=d.head_dim, d_ff=ff, n_positions=0, tie_embeddings=d.tie_word_embeddings,
         linears=linears, norms=(NormShape("input_layernorm", h, False), NormShape("post_attention_layernorm", h, False)),
-        final_norm=NormShape("norm", h, False),
+        final_norm=NormShape("norm", h, False), sliding_window=window,
+        sliding_layers=tuple(d.sliding_layers) if window is not None else (),
     )
 
 

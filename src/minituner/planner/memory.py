@@ -15,7 +15,8 @@ Per base parameter N and LoRA parameter P (bytes):
   norms, biases, an untied head) stays fp16; LoRA as above.
 - activations: the seed's estimate batch x seq x d_model x n_layer x 16 bytes or Korthikanti et al.
   2022's s*b*h*(34 + 5*a*s/h) bytes per layer (both the same in every regime), or "exact": the bytes
-  MiniGPT's forward saves for backward in this regime (planner/activations.py, checked by memory-check).
+  the model's forward saves for backward in this regime (planner/activations.py for MiniGPT and GPT-2,
+  planner/decoder_activations.py for llama, mistral and qwen2; checked by memory-check).
 - peak: with the exact activation model, the largest phase of a training step (planner/peak.py): what
   is alive at the worst moment of the forward, the backward or AdamW's step, transients included.
   MemoryConfig.grad_checkpoint models each block recomputed in backward (it keeps only its input).
@@ -30,8 +31,7 @@ from dataclasses import dataclass, replace
 
 from minigpt.errors import InputError
 
-from .activations import minigpt_activation_bytes
-from .activations import EXACT_FAMILIES
+from .decoder_activations import EXACT_FAMILIES, exact_activation_bytes
 from .counts import ALL_LINEAR, check_rank, lora_trainable_params, parse_targets, resolve_targets, total_params
 from .peak import has_peak_model, step_peak
 from .shapes import ModelShape
@@ -195,7 +195,7 @@ def best_activation_model(shape: ModelShape) -> str:
 def activation_bytes(shape: ModelShape, cfg: MemoryConfig, regime: Regime = Regime("full"),
                      targets: str | Iterable[str] = ALL_LINEAR) -> int:
     if cfg.activations == "exact":  # depends on the regime: what needs grad decides what is saved
-        return minigpt_activation_bytes(shape, cfg.batch_size, cfg.seq_len, regime.name, regime.rank, targets,
+        return exact_activation_bytes(shape, cfg.batch_size, cfg.seq_len, regime.name, regime.rank, targets,
                                         DTYPE_BYTES[cfg.dtype], cfg.grad_checkpoint)
     fn = seed_activation_bytes if cfg.activations == "seed" else korthikanti_activation_bytes
     return fn(shape, cfg.batch_size, cfg.seq_len)

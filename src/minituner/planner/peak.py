@@ -35,21 +35,21 @@ weights/grads/optimizer buckets W, G, O of ``regime_bytes`` (A = the bytes saved
 
 Not modelled: the process itself (Python, libraries, allocator slack; ``memory-check`` measures it as
 its own line) and foreach/fused AdamW on CUDA (temporaries of all trainable tensors at once).
-Each architecture has its own phase function in ``PEAK_MODELS``: adding a family (Llama: RMSNorm,
-SwiGLU, rotary, GQA, an untied head) is one new function beside ``minigpt_phases``.
+Each architecture has its own phase function in ``PEAK_MODELS``, over the phases above (``step_phases``):
+``minigpt_phases`` (MiniGPT, GPT-2) and ``llama_phases`` (llama, mistral, qwen2 as ``minigpt.decoder.Decoder``
+trains them: the exact model of ``decoder_activations.py``; in the last block's backward SwiGLU's product
+has three (N, F) gradients alive at once, the one arriving from down_proj and the silu output's and up's,
+less down_proj's saved input when it was saved).
 """
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from .activations import FP32, as_minigpt, lora_paths, minigpt_saved_by_layer
+from .activations import FP32, SavedByLayer, as_minigpt, lora_paths, minigpt_saved_by_layer
+from .decoder_activations import decoder_saved_by_layer
 from .counts import ALL_LINEAR, resolve_targets, total_params
 from .shapes import ModelShape
-
-HEAD_TERMS = ("layernorm input", "layernorm mean/rstd", "linear input", "log-softmax output", "targets",
-              "loss total_weight")
-
 
 @dataclass(frozen=True)
 class Peak:
@@ -74,12 +74,37 @@ def minigpt_phases(shape: ModelShape, regime: str, rank: int | None, targets: st
                    weights: int, grads: int, optimizer: int, grad_bytes: int) -> dict[str, dict[str, int]]:
     """Live bytes per term at the worst moment of each phase of one MiniGPT (or GPT-2) training step."""
     shape, targets = as_minigpt(shape, targets)  # GPT-2 trains as the MiniGPT it imports into
-    saved = minigpt_saved_by_layer(shape, batch_size, seq_len, regime, rank, targets, act_bytes, grad_checkpoint)
-    plain = minigpt_saved_by_layer(shape, batch_size, seq_len, regime, rank, targets, act_bytes) if grad_checkpoint \
+    N, C, F = batch_size * seq_len, shape.d_model, shape.d_ff
+    # the last block's backward: the residual stream's gradient and one (N, F) in the MLP (GELU's input gradient;
+    # fc2's saved input is freed as GELU's gradient appears)
+    return step_phases(shape, regime, rank, targets, batch_size, seq_len, act_bytes, grad_checkpoint, weights, grads,
+                       optimizer, grad_bytes, minigpt_saved_by_layer, (N * C + N * F) * act_bytes)
+
+
+def llama_phases(shape: ModelShape, regime: str, rank: int | None, targets: str | Iterable[str],
+                 batch_size: int, seq_len: int, act_bytes: int, grad_checkpoint: bool,
+                 weights: int, grads: int, optimizer: int, grad_bytes: int) -> dict[str, dict[str, int]]:
+    """Live bytes per term at the worst moment of each phase of one llama / mistral / qwen2 (Decoder) step."""
+    N, C, F = batch_size * seq_len, shape.d_model, shape.d_ff
+    down_saved = regime == "full" or "mlp.down_proj" in lora_paths(shape, targets)
+    # SwiGLU's backward at its product: the gradient arriving from down_proj and the two it makes (silu output's
+    # and up's), all (N, F), beside the residual stream's (N, C); down_proj's saved input is freed by then
+    mlp = (3 - (1 if down_saved else 0)) * N * F
+    return step_phases(shape, regime, rank, targets, batch_size, seq_len, act_bytes, grad_checkpoint, weights, grads,
+                       optimizer, grad_bytes, decoder_saved_by_layer, (N * C + mlp) * act_bytes)
+
+
+def step_phases(shape: ModelShape, regime: str, rank: int | None, targets: str | Iterable[str],
+                batch_size: int, seq_len: int, act_bytes: int, grad_checkpoint: bool,
+                weights: int, grads: int, optimizer: int, grad_bytes: int,
+                saved_by_layer: Callable[..., SavedByLayer], block_grads: int) -> dict[str, dict[str, int]]:
+    """The phases of a step for a family's saved-tensor model and its last block's backward gradients (bytes)."""
+    saved = saved_by_layer(shape, batch_size, seq_len, regime, rank, targets, act_bytes, grad_checkpoint)
+    plain = saved_by_layer(shape, batch_size, seq_len, regime, rank, targets, act_bytes) if grad_checkpoint \
         else saved
-    N, C, F, V, e = batch_size * seq_len, shape.d_model, shape.d_ff, shape.vocab_size, act_bytes
+    N, C, V, e = batch_size * seq_len, shape.d_model, shape.vocab_size, act_bytes
     A, full = saved.total(), regime == "full"
-    head_saved = sum(saved.head.get(t, 0) for t in HEAD_TERMS)
+    head_saved = sum(saved.head.values())
     embedding = V * C * FP32  # the token embedding (and a tied head): its gradient is fp32 like Adam's state
     base = {"weights": weights, "optimizer state": optimizer}
     phases = {
@@ -98,7 +123,7 @@ def minigpt_phases(shape: ModelShape, regime: str, rank: int | None, targets: st
         lins = resolve_targets(shape, targets)
         so_far = sum((rank or 0) * (lin.in_features + lin.out_features) for lin in lins) * grad_bytes
     block = {**base, "grads so far (head, last block)": so_far, "activations (head's freed)": A - head_saved,
-             "residual and MLP gradients": N * C * e + N * F * e}
+             "residual and MLP gradients": block_grads}
     if regime == "qlora":
         quantized = lora_paths(shape, targets)
         block["dequantized weight"] = max(lin.weight_params for lin in shape.linears if lin.path in quantized) * e
@@ -110,7 +135,8 @@ def minigpt_phases(shape: ModelShape, regime: str, rank: int | None, targets: st
                                          "block's tensors during its forward": sum(plain.blocks[-1].values())}
     phases["backward: last block"] = block
     if full:
-        phases["backward: embeddings"] = {**base, "grads": grads, "activations (ids)": sum(saved.embed.values()),
+        ids = sum(v for k, v in saved.embed.items() if "ids" in k)
+        phases["backward: embeddings"] = {**base, "grads": grads, "activations (ids)": ids,
                                           "embedding gradient temporaries":
                                               embedding * (2 if shape.tie_embeddings else 1)}
     phases["optimizer step"] = {"weights": weights, "grads": grads, "optimizer state": optimizer,
@@ -129,7 +155,8 @@ def largest_trainable(shape: ModelShape, regime: str, rank: int | None, targets:
 
 
 PhaseModel = Callable[..., dict[str, dict[str, int]]]
-PEAK_MODELS: dict[str, PhaseModel] = {"minigpt": minigpt_phases, "gpt2": minigpt_phases}  # Llama: to add
+PEAK_MODELS: dict[str, PhaseModel] = {"minigpt": minigpt_phases, "gpt2": minigpt_phases, "llama": llama_phases,
+                                      "mistral": llama_phases, "qwen2": llama_phases}
 
 
 def has_peak_model(shape: ModelShape) -> bool:

@@ -11,6 +11,8 @@ from .shapes import ModelShape
 UNITS = {"KiB": 1024, "MiB": 1024**2, "GiB": 1024**3}
 
 
+FORWARDS = {f: "the Decoder (minigpt.decoder)" for f in ("llama", "mistral", "qwen2")}  # whose forward the exact model is
+
 def pick_unit(plan: Plan) -> str:
     """MiB unless the largest regime needs 10 GiB or more."""
     largest = max(r.bytes.total for r in plan.regimes)
@@ -70,7 +72,8 @@ def describe(plan: Plan, alpha: float | None = None) -> str:
                  "optimizer": "fp16 weights and grads + fp32 master + Adam (master in the optimizer bucket, ZeRO's split)"
                  }[c.master_copy] if c.full_precision == "mixed" else "fp32 weights, grads, Adam"
     act = {"seed": "batch x seq x d_model x n_layer x 16 bytes", "korthikanti": "Korthikanti et al. 2022",
-           "exact": f"saved for backward by MiniGPT's forward{' (GPT-2 imported into it)' if s.family == 'gpt2' else ''}"
+           "exact": f"saved for backward by {FORWARDS.get(s.family, 'MiniGPT')}'s forward"
+                    f"{' (GPT-2 imported into it)' if s.family == 'gpt2' else ''}"
                     f" ({c.dtype}"
                     f"{', each block recomputed in backward' if c.grad_checkpoint else ''}); step peak: what is alive "
                     "at the worst phase of a step (planner/peak.py; the process itself not included)"}[c.activations]

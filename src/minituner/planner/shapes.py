@@ -63,6 +63,8 @@ class ModelShape:
     linears: tuple[LinearShape, ...]  # one block's Linears, in module order
     norms: tuple[NormShape, ...]  # one block's norms
     final_norm: NormShape
+    sliding_window: int | None = None  # keys a query sees on sliding layers (Mistral, Qwen2); None: all
+    sliding_layers: tuple[int, ...] = ()  # the layers that use the window
 
     def __post_init__(self) -> None:
         for field in ("vocab_size", "d_model", "n_layer", "n_head", "n_kv_head", "head_dim", "d_ff"):
@@ -78,6 +80,10 @@ class ModelShape:
         d = asdict(self)
         d["linears"] = [asdict(lin) for lin in self.linears]
         d["norms"] = [asdict(n) for n in self.norms]
+        if self.sliding_window is None:  # only where a family has one: the JSON of other shapes is unchanged
+            del d["sliding_window"], d["sliding_layers"]
+        else:
+            d["sliding_layers"] = list(self.sliding_layers)
         return d
 
 

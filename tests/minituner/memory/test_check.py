@@ -120,9 +120,9 @@ def test_peak_within_ten_percent_in_a_fresh_process(tmp_path, args):
 
 
 def test_cli_refuses_what_it_cannot_build(tmp_path, capsys):
-    write_json(tmp_path / "config.json", {"model_type": "llama", "hidden_size": 16})
+    write_json(tmp_path / "config.json", {"model_type": "falcon", "hidden_size": 16})
     assert main(["memory-check", "--config", str(tmp_path), "--device", "cpu"]) == 2
-    assert "gpt2 or minigpt" in capsys.readouterr().err
+    assert "'falcon' is not supported" in capsys.readouterr().err
     assert main(["memory-check", "--seq-len", "9999", "--device", "cpu"]) == 2
     assert "block_size" in capsys.readouterr().err
 

@@ -1,0 +1,173 @@
+"""Exact activation memory of the llama family (llama, mistral, qwen2) as ``minigpt.decoder.Decoder`` trains it.
+
+The bytes its forward saves for backward, derived op by op from ``Decoder`` + ``minigpt.train.lm_loss``
+as ``planner/activations.py`` does for MiniGPT, and checked against
+``torch.autograd.graph.saved_tensors_hooks`` by ``minituner memory-check`` (each storage counted once,
+parameters and buffers excluded). An op is recorded only when one of its inputs requires grad, and then
+saves only what the gradients it must compute need, so what is saved depends on the regime: in full
+fine-tuning the stream is "hot" from the embeddings on; in LoRA and QLoRA the frozen embeddings feed a
+stream that needs no grad until the first LoRA layer.
+
+With N = batch·seq tokens, T = seq, C = d_model, F = intermediate_size, h = query heads, d = head_dim,
+V = vocab, r = LoRA rank, e = bytes per activation element (4 for an fp32 run), the terms are:
+
+- ``token ids``: the embedding lookup saves its int64 indices, N·8, in full FT only (rotary positions
+  have no embedding).
+- ``rotary cos/sin`` 2·T·d·e, once for the whole model: ``Decoder.rope`` builds cos and sin (T, d) once
+  per forward and every layer's ``q * cos`` and ``rotate_half(q) * sin`` (and k's) save the same two
+  tensors, whenever q or k needs grad (rotate_half's chunk, neg and cat save nothing).
+- ``rmsnorm input`` N·C·e and ``rmsnorm rstd`` N·e, for input_layernorm, post_attention_layernorm (each
+  layer) and the final norm, when the norm's input needs grad (``x.pow(2)`` and ``x * rsqrt(...)`` keep
+  x, rsqrt keeps its output; x.float() is a no-op in fp32); ``rmsnorm normalized input`` N·C·e when its
+  weight trains (full FT: ``weight * x_normed`` keeps x_normed).
+- ``linear input``: a Linear whose weight trains (full FT) or that carries a LoRA A keeps its input:
+  N·C·e for q/k/v (one shared input) and for gate/up (one shared input), N·F·e for down_proj (the
+  SwiGLU product), and N·h·d·e for o_proj only when attention recorded nothing (otherwise its input is
+  the attention output, a view of a storage already counted). A frozen Linear keeps only its weight.
+- ``LoRA A output`` N·r·e per LoRA layer (B's weight gradient needs it); QLoRA's
+  ``DequantLinearFunction`` saves only the quantized buffers (the weights bucket), never the
+  dequantized weight, which lives only inside the forward and the backward (planner/peak.py).
+- ``attention q, k, v`` 3·N·h·d·e, ``attention output`` N·h·d·e and ``attention logsumexp`` h·N·4
+  (fp32): on CPU ``F.scaled_dot_product_attention`` without dropout runs the fused flash kernel, which
+  keeps its inputs, its output and one logsumexp per query and head, never the h·T² scores. Its inputs
+  are the rotated q (a new tensor), the rotated k and v after ``repeat_interleave`` to h heads under
+  grouped-query attention (so k and v are h·d wide whatever num_key_value_heads is; repeat_interleave's
+  own backward saves nothing, and the narrower k/v before it are not kept); without GQA v is a view of
+  v_proj's output. The output is laid out (B, T, h, d), so o_proj's input is a view of it.
+- ``attention mask`` T·T·e per sliding-window layer when T exceeds the window (Mistral, Qwen2 with
+  use_sliding_window): the boolean (T, T) mask is converted to the query's dtype and kept by the kernel.
+- ``silu input`` N·F·e (gate_proj's output), ``silu output`` N·F·e and ``up output`` N·F·e: SwiGLU's
+  ``act(gate) * up`` keeps each factor for the other's gradient (act(gate) when up needs grad, up when
+  gate does); any ``hidden_act`` of the Decoder keeps its input.
+- ``log-softmax output`` N·V·4, ``targets`` N·8 and ``loss total_weight`` 4: as MiniGPT's (lm_loss).
+
+- with gradient checkpointing (``model.grad_checkpoint``) each layer keeps only its input, N·C·e
+  (``checkpointed block input``), and torch.utils.checkpoint holds the rotary cos/sin it was called with
+  (2·T·d·e, once: every layer gets the same two tensors); the layer's terms are saved again, one layer at
+  a time, while the backward recomputes it.
+
+Assumptions: attention dropout 0 (memory-check sets it), one float dtype for the run's activations (no
+autocast), contiguous (B, T) inputs; biases change nothing here (their gradient is a sum of the output's).
+"""
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable
+
+from minigpt.errors import InputError
+
+from .activations import EXACT_FAMILIES as MINIGPT_FAMILIES
+from .activations import FP32, INDEX_BYTES, SavedByLayer, lora_paths, minigpt_saved_by_layer
+from .counts import ALL_LINEAR
+from .shapes import ModelShape
+
+LLAMA_FAMILIES = ("llama", "mistral", "qwen2")  # minigpt.decoder.Decoder: RMSNorm, rotary, SwiGLU, GQA
+EXACT_FAMILIES = (*MINIGPT_FAMILIES, *LLAMA_FAMILIES)
+QKV = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+GATE_UP = ("mlp.gate_proj", "mlp.up_proj")
+LAYER_LINEARS = (*QKV, "self_attn.o_proj", *GATE_UP, "mlp.down_proj")
+
+
+def check_decoder(shape: ModelShape, regime: str) -> None:
+    if shape.family not in LLAMA_FAMILIES:
+        raise InputError(f"{shape.name}: not a llama-family shape ({', '.join(LLAMA_FAMILIES)}): {shape.family}")
+    if tuple(lin.path for lin in shape.linears) != LAYER_LINEARS:
+        raise InputError(f"{shape.name}: not a llama-family layer ({', '.join(LAYER_LINEARS)})")
+    if regime not in ("full", "lora", "qlora"):
+        raise InputError(f"regime must be full, lora or qlora, got {regime!r}")
+
+
+def decoder_saved_by_layer(shape: ModelShape, batch_size: int, seq_len: int, regime: str = "full",
+                           rank: int | None = None, targets: str | Iterable[str] = ALL_LINEAR,
+                           act_bytes: int = 4, grad_checkpoint: bool = False) -> SavedByLayer:
+    """Bytes saved for backward by one Decoder training forward, per term and layer (see the module docstring)."""
+    check_decoder(shape, regime)
+    full = regime == "full"
+    lora = frozenset() if full else lora_paths(shape, targets)
+    r = rank or 0
+    N, T, C, F, e = batch_size * seq_len, seq_len, shape.d_model, shape.d_ff, act_bytes
+    A = shape.n_head * shape.head_dim  # attention width: q, and k/v after repeat_interleave
+    embed: Counter[str] = Counter()
+    head: Counter[str] = Counter()
+    blocks: list[dict[str, int]] = []
+    rope_saved = False
+
+    def trains(path: str) -> bool:  # the layer's weight trains or a LoRA A reads its input
+        return full or path in lora
+
+    def rmsnorm(terms: Counter, hot: bool) -> None:
+        if hot:
+            terms["rmsnorm input"] += N * C * e
+            terms["rmsnorm rstd"] += N * e
+        if full:
+            terms["rmsnorm normalized input"] += N * C * e
+
+    def lora_out(terms: Counter, path: str) -> None:
+        if path in lora:
+            terms["LoRA A output"] += N * r * e
+
+    if full:
+        embed["token ids"] += N * INDEX_BYTES
+    hot = full  # does the residual stream need grad?
+    for i in range(shape.n_layer):
+        terms: Counter[str] = Counter()
+        rmsnorm(terms, hot)  # input_layernorm
+        x_hot = hot or full  # its output needs grad (its weight trains in full FT)
+        if any(trains(p) for p in QKV):
+            terms["linear input"] += N * C * e  # input_layernorm's output, shared by q/k/v
+        for p in QKV:
+            lora_out(terms, p)
+        q_hot, k_hot, v_hot = (x_hot or trains(p) for p in QKV)
+        rope_saved = rope_saved or q_hot or k_hot
+        attn_hot = q_hot or k_hot or v_hot
+        if attn_hot:
+            terms["attention q, k, v"] += 3 * N * A * e
+            terms["attention output"] += N * A * e
+            terms["attention logsumexp"] += shape.n_head * N * FP32
+            if shape.sliding_window is not None and i in shape.sliding_layers and T > shape.sliding_window:
+                terms["attention mask"] += T * T * e
+        elif trains("self_attn.o_proj"):
+            terms["linear input"] += N * A * e  # the attention output, not saved by attention itself
+        lora_out(terms, "self_attn.o_proj")
+        hot = hot or attn_hot or trains("self_attn.o_proj")
+        rmsnorm(terms, hot)  # post_attention_layernorm
+        x_hot = hot or full
+        if any(trains(p) for p in GATE_UP):
+            terms["linear input"] += N * C * e  # post_attention_layernorm's output, shared by gate/up
+        for p in GATE_UP:
+            lora_out(terms, p)
+        gate_hot, up_hot = (x_hot or trains(p) for p in GATE_UP)
+        if gate_hot:
+            terms["silu input"] += N * F * e
+            terms["up output"] += N * F * e
+        if up_hot:
+            terms["silu output"] += N * F * e
+        if trains("mlp.down_proj"):
+            terms["linear input"] += N * F * e  # the SwiGLU product
+        lora_out(terms, "mlp.down_proj")
+        hot = hot or gate_hot or up_hot or trains("mlp.down_proj")
+        blocks.append({"checkpointed block input": N * C * e} if grad_checkpoint else dict(terms))
+    if rope_saved or grad_checkpoint:  # one cos and one sin for every layer (checkpointing holds them as inputs)
+        embed["rotary cos/sin"] += 2 * T * shape.head_dim * e
+    rmsnorm(head, hot)  # the final norm
+    if full:
+        head["linear input"] += N * C * e  # lm_head trains (tied or not): it keeps the final norm's output
+    head["log-softmax output"] += N * shape.vocab_size * FP32
+    head["targets"] += N * INDEX_BYTES
+    head["loss total_weight"] += FP32
+    return SavedByLayer(dict(embed), tuple(blocks), dict(head))
+
+
+def saved_by_layer(shape: ModelShape, batch_size: int, seq_len: int, regime: str = "full", rank: int | None = None,
+                   targets: str | Iterable[str] = ALL_LINEAR, act_bytes: int = 4,
+                   grad_checkpoint: bool = False) -> SavedByLayer:
+    """The exact model of this shape's family: MiniGPT (and GPT-2 imported into it) or the llama family."""
+    fn = decoder_saved_by_layer if shape.family in LLAMA_FAMILIES else minigpt_saved_by_layer
+    return fn(shape, batch_size, seq_len, regime, rank, targets, act_bytes, grad_checkpoint)
+
+
+def exact_activation_bytes(shape: ModelShape, batch_size: int, seq_len: int, regime: str = "full",
+                           rank: int | None = None, targets: str | Iterable[str] = ALL_LINEAR, act_bytes: int = 4,
+                           grad_checkpoint: bool = False) -> int:
+    """Total bytes saved for backward by one training forward of this shape (any family with an exact model)."""
+    return saved_by_layer(shape, batch_size, seq_len, regime, rank, targets, act_bytes, grad_checkpoint).total()

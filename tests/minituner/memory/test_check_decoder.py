@@ -1,0 +1,97 @@
+"""memory-check on the llama family (minigpt.decoder.Decoder): exact buckets, with and without checkpointing, the peak."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from minigpt.decoder import Decoder, DecoderConfig
+from minigpt.io import write_json
+from minituner.cli import main
+from minituner.memory.check import BUCKETS, CheckConfig, memory_check
+from minituner.planner import MemoryConfig, Regime, regime_bytes
+from minituner.planner.decoder_activations import decoder_saved_by_layer
+from minituner.planner.hf import decoder_shape
+
+CPU = torch.device("cpu")
+SRC = str(Path(__file__).resolve().parents[3] / "src")
+TINY = dict(vocab_size=50, block_size=32, n_layer=2, n_head=4, d_model=32, d_ff=48)
+CONFIGS = {  # tied/untied, GQA/MHA, biases, an explicit head_dim, a sliding window shorter than the sequence
+    "qwen2 gqa bias tied": dict(model_type="qwen2", n_kv_head=2, qkv_bias=True, tie_word_embeddings=True),
+    "llama mha untied": dict(model_type="llama", n_kv_head=4, d_ff=40, vocab_size=60),
+    "mistral window head_dim": dict(model_type="mistral", n_kv_head=1, head_dim=16, sliding_window=4,
+                                    sliding_layers=[1]),
+}
+# every branch of the model: the stream hot from the embeddings (full), or cold until the first adapter, which
+# sits in attention (v, o) or in the MLP (up: SwiGLU keeps only act(gate); down: only its input), QLoRA's layers
+CASES = [("full", "all-linear"), ("lora", "v_proj"), ("lora", "o_proj"), ("lora", "up_proj"), ("qlora", "down_proj"),
+         ("qlora", "q_proj,gate_proj")]
+
+
+def decoder(name: str) -> DecoderConfig:
+    return DecoderConfig(**{**TINY, **CONFIGS[name]})
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+@pytest.mark.parametrize("grad_checkpoint", [False, True])
+def test_buckets_are_exact(name, grad_checkpoint):
+    """Weights, grads, Adam state and the bytes saved for backward equal the planner's, byte for byte."""
+    cfg = decoder(name)
+    for regime, targets in CASES:
+        check = CheckConfig(regime=regime, targets=targets, rank=2, batch_size=3, seq_len=8,
+                            grad_checkpoint=grad_checkpoint)
+        r = memory_check(lambda: Decoder(cfg), check, CPU, name)
+        for b in BUCKETS:
+            assert r.predicted[b] == r.measured[b], (name, regime, targets, b, r.predicted[b], r.measured[b])
+
+
+def test_terms_follow_the_forward():
+    """A few terms by hand: GQA's k/v are saved after repeat_interleave (h heads wide), the mask only past the window."""
+    cfg = decoder("mistral window head_dim")  # 4 query heads of 16, 1 K/V head, window 4 on layer 1
+    shape, N, e = decoder_shape(cfg), 3 * 8, 4
+    saved = decoder_saved_by_layer(shape, 3, 8, "lora", 2, "all-linear")
+    assert saved.blocks[0]["attention q, k, v"] == 3 * N * 4 * 16 * e
+    assert "attention mask" not in saved.blocks[0] and saved.blocks[1]["attention mask"] == 8 * 8 * e
+    assert "attention mask" not in decoder_saved_by_layer(shape, 3, 4, "lora", 2).blocks[1]  # T <= window
+    assert saved.embed == {"rotary cos/sin": 2 * 8 * 16 * e}
+    # LoRA: the frozen embeddings' stream needs no grad until q/k/v's adapters: layer 0's input_layernorm records nothing
+    assert saved.blocks[0]["rmsnorm input"] == N * 32 * e and saved.blocks[1]["rmsnorm input"] == 2 * N * 32 * e
+    full = decoder_saved_by_layer(shape, 3, 8, "full")
+    assert full.embed["token ids"] == N * 8 and full.blocks[0]["rmsnorm normalized input"] == 2 * N * 32 * e
+    ckpt = decoder_saved_by_layer(shape, 3, 8, "lora", 2, grad_checkpoint=True)
+    assert ckpt.blocks == ({"checkpointed block input": N * 32 * e},) * 2 and ckpt.head == saved.head
+
+
+def test_count_defaults_to_the_exact_model_for_the_llama_family():
+    shape = decoder_shape(decoder("qwen2 gqa bias tied"))
+    exact = regime_bytes(shape, Regime("lora", 8), "all-linear", MemoryConfig(activations="exact"))
+    assert exact.peak is not None and exact.activations == decoder_saved_by_layer(
+        shape, 16, 32, "lora", 8, act_bytes=2).total()
+
+
+def test_peak_within_ten_percent_in_a_fresh_process(tmp_path):
+    """A small llama (GQA, untied head, ~4M parameters), LoRA at batch 4 x 128 tokens (~66 MiB at the peak);
+    benchmarks/memory_sweep.py covers full FT, QLoRA and checkpointing."""
+    write_json(tmp_path / "config.json", {
+        "model_type": "llama", "vocab_size": 2000, "hidden_size": 256, "intermediate_size": 688,
+        "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2, "max_position_embeddings": 512})
+    out = subprocess.run([sys.executable, "-m", "minituner", "memory-check", "--config", str(tmp_path), "--regime", "lora",
+                          "--batch-size", "4", "--seq-len", "128", "--device", "cpu", "--json"],
+                         capture_output=True, text=True, check=True, env={**os.environ, "PYTHONPATH": SRC})
+    result = json.loads(out.stdout)
+    assert abs(result["error"]["peak"]) <= 0.10, result["details"]
+    assert result["error"]["activations"] == 0.0
+
+
+def test_cli_takes_a_llama_family_folder(hf_folder, capsys):
+    """--base reads the folder's weights (through hf_load) and the buckets stay exact."""
+    folder = hf_folder("mistral", num_key_value_heads=2, tie_word_embeddings=True)
+    assert main(["memory-check", "--base", str(folder), "--regime", "qlora", "--rank", "2", "--batch-size", "2",
+                 "--seq-len", "8", "--device", "cpu", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert all(result["error"][b] == 0.0 for b in BUCKETS), result
