@@ -26,7 +26,7 @@ from tqdm import tqdm
 from .train_state import (CHECKPOINT_DIR, TrainState, capture_rng, check_compatible, clear_checkpoints,
                             latest_checkpoint, list_checkpoints, restore, save_checkpoint)
 from .data import eval_batches, sample_batch
-from .device import PRECISIONS, autocast, check_precision
+from .device import PRECISIONS
 from .distributed import barrier, check_batch, is_writer, mean_across_ranks, shard, wrap_ddp
 from .errors import InputError
 from .io import atomic_write_text, sha256_file
@@ -48,7 +48,7 @@ class TrainConfig:
     checkpoint_every: int = 0  # write a resumable checkpoint every N steps and at the end (needs out_dir); 0: none
     keep_checkpoints: int = 2  # how many of the newest checkpoints stay on disk
     skip_nonfinite: bool = False  # skip a step whose loss or gradients are NaN/inf instead of stopping the run
-    precision: str = "fp32"  # "fp32", or "bf16-autocast" on CUDA (forward in bf16; weights, grads, Adam fp32)
+    precision: str = "fp32"  # "fp32" or "bf16" (a model built for bf16 compute: minituner.build, precision="bf16")
     grad_checkpoint: bool = False  # recompute each block in backward (model.grad_checkpoint): less memory, same result
 
     def validate(self) -> None:
@@ -172,11 +172,11 @@ def adamw(params: list[nn.Parameter], lr: float, weight_decay: float = 0.0) -> t
 
 
 def train_step(model: nn.Module, opt: torch.optim.Optimizer, params: list[nn.Parameter], x: torch.Tensor,
-               y: torch.Tensor, clip: float, precision: str = "fp32", loss_fn: Callable | None = None,
+               y: torch.Tensor, clip: float, loss_fn: Callable | None = None,
                reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
                forward_context: contextlib.AbstractContextManager | None = None,
                on_phase: Callable[[str], None] | None = None) -> tuple[torch.Tensor, str | None]:
-    """One step of the loop: forward (bf16 autocast for "bf16-autocast"), backward, clip, finite check, update.
+    """One step of the loop: forward, backward, clip, finite check, update (bf16 compute lives in the modules).
 
     Returns the loss every rank reports (`reduce`d, default the local loss, detached) and what was not finite
     (None for a good step; otherwise the weights are not updated). `forward_context` wraps the forward pass
@@ -185,7 +185,7 @@ def train_step(model: nn.Module, opt: torch.optim.Optimizer, params: list[nn.Par
     """
     phase = on_phase or (lambda name: None)
     device = params[0].device
-    with forward_context or contextlib.nullcontext(), autocast(device, precision):
+    with forward_context or contextlib.nullcontext():
         loss = (loss_fn or lm_loss)(model, x.to(device), y.to(device))
     reported = loss.detach() if reduce is None else reduce(loss.detach())
     phase("forward")
@@ -238,7 +238,9 @@ def train(
     if (resume or cfg.checkpoint_every) and out_dir is None:
         raise InputError("checkpoints and resume need an output folder")
     device = params[0].device
-    check_precision(cfg.precision, device)
+    if cfg.precision == "bf16" and not any(t.dtype == torch.bfloat16 for t in (*model.parameters(), *model.buffers())):
+        raise InputError("precision bf16 needs a model built for bf16 compute "
+                         "(minituner.build.build_for_training(..., precision='bf16'))")
     opt = adamw(params, cfg.lr, cfg.weight_decay)
     gen = torch.Generator().manual_seed(cfg.seed)
     identity = run_identity(cfg, train_ids, val_ids, fingerprint)
@@ -278,7 +280,7 @@ def train(
             for group in opt.param_groups:
                 group["lr"] = lr
             x, y = shard(*sample_batch(train_ids, cfg.batch_size, block_size, gen))  # this rank's rows
-            reported, problem = train_step(step_model, opt, params, x, y, cfg.grad_clip, cfg.precision,
+            reported, problem = train_step(step_model, opt, params, x, y, cfg.grad_clip,
                                            reduce=mean_across_ranks)  # reported: the global batch's loss
             if problem is None:
                 row = {"step": step + 1, "lr": lr, "train_loss": reported.item()}

@@ -17,6 +17,7 @@ import torch.nn as nn
 from minigpt.base_folder import MANIFEST, WEIGHTS, save_base
 from minigpt.run_dir import check_run_dir
 from minigpt.data import FINETUNE_DATA, PRETRAIN_DATA, encode_split, load_documents, split_documents
+from minigpt.device import check_precision
 from minigpt.distributed import barrier, is_writer
 from minigpt.errors import InputError
 from minigpt.io import sha256_file
@@ -25,7 +26,7 @@ from minigpt.train import TrainConfig, evaluate, train
 from miniquant import DEFAULT_QUANT_SCHEME
 
 from .base_model import Tokenizer, base_weights_file, load_base
-from .build import build_for_training
+from .build import FULL_IN_BF16, build_for_training
 from .adapter_io import ADAPTER_FILE, save_adapter
 from .lora import LoRAConfig, trainable_numel
 from .peft_format import save_peft_adapter
@@ -66,6 +67,8 @@ class FinetuneConfig:
                 raise InputError("QLoRA (quant_scheme) trains LoRA on a quantized base; it cannot be full fine-tuning")
             check_scheme(self.quant_scheme)
         self.train.validate()
+        if self.method == "full" and self.train.precision == "bf16":
+            raise InputError(FULL_IN_BF16)
 
 
 @dataclass
@@ -94,14 +97,17 @@ def steps_for_epochs(epochs: float, train_tokens: int, batch_size: int, block_si
 
 
 def finetune(base: str | Path, out: str | Path, cfg: FinetuneConfig, progress: bool = True, log=print,
-             overwrite: bool = False, resume: bool = False, device: str | torch.device = "cpu") -> FinetuneResult:
+             overwrite: bool = False, resume: bool = False, device: str | torch.device = "cpu",
+             allow_slow_bf16: bool = False) -> FinetuneResult:
     """Fine-tune the base folder `base` on cfg.data, write the run to `out`, return the model and numbers.
 
     A folder that already holds a run is refused unless `overwrite` (start over) or `resume` (continue from
     its newest checkpoint, bit-identically on CPU: cfg must be the one the run started with). Under torchrun
-    every rank trains (minigpt.distributed) and rank 0 alone logs and writes.
+    every rank trains (minigpt.distributed) and rank 0 alone logs and writes. cfg.train.precision "bf16" is
+    refused where bf16 would run slower than fp32 unless `allow_slow_bf16` (not part of the run's identity).
     """
     cfg.validate()
+    bf16 = check_precision(cfg.train.precision, torch.device(device), allow_slow_bf16)  # before anything is loaded
     start = time.perf_counter()
     base, out = Path(base), Path(out)
     if out.resolve() == base.resolve():
@@ -136,12 +142,15 @@ def finetune(base: str | Path, out: str | Path, cfg: FinetuneConfig, progress: b
 
     lora_cfg = cfg.lora
     method = "qlora" if cfg.quant_scheme else cfg.method
-    # QLoRA computes in bf16 on CUDA and fp32 on CPU (build's default); LoRA and full FT keep fp32 weights
-    build_for_training(model, method, lora_cfg, cfg.quant_scheme or DEFAULT_QUANT_SCHEME, device,
-                       init_adapter=cfg.init_adapter)
+    # fp32 is fp32 on every device; bf16 (cfg.train.precision) is minituner.precision's path, on CPU and CUDA
+    build_for_training(model, method, lora_cfg, cfg.quant_scheme or DEFAULT_QUANT_SCHEME, device, torch.float32,
+                       precision=train_cfg.precision, allow_slow_bf16=allow_slow_bf16, init_adapter=cfg.init_adapter)
     trainable = trainable_numel(model)
     log(f"{cfg.method}: {trainable:,} of {n_params:,} parameters trainable ({trainable / n_params:.2%}); "
-        f"{train_ids.numel():,} train / {val_ids.numel():,} val tokens from {cfg.data}; {train_cfg.steps} steps")
+        f"{train_ids.numel():,} train / {val_ids.numel():,} val tokens from {cfg.data}; {train_cfg.steps} steps "
+        f"in {train_cfg.precision}")
+    if bf16 is not None and not bf16.fast:
+        log(f"warning: {bf16.reason}: bf16 runs slower than fp32 here (--allow-slow-bf16)")
 
     out.mkdir(parents=True, exist_ok=True)
     fingerprint = {"base_sha256": sha256_file(base_weights), **{k: v for k, v in asdict(cfg).items() if k != "train"}}

@@ -25,14 +25,14 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from minigpt.bf16_support import Bf16Support, check_bf16
+from minigpt.bf16_support import Bf16Support
+from minigpt.device import PRECISIONS, check_precision
 from minigpt.errors import InputError
 from miniquant import QuantizedLinear
 
 from .lora import LoRALinear, lora_modules
 
 BF16 = torch.bfloat16
-PRECISIONS = ("fp32", "bf16")  # what a --precision flag offers (bf16: this module's path, on CPU and CUDA)
 
 
 class Bf16Linear(nn.Linear):
@@ -182,6 +182,6 @@ def apply_precision(model: nn.Module, precision: str, device: torch.device | str
     if precision == "fp32":
         return None
     check_frozen_base(model)  # a full fine-tune is refused before the device is looked at
-    support = check_bf16(device, allow_slow_bf16, flags)
+    support = check_precision(precision, device, allow_slow_bf16, flags)
     use_bf16_compute(model)
     return support
