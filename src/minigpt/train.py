@@ -1,7 +1,8 @@
 """One training loop for pretraining, full fine-tuning, LoRA and QLoRA (and its step, which memory checks reuse).
 
 AdamW over the parameters that require grad (nothing else gets optimizer state), warmup then cosine
-or constant LR, gradient clipping, evaluation every N steps, a progress bar, metrics.jsonl and a
+or constant LR, gradient clipping, evaluation every N steps, a progress bar (tokens/s), metrics.jsonl
+(one row per step: lr, train loss, ``step_time_s`` and ``tokens_per_s``, val loss when evaluated) and a
 loss-curve PNG. With an output folder it writes resumable checkpoints (minigpt.train_state) and
 ``resume=True`` continues from the newest one, bit-identically on CPU. A non-finite loss or gradient
 stops the run naming the step (or, with ``skip_nonfinite``, skips that step).
@@ -96,6 +97,17 @@ def evaluate(model: nn.Module, data: torch.Tensor, block_size: int, batch_size: 
 
 RESUME_FREE = ("checkpoint_every", "keep_checkpoints", "skip_nonfinite", "grad_checkpoint")  # may change on resume
 METRICS = "metrics.jsonl"
+TIMING_FIELDS = ("step_time_s", "tokens_per_s")  # metrics.jsonl's wall-clock fields: they differ between runs
+
+
+def step_timing(seconds: float, tokens: int) -> dict[str, float]:
+    """A metrics row's timing: the optimizer step's wall time (batch, forward, backward, update) and tokens/s."""
+    return {"step_time_s": seconds, "tokens_per_s": tokens / max(seconds, 1e-9)}
+
+
+def without_timing(rows: list[dict]) -> list[dict]:
+    """Metrics rows less their wall-clock fields: what a resumed run reproduces bit for bit."""
+    return [{k: v for k, v in r.items() if k not in TIMING_FIELDS} for r in rows]
 
 
 class NonFiniteError(FloatingPointError):
@@ -274,27 +286,33 @@ def train(
     model.train()
     bar = tqdm(range(first, cfg.steps), initial=first, total=cfg.steps, disable=not (progress and writer), desc="train",
                dynamic_ncols=True)
+    postfix: dict[str, str] = {}  # tokens/s of the last step, train and val loss of the last evaluation
     try:
         for step in bar:
             lr = lr_at(step, cfg)
             for group in opt.param_groups:
                 group["lr"] = lr
+            tic = time.perf_counter()
             x, y = shard(*sample_batch(train_ids, cfg.batch_size, block_size, gen))  # this rank's rows
             reported, problem = train_step(step_model, opt, params, x, y, cfg.grad_clip,
                                            reduce=mean_across_ranks)  # reported: the global batch's loss
+            loss_now = reported.item()  # waits for the device: the step is done
+            timing = step_timing(time.perf_counter() - tic, cfg.batch_size * x.size(1))  # the global batch's tokens
             if problem is None:
-                row = {"step": step + 1, "lr": lr, "train_loss": reported.item()}
+                row = {"step": step + 1, "lr": lr, "train_loss": loss_now, **timing}
             elif cfg.skip_nonfinite:
                 opt.zero_grad(set_to_none=True)  # the weights and optimizer state stay as they were
                 skipped += 1
-                row = {"step": step + 1, "lr": lr, "train_loss": None, "skipped": problem}
+                row = {"step": step + 1, "lr": lr, "train_loss": None, "skipped": problem, **timing}
             else:
                 raise NonFiniteError(f"{problem} at step {step + 1}; the run stopped before updating the weights; "
                                      + last_good_checkpoint(ckpt_dir, cfg.checkpoint_every))
+            postfix["tok/s"] = f"{timing['tokens_per_s']:,.0f}"
             if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
                 loss_val = evaluate(model, val_ids, block_size, cfg.batch_size, cfg.eval_batches)
                 row["val_loss"] = loss_val
-                bar.set_postfix(train=f"{reported.item():.3f}", val=f"{loss_val:.3f}")
+                postfix.update(train=f"{loss_now:.3f}", val=f"{loss_val:.3f}")
+            bar.set_postfix(postfix, refresh=False)
             history.append(row)
             if metrics:
                 metrics.write(json.dumps(row) + "\n")
