@@ -2,10 +2,10 @@
 
     python experiments/28-lora-finetune/lab02.py [--base artifacts/base]
 
-needs a base from `minituner pretrain` (`make demo` makes one), trains for about a minute or two on
-2 CPU cores and writes beside this file: adapter_final.safetensors, adapter_peft/, metrics.jsonl,
-loss_curve.png, manifest.json, results.json (every figure) and REPORT.md (REPORT.template.md filled
-from results.json).
+needs a base from `minituner pretrain` (`make demo` makes one), trains for a few minutes on 2 CPU cores
+(fp32, then the same run in bf16 for comparison) and writes beside this file: adapter_final.safetensors,
+adapter_peft/, metrics.jsonl, loss_curve.png, manifest.json (the fp32 run), results.json (every figure)
+and REPORT.md (REPORT.template.md filled from results.json).
 """
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import argparse
 import json
 import math
 import sys
+import tempfile
 from pathlib import Path
 
 from minigpt.base_folder import WEIGHTS
@@ -24,7 +25,7 @@ from minituner.base_model import load_base
 from minituner.finetune import BASE_DOMAIN, DEFAULT_DATA, PEFT_DIR, FinetuneConfig, encode_domain, finetune
 from minituner.lora import LoRAConfig, merge_lora
 from minituner.parity import peft_max_logit_diff
-from minituner.run_info import base_pretrain, display_path, sample_texts
+from minituner.run_info import base_pretrain, display_path, precision_run, run_speed, sample_texts
 from minituner.zoo import adapters_disabled, set_adapter
 
 HERE = Path(__file__).resolve().parent
@@ -34,6 +35,7 @@ TRAIN = TrainConfig(steps=300, batch_size=32, lr=5e-3, warmup_steps=20, schedule
 PROMPTS = ("Bergen, ", "The ")
 WEIGHTS_SWEEP = (0.0, 0.25, 0.5, 0.75, 1.0)
 KiB = 1024
+BF16_GOAL = 0.01  # the bf16 run's final val loss within 1% (relative) of fp32's (issue 13)
 TEMPLATE = HERE / "REPORT.template.md"
 
 
@@ -60,6 +62,8 @@ def run(base: Path, progress: bool) -> dict:
     peft_diff = peft_max_logit_diff(load_base(base)[0], HERE / PEFT_DIR, reloaded,
                                     new_val[:block].unsqueeze(0))  # (1, T): one validation window
     merge_lora(reloaded)
+    with tempfile.TemporaryDirectory() as tmp:  # the same fine-tune with the frozen base in bf16
+        bf16 = precision_run(base, cfg, "bf16", Path(tmp) / "bf16", progress)
     return {
         "base": display_path(base, ROOT),
         "base_sha256": sha256_file(base / WEIGHTS),
@@ -77,6 +81,8 @@ def run(base: Path, progress: bool) -> dict:
         "peft_bytes": (HERE / PEFT_DIR / "adapter_model.safetensors").stat().st_size,
         "samples_before": before,
         "samples_after": after,
+        "fp32_speed": run_speed(HERE),
+        "bf16": bf16,
     }
 
 
@@ -99,9 +105,18 @@ def render(r: dict) -> str:
         sweep="\n".join(f"| {row['weight']:.2f} | {row['new']:.3f} | {row['old']:.3f} |" for row in r["sweep"]),
         peft=("not measured (peft is not installed; `make test` installs it)" if r["peft_max_logit_diff"] is None
               else f"max |logit difference| {r['peft_max_logit_diff']:.2e}"),
-        pairs=pairs,
+        pairs=pairs, **bf16_values(r),
     )
     return TEMPLATE.read_text(encoding="utf-8").format_map(values)
+
+
+def bf16_values(r: dict) -> dict:
+    """The bf16 section's figures: bf16's final val loss against fp32's, and each run's speed."""
+    b, fp32, fp32_speed = r["bf16"], r["summary"]["val_loss_after"], r["fp32_speed"]
+    rel = (b["val_loss_after"] - fp32) / fp32
+    return dict(b=b, fps=fp32_speed, bf16_rel=rel, bf16_met="met" if abs(rel) <= BF16_GOAL else "**not met**",
+                bf16_goal=BF16_GOAL, bf16_speedup=b["tokens_per_s"] / fp32_speed["tokens_per_s"],
+                bf16_units=b["bf16_support"]["reason"])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -126,6 +141,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"forecasts val loss {s['val_loss_before']:.3f} -> {s['val_loss_after']:.3f}; python-docs "
           f"{s['base_domain_val_loss_before']:.3f} -> {s['base_domain_val_loss_after']:.3f}; "
           f"trainable {s['trainable_fraction']:.2%}; adapter {s['artifact_bytes']:,} B vs base {s['base_bytes']:,} B")
+    v = bf16_values(results)
+    print(f"bf16: forecasts val loss {v['b']['val_loss_after']:.4f} vs fp32 {s['val_loss_after']:.4f} "
+          f"({v['bf16_rel']:+.2%}; goal within {BF16_GOAL:.0%}: {v['bf16_met']})")
     print(f"wrote {HERE / 'REPORT.md'}")
     return 0
 

@@ -37,7 +37,7 @@ from minituner.memory.fresh_run import Setup, comparison, comparison_table, meas
 from minituner.parity import bnb_nf4_max_logit_diff
 from minituner.planner import MemoryConfig, Regime, lora_trainable_params, minigpt_shape, plan, preset_shape
 from minituner.qlora_checks import adapter_swap, scheme_rows, sensitivity, single_linear_ratios, wrapped_layer
-from minituner.run_info import display_path
+from minituner.run_info import display_path, precision_run, run_speed
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -82,7 +82,8 @@ def block_b(base: Path, x: torch.Tensor, val_ids: torch.Tensor) -> dict:
 
 
 def block_c(base: Path, tmp: Path, progress: bool) -> dict:
-    """One epoch of QLoRA from Lab 02's adapter, with minituner finetune (a NaN/Inf loss stops it at any step)."""
+    """One epoch of QLoRA from Lab 02's adapter, with minituner finetune (a NaN/Inf loss stops it at any step),
+    in fp32 (the run kept beside this file) and again in bf16."""
     cfg = FinetuneConfig(data=DEFAULT_DATA, lora=LORA, train=TRAIN, epochs=EPOCHS, init_adapter=str(LAB02_ADAPTER),
                          base_domain=None, quant_scheme=SCHEME)
     res = finetune(base, tmp, cfg, progress=progress)
@@ -92,7 +93,9 @@ def block_c(base: Path, tmp: Path, progress: bool) -> dict:
     shutil.copytree(tmp / PEFT_DIR, HERE / PEFT_DIR)
     rows = [json.loads(line) for line in (tmp / "metrics.jsonl").read_text().splitlines()]
     s = loss_summary(rows, 10)
-    return {"steps": s["steps"], "batch_size": TRAIN.batch_size, "lr": TRAIN.lr, "warmup_steps": TRAIN.warmup_steps,
+    bf16 = precision_run(base, cfg, "bf16", tmp.parent / "bf16", progress)  # the same epoch, frozen base in bf16
+    return {"speed": run_speed(tmp), "bf16": bf16,
+            "steps": s["steps"], "batch_size": TRAIN.batch_size, "lr": TRAIN.lr, "warmup_steps": TRAIN.warmup_steps,
             "schedule": TRAIN.schedule, "seed": TRAIN.seed, "train_tokens": res.summary["train_tokens"],
             **{k: s[k] for k in ("all_finite", "first_loss", "last_loss", "first_mean", "last_mean", "mean_window", "val")},
             "val_loss_after": res.summary["val_loss_after"], "wall_time_s": res.summary["train_wall_time_s"],
@@ -167,6 +170,7 @@ def render(r: dict) -> str:
                  "and the measurements say why:"),
         bnb=("not measured (bitsandbytes is not installed)" if bnb is None else f"max |logit difference| {bnb:.1e}"),
         **sensitivity(b["single_linear"]),
+        cb=c["bf16"], bf16_falls=c["bf16"]["all_finite"] and c["bf16"]["last_mean"] < c["bf16"]["first_mean"],
         cs=c["finetune_manifest"]["config"], vals=", ".join(f"{v:.4f} (step {s})" for s, v in c["val"]),
         loss_down=c["val_loss_after"] < nf4["val_loss"] and c["last_mean"] < c["first_mean"],
         ending="ending below" if c["val_loss_after"] < b["fp_val_loss"] else "ending above",
@@ -225,7 +229,9 @@ def main(argv: list[str] | None = None) -> int:
     atomic_write_text(HERE / "REPORT.md", render(results))
     b, c = results["B"], results["C"]
     print(f"B: logit diff {b['ratio']:.2%} (tolerance {b['tolerance']:.0%}: {'met' if b['within_tolerance'] else 'not met'});"
-          f" C: val {b['schemes'][-1]['val_loss']:.4f} -> {c['val_loss_after']:.4f} over {c['steps']} steps")
+          f" C: val {b['schemes'][-1]['val_loss']:.4f} -> {c['val_loss_after']:.4f} over {c['steps']} steps"
+          f" (bf16: {c['bf16']['val_loss_after']:.4f}, train loss {c['bf16']['first_loss']:.4f} -> "
+          f"{c['bf16']['last_loss']:.4f})")
     return 0
 
 

@@ -1,14 +1,17 @@
-"""Device selection and bf16 autocast: CPU by default, CUDA when asked for (or found, with ``auto``)."""
+"""Device selection and the precision check: CPU by default, CUDA when asked for (or found, with ``auto``)."""
 from __future__ import annotations
 
-import contextlib
+from collections.abc import Iterable
 
 import torch
 
+from .bf16_support import Bf16Support, check_bf16
 from .errors import InputError
 
 DEVICES = ("auto", "cpu", "cuda")
-PRECISIONS = ("fp32", "bf16-autocast")  # weights, grads and Adam stay fp32 in both; autocast runs matmuls in bf16
+# fp32: every tensor fp32. bf16: the frozen base stored and multiplied in bf16, LoRA masters, norms, softmax,
+# loss, grads and Adam fp32 (minituner.precision builds it; on CPU only with bf16 units, see bf16_support)
+PRECISIONS = ("fp32", "bf16")
 
 
 def resolve_device(name: str = "auto", local_rank: int | None = None) -> torch.device:
@@ -27,17 +30,10 @@ def resolve_device(name: str = "auto", local_rank: int | None = None) -> torch.d
     return torch.device("cpu")
 
 
-def check_precision(precision: str, device: torch.device) -> None:
+def check_precision(precision: str, device: torch.device | str = "cpu", allow_slow_bf16: bool = False,
+                    flags: Iterable[str] | None = None) -> Bf16Support | None:
+    """An unknown precision is an InputError; "bf16" where it would run slower than fp32 (a CPU without bf16
+    units, a GPU without bf16) is refused in one line unless allow_slow_bf16. Returns what check_bf16 found."""
     if precision not in PRECISIONS:
         raise InputError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
-    if precision == "bf16-autocast" and device.type != "cuda":
-        raise InputError("bf16 autocast is a CUDA path; on CPU train in fp32 (--precision fp32)")
-    if precision == "bf16-autocast" and not torch.cuda.is_bf16_supported():
-        raise InputError("this GPU does not support bf16; use --precision fp32")
-
-
-def autocast(device: torch.device, precision: str = "fp32") -> contextlib.AbstractContextManager:
-    """A context that runs the forward in bf16 autocast on CUDA for "bf16-autocast", and does nothing otherwise."""
-    if precision == "bf16-autocast" and device.type == "cuda":
-        return torch.autocast(device_type="cuda", dtype=torch.bfloat16)
-    return contextlib.nullcontext()
+    return check_bf16(device, allow_slow_bf16, flags) if precision == "bf16" else None

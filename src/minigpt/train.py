@@ -1,7 +1,8 @@
 """One training loop for pretraining, full fine-tuning, LoRA and QLoRA (and its step, which memory checks reuse).
 
 AdamW over the parameters that require grad (nothing else gets optimizer state), warmup then cosine
-or constant LR, gradient clipping, evaluation every N steps, a progress bar, metrics.jsonl and a
+or constant LR, gradient clipping, evaluation every N steps, a progress bar (tokens/s), metrics.jsonl
+(one row per step: lr, train loss, ``step_time_s`` and ``tokens_per_s``, val loss when evaluated) and a
 loss-curve PNG. With an output folder it writes resumable checkpoints (minigpt.train_state) and
 ``resume=True`` continues from the newest one, bit-identically on CPU. A non-finite loss or gradient
 stops the run naming the step (or, with ``skip_nonfinite``, skips that step).
@@ -26,7 +27,7 @@ from tqdm import tqdm
 from .train_state import (CHECKPOINT_DIR, TrainState, capture_rng, check_compatible, clear_checkpoints,
                             latest_checkpoint, list_checkpoints, restore, save_checkpoint)
 from .data import eval_batches, sample_batch
-from .device import PRECISIONS, autocast, check_precision
+from .device import PRECISIONS
 from .distributed import barrier, check_batch, is_writer, mean_across_ranks, shard, world_size, wrap_ddp
 from .errors import InputError
 from .io import atomic_write_text, sha256_file
@@ -48,7 +49,7 @@ class TrainConfig:
     checkpoint_every: int = 0  # write a resumable checkpoint every N steps and at the end (needs out_dir); 0: none
     keep_checkpoints: int = 2  # how many of the newest checkpoints stay on disk
     skip_nonfinite: bool = False  # skip a step whose loss or gradients are NaN/inf instead of stopping the run
-    precision: str = "fp32"  # "fp32", or "bf16-autocast" on CUDA (forward in bf16; weights, grads, Adam fp32)
+    precision: str = "fp32"  # "fp32" or "bf16" (a model built for bf16 compute: minituner.build, precision="bf16")
     grad_checkpoint: bool = False  # recompute each block in backward (model.grad_checkpoint): less memory, same result
 
     def validate(self) -> None:
@@ -116,6 +117,17 @@ def evaluate(model: nn.Module, data: torch.Tensor, block_size: int, batch_size: 
 
 RESUME_FREE = ("checkpoint_every", "keep_checkpoints", "skip_nonfinite", "grad_checkpoint")  # may change on resume
 METRICS = "metrics.jsonl"
+TIMING_FIELDS = ("step_time_s", "tokens_per_s")  # metrics.jsonl's wall-clock fields: they differ between runs
+
+
+def step_timing(seconds: float, tokens: int) -> dict[str, float]:
+    """A metrics row's timing: the optimizer step's wall time (batch, forward, backward, update) and tokens/s."""
+    return {"step_time_s": seconds, "tokens_per_s": tokens / max(seconds, 1e-9)}
+
+
+def without_timing(rows: list[dict]) -> list[dict]:
+    """Metrics rows less their wall-clock fields: what a resumed run reproduces bit for bit."""
+    return [{k: v for k, v in r.items() if k not in TIMING_FIELDS} for r in rows]
 
 
 class NonFiniteError(FloatingPointError):
@@ -195,11 +207,11 @@ def adamw(params: list[nn.Parameter], lr: float, weight_decay: float = 0.0) -> t
 
 
 def train_step(model: nn.Module, opt: torch.optim.Optimizer, params: list[nn.Parameter], x: torch.Tensor,
-               y: torch.Tensor, clip: float, precision: str = "fp32", loss_fn: Callable | None = None,
+               y: torch.Tensor, clip: float, loss_fn: Callable | None = None,
                reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
                forward_context: contextlib.AbstractContextManager | None = None,
                on_phase: Callable[[str], None] | None = None) -> tuple[torch.Tensor, str | None]:
-    """One step of the loop: forward (bf16 autocast for "bf16-autocast"), backward, clip, finite check, update.
+    """One step of the loop: forward, backward, clip, finite check, update (bf16 compute lives in the modules).
 
     Returns the loss every rank reports (`reduce`d, default the local loss, detached) and what was not finite
     (None for a good step; otherwise the weights are not updated). `forward_context` wraps the forward pass
@@ -208,7 +220,7 @@ def train_step(model: nn.Module, opt: torch.optim.Optimizer, params: list[nn.Par
     """
     phase = on_phase or (lambda name: None)
     device = params[0].device
-    with forward_context or contextlib.nullcontext(), autocast(device, precision):
+    with forward_context or contextlib.nullcontext():
         loss = (loss_fn or lm_loss)(model, x.to(device), y.to(device))
     reported = loss.detach() if reduce is None else reduce(loss.detach())
     phase("forward")
@@ -270,7 +282,9 @@ def train(
     if (resume or cfg.checkpoint_every) and out_dir is None:
         raise InputError("checkpoints and resume need an output folder")
     device = params[0].device
-    check_precision(cfg.precision, device)
+    if cfg.precision == "bf16" and not any(t.dtype == torch.bfloat16 for t in (*model.parameters(), *model.buffers())):
+        raise InputError("precision bf16 needs a model built for bf16 compute "
+                         "(minituner.build.build_for_training(..., precision='bf16'))")
     opt = adamw(params, cfg.lr, cfg.weight_decay)
     gen = torch.Generator().manual_seed(cfg.seed)
     identity = run_identity(cfg, train_ids, val_ids, fingerprint, data_identity)
@@ -307,31 +321,37 @@ def train(
     model.train()
     bar = tqdm(range(first, cfg.steps), initial=first, total=cfg.steps, disable=not (progress and writer), desc="train",
                dynamic_ncols=True)
+    postfix: dict[str, str] = {}  # tokens/s of the last step, train and val loss of the last evaluation
     try:
         for step in bar:
             lr = lr_at(step, cfg)
             for group in opt.param_groups:
                 group["lr"] = lr
+            tic = time.perf_counter()
             x, y = draw(cfg.batch_size, gen)  # the global batch, drawn alike on every rank
             loss_fn = None  # lm_loss; masked targets under torchrun: weigh by the global batch's counted tokens
             if batches is not None and ranks > 1:
                 loss_fn = counted_loss(max(1, int((y != IGNORE_INDEX).sum())), ranks)
             x, y = shard(x, y)  # this rank's rows
-            reported, problem = train_step(step_model, opt, params, x, y, cfg.grad_clip, cfg.precision, loss_fn,
+            reported, problem = train_step(step_model, opt, params, x, y, cfg.grad_clip, loss_fn,
                                            reduce=mean_across_ranks)  # reported: the global batch's loss
+            loss_now = reported.item()  # waits for the device: the step is done
+            timing = step_timing(time.perf_counter() - tic, cfg.batch_size * x.size(1))  # the global batch's tokens
             if problem is None:
-                row = {"step": step + 1, "lr": lr, "train_loss": reported.item()}
+                row = {"step": step + 1, "lr": lr, "train_loss": loss_now, **timing}
             elif cfg.skip_nonfinite:
                 opt.zero_grad(set_to_none=True)  # the weights and optimizer state stay as they were
                 skipped += 1
-                row = {"step": step + 1, "lr": lr, "train_loss": None, "skipped": problem}
+                row = {"step": step + 1, "lr": lr, "train_loss": None, "skipped": problem, **timing}
             else:
                 raise NonFiniteError(f"{problem} at step {step + 1}; the run stopped before updating the weights; "
                                      + last_good_checkpoint(ckpt_dir, cfg.checkpoint_every))
+            postfix["tok/s"] = f"{timing['tokens_per_s']:,.0f}"
             if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
                 loss_val = validate(model)
                 row["val_loss"] = loss_val
-                bar.set_postfix(train=f"{reported.item():.3f}", val=f"{loss_val:.3f}")
+                postfix.update(train=f"{loss_now:.3f}", val=f"{loss_val:.3f}")
+            bar.set_postfix(postfix, refresh=False)
             history.append(row)
             if metrics:
                 metrics.write(json.dumps(row) + "\n")

@@ -10,11 +10,16 @@ target that is already a ``QuantizedLinear`` of the scheme, e.g. quantized by a 
 kept as it is) -> cast the frozen float tensors to the compute dtype -> wrap the targets with LoRA (fresh
 factors, or an adapter loaded from a file) -> finite-output guards (QLoRA) -> check the trainable set.
 
-Compute dtype: QLoRA defaults to bfloat16 on CUDA and float32 on CPU; LoRA defaults to the dtype the base
-was loaded in (``float_dtype``: a float32 MiniGPT computes in float32, a bf16 Llama checkpoint stays bf16,
-no silent 2x upcast of the frozen weights; the LoRA factors are float32 either way and LoRALinear casts
-to them and back). On CUDA, ``--precision bf16-autocast`` runs a float32 forward in bf16. Full fine-tuning
-trains every weight, so it only builds in float32.
+Precision: ``precision="bf16"`` (``--precision bf16``, CPU with bf16 units or CUDA) builds in float32, then
+``minituner.precision.use_bf16_compute`` stores the frozen base in bf16 and keeps the LoRA masters, norms and
+loss in fp32; a device where bf16 would run slower than fp32 is refused first, unless ``allow_slow_bf16``.
+Full fine-tuning trains every weight, so it only builds in float32 (bf16 is refused in one line).
+A 16-bit checkpoint is never upcast whole: under bf16 only its norms (and other small float tensors) become
+float32, its Linear and Embedding weights are kept as read and stored as the bf16 base.
+``compute_dtype`` is the lower-level knob under ``precision="fp32"``: the dtype every frozen float tensor is
+cast to (QLoRA defaults to bfloat16 on CUDA and float32 on CPU; LoRA to the dtype the base was loaded in,
+``float_dtype``: a float32 MiniGPT computes in float32, a bf16 Llama checkpoint stays bf16 and computes in
+bf16, norms included; ``--precision bf16`` is the better path for such a checkpoint).
 """
 from __future__ import annotations
 
@@ -23,16 +28,19 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from minigpt.device import DEVICES, resolve_device
+from minigpt.device import DEVICES, check_precision, resolve_device
 from minigpt.errors import InputError
 from miniquant import DEFAULT_QUANT_SCHEME, QuantizedLinear
 
 from .adapter_io import load_adapter
 from .lora import ALL_LINEAR, LoRAConfig, apply_lora, find_targets, lora_modules
+from .precision import use_bf16_compute
 from .qlora import (COMPUTE_DTYPES, add_finite_guards, cast_float_tensors, check_qlora, check_scheme,
                     default_compute_dtype, quantize_linears)
 
 METHODS = ("full", "lora", "qlora")
+FULL_IN_BF16 = ("--precision bf16 holds a frozen base in bf16, but full fine-tuning trains every weight: "
+                "it trains in fp32 (--precision fp32), or use LoRA/QLoRA for bf16")
 
 
 def training_device(device: str | torch.device | None = "auto") -> torch.device:
@@ -65,15 +73,21 @@ def quantize_step(model: nn.Module, paths: list[str], scheme: str) -> list[str]:
     return todo
 
 
-def _check(model: nn.Module, method: str, lora: LoRAConfig, scheme: str, dtype: torch.dtype) -> list[str]:
+def _check(model: nn.Module, method: str, lora: LoRAConfig, scheme: str, dtype: torch.dtype, precision: str,
+           device: torch.device, allow_slow_bf16: bool) -> list[str]:
     """Every check that can fail on the user's input, before the model changes; returns the target paths."""
     if method not in METHODS:
         raise InputError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
     if dtype not in COMPUTE_DTYPES:
         raise InputError(f"compute dtype must be one of {[str(d) for d in COMPUTE_DTYPES]}, got {dtype}")
+    if precision == "bf16" and method == "full":
+        raise InputError(FULL_IN_BF16)
+    if precision == "bf16" and dtype != torch.float32:
+        raise InputError(f"precision bf16 builds from float32 (norms stay fp32), not compute_dtype {dtype}")
+    check_precision(precision, device, allow_slow_bf16)  # a device without bf16 units is refused here
     if method == "full":
         if dtype != torch.float32:
-            raise InputError("full fine-tuning trains every weight in float32; use bf16 autocast for a bf16 forward")
+            raise InputError("full fine-tuning trains every weight in float32")
         return []
     lora.validate()
     if method == "qlora":
@@ -90,32 +104,41 @@ def _check(model: nn.Module, method: str, lora: LoRAConfig, scheme: str, dtype: 
 
 def build_for_training(base: nn.Module, method: str = "lora", lora: LoRAConfig | None = None,
                        quant_scheme: str = DEFAULT_QUANT_SCHEME, device: str | torch.device | None = "auto",
-                       compute_dtype: torch.dtype | None = None, *, adapter_name: str = "default",
+                       compute_dtype: torch.dtype | None = None, *, precision: str = "fp32",
+                       allow_slow_bf16: bool = False, adapter_name: str = "default",
                        init_adapter: str | Path | None = None, guards: bool = True) -> nn.Module:
     """Make `base` (a loaded float model) ready to train by `method`, in place, and return it.
 
     full: every parameter trains. lora: LoRA (`lora`, default LoRAConfig()) wraps the targets, only its
     factors train. qlora: the targets are quantized to `quant_scheme` first. `init_adapter` starts LoRA
     from a saved adapter (file, run folder or PEFT folder) instead of fresh factors. `guards` adds the
-    finite-output hooks (QLoRA only).
+    finite-output hooks (QLoRA only). `precision` "bf16": built in float32 (QLoRA quantizes from it), then
+    the frozen base is stored in bf16 (minituner.precision); refused where bf16 is slow unless allow_slow_bf16.
     """
     lora = lora or LoRAConfig()
     dev = training_device(device)
-    dtype = compute_dtype or {"qlora": default_compute_dtype(dev), "lora": float_dtype(base)}.get(method, torch.float32)
-    paths = _check(base, method, lora, quant_scheme, dtype)
+    if precision == "bf16":
+        dtype = compute_dtype or torch.float32
+    else:
+        dtype = compute_dtype or {"qlora": default_compute_dtype(dev), "lora": float_dtype(base)}.get(method, torch.float32)
+    paths = _check(base, method, lora, quant_scheme, dtype, precision, dev, allow_slow_bf16)
     base.to(dev)
     if method == "full":
         base.requires_grad_(True)
         return base
     if method == "qlora":
         quantize_step(base, paths, check_scheme(quant_scheme))
-    cast_float_tensors(base, dtype)  # frozen float tensors only: a no-op on a float32 base in float32
+    # frozen float tensors only (a no-op on a float32 base in float32); under bf16 the weights use_bf16_compute
+    # stores in bf16 are left as read, so a 16-bit checkpoint is not upcast on the way
+    cast_float_tensors(base, dtype, keep=(nn.Linear, nn.Embedding) if precision == "bf16" else ())
     targeted = LoRAConfig(r=lora.r, alpha=lora.alpha, dropout=lora.dropout, target_modules=paths,
                           use_rslora=lora.use_rslora)
     if init_adapter is not None:
         load_adapter(base, init_adapter, config=targeted, adapter_name=adapter_name)
     else:
         apply_lora(base, targeted, adapter_name)  # fresh factors: float32, on the base layer's device
+    if precision == "bf16":
+        use_bf16_compute(base)  # the frozen base in bf16, the LoRA masters fp32 (checked by _check above)
     if method == "qlora" and guards:
         add_finite_guards(base)
     check_qlora(base)  # the trainable set is exactly the active LoRA factors

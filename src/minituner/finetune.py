@@ -26,6 +26,7 @@ from minigpt.base_folder import MANIFEST, WEIGHTS, WEIGHTS_INDEX, save_base
 from minigpt.decoder import Decoder
 from minigpt.run_dir import check_run_dir
 from minigpt.data import FINETUNE_DATA, PRETRAIN_DATA
+from minigpt.device import check_precision
 from minigpt.distributed import barrier, is_writer
 from minigpt.errors import InputError
 from minigpt.manifest import seed_everything, write_manifest
@@ -34,7 +35,7 @@ from miniquant import DEFAULT_QUANT_SCHEME
 
 from .base_model import (Tokenizer, base_config, base_weights_file, base_weights_sha256, default_seq_len,
                          load_base)
-from .build import build_for_training
+from .build import FULL_IN_BF16, build_for_training
 from .adapter_io import ADAPTER_FILE, save_adapter
 from .export import write_hf_folder
 from .finetune_data import encode_domain, training_data
@@ -88,6 +89,8 @@ class FinetuneConfig:
                 raise InputError("QLoRA (quant_scheme) trains LoRA on a quantized base; it cannot be full fine-tuning")
             check_scheme(self.quant_scheme)
         self.train.validate()
+        if self.method == "full" and self.train.precision == "bf16":
+            raise InputError(FULL_IN_BF16)
 
 
 @dataclass
@@ -119,14 +122,17 @@ def training_window(base: Path, seq_len: int | None) -> int:
 
 
 def finetune(base: str | Path, out: str | Path, cfg: FinetuneConfig, progress: bool = True, log=print,
-             overwrite: bool = False, resume: bool = False, device: str | torch.device = "cpu") -> FinetuneResult:
+             overwrite: bool = False, resume: bool = False, device: str | torch.device = "cpu",
+             allow_slow_bf16: bool = False) -> FinetuneResult:
     """Fine-tune the base folder `base` on cfg.data, write the run to `out`, return the model and numbers.
 
     A folder that already holds a run is refused unless `overwrite` (start over) or `resume` (continue from
     its newest checkpoint, bit-identically on CPU: cfg must be the one the run started with). Under torchrun
-    every rank trains (minigpt.distributed) and rank 0 alone logs and writes.
+    every rank trains (minigpt.distributed) and rank 0 alone logs and writes. cfg.train.precision "bf16" is
+    refused where bf16 would run slower than fp32 unless `allow_slow_bf16` (not part of the run's identity).
     """
     cfg.validate()
+    bf16 = check_precision(cfg.train.precision, torch.device(device), allow_slow_bf16)  # before anything is loaded
     start = time.perf_counter()
     base, out = Path(base), Path(out)
     if out.resolve() == base.resolve():
@@ -156,12 +162,16 @@ def finetune(base: str | Path, out: str | Path, cfg: FinetuneConfig, progress: b
     base_before = domain_val_loss(model, tokenizer, cfg.base_domain, train_cfg, block) if cfg.base_domain else None
 
     lora_cfg = cfg.lora
-    # QLoRA computes in bf16 on CUDA and fp32 on CPU, LoRA in the base's dtype, full FT in fp32 (build's defaults)
-    build_for_training(model, method, lora_cfg, cfg.quant_scheme or DEFAULT_QUANT_SCHEME, device,
-                       init_adapter=cfg.init_adapter)
+    # fp32: QLoRA and full FT in fp32 on every device, LoRA in the dtype the base was read in (a 16-bit checkpoint is
+    # not upcast); bf16 (cfg.train.precision): minituner.precision's path (bf16 frozen base, fp32 norms and masters)
+    compute = None if train_cfg.precision == "bf16" or method == "lora" else torch.float32
+    build_for_training(model, method, lora_cfg, cfg.quant_scheme or DEFAULT_QUANT_SCHEME, device, compute,
+                       precision=train_cfg.precision, allow_slow_bf16=allow_slow_bf16, init_adapter=cfg.init_adapter)
     trainable = trainable_numel(model)
     log(f"{cfg.method}: {trainable:,} of {n_params:,} parameters trainable ({trainable / n_params:.2%}); "
-        f"{data.description}; {train_cfg.steps} steps")
+        f"{data.description}; {train_cfg.steps} steps in {train_cfg.precision}")
+    if bf16 is not None and not bf16.fast:
+        log(f"warning: {bf16.reason}: bf16 runs slower than fp32 here (--allow-slow-bf16)")
 
     out.mkdir(parents=True, exist_ok=True)
     base_sha, base_bytes = base_weights_sha256(base)

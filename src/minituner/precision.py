@@ -25,14 +25,14 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from minigpt.bf16_support import Bf16Support, check_bf16
+from minigpt.bf16_support import Bf16Support
+from minigpt.device import PRECISIONS, check_precision
 from minigpt.errors import InputError
 from miniquant import QuantizedLinear
 
 from .lora import LoRALinear, lora_modules
 
 BF16 = torch.bfloat16
-PRECISIONS = ("fp32", "bf16")  # what a --precision flag offers (bf16: this module's path, on CPU and CUDA)
 
 
 class Bf16Linear(nn.Linear):
@@ -93,8 +93,8 @@ def _non_fp32_tensors(model: nn.Module) -> list[str]:
     """Float parameters and buffers that are not fp32, outside the modules use_bf16_compute made low-precision."""
     out = []
     for path, m in model.named_modules():
-        if isinstance(m, (Bf16Linear, Bf16Embedding, QuantizedLinear)):
-            continue
+        if isinstance(m, (Bf16Linear, Bf16Embedding, QuantizedLinear)) or type(m) in (nn.Linear, nn.Embedding):
+            continue  # low precision by design, or about to be stored in it (a 16-bit checkpoint's weights)
         for name, t in [*m.named_parameters(recurse=False), *m.named_buffers(recurse=False)]:
             if t is not None and t.is_floating_point() and t.dtype != torch.float32:
                 out.append(f"{path}.{name}" if path else name)
@@ -182,6 +182,6 @@ def apply_precision(model: nn.Module, precision: str, device: torch.device | str
     if precision == "fp32":
         return None
     check_frozen_base(model)  # a full fine-tune is refused before the device is looked at
-    support = check_bf16(device, allow_slow_bf16, flags)
+    support = check_precision(precision, device, allow_slow_bf16, flags)
     use_bf16_compute(model)
     return support

@@ -63,14 +63,15 @@ def quantize_linears(model: nn.Module, paths: list[str], scheme: str = DEFAULT_Q
 
 
 @torch.no_grad()
-def cast_float_tensors(model: nn.Module, dtype: torch.dtype) -> None:
-    """Cast the float parameters and buffers to `dtype`, except the LoRA factors and quantized weights.
+def cast_float_tensors(model: nn.Module, dtype: torch.dtype, keep: tuple[type, ...] = ()) -> None:
+    """Cast the float parameters and buffers to `dtype`, except the LoRA factors, quantized weights and
+    modules of the `keep` types (exactly those types, e.g. nn.Linear: left in the dtype they were read in).
 
     A QuantizedLinear keeps its quantized buffers (codes and float32 scales) and casts its bias only.
     """
     lora_factors = {id(f) for m in lora_modules(model).values() for d in (m.lora_A, m.lora_B) for f in d.values()}
     for module in model.modules():
-        if id(module) in lora_factors:
+        if id(module) in lora_factors or type(module) in keep:
             continue
         for p in module.parameters(recurse=False):
             if p.is_floating_point() and p.dtype != dtype:

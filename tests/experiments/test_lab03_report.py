@@ -122,3 +122,11 @@ def test_trained_adapter_loads_on_an_nf4_minigpt_in_both_formats(results):
     a, b = lora_state_dict(ours, "trained"), lora_state_dict(peft_copy, "trained")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert sum(t.numel() for t in a.values()) == results["A"]["summary"]["trainable"]
+
+
+def test_block_c_in_bf16_stays_finite_and_its_loss_falls(results):
+    c = results["C"]
+    bf16 = c["bf16"]
+    assert bf16["precision"] == "bf16" and bf16["steps"] == c["steps"]
+    assert bf16["all_finite"] and bf16["last_mean"] < bf16["first_mean"] and math.isfinite(bf16["val_loss_after"])
+    assert bf16["tokens_per_s"] > 0 and c["speed"]["tokens_per_s"] > 0

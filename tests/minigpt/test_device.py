@@ -1,11 +1,11 @@
-"""Device selection and bf16 autocast; the CUDA paths run only where a GPU is present."""
+"""Device selection and the precision check; the CUDA paths run only where a GPU is present."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from minigpt.data import forecast_documents
-from minigpt.device import autocast, check_precision, resolve_device
+from minigpt.device import check_precision, resolve_device
 from minigpt.errors import InputError
 from minigpt.model import GPTConfig, MiniGPT
 from minigpt.tokenizer import CharTokenizer
@@ -28,15 +28,21 @@ def test_cuda_without_a_gpu_is_a_one_line_error():
         resolve_device("cuda")
 
 
-def test_bf16_autocast_is_refused_on_cpu():
-    with pytest.raises(InputError, match="CUDA path"):
-        check_precision("bf16-autocast", torch.device("cpu"))
-    with pytest.raises(InputError, match="precision must be one of"):
+def test_precision_names_and_the_cpu_bf16_check():
+    with pytest.raises(InputError, match="precision must be one of fp32, bf16"):
         check_precision("fp8", torch.device("cpu"))
-    with autocast(torch.device("cpu"), "fp32"):
-        assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == torch.float32
-    with pytest.raises(InputError, match="CUDA path"):
-        tiny_train(torch.device("cpu"), "bf16-autocast")
+    with pytest.raises(InputError, match="precision must be one of fp32, bf16"):
+        check_precision("bf16-autocast", torch.device("cpu"))  # the CLI's old name, not a precision
+    assert check_precision("fp32", torch.device("cpu")) is None
+    with pytest.raises(InputError, match="no bf16 units.*--precision fp32.*--allow-slow-bf16"):
+        check_precision("bf16", torch.device("cpu"), flags={"avx2", "avx512f"})
+    assert not check_precision("bf16", torch.device("cpu"), allow_slow_bf16=True, flags={"avx2"}).fast
+    assert check_precision("bf16", torch.device("cpu"), flags={"amx_bf16"}).fast
+
+
+def test_train_refuses_bf16_on_a_model_not_built_for_it():
+    with pytest.raises(InputError, match="needs a model built for bf16 compute"):
+        tiny_train(torch.device("cpu"), "bf16")
 
 
 def tiny_train(device: torch.device, precision: str):
@@ -49,15 +55,7 @@ def tiny_train(device: torch.device, precision: str):
 
 
 @needs_cuda
-def test_autocast_runs_matmuls_in_bf16():
-    with autocast(torch.device("cuda"), "bf16-autocast"):
-        y = torch.ones(4, 4, device="cuda") @ torch.ones(4, 4, device="cuda")
-    assert y.dtype == torch.bfloat16
-
-
-@needs_cuda
-@pytest.mark.parametrize("precision", ["fp32", "bf16-autocast"])
-def test_train_on_cuda(precision):
-    model, result = tiny_train(resolve_device("cuda"), precision)
+def test_train_on_cuda():
+    model, result = tiny_train(resolve_device("cuda"), "fp32")
     assert all(p.dtype == torch.float32 and p.is_cuda for p in model.parameters())  # weights stay fp32
     assert result.final_train_loss == result.final_train_loss and result.final_val_loss < 10

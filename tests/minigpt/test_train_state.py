@@ -16,7 +16,7 @@ from minigpt.errors import InputError
 from minigpt.manifest import seed_everything
 from minigpt.model import GPTConfig, MiniGPT
 from minigpt.pretrain import pretrain
-from minigpt.train import NonFiniteError, TrainConfig, train
+from minigpt.train import NonFiniteError, TrainConfig, train, without_timing
 
 IDS = torch.randint(0, 37, (3000,), generator=torch.Generator().manual_seed(0))
 
@@ -99,8 +99,8 @@ def test_interrupted_run_resumes_bit_identically_in_process(tmp_path, monkeypatc
     fresh = tiny()  # a new process would rebuild the model from its seed before resuming
     res = train(fresh, IDS, IDS, cfg(), out_dir=tmp_path / "cut", progress=False, resume=True, log=lambda *_: None)
     assert all(torch.equal(a, b) for a, b in zip(whole.state_dict().values(), fresh.state_dict().values()))
-    assert res.final_val_loss == ref.final_val_loss and res.history == ref.history
-    assert (tmp_path / "cut" / "metrics.jsonl").read_bytes() == (tmp_path / "whole" / "metrics.jsonl").read_bytes()
+    assert res.final_val_loss == ref.final_val_loss and without_timing(res.history) == without_timing(ref.history)
+    assert metrics(tmp_path / "cut") == metrics(tmp_path / "whole")  # every field but the wall-clock ones
     assert [r["step"] for r in res.resumes] == [8] and len(res.resumes[0]["sha256"]) == 64
     assert [s for s, _ in list_checkpoints(tmp_path / "cut" / CHECKPOINT_DIR)] == [8, 12]  # newest 2 kept
 
@@ -216,11 +216,22 @@ def test_pretrain_resumes_to_the_same_bytes(tmp_path, monkeypatch):
     with pytest.raises(InputError, match="already holds a run"):
         pretrain(tmp_path / "b", data, train_cfg=c, **kw)
     pretrain(tmp_path / "b", data, train_cfg=c, resume=True, **kw)
-    for name in ("model.safetensors", "metrics.jsonl"):
-        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
+    assert (tmp_path / "a" / "model.safetensors").read_bytes() == (tmp_path / "b" / "model.safetensors").read_bytes()
+    assert metrics(tmp_path / "a") == metrics(tmp_path / "b")
     manifest = json.loads((tmp_path / "b" / "manifest.json").read_text())
     assert [r["step"] for r in manifest["resumes"]] == [6]
     assert json.loads((tmp_path / "a" / "manifest.json").read_text())["resumes"] == []
+
+
+def metrics(folder) -> list[dict]:
+    """metrics.jsonl's rows without step_time_s and tokens_per_s (wall-clock: no run repeats them)."""
+    return without_timing([json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()])
+
+
+def test_metrics_rows_carry_step_time_and_tokens_per_second(tmp_path):
+    train(tiny(), IDS, IDS, cfg(3, checkpoint_every=0), out_dir=tmp_path, progress=False)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 3 and all(r["step_time_s"] > 0 and r["tokens_per_s"] > 0 for r in rows)
 
 
 def test_loss_summary():

@@ -60,3 +60,10 @@ def test_both_adapter_files_load_into_the_recorded_model_shape():
     a, b = lora_state_dict(ours), lora_state_dict(peft_copy)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert sum(t.numel() for t in a.values()) == results()["summary"]["params_trainable"]
+
+
+def test_bf16_run_ends_within_one_percent_of_fp32():
+    r = results()
+    fp32, bf16 = r["summary"]["val_loss_after"], r["bf16"]
+    assert bf16["precision"] == "bf16" and bf16["steps"] == r["summary"]["steps"] and bf16["all_finite"]
+    assert abs(bf16["val_loss_after"] - fp32) / fp32 <= lab02().BF16_GOAL == 0.01

@@ -156,3 +156,21 @@ def test_count_base_plans_from_the_folders_config(hf_folder, capsys):
     assert plan["total_params"] == sum(p.numel() for p in load_base(base)[0].parameters())
     assert main(["count", "--base", str(base / "config.json")]) == 2
     assert "--base takes a folder" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("qlora", [False, True])
+def test_precision_bf16_on_a_bf16_base_keeps_weights_as_read_and_norms_fp32(hf_folder, data, tmp_path, qlora):
+    """--precision bf16 on a bf16 checkpoint: Linear/embedding weights stay bf16 (never upcast), norms fp32."""
+    from minigpt.train import TrainConfig
+    from minituner.finetune import FinetuneConfig, finetune as finetune_api
+    from minituner.lora import LoRAConfig
+
+    base = hf_folder("llama", name="llama-cli-bf16", dtype=torch.bfloat16)
+    cfg = FinetuneConfig(data=str(data), lora=LoRAConfig(r=4, alpha=8.0), base_domain=None, seq_len=16,
+                         quant_scheme="nf4_per_group_64" if qlora else None,
+                         train=TrainConfig(steps=2, batch_size=2, eval_every=2, eval_batches=1, precision="bf16"))
+    res = finetune_api(base, tmp_path / "run", cfg, progress=False, log=lambda *_: None, allow_slow_bf16=True)
+    dtypes = {n: p.dtype for n, p in res.model.named_parameters()}
+    assert all(d == torch.float32 for n, d in dtypes.items() if "norm" in n or "lora_" in n)
+    assert all(d == torch.bfloat16 for n, d in dtypes.items() if "norm" not in n and "lora_" not in n)
+    assert res.summary["val_loss_after"] == res.summary["val_loss_after"]  # finite, not NaN

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 
+from minigpt.device import PRECISIONS
 
 DEFAULT_CHECKPOINT_EVERY = 100  # steps between resumable checkpoints on the command line (the library default is none)
 
@@ -54,3 +55,20 @@ def checkpoint_options(args: argparse.Namespace) -> dict:
     """The TrainConfig fields set by add_run_arguments."""
     return {"checkpoint_every": args.checkpoint_every, "keep_checkpoints": args.keep_checkpoints,
             "skip_nonfinite": args.skip_nonfinite}
+
+
+PRECISION_ALIASES = {"bf16-autocast": "bf16"}  # the old CUDA flag: the same bf16 path now
+
+
+def _precision(text: str) -> str:
+    return PRECISION_ALIASES.get(text, text)
+
+
+def add_precision_arguments(p: argparse.ArgumentParser, default: str = "fp32") -> None:
+    """--precision {fp32,bf16} and --allow-slow-bf16, for commands that build a model to train."""
+    p.add_argument("--precision", type=_precision, choices=PRECISIONS, default=default,
+                   help="fp32, or bf16: the frozen base stored and multiplied in bf16; LoRA masters, norms, softmax, "
+                        "loss, grads and AdamW stay fp32 (LoRA/QLoRA; CUDA, or a CPU with avx512_bf16/amx_bf16). "
+                        "bf16-autocast is accepted as the old name of bf16 (default %(default)s)")
+    p.add_argument("--allow-slow-bf16", action="store_true",
+                   help="run --precision bf16 on a CPU without bf16 units (slower than fp32) instead of refusing")

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from minigpt.device import DEVICES, PRECISIONS, check_precision, resolve_device
+from minigpt.device import DEVICES, check_precision, resolve_device
 from minigpt.distributed import init_from_env, is_writer, local_rank, shutdown
 from minigpt.errors import InputError
 from minigpt.train import TrainConfig
@@ -14,7 +14,7 @@ from ..finetune import BASE_DOMAIN, DEFAULT_DATA, FinetuneConfig, default_train_
 from ..lora import ALL_LINEAR, LoRAConfig
 from ..sft import FORMATS
 from ..sft.examples import OVERLONG
-from ._common import add_run_arguments, checkpoint_options, positive_float, positive_int
+from ._common import add_precision_arguments, add_run_arguments, checkpoint_options, positive_float, positive_int
 
 HELP = ("fine-tune a base model with LoRA (default) or fully; writes adapter_final.safetensors, a PEFT folder, "
         "metrics.jsonl, loss_curve.png and manifest.json")
@@ -81,8 +81,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="train on characters the base tokenizer never saw (as <unk>) instead of refusing the data")
     p.add_argument("--device", choices=DEVICES, default="auto",
                    help="auto: cuda if available, else cpu; under torchrun each process takes cuda:LOCAL_RANK")
-    p.add_argument("--precision", choices=PRECISIONS, default="fp32",
-                   help="fp32, or bf16-autocast on CUDA (forward in bf16; weights, grads and Adam stay fp32)")
+    add_precision_arguments(p)
     add_run_arguments(p)
     p.add_argument("--grad-checkpoint", action="store_true",
                    help="recompute each block in backward (torch.utils.checkpoint): less activation memory, same "
@@ -111,12 +110,12 @@ def run(args: argparse.Namespace) -> int:
                          allow_unknown_chars=args.allow_unknown_chars, seq_len=args.seq_len,
                          format=args.format, train_on_inputs=args.train_on_inputs, overlong=args.overlong)
     device = resolve_device(args.device, local_rank())
-    check_precision(args.precision, device)
+    check_precision(args.precision, device, args.allow_slow_bf16)  # refused before anything is loaded
     init_from_env(device)  # torchrun: join the process group (gloo on CPU, nccl on CUDA)
     writer = is_writer()
     try:
         finetune(args.base, args.out, cfg, progress=not args.no_progress, overwrite=args.overwrite,
-                 resume=args.resume, device=device)
+                 resume=args.resume, device=device, allow_slow_bf16=args.allow_slow_bf16)
     finally:
         shutdown()
     if writer:

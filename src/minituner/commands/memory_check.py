@@ -5,7 +5,7 @@ import argparse
 import json
 from pathlib import Path
 
-from minigpt.device import DEVICES, PRECISIONS, resolve_device
+from minigpt.device import DEVICES, resolve_device
 from minigpt.base_folder import CONFIG
 from minigpt.errors import InputError
 from minigpt.io import read_json
@@ -18,7 +18,7 @@ from ..lora import ALL_LINEAR
 from ..memory.check import REGIMES, CheckConfig, describe, format_table, load_model_folder, memory_check
 from ..planner import minigpt_vocab
 from ..planner.presets import MINIGPT_SIZES
-from ._common import positive_float, positive_int
+from ._common import add_precision_arguments, positive_float, positive_int
 
 HELP = ("build a model, train a few steps and print the planner's memory prediction beside the measurement "
         "(weights, grads, optimizer, activations, peak) with the error of each")
@@ -43,8 +43,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=positive_int, default=d.steps, help="training steps (default %(default)s)")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--device", choices=DEVICES, default="auto", help="auto: cuda if available, else cpu")
-    p.add_argument("--precision", choices=PRECISIONS, default=d.precision,
-                   help="fp32, or bf16-autocast (CUDA; weights, grads and Adam stay fp32)")
+    add_precision_arguments(p, d.precision)
     p.add_argument("--grad-checkpoint", action="store_true",
                    help="recompute each block in backward (torch.utils.checkpoint): less activation memory")
     p.add_argument("--default-allocator", action="store_true",
@@ -94,7 +93,8 @@ def run(args: argparse.Namespace) -> int:
 
     check = CheckConfig(regime=args.regime, rank=args.rank, alpha=args.alpha, targets=args.target,
                         batch_size=args.batch_size, seq_len=args.seq_len, steps=args.steps, seed=args.seed,
-                        precision=args.precision, grad_checkpoint=args.grad_checkpoint,
+                        precision=args.precision, allow_slow_bf16=args.allow_slow_bf16,
+                        grad_checkpoint=args.grad_checkpoint,
                         pin_allocator=not args.default_allocator)
     result = memory_check(build, check, device, name)
     if args.json:

@@ -128,16 +128,39 @@ def test_cli_refuses_what_it_cannot_build(tmp_path, capsys):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("precision", ["fp32", "bf16-autocast"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_cuda_buckets(precision):
     cfg = GPTConfig(**{**TINY, "d_model": 64, "n_head": 4})
     r = memory_check(lambda: MiniGPT(cfg).cuda(), CheckConfig(regime="lora", batch_size=2, seq_len=8,
                                                               precision=precision), torch.device("cuda"))
-    for b in ("weights", "grads", "optimizer"):  # autocast leaves weights, grads and Adam in fp32
+    for b in ("grads", "optimizer"):  # the LoRA masters' grads and Adam are fp32 in both
         assert r.predicted[b] == r.measured[b]
+    norms = 0 if precision == "fp32" else 2 * sum(p.numel() for n, p in MiniGPT(cfg).named_parameters() if "ln" in n)
+    assert r.predicted["weights"] + norms == r.measured["weights"]  # bf16: the norms stay fp32 (planned bf16)
     assert r.measured["peak"] >= r.measured["weights"] and r.peak_source.startswith("torch.cuda")
     if precision == "fp32":
         assert abs(r.predicted["activations"] - r.measured["activations"]) <= 0.1 * r.measured["activations"]
+
+
+@pytest.mark.parametrize("regime", ["lora", "qlora"])
+def test_bf16_frozen_base_is_planned_in_bf16(regime):
+    """--precision bf16 (slow bf16 allowed: CI CPUs may lack bf16 units): the base in bf16, LoRA and Adam fp32."""
+    cfg = GPTConfig(**{**TINY, "d_model": 64, "n_head": 4})
+    fp32, bf16 = (memory_check(lambda: MiniGPT(cfg), CheckConfig(regime=regime, batch_size=2, seq_len=8, precision=p,
+                                                                 allow_slow_bf16=True), CPU) for p in ("fp32", "bf16"))
+    norms = 2 * sum(p.numel() for n, p in MiniGPT(cfg).named_parameters() if "ln" in n)  # fp32 norms, planned bf16
+    assert bf16.predicted["weights"] + norms == bf16.measured["weights"] < fp32.measured["weights"]
+    for b in ("grads", "optimizer"):
+        assert bf16.predicted[b] == bf16.measured[b] == fp32.measured[b]
+    assert bf16.predicted["activations"] == fp32.predicted["activations"]  # fp32's model: an approximation in bf16
+    assert bf16.to_json()["details"]["precision"] == "bf16"
+
+
+def test_bf16_is_refused_on_a_cpu_without_bf16_units(monkeypatch, capsys):
+    monkeypatch.setattr("minigpt.bf16_support.cpu_flags", lambda: frozenset({"avx2", "avx512f"}))
+    assert main(["memory-check", "--precision", "bf16", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert "no bf16 units" in err and "--allow-slow-bf16" in err and len(err.strip().splitlines()) == 1
 
 
 def test_batch_of_one_is_exact():
