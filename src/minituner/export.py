@@ -29,7 +29,7 @@ import torch
 import torch.nn as nn
 
 from minigpt.decoder import Decoder
-from minigpt.base_folder import MANIFEST
+from minigpt.base_folder import CONFIG, MANIFEST, WEIGHTS, WEIGHTS_INDEX
 from minigpt.errors import InputError
 from minigpt.io import atomic_save_safetensors, read_json, write_json
 from minigpt.model import MiniGPT
@@ -116,7 +116,7 @@ def _write_weights(tmp: Path, tensors: dict[str, tuple[torch.Size, torch.dtype, 
 
     sizes = {k: s.numel() * out_dtype(d).itemsize for k, (s, d, _) in tensors.items()}
     shards = plan_shards(sizes, max_shard_bytes)
-    names = ["model.safetensors"] if len(shards) == 1 else [
+    names = [WEIGHTS] if len(shards) == 1 else [
         f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     weight_map = {}
     for name, keys in zip(names, shards):
@@ -131,7 +131,7 @@ def _write_weights(tmp: Path, tensors: dict[str, tuple[torch.Size, torch.dtype, 
         weight_map.update(dict.fromkeys(keys, name))
         del data
     if len(shards) > 1:
-        write_json(tmp / "model.safetensors.index.json",
+        write_json(tmp / WEIGHTS_INDEX,
                    {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map})
 
 
@@ -168,7 +168,7 @@ def write_hf_folder(model: nn.Module, base_folder: str | Path, folder: str | Pat
     the base's tokenizer files and generation_config. dtype None: the base checkpoint's dtype."""
     base_folder, folder = Path(base_folder), Path(folder)
     _check_options(dtype, max_shard_bytes)
-    config = read_json(base_folder / "config.json")
+    config = read_json(base_folder / CONFIG)
     dtype = dtype or base_dtype(base_folder)
     if isinstance(model, Decoder):
         family = model.config.model_type
@@ -189,7 +189,7 @@ def write_hf_folder(model: nn.Module, base_folder: str | Path, folder: str | Pat
     for name in COPIED:
         if (base_folder / name).is_file():
             shutil.copyfile(base_folder / name, folder / name)
-    write_json(folder / "config.json", config)
+    write_json(folder / CONFIG, config)
 
 
 def export_merged(model: nn.Module, base_folder: str | Path, out: str | Path, dtype: torch.dtype | None = None,

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from minigpt.base_folder import CONFIG
 from minigpt.decoder import ACTIVATIONS, DecoderConfig
 from minigpt.errors import InputError
 from minigpt.io import read_json
@@ -180,14 +181,14 @@ def decoder_config_from_hf(cfg: dict, where: str = "config.json", check_rope: bo
 
 def read_decoder_config(folder: str | Path) -> DecoderConfig:
     """config.json of a llama / mistral / qwen2 folder -> DecoderConfig."""
-    path = Path(folder) / "config.json"
+    path = Path(folder) / CONFIG
     return decoder_config_from_hf(read_json(path), str(path))
 
 
 def eos_token_ids(folder: str | Path) -> list[int]:
     """End-of-sequence ids: generation_config.json's eos_token_id when it has one, else config.json's."""
     folder = Path(folder)
-    for name in ("generation_config.json", "config.json"):
+    for name in ("generation_config.json", CONFIG):
         path = folder / name
         if not path.is_file():
             continue

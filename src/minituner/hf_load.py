@@ -24,6 +24,7 @@ from typing import Callable, Union
 import torch
 import torch.nn as nn
 
+from minigpt.base_folder import CONFIG, WEIGHTS, WEIGHTS_INDEX as INDEX
 from minigpt.decoder import Decoder, DecoderConfig
 from minigpt.errors import InputError
 from minigpt.io import read_json
@@ -34,7 +35,6 @@ from .lora import find_targets, linear_candidates
 from .qlora import check_scheme
 from .tokenizer_files import load_tokenizer
 
-WEIGHTS, INDEX = "model.safetensors", "model.safetensors.index.json"
 IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)  # buffers older checkpoints saved; recomputed from the config
 DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
@@ -158,9 +158,9 @@ def load_hf_decoder(folder: str | Path, device: str | torch.device = "cpu", dtyp
     (a predicate over paths such as ``model.layers.0.mlp.up_proj``, or (targets, scheme)).
     """
     folder = Path(folder)
-    if not (folder / "config.json").is_file():
+    if not (folder / CONFIG).is_file():
         raise InputError(f"{folder}: not a model folder (no config.json)")
-    if read_json(folder / "config.json").get("model_type") == "gpt2":
+    if read_json(folder / CONFIG).get("model_type") == "gpt2":
         raise InputError(f"{folder}: model_type 'gpt2' loads as MiniGPT (minituner.hf_gpt2.load_gpt2), not as a Decoder")
     cfg: DecoderConfig = read_decoder_config(folder)
     if dtype is not None and not dtype.is_floating_point:
