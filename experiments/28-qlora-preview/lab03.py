@@ -23,21 +23,20 @@ import torch
 from minigpt.base_folder import MANIFEST, WEIGHTS
 from minigpt.data import eval_batches
 from minigpt.errors import InputError
-from minigpt.io import atomic_write_text, read_json, sha256_file, write_json
+from minigpt.io import atomic_write_text, sha256_file, write_json
 from minigpt.manifest import write_manifest
-from minigpt.train import TrainConfig, evaluate, loss_summary
+from minigpt.train import TrainConfig, evaluate
 from miniquant import DEFAULT_QUANT_SCHEME
 from minituner.adapter_io import ADAPTER_FILE, load_adapter, read_adapter
 from minituner.base_model import load_base
 from minituner.build import build_for_training
 from minituner.finetune import DEFAULT_DATA, PEFT_DIR, FinetuneConfig, encode_domain, finetune
-from minituner.lora import LoRAConfig, load_lora_state_dict, lora_modules
-from minituner.memory.accounting import account
-from minituner.memory.fresh_run import Setup, comparison, comparison_table, measure_in_fresh_process, mib
-from minituner.parity import bnb_nf4_max_logit_diff
-from minituner.planner import MemoryConfig, Regime, lora_trainable_params, minigpt_shape, plan, preset_shape
-from minituner.qlora_checks import adapter_swap, scheme_rows, sensitivity, single_linear_ratios, wrapped_layer
-from minituner.run_info import display_path, precision_run, run_speed
+from minituner.lora import LoRAConfig, load_lora_state_dict
+from minituner.memory.fresh_run import lora_vs_qlora
+from minituner.planner import MemoryConfig
+from minituner.qlora_checks import adapter_swap, logit_check, wrapped_layer
+from minituner.qlora_report import manifest_fields, report_values, summary_line
+from minituner.run_info import display_path, precision_run, run_summary
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -52,7 +51,6 @@ TOLERANCE = 0.03  # block B: mean |logit diff| / mean |logits|; the seed expects
 MEMORY = MemoryConfig()  # block D: the planner's batch 16 x 32 tokens, fp16 float storage
 MEMORY_STEPS = 2
 MEMORY_ROWS = {"lora-fp16": "LoRA, fp16 base", "qlora-nf4": "QLoRA, NF4 base (fp16 rest)"}
-GiB = 1024**3
 
 
 def qlora_model(base: Path, scheme: str = SCHEME, adapter_name: str = "default") -> torch.nn.Module:
@@ -67,18 +65,10 @@ def with_adapter(base: Path) -> torch.nn.Module:
 
 def block_b(base: Path, x: torch.Tensor, val_ids: torch.Tensor) -> dict:
     """Lab 02's adapter on the fp base and on quantized bases: logits on a fixed batch, weight error, val loss."""
-    sd, _ = read_adapter(LAB02_ADAPTER)
-    plain, fp = load_base(base)[0], with_adapter(base)
+    plain = load_base(base)[0]
     val = lambda m: evaluate(m, val_ids, plain.config.block_size, TRAIN.batch_size, TRAIN.eval_batches)  # noqa: E731
-    with torch.no_grad():
-        ref, ref_base = fp(x), plain(x)
-    rows, logits = scheme_rows(plain, ref, ref_base, lambda s: qlora_model(base, s), sd, COMPARE_SCHEMES, x, val)
-    single = single_linear_ratios(lambda: with_adapter(base), list(lora_modules(fp)), SCHEME, x, ref)
-    nf4 = rows[-1]["with_adapter"]
-    return {"prompts": list(x.shape), "tolerance": TOLERANCE, "ratio": nf4["ratio"],
-            "within_tolerance": nf4["ratio"] <= TOLERANCE, "fp_val_loss": val(fp), "schemes": rows,
-            "single_linear": single, "bitsandbytes_max_abs_diff": bnb_nf4_max_logit_diff(with_adapter(base), x,
-                                                                                         logits[SCHEME])}
+    return logit_check(plain, lambda: with_adapter(base), lambda s: qlora_model(base, s),
+                       read_adapter(LAB02_ADAPTER)[0], COMPARE_SCHEMES, x, val, TOLERANCE)
 
 
 def block_c(base: Path, tmp: Path, progress: bool) -> dict:
@@ -91,32 +81,14 @@ def block_c(base: Path, tmp: Path, progress: bool) -> dict:
         shutil.copyfile(tmp / name, HERE / name)
     shutil.rmtree(HERE / PEFT_DIR, ignore_errors=True)
     shutil.copytree(tmp / PEFT_DIR, HERE / PEFT_DIR)
-    rows = [json.loads(line) for line in (tmp / "metrics.jsonl").read_text().splitlines()]
-    s = loss_summary(rows, 10)
     bf16 = precision_run(base, cfg, "bf16", tmp.parent / "bf16", progress)  # the same epoch, frozen base in bf16
-    return {"speed": run_speed(tmp), "bf16": bf16,
-            "steps": s["steps"], "batch_size": TRAIN.batch_size, "lr": TRAIN.lr, "warmup_steps": TRAIN.warmup_steps,
-            "schedule": TRAIN.schedule, "seed": TRAIN.seed, "train_tokens": res.summary["train_tokens"],
-            **{k: s[k] for k in ("all_finite", "first_loss", "last_loss", "first_mean", "last_mean", "mean_window", "val")},
-            "val_loss_after": res.summary["val_loss_after"], "wall_time_s": res.summary["train_wall_time_s"],
-            "finetune_manifest": read_json(tmp / MANIFEST)}
+    return {**run_summary(tmp, res.summary), "bf16": bf16, "batch_size": TRAIN.batch_size, "lr": TRAIN.lr,
+            "warmup_steps": TRAIN.warmup_steps, "schedule": TRAIN.schedule, "seed": TRAIN.seed}
 
 
 def block_d(base: Path) -> dict:
     """LoRA on an fp16 base vs QLoRA on an NF4 base, each measured in a fresh process; the planner beside them."""
-    rows = {name: measure_in_fresh_process(Setup(name, str(base), str(LAB02_ADAPTER), LORA.to_dict(), DEFAULT_DATA,
-                                                 MEMORY.batch_size, MEMORY.seq_len, MEMORY_STEPS, TRAIN.seed, TRAIN.lr))
-            for name in MEMORY_ROWS}
-    fp32 = build_for_training(load_base(base)[0], "lora", LORA, device="cpu")
-    shape, regimes = minigpt_shape(fp32.config), [Regime("lora", LORA.r), Regime("qlora", LORA.r)]
-    mini = plan(shape, regimes, LORA.target_modules, MEMORY)
-    big = plan(preset_shape("llama-7b"), regimes, LORA.target_modules, MEMORY)
-    return {"rows": rows, "steps": MEMORY_STEPS, "batch": [MEMORY.batch_size, MEMORY.seq_len],
-            "lora_params": lora_trainable_params(shape, LORA.r), "lora_tensors": 2 * len(lora_modules(fp32)),
-            "fp32_lora_weights": account(fp32)["weights"],
-            "planner": {"lora-fp16": mini.regimes[0].bytes.to_dict(), "qlora-nf4": mini.regimes[1].bytes.to_dict()},
-            "planner_7b": {"lora-fp16": big.regimes[0].bytes.to_dict(), "qlora-nf4": big.regimes[1].bytes.to_dict(),
-                           "params": big.total_params}}
+    return lora_vs_qlora(base, LAB02_ADAPTER, LORA, DEFAULT_DATA, MEMORY, MEMORY_STEPS, TRAIN, list(MEMORY_ROWS))
 
 
 def block_e(base: Path, x: torch.Tensor, val_ids: torch.Tensor) -> dict:
@@ -152,58 +124,14 @@ def run(base: Path, progress: bool) -> dict:
 
 def render(r: dict) -> str:
     """REPORT.md from results.json: every number below is one the script measured or the planner computed."""
-    a, b, c, d, e = r["A"], r["B"], r["C"], r["D"], r["E"]
-    nf4, bnb, p7 = b["schemes"][-1], b["bitsandbytes_max_abs_diff"], d["planner_7b"]
-    m = comparison(d["rows"], d["planner"], d["lora_params"], d["lora_tensors"])
-    tot, planner_mini = m["total"], m["planned"]
-    values = dict(
-        r=r, a=a, b=b, c=c, d=d, e=e, nf4=nf4, int8=b["schemes"][0], n_q=a["quantized_layers"], fence="```",
-        base_sha16=r["base_sha256"][:16], lab02_sha16=r["lab02_adapter_sha256"][:16],
-        buffers=", ".join(f"`{n}` {s} {t}" for n, (s, t) in a["q_proj_buffers"].items()),
-        packed_count=a["summary"]["quantized"] // 2,
-        scheme_rows="\n".join(
-            f"| {s['scheme']} | {s['weight_error']:.2%} | {s['base_only']['ratio']:.2%} | {s['with_adapter']['ratio']:.2%} "
-            f"| {s['with_adapter']['mean_abs_diff']:.4f} | {s['with_adapter']['max_abs_diff']:.3f} "
-            f"| {s['with_adapter']['top1_agreement']:.1%} | {s['val_loss']:.4f} |" for s in b["schemes"]),
-        verdict=(f"**{b['ratio']:.2%} is within the {b['tolerance']:.0%} tolerance.**" if b["within_tolerance"] else
-                 f"**{b['ratio']:.2%} is above the {b['tolerance']:.0%} tolerance** the seed expects; the check fails, "
-                 "and the measurements say why:"),
-        bnb=("not measured (bitsandbytes is not installed)" if bnb is None else f"max |logit difference| {bnb:.1e}"),
-        **sensitivity(b["single_linear"]),
-        cb=c["bf16"], bf16_falls=c["bf16"]["all_finite"] and c["bf16"]["last_mean"] < c["bf16"]["first_mean"],
-        cs=c["finetune_manifest"]["config"], vals=", ".join(f"{v:.4f} (step {s})" for s, v in c["val"]),
-        loss_down=c["val_loss_after"] < nf4["val_loss"] and c["last_mean"] < c["first_mean"],
-        ending="ending below" if c["val_loss_after"] < b["fp_val_loss"] else "ending above",
-        memory_table=comparison_table(d["rows"], d["planner"], MEMORY_ROWS), tot=tot, planner_mini=planner_mini,
-        lora_extra=m["lora_extra"], steps_extra=m["steps_extra"], extra_total=m["extra_total"],
-        agree=("The frozen base matches the planner byte for byte in both rows." if m["exact"] else
-               "**The measured bytes do not match the planner plus the differences below: a bug to look into.**"),
-        rss_lora_mib=mib(m["rss"]["lora-fp16"]), rss_qlora_mib=mib(m["rss"]["qlora-nf4"]),
-        saving_mini=tot["lora-fp16"] - tot["qlora-nf4"], saving_mini_mib=mib(tot["lora-fp16"] - tot["qlora-nf4"]),
-        fp32_lora_mib=mib(d["fp32_lora_weights"]),
-        planner_saving_mib=mib(planner_mini["lora-fp16"] - planner_mini["qlora-nf4"]),
-        saving_7b_gib=(p7["lora-fp16"]["total"] - p7["qlora-nf4"]["total"]) / GiB,
-        p7_lora_gib=p7["lora-fp16"]["total"] / GiB, p7_qlora_gib=p7["qlora-nf4"]["total"] / GiB,
-        e_rows="\n".join(f"| `{n}` | {o['finite']} | {o['val_loss']:.4f} |" for n, o in e["adapters"].items()),
-        all_finite=all(o["finite"] for o in e["adapters"].values()),
-        busy=(f" (above {r['cpus']}: other jobs shared the CPUs, and every time in this report stretched with them)"
-              if max(r["load_average_start"], r["load_average_end"]) > r["cpus"] else ""),
-    )
-    return (HERE / "REPORT.template.md").read_text(encoding="utf-8").format_map(values)
+    return (HERE / "REPORT.template.md").read_text(encoding="utf-8").format_map(report_values(r, MEMORY_ROWS))
 
 
 def write_lab_manifest(base: Path, r: dict) -> None:
-    c, d = r["C"], r["D"]
-    write_manifest(
-        HERE / MANIFEST, seed=TRAIN.seed,
-        config={"base": r["base"], "lab02_adapter": r["lab02_adapter"], "lora": LORA.to_dict(), "quant_scheme": SCHEME,
-                "epochs": EPOCHS, "train": c["finetune_manifest"]["config"]["train"], "tolerance": TOLERANCE,
-                "memory_batch": d["batch"], "memory_steps": d["steps"]},
-        wall_time_s=r["wall_time_s"], base_weights=base / WEIGHTS, adapter=HERE / ADAPTER_FILE,
-        extra={"init_adapter_sha256": r["lab02_adapter_sha256"], "finetune_manifest": c["finetune_manifest"],
-               "results": {"B_ratio": r["B"]["ratio"], "B_within_tolerance": r["B"]["within_tolerance"],
-                           "C_val_loss_after": c["val_loss_after"], "C_steps": c["steps"],
-                           "D_total_bytes": {k: v["after_steps"]["total"] for k, v in d["rows"].items()}}})
+    settings = {"lora": LORA.to_dict(), "quant_scheme": SCHEME, "epochs": EPOCHS, "tolerance": TOLERANCE}
+    config, extra = manifest_fields(r, settings)
+    write_manifest(HERE / MANIFEST, seed=TRAIN.seed, config=config, wall_time_s=r["wall_time_s"],
+                   base_weights=base / WEIGHTS, adapter=HERE / ADAPTER_FILE, extra=extra)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -227,11 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"lab03: error: {e}", file=sys.stderr)
         return 2
     atomic_write_text(HERE / "REPORT.md", render(results))
-    b, c = results["B"], results["C"]
-    print(f"B: logit diff {b['ratio']:.2%} (tolerance {b['tolerance']:.0%}: {'met' if b['within_tolerance'] else 'not met'});"
-          f" C: val {b['schemes'][-1]['val_loss']:.4f} -> {c['val_loss_after']:.4f} over {c['steps']} steps"
-          f" (bf16: {c['bf16']['val_loss_after']:.4f}, train loss {c['bf16']['first_loss']:.4f} -> "
-          f"{c['bf16']['last_loss']:.4f})")
+    print(summary_line(results))
     return 0
 
 

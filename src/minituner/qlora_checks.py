@@ -12,7 +12,8 @@ from collections.abc import Callable
 import torch
 import torch.nn as nn
 
-from .lora import LoRAConfig, load_lora_state_dict
+from .lora import LoRAConfig, load_lora_state_dict, lora_modules
+from .parity import bnb_nf4_max_logit_diff
 from .planner import lora_trainable_params, minigpt_shape, nf4_weight_bytes, quantized_params, total_params
 from .qlora import (compare_logits, param_summary, print_trainable_parameters, quantize_linears, quantized_modules,
                     weight_errors)
@@ -104,3 +105,20 @@ def sensitivity(single: dict[str, float]) -> dict:
     v = sorted(single.values())
     return {"median": (v[(len(v) - 1) // 2] + v[len(v) // 2]) / 2, "single_lo": v[0], "single_hi": v[-1],
             "worst": max(single, key=single.get), "quadrature": math.sqrt(sum(x * x for x in v))}
+
+
+def logit_check(plain: nn.Module, with_adapter: Callable[[], nn.Module], build: Callable[[str], nn.Module],
+                adapter: dict[str, torch.Tensor], schemes: tuple[str, ...], x: torch.Tensor, evaluate: Evaluate,
+                tolerance: float) -> dict:
+    """An adapter on the float base against the same adapter on quantized bases (the last of `schemes` is the
+    one checked against `tolerance`): logits on `x`, weight errors, val loss, each layer alone, bitsandbytes."""
+    fp = with_adapter()
+    with torch.no_grad():
+        ref, ref_base = fp(x), plain(x)
+    rows, logits = scheme_rows(plain, ref, ref_base, build, adapter, schemes, x, evaluate)
+    single = single_linear_ratios(with_adapter, list(lora_modules(fp)), schemes[-1], x, ref)
+    checked = rows[-1]["with_adapter"]
+    return {"prompts": list(x.shape), "tolerance": tolerance, "ratio": checked["ratio"],
+            "within_tolerance": checked["ratio"] <= tolerance, "fp_val_loss": evaluate(fp), "schemes": rows,
+            "single_linear": single,
+            "bitsandbytes_max_abs_diff": bnb_nf4_max_logit_diff(with_adapter(), x, logits[schemes[-1]])}

@@ -67,3 +67,14 @@ def precision_run(base: Path, cfg: FinetuneConfig, precision: str, out: Path, pr
             "wall_time_s": res.summary["train_wall_time_s"], "bf16_support": bf16_support("cpu").to_dict(),
             **{k: s[k] for k in ("steps", "all_finite", "first_loss", "last_loss", "first_mean", "last_mean")},
             **run_speed(out)}
+
+
+def run_summary(out: Path, summary: dict, window: int = 10) -> dict:
+    """A finished fine-tune's figures for a lab: its loss curve summarised over `window` steps (metrics.jsonl),
+    train tokens, final val loss, wall time, speed and its manifest (`summary`: FinetuneResult.summary)."""
+    rows = [json.loads(line) for line in (Path(out) / METRICS).read_text(encoding="utf-8").splitlines()]
+    s = loss_summary(rows, window)
+    return {"speed": run_speed(out), "steps": s["steps"], "train_tokens": summary["train_tokens"],
+            **{k: s[k] for k in ("all_finite", "first_loss", "last_loss", "first_mean", "last_mean", "mean_window", "val")},
+            "val_loss_after": summary["val_loss_after"], "wall_time_s": summary["train_wall_time_s"],
+            "finetune_manifest": read_json(Path(out) / MANIFEST)}

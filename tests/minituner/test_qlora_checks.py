@@ -64,3 +64,22 @@ def test_adapter_swap_leaves_the_base_identical():
     out = adapter_swap(model, ("a", "b"), torch.randint(CFG.vocab_size, (2, CFG.block_size)), lambda m: 0.5)
     assert out["differ"] and out["base_unchanged"] and out["base_fingerprint"] == before
     assert all(o["finite"] and o["val_loss"] == 0.5 for o in out["adapters"].values())
+
+
+def test_logit_check_agrees_with_its_parts():
+    """logit_check (Lab 03's block B) reports the last scheme's ratio against the tolerance, and bitsandbytes."""
+    from minituner.qlora_checks import logit_check
+
+    _, sd = trained_adapter()
+
+    def with_adapter():
+        model, _ = trained_adapter()
+        return model.eval()
+    x = torch.randint(CFG.vocab_size, (2, CFG.block_size))
+    build = lambda s: wrap_minigpt_qlora(tiny(), r=4, quant_scheme=s, device="cpu")  # noqa: E731
+    b = logit_check(tiny(), with_adapter, build, sd, ("int8_per_group_64", "nf4_per_group_64"), x, lambda m: 1.0,
+                    tolerance=0.5)
+    assert b["ratio"] == b["schemes"][-1]["with_adapter"]["ratio"] and b["within_tolerance"] == (b["ratio"] <= 0.5)
+    assert b["prompts"] == [2, CFG.block_size] and b["fp_val_loss"] == 1.0 and len(b["single_linear"]) == 6
+    bnb = b["bitsandbytes_max_abs_diff"]
+    assert bnb is None or bnb < 1e-3  # byte-identical NF4: the same logits up to float rounding

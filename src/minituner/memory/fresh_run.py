@@ -23,8 +23,9 @@ from ..adapter_io import read_adapter
 from ..base_model import load_base
 from ..build import build_for_training
 from ..finetune import encode_domain
-from ..lora import LoRAConfig, load_lora_state_dict
-from .accounting import measure_training, process_rss_bytes
+from ..lora import LoRAConfig, load_lora_state_dict, lora_modules
+from ..planner import MemoryConfig, Regime, lora_trainable_params, minigpt_shape, plan, preset_shape
+from .accounting import account, measure_training, process_rss_bytes
 
 SETUPS = {"lora-fp16": "lora", "qlora-nf4": "qlora"}
 
@@ -108,3 +109,22 @@ def comparison_table(rows: dict[str, dict], planner: dict[str, dict], labels: di
 
 if __name__ == "__main__":
     print(json.dumps(measure(Setup(**json.loads(sys.argv[1])))))
+
+
+def lora_vs_qlora(base, adapter, lora: LoRAConfig, data: str, memory: MemoryConfig, steps: int, train,
+                  names: list[str]) -> dict:
+    """Each setup of `names` ("lora-fp16", "qlora-nf4") measured in a fresh process from `adapter`, with the
+    planner's buckets for MiniGPT and LLaMA-7B beside them (Lab 03's block D)."""
+    rows = {name: measure_in_fresh_process(Setup(name, str(base), str(adapter), lora.to_dict(), data,
+                                                 memory.batch_size, memory.seq_len, steps, train.seed, train.lr))
+            for name in names}
+    fp32 = build_for_training(load_base(base)[0], "lora", lora, device="cpu")
+    shape, regimes = minigpt_shape(fp32.config), [Regime("lora", lora.r), Regime("qlora", lora.r)]
+    mini = plan(shape, regimes, lora.target_modules, memory)
+    big = plan(preset_shape("llama-7b"), regimes, lora.target_modules, memory)
+    return {"rows": rows, "steps": steps, "batch": [memory.batch_size, memory.seq_len],
+            "lora_params": lora_trainable_params(shape, lora.r), "lora_tensors": 2 * len(lora_modules(fp32)),
+            "fp32_lora_weights": account(fp32)["weights"],
+            "planner": {"lora-fp16": mini.regimes[0].bytes.to_dict(), "qlora-nf4": mini.regimes[1].bytes.to_dict()},
+            "planner_7b": {"lora-fp16": big.regimes[0].bytes.to_dict(), "qlora-nf4": big.regimes[1].bytes.to_dict(),
+                           "params": big.total_params}}
