@@ -22,7 +22,7 @@ from minigpt.errors import InputError
 from minigpt.io import read_json, sha256_file
 from minigpt.model import GPTConfig
 
-from .hf_config import ROTARY_FAMILIES, eos_token_ids, read_decoder_config
+from .hf_config import ROTARY_FAMILIES, read_decoder_config
 from .hf_gpt2 import config_from_gpt2, load_gpt2
 from .hf_load import QuantizeSpec, checkpoint_files, load_hf_decoder, load_hf_tokenizer, quantized_paths
 from .qlora import quantize_linears
@@ -67,9 +67,7 @@ def load_base(folder: str | Path, device: str | torch.device = "cpu", dtype: tor
         model, tokenizer = load_minigpt_folder(folder, device)
     else:
         model = load_gpt2(folder, device)
-        tokenizer, _ = load_tokenizer(folder, model.config.vocab_size)
-        if isinstance(tokenizer, HFTokenizer):
-            tokenizer.eos_ids = eos_token_ids(folder)
+        tokenizer = load_hf_tokenizer(folder, model.config.vocab_size)
     if dtype is not None:
         model.to(dtype)
     paths, scheme = quantized_paths(model, quantize)

@@ -38,7 +38,7 @@ from .base_model import (Tokenizer, base_config, base_weights_file, base_weights
 from .build import FULL_IN_BF16, build_for_training
 from .adapter_io import ADAPTER_FILE, save_adapter
 from .export import write_hf_folder
-from .finetune_data import encode_domain, training_data
+from .finetune_data import encode_domain, steps_for_epochs, training_data  # noqa: F401 (steps_for_epochs: API)
 from .lora import LoRAConfig, trainable_numel
 from .peft_format import save_peft_adapter
 from .qlora import check_scheme, logical_numel
@@ -106,10 +106,6 @@ def domain_val_loss(model: nn.Module, tokenizer: Tokenizer, source: str, train_c
     block = block or model.config.block_size
     _, val_ids = encode_domain(source, tokenizer, block)
     return evaluate(model, val_ids, block, train_cfg.batch_size, train_cfg.eval_batches)
-
-
-def steps_for_epochs(epochs: float, train_tokens: int, batch_size: int, block_size: int) -> int:
-    return max(1, math.ceil(epochs * train_tokens / (batch_size * block_size)))
 
 
 def training_window(base: Path, seq_len: int | None) -> int:

@@ -40,7 +40,12 @@ class TrainingData:
     results: dict = field(default_factory=dict)  # figures for manifest.json["results"]
 
     def steps_for_epochs(self, epochs: float) -> int:
-        return max(1, math.ceil(epochs * self.train_size / self.per_step))
+        return steps_for_epochs(epochs, self.train_size, self.per_step)
+
+
+def steps_for_epochs(epochs: float, train_size: int, batch_size: int, block_size: int = 1) -> int:
+    """Optimizer steps for `epochs` passes over `train_size` tokens (or examples, block_size 1), at least one."""
+    return max(1, math.ceil(epochs * train_size / (batch_size * block_size)))
 
 
 def encode_domain(source: str, tokenizer, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:

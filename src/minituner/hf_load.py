@@ -33,7 +33,7 @@ from miniquant import DEFAULT_QUANT_SCHEME, QuantizedLinear
 from .hf_config import eos_token_ids, read_decoder_config
 from .lora import find_targets, linear_candidates
 from .qlora import check_scheme
-from .tokenizer_files import load_tokenizer
+from .tokenizer_files import HFTokenizer, load_tokenizer
 
 IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)  # buffers older checkpoints saved; recomputed from the config
 DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
@@ -210,6 +210,6 @@ def load_hf_tokenizer(folder: str | Path, vocab_size: int):
     A tokenizer with more tokens than the embedding has rows is an InputError.
     """
     tok, _ = load_tokenizer(folder, vocab_size)
-    if tok is not None:
+    if isinstance(tok, HFTokenizer):  # a character tokenizer beside the model has no eos of the config's
         tok.eos_ids = eos_token_ids(folder)
     return tok
