@@ -251,6 +251,9 @@ class Decoder(nn.Module):
         # RoPE frequencies: a plain float32 tensor, not a buffer, so no dtype cast of the model touches it.
         self._inv_freq = rope_inv_freq(cfg) if cfg.positions == "rope" else None
         self.grad_checkpoint = False  # recompute each layer in backward (training only); no state, no new module
+        # the dtype q and k are in when RoPE meets them (None: the stream's); bf16 compute sets it
+        # (minituner.precision), so cos and sin are made once in fp32 and rounded to it once
+        self.compute_dtype: torch.dtype | None = None
         self.apply(self._init_weights)  # a no-op on the meta device, where loaders build the model
 
     @staticmethod
@@ -287,7 +290,7 @@ class Decoder(nn.Module):
         if self.config.positions == "learned":
             x = x + m.embed_positions(torch.arange(T, device=idx.device))  # (B, T, C)
         else:
-            rope = self.rope(T, idx.device, x.dtype)
+            rope = self.rope(T, idx.device, self.compute_dtype or x.dtype)
         recompute = self.grad_checkpoint and self.training and torch.is_grad_enabled()
         for layer in m.layers:
             x = checkpoint(layer, x, rope, use_reentrant=False) if recompute else layer(x, rope)  # (B, T, C)

@@ -4,17 +4,29 @@
     apply_precision(model, "bf16", device, allow_slow_bf16)   # check_bf16 (refuse slow bf16), then
                                                               # use_bf16_compute(model); then the optimizer
 
-What changes, module by module (no model code changes; the residual stream stays fp32):
+What changes, module by module (module swaps and hooks; in the model code only ``Decoder.compute_dtype``,
+the dtype RoPE is applied in; the residual stream stays fp32):
 - a frozen ``nn.Linear`` becomes a ``Bf16Linear``: its weight (and bias) stored in bf16 once, never cast
-  per call; forward computes ``x.to(bf16) @ Wᵀ + b`` and returns the input's dtype;
-- a frozen ``nn.Embedding`` becomes a ``Bf16Embedding``: a bf16 table, fp32 rows out. A weight shared by
-  several modules (MiniGPT's ``lm_head`` tied to ``wte``) becomes one shared bf16 parameter: still tied;
+  per call; it computes in bf16 and returns bf16 when fed bf16 (an fp32 input is cast in and the result
+  cast back);
+- a frozen ``nn.Embedding`` becomes a ``Bf16Embedding``: a bf16 table, fp32 rows out (the stream). A weight
+  shared by several modules (MiniGPT's ``lm_head`` tied to ``wte``) becomes one shared bf16 parameter: still
+  tied;
 - a ``QuantizedLinear`` computes in bf16 (``compute_dtype``): NF4 dequantizes straight to bf16 into a
   workspace reused by every layer (miniquant.quantize), its bias is stored in bf16;
-- a ``LoRALinear`` casts its input to bf16 once, runs the base and the LoRA path in bf16 (the fp32 masters
-  A and B are cast per call: r × in values, and autograd returns their gradients in fp32) and returns fp32;
-- norms (LayerNorm, RMSNorm), attention's softmax, GELU and the loss see fp32 tensors, as before; AdamW
-  holds fp32 state for the fp32 masters.
+- a ``LoRALinear`` runs the base and the LoRA path in bf16 (the fp32 masters A and B are cast per call:
+  r × in values, and autograd returns their gradients in fp32) and returns its input's dtype;
+- norms (LayerNorm, RMSNorm) compute in fp32 on the fp32 residual stream and hand their output to the
+  products that follow in bf16: one cast per norm (a forward hook, ``_hand_out_bf16``), shared by q/k/v
+  or gate/up, where each product casting its own input would cast the same tensor three times;
+- so the block between a norm and the residual add is bf16 end to end: q, k, v and attention
+  (``scaled_dot_product_attention`` on bf16 inputs: its CPU flash kernel, like CUDA's, computes q·kᵀ, the
+  running max, the exponentials and the softmax sums in fp32 and rounds the probabilities to bf16 only for
+  the product with v), RoPE (``Decoder.compute_dtype``: cos and sin made in fp32, applied in bf16, as
+  transformers does for a bf16 model), GELU / SwiGLU, and the projections back; ``x + f(x)`` adds the bf16
+  output into the fp32 stream (type promotion: fp32 result, no separate cast);
+- a frozen head computes in bf16 and returns fp32 logits (``Bf16Linear.output_dtype``): the cross-entropy
+  reads fp32 without a second (N, V) copy; AdamW holds fp32 state for the fp32 masters.
 
 Full fine-tuning is refused: bf16 compute is defined for a frozen base (every trainable parameter a LoRA
 factor); full fine-tuning trains in fp32. The same path runs on CUDA (cuBLAS bf16 products).
@@ -26,6 +38,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from minigpt.bf16_support import Bf16Support
+from minigpt.decoder import RMSNorm
 from minigpt.device import PRECISIONS, check_precision
 from minigpt.errors import InputError
 from miniquant import QuantizedLinear
@@ -33,16 +46,19 @@ from miniquant import QuantizedLinear
 from .lora import LoRALinear, lora_modules
 
 BF16 = torch.bfloat16
+NORMS = (nn.LayerNorm, nn.RMSNorm, RMSNorm)  # computed in fp32 on the stream; their output handed out in bf16
 
 
 class Bf16Linear(nn.Linear):
-    """A frozen Linear whose weight and bias are stored in a low-precision dtype; returns the input's dtype."""
+    """A frozen Linear whose weight and bias are stored in a low-precision dtype; returns `output_dtype`, or
+    the input's dtype when that is None."""
+
+    output_dtype: torch.dtype | None = None  # the head's: fp32 logits for the loss
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
-        if x.dtype == w.dtype:  # called from a LoRALinear that already cast its input
-            return F.linear(x, w, self.bias)  # (..., out)
-        return F.linear(x.to(w.dtype), w, self.bias).to(x.dtype)  # (..., out), computed in w.dtype
+        y = F.linear(x.to(w.dtype), w, self.bias)  # (..., out), computed in w.dtype (a no-op cast when x is)
+        return y.to(self.output_dtype or x.dtype)
 
 
 class Bf16Embedding(nn.Embedding):
@@ -52,6 +68,13 @@ class Bf16Embedding(nn.Embedding):
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return super().forward(idx).to(self.output_dtype)  # (..., C)
+
+
+def _hand_out_bf16(norm: nn.Module, dtype: torch.dtype) -> None:
+    """Cast `norm`'s output to dtype (a forward hook, once per module): the norm computes in fp32, the products
+    after it read one bf16 copy of its output."""
+    if getattr(norm, "_output_dtype_hook", None) is None:
+        norm._output_dtype_hook = norm.register_forward_hook(lambda module, args, out: out.to(dtype))
 
 
 def _frozen_copy(param: nn.Parameter, dtype: torch.dtype, cache: dict[int, nn.Parameter]) -> nn.Parameter:
@@ -143,9 +166,16 @@ def use_bf16_compute(model: nn.Module, dtype: torch.dtype = BF16) -> nn.Module:
             replacements.append((path, _bf16_linear(m, dtype, cache)))
         elif type(m) is nn.Embedding:
             replacements.append((path, _bf16_embedding(m, dtype, output_dtype, cache)))
+        elif isinstance(m, NORMS):
+            _hand_out_bf16(m, dtype)
+    if hasattr(model, "compute_dtype"):  # a Decoder: RoPE applied in the products' dtype
+        model.compute_dtype = dtype
     for path, new in replacements:
         parent, _, leaf = path.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, leaf, new)
+    head = getattr(model, "lm_head", None)
+    if isinstance(head, Bf16Linear):  # a frozen head computes in bf16 and returns fp32 logits: the loss reads them
+        head.output_dtype = torch.float32  # as they are (lm_loss's .float() is then a no-op, no second copy)
     return model
 
 
@@ -168,7 +198,7 @@ def compute_dtypes(model: nn.Module) -> dict[str, str]:
             add("frozen linear weights", m.weight.dtype)
         elif isinstance(m, nn.Embedding):
             add("embeddings", m.weight.dtype)
-        elif isinstance(m, (nn.LayerNorm, getattr(nn, "RMSNorm", nn.LayerNorm))) and m.weight is not None:
+        elif isinstance(m, NORMS) and m.weight is not None:
             add("norms", m.weight.dtype)
     return {k: ", ".join(sorted(v)) for k, v in kinds.items()}
 

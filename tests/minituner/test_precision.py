@@ -81,10 +81,42 @@ def test_dtypes_after_conversion(kind):
     assert isinstance(model.wte, Bf16Embedding) and isinstance(model.lm_head, Bf16Linear)
     assert model.lm_head.weight is model.wte.weight  # still tied: one bf16 tensor
     assert model.wte(torch.tensor([[1, 2]])).dtype == torch.float32
+    seen = _dtypes_seen(model, {"ln_1": model.blocks[0].ln_1, "attn": model.blocks[0].attn,
+                                "fc2": model.blocks[0].mlp.fc2, "block": model.blocks[0]})
+    assert seen == {"ln_1 in": torch.float32, "ln_1 out": torch.bfloat16,  # the norm reads the fp32 stream
+                    "attn in": torch.bfloat16, "attn out": torch.bfloat16,  # bf16 from the norm to the residual add
+                    "fc2 in": torch.bfloat16, "fc2 out": torch.bfloat16,
+                    "block in": torch.float32, "block out": torch.float32, "logits": torch.float32}
+
+
+def _dtypes_seen(model: nn.Module, modules: dict[str, nn.Module]) -> dict[str, torch.dtype]:
+    """The dtype of each module's first input and its output in one forward (hooks registered after ours)."""
     seen = {}
-    model.blocks[0].ln_1.register_forward_hook(lambda m, a, out: seen.update(ln_in=a[0].dtype, ln_out=out.dtype))
-    model(_batch()[0])
-    assert seen == {"ln_in": torch.float32, "ln_out": torch.float32}  # residual stream and norms in fp32
+    for name, m in modules.items():
+        m.register_forward_hook(lambda m, a, out, name=name: seen.update({f"{name} in": a[0].dtype,
+                                                                           f"{name} out": out.dtype}))
+    seen["logits"] = model(_batch()[0]).dtype
+    return seen
+
+
+def test_decoder_dataflow_in_bf16():
+    """Llama-family: RMSNorm reads the fp32 stream and hands bf16 on; RoPE, attention and SwiGLU run in bf16."""
+    from minigpt.decoder import Decoder, DecoderConfig
+
+    torch.manual_seed(0)
+    model = Decoder(DecoderConfig(vocab_size=37, block_size=16, n_layer=2, n_head=4, n_kv_head=2, d_model=32,
+                                  d_ff=64))
+    apply_lora(model, LoRAConfig(r=4, alpha=8.0, target_modules="all-linear"))
+    use_bf16_compute(model)
+    assert model.compute_dtype == torch.bfloat16
+    layer = model.model.layers[0]
+    seen = _dtypes_seen(model, {"norm": layer.input_layernorm, "attn": layer.self_attn, "down": layer.mlp.down_proj,
+                                "layer": layer})
+    assert seen == {"norm in": torch.float32, "norm out": torch.bfloat16, "attn in": torch.bfloat16,
+                    "attn out": torch.bfloat16, "down in": torch.bfloat16, "down out": torch.bfloat16,
+                    "layer in": torch.float32, "layer out": torch.float32, "logits": torch.float32}
+    cos, sin = model.rope(16, torch.device("cpu"), model.compute_dtype)
+    assert cos.dtype == sin.dtype == torch.bfloat16
 
 
 def test_step_zero_output_equals_the_bf16_base():
@@ -116,10 +148,12 @@ def test_an_adamw_step_changes_only_the_lora_masters(kind):
         assert state["exp_avg"].dtype == state["exp_avg_sq"].dtype == torch.float32
 
 
-def test_lora_on_some_targets_leaves_other_linears_bf16_with_fp32_outputs():
+def test_lora_on_some_targets_leaves_other_linears_bf16_returning_their_input_dtype():
     model = use_bf16_compute(_model("qlora", targets=["q_proj", "v_proj"]))
-    assert isinstance(model.blocks[0].mlp.fc1, Bf16Linear) and model.blocks[0].mlp.fc1.bias.dtype == torch.bfloat16
-    assert model.blocks[0].mlp.fc1(torch.randn(3, 32)).dtype == torch.float32
+    fc1 = model.blocks[0].mlp.fc1
+    assert isinstance(fc1, Bf16Linear) and fc1.bias.dtype == torch.bfloat16
+    assert fc1(torch.randn(3, 32)).dtype == torch.float32 and fc1(torch.randn(3, 32).bfloat16()).dtype == torch.bfloat16
+    assert model.lm_head.output_dtype == torch.float32  # the head alone returns fp32 whatever it reads
     q = model.blocks[0].attn.q_proj.base_layer
     assert isinstance(q, QuantizedLinear) and q.compute_dtype == torch.bfloat16 and q.bias.dtype == torch.bfloat16
     x, y = _batch()
