@@ -3,9 +3,9 @@
 For each shape a random-weight bf16 checkpoint is written to a temporary folder (real_checkpoints.py),
 then each contender runs in its own subprocess (`python bench_real_models.py --contender ...`), so its
 peak RSS is its own:
-- ours: load_hf_decoder(folder, quantize=("all-linear", "nf4_per_group_64")) (every block Linear NF4
-  as it is read), then the integration recipe: quantized_modules -> cast_float_tensors(compute dtype)
-  -> apply_lora -> add_finite_guards -> check_qlora;
+- ours: load_base(folder, quantize=("all-linear", "nf4_per_group_64")) (every block Linear NF4 as it
+  is read), then build_for_training(model, "qlora", ..., precision="fp32" | "bf16"): what
+  `minituner finetune --method qlora --precision ...` builds;
 - PEFT + bitsandbytes: AutoModelForCausalLM.from_pretrained(folder, quantization_config=
   BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=X),
   device_map="cpu", dtype=X), then get_peft_model; bf16 runs the forward under torch.autocast("cpu").
@@ -40,7 +40,7 @@ RANK, ALPHA = 16, 32.0
 BATCH, SEQ = 1, 512
 LR = 1e-4
 SCHEME = "nf4_per_group_64"
-CONTENDERS = {"ours": "ours (load_hf_decoder NF4 + LoRALinear)", "peft_bnb": "PEFT + bitsandbytes (load_in_4bit nf4)",
+CONTENDERS = {"ours": "ours (load_base NF4 + build_for_training)", "peft_bnb": "PEFT + bitsandbytes (load_in_4bit nf4)",
               "ours_mmap": "informational: ours, glibc MALLOC_MMAP_THRESHOLD_=131072"}
 DEFAULT_CONTENDERS = ("ours", "peft_bnb")
 # glibc raises its mmap threshold (up to 32 MiB) after each large free, so later activations come from the heap
@@ -62,21 +62,22 @@ SHORT = {"llama-3.2-1b": "1B", "llama-2-7b": "7B"}
 
 
 def _build_ours(folder: str, dtype):
-    import torch  # noqa: F401
+    import torch
 
-    from minituner.hf_load import load_hf_decoder
-    from minituner.lora import LoRAConfig, apply_lora
-    from minituner.qlora import add_finite_guards, cast_float_tensors, check_qlora, quantized_modules
+    from minituner.base_model import load_base
+    from minituner.build import build_for_training
+    from minituner.lora import LoRAConfig
+    from minituner.qlora import quantized_modules
 
-    def load():
-        return load_hf_decoder(folder, quantize=("all-linear", SCHEME))  # float parts keep the checkpoint's bf16
+    def load():  # the one loader: block Linears quantized to NF4 as read, the rest in the checkpoint's bf16
+        return load_base(folder, quantize=("all-linear", SCHEME))[0]
 
-    def prepare(model):
+    def prepare(model):  # the one build path, as `finetune --qlora --precision fp32|bf16` builds it
         n_quantized = len(quantized_modules(model))
-        cast_float_tensors(model, dtype)
-        apply_lora(model, LoRAConfig(r=RANK, alpha=ALPHA, target_modules="all-linear"))
-        add_finite_guards(model)
-        check_qlora(model)
+        bf16 = dtype == torch.bfloat16
+        build_for_training(model, "qlora", LoRAConfig(r=RANK, alpha=ALPHA, target_modules="all-linear"), SCHEME,
+                           "cpu", None if bf16 else torch.float32, precision="bf16" if bf16 else "fp32",
+                           allow_slow_bf16=True)
         return model, {"quantized_layers": n_quantized}
 
     return load, prepare, lambda model, x: model(x)
@@ -191,8 +192,7 @@ def _run_contender(contender: str, folder: Path, dtype: str, steps: int) -> dict
 
 
 def _planner(folder: Path) -> dict:
-    """The planner's QLoRA r=RANK buckets (bf16 and fp32 storage; seed and Korthikanti activations), MiB,
-    and the checkpoint's largest tensor (name, MiB)."""
+    """_planner_shape and the checkpoint's largest tensor (name, MiB)."""
     from minituner.hf_load import checkpoint_files, read_headers
 
     out = _planner_shape(folder)
@@ -203,15 +203,22 @@ def _planner(folder: Path) -> dict:
 
 
 def _planner_shape(folder: Path) -> dict:
+    """What the planner says for this folder's QLoRA r=RANK run, MiB: the weights bucket with the base stored
+    in bf16 ("load weights": what is resident after loading), and per compute dtype the predicted peak of a
+    training step as `minituner memory-check` predicts it (planner/peak.py, exact activations) and its phase."""
+    from minituner.hf_config import read_decoder_config
+    from minituner.memory.check import CheckConfig, predict
     from minituner.planner import MemoryConfig, Regime, load_config_shape, regime_bytes
 
-    shape = load_config_shape(folder)
-    out = {}
+    stored = regime_bytes(load_config_shape(folder), Regime("qlora", RANK), "all-linear",
+                          MemoryConfig(batch_size=BATCH, seq_len=SEQ, dtype="bf16"))
+    out: dict = {"load weights": stored.weights / MIB}
+    cfg = read_decoder_config(folder)
     for dt in DTYPES.values():
-        for act in ("seed", "korthikanti"):
-            b = regime_bytes(shape, Regime("qlora", RANK), "all-linear",
-                             MemoryConfig(batch_size=BATCH, seq_len=SEQ, dtype=dt, activations=act))
-            out[(dt, act)] = {k: v / MIB for k, v in b.to_dict().items()}
+        predicted, _, phase, _ = predict(cfg, CheckConfig(regime="qlora", rank=RANK, targets="all-linear",
+                                                          batch_size=BATCH, seq_len=SEQ, precision=dt))
+        out[dt] = {"peak": predicted["peak"] / MIB, "phase": phase, "weights": predicted["weights"] / MIB,
+                   "activations": predicted["activations"] / MIB}
     return out
 
 
@@ -302,24 +309,26 @@ def section(results: dict[str, list[dict]], planner: dict, written: dict, plan: 
         f"CPU: {cpu_summary()}. Random-weight bf16 checkpoints of real shapes (config.json and tensor names "
         "of Llama-3.2-1B: 16 layers, d_model 2048, 32/8 heads, vocab 128,256, tied; Llama-2-7B: 32 layers, "
         "d_model 4096, vocab 32,000), written to a temporary folder and deleted after. Each contender runs "
-        "in its own subprocess. Load: ours is `load_hf_decoder(folder, quantize=(\"all-linear\", "
+        "in its own subprocess. Load: ours is `load_base(folder, quantize=(\"all-linear\", "
         f"\"{SCHEME}\"))` (each block Linear quantized to NF4 as it is read); theirs is `AutoModelForCausalLM."
         "from_pretrained(folder, quantization_config=BitsAndBytesConfig(load_in_4bit=True, "
         "bnb_4bit_quant_type=\"nf4\", bnb_4bit_compute_dtype=X), device_map=\"cpu\", dtype=X)`. Training: "
         f"LoRA r {RANK}, alpha {ALPHA:g} on all-linear (lm_head excluded, both), AdamW on the LoRA factors, "
-        f"batch {BATCH} × {SEQ} random token ids. Compute dtype: fp32 = ours with cast_float_tensors(model, "
-        "float32) / theirs with compute_dtype float32; bf16 = ours with cast_float_tensors(model, bfloat16) "
-        "(the informational whole-model bf16 path: NF4 dequantizes to bf16, LoRA factors stay fp32) / theirs "
-        "with compute_dtype bfloat16 under torch.autocast(\"cpu\", bfloat16). 'step' is the median of the "
-        "steps after the first (the first is shown apart); tokens/s = 512 / step. Peak RSS is VmHWM, reset "
-        "before loading and before the first step; 'baseline' is the RSS after the contender's imports. "
-        "Planner: `regime_bytes(load_config_shape(folder), Regime(\"qlora\", 16), \"all-linear\", "
-        "MemoryConfig(batch_size=1, seq_len=512, dtype=...))` (seed activation estimate); the load bound is "
-        "its weights bucket at bf16 (what is resident after loading) + the largest tensor + the baseline. "
-        "MiB = 1024² bytes. The machine has 2 cores shared with other sessions: 'load avg' is the 1-minute "
+        f"batch {BATCH} × {SEQ} random token ids. Compute dtype: fp32 = ours `build_for_training(..., "
+        "precision=\"fp32\")` (the base's float parts cast to fp32) / theirs compute_dtype float32; bf16 = ours "
+        "`precision=\"bf16\"` (minituner.precision: NF4 dequantized to bf16, bf16 products and attention, "
+        "fp32 LoRA masters, norms and loss) / theirs compute_dtype bfloat16 under torch.autocast(\"cpu\", "
+        "bfloat16). 'step' is the median of the steps after the first (the first is shown apart); tokens/s = "
+        "512 / step. Peak RSS is VmHWM, reset before loading and before the first step; 'baseline' is the RSS "
+        "after the contender's imports. Planner: the load bound is `regime_bytes(load_config_shape(folder), "
+        "Regime(\"qlora\", 16), \"all-linear\", MemoryConfig(dtype=\"bf16\"))`'s weights bucket (what is "
+        "resident after loading) + the largest tensor + the baseline; the training figure is the peak of a "
+        "step that `minituner memory-check` predicts for the run (planner/peak.py with the exact activation "
+        "model, told the run's precision) + the baseline. MiB = 1024² bytes. The machine has 2 cores shared "
+        "with other sessions: 'load avg' is the 1-minute "
         "load average when each subprocess started, and every figure moves with it.",
         ["shape", "contender", "compute", "load", "load CPU time", "load peak RSS (MiB)", "load bound (MiB)",
-         "load peak / bound", "first step", "step", "tokens/s", "train peak RSS (MiB)", "planner total (MiB)",
+         "load peak / bound", "first step", "step", "tokens/s", "train peak RSS (MiB)", "planner peak + baseline (MiB)",
          "train peak / planner", "baseline (MiB)", "trainable params", "loss first → last", "load avg"],
     )
     by = {}
@@ -331,8 +340,8 @@ def section(results: dict[str, list[dict]], planner: dict, written: dict, plan: 
             if "error" in r:
                 s.rows.append([SHORT[shape], label, DTYPES[r["dtype"]], "failed: " + r["error"][:120]] + [""] * 14)
                 continue
-            bound = p[("bf16", "seed")]["weights"] + p["largest"][1] + r["baseline_mib"]
-            total = p[(DTYPES[r["dtype"]], "seed")]["total"]
+            bound = p["load weights"] + p["largest"][1] + r["baseline_mib"]
+            total = p[DTYPES[r["dtype"]]]["peak"] + r["baseline_mib"]
             step = statistics.median(r["step_times"]) if r["step_times"] else r["first_step_s"]  # 1 step: that one
             r.update(bound=bound, planner_total=total, step=step)
             s.rows.append([
@@ -359,7 +368,7 @@ def section(results: dict[str, list[dict]], planner: dict, written: dict, plan: 
                 s.goals.append(Goal(
                     f"{SHORT[shape]} load ({DTYPES[dtype]} run): our peak RSS / (planner QLoRA weights + largest tensor + baseline)",
                     r["load_peak_mib"] / r["bound"], LOAD_GOAL, False,
-                    f"planner weights {p[('bf16', 'seed')]['weights']:.0f} MiB (NF4 block Linears + bf16 rest) + largest "
+                    f"planner weights {p['load weights']:.0f} MiB (NF4 block Linears + bf16 rest) + largest "
                     f"tensor {p['largest'][0]} {p['largest'][1]:.0f} MiB + baseline {r['baseline_mib']:.0f} MiB; "
                     f"RSS right after loading {r['rss_loaded_mib']:.0f} MiB (the rest of the peak is transient: one "
                     "tensor read and its quantization temporaries)"))
@@ -369,17 +378,15 @@ def section(results: dict[str, list[dict]], planner: dict, written: dict, plan: 
         for dtype in plan[seven][0]:
             r, t = ok((seven, "ours", dtype)), ok((seven, "peft_bnb", dtype))
             if r:
-                kor = planner[seven][(DTYPES[dtype], "korthikanti")]["total"]
+                pl = planner[seven][DTYPES[dtype]]
                 s.goals.append(Goal(
-                    f"7B QLoRA ({DTYPES[dtype]}) trains here: our train peak RSS / planner total",
+                    f"7B QLoRA ({DTYPES[dtype]}) trains here: our train peak RSS / (planner peak + baseline)",
                     r["train_peak_mib"] / r["planner_total"], TRAIN_GOAL_7B, False,
-                    f"planner total {r['planner_total']:.0f} MiB uses the seed's activation estimate "
-                    f"(batch × seq × d_model × layers × 16 B = {planner[seven][(DTYPES[dtype], 'seed')]['activations']:.0f} MiB); "
-                    f"with Korthikanti's it is {kor:.0f} MiB (peak / that: {r['train_peak_mib'] / kor:.2f}×). RSS "
-                    f"before the first step {r['rss_before_train_mib']:.0f} MiB (weights, LoRA, baseline "
-                    f"{r['baseline_mib']:.0f} MiB); the step adds the activations saved for backward (no "
-                    "recomputation; this bf16 path also saves fp32 copies of every LoRA input) and freed memory "
-                    "glibc keeps resident (see the MALLOC_MMAP_THRESHOLD_ note)"))
+                    f"planner peak {pl['peak']:.0f} MiB at '{pl['phase']}' (weights {pl['weights']:.0f}, activations "
+                    f"saved for backward {pl['activations']:.0f}; planner/peak.py, as memory-check predicts this run) + "
+                    f"baseline {r['baseline_mib']:.0f} MiB; RSS before the first step {r['rss_before_train_mib']:.0f} "
+                    "MiB. Above the planner: transients it does not model and freed memory glibc keeps resident "
+                    "(see the MALLOC_MMAP_THRESHOLD_ note)"))
             if r and t:
                 s.goals.append(Goal(
                     f"7B load + quantize: transformers + bitsandbytes load_in_4bit / ours ({DTYPES[dtype]} run)",
@@ -406,11 +413,9 @@ def section(results: dict[str, list[dict]], planner: dict, written: dict, plan: 
                     f"ours {_fmt_s(r['step'])}, theirs {_fmt_s(t['step'])} "
                     f"({len(r['step_times'])} vs {len(t['step_times'])} timed steps, after one untimed); load "
                     f"average {r['loadavg_at_start']:.1f} / {t['loadavg_at_start']:.1f} when each started. "
-                    + ("Both run the same fp32 products on dequantized NF4 weights, which dominate the step; "
-                       "a lead of 20% needs fewer or cheaper products, not less overhead" if dtype == "float32" else
-                       "Ours is the informational whole-model bf16 path: NF4 dequantizes to bf16, but the LoRA "
-                       "factors stay fp32, so each LoRA input is cast to fp32 and each LoRA output back (copies "
-                       "PEFT under autocast does not make); a dedicated bf16 compute path is being built")))
+                    + f"Both run the same {DTYPES[dtype]} products on NF4 weights dequantized per call, which take "
+                    "most of the step at this shape (the bf16 section times the products of the step alone), so a "
+                    "lead of 20% needs fewer or cheaper products, not less overhead"))
     for shape in results:
         base, mm = ok((shape, "ours", "bfloat16")) or ok((shape, "ours", "float32")), ok((shape, "ours_mmap", "bfloat16"))
         if base and mm:

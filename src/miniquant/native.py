@@ -11,7 +11,8 @@ in float32, then a round-to-nearest-even cast. No fast-math flags: float results
 The shared library is cached under $MINIQUANT_CACHE (default: <tmp>/miniquant-<uid>), keyed by a hash
 of the source, the flags, the compiler and the CPU's feature flags (it is built with -march=native).
 Quantization splits its blocks across `torch.get_num_threads()` Python threads (ctypes releases the GIL
-during a call); dequantization runs on the calling thread.
+during a call), and so does dequantization into an existing buffer (the layers' shared workspace);
+dequantization into a fresh tensor runs on the calling thread.
 `kernels()` returns None when there is no compiler, the build fails, or MINIQUANT_NATIVE=0: the callers
 then use the eager PyTorch path, which gives the same bytes.
 """
@@ -37,6 +38,7 @@ from torch import Tensor
 NATIVE_ENV = "MINIQUANT_NATIVE"  # set to 0 to never build or use the native kernels
 CACHE_ENV = "MINIQUANT_CACHE"  # folder for the compiled library
 MIN_VALUES_PER_THREAD = 1 << 21  # smaller calls stay on the calling thread (handing work over costs ~50 µs)
+MIN_VALUES_PER_THREAD_WARM = 1 << 18  # the same, dequantizing into an existing (already touched) buffer
 CHUNK_VALUES = 1 << 18  # threads take work in chunks of this many values, as they get free
 HUGE_PAGE_MIN_BYTES = 8 << 20  # fresh outputs at least this large ask for transparent huge pages
 CFLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-ffp-contract=off", "-fno-fast-math", "-std=gnu11"]
@@ -321,14 +323,14 @@ class NativeKernels:
     def _forget_pool(self) -> None:
         self._pool, self._lock = None, threading.Lock()
 
-    def _split(self, blocks: int, blocksize: int, call) -> None:
-        """call(b0, b1) over [0, blocks): threads take chunks of blocks from a shared counter.
+    def _split(self, blocks: int, blocksize: int, call, min_values: int | None = None) -> None:
+        """call(b0, b1) over [0, blocks): threads take chunks of blocks from a shared counter, each thread
+        at least `min_values` values (default MIN_VALUES_PER_THREAD).
 
         Many chunks per thread, taken as threads get free: on a busy machine a thread that waits for a
         core leaves its share to the others instead of holding up the whole call."""
-        values = blocks * blocksize
-        threads = 1 if values < 2 * MIN_VALUES_PER_THREAD else min(torch.get_num_threads(), CPU_COUNT,
-                                                                   values // MIN_VALUES_PER_THREAD)
+        values, min_values = blocks * blocksize, min_values or MIN_VALUES_PER_THREAD
+        threads = 1 if values < 2 * min_values else min(torch.get_num_threads(), CPU_COUNT, values // min_values)
         if threads <= 1:
             call(0, blocks)
             return
@@ -378,16 +380,19 @@ class NativeKernels:
         allocation and, once it has been written before, no page faults."""
         blocks, half = packed.shape
         packed, scales, code = packed.contiguous(), scales.contiguous().float(), code.contiguous().float()
-        if out is None:
+        fresh = out is None
+        if fresh:
             out = self._fresh((blocks, 2 * half), dtype)
         elif out.shape != (blocks, 2 * half) or out.dtype != dtype or not out.is_contiguous() or out.device.type != "cpu":
             raise ValueError(f"out must be a contiguous CPU {dtype} tensor of shape {(blocks, 2 * half)}, "
                              f"got {out.dtype} {tuple(out.shape)} on {out.device}")
         head = (packed.data_ptr(), scales.data_ptr())
         tail = (code.data_ptr(), out.data_ptr(), _DTYPE_CODE[dtype])
-        # One thread: writing a fresh output is bound by its first touch (page faults), and on the 2-core
-        # machine of benchmarks/RESULTS.md a second thread made a 64 MiB dequantization slower, not faster.
-        self._dequantize(*head, 0, blocks, 2 * half, *tail)
+        call = lambda b0, b1: self._dequantize(*head, b0, b1, 2 * half, *tail)  # noqa: E731
+        if fresh:  # one thread: writing a fresh output is bound by its first touch (page faults), and on the
+            call(0, blocks)  # 2-core machine of benchmarks/RESULTS.md a second thread made a 64 MiB one slower
+        else:  # an existing buffer (the layers' shared workspace): bound by bandwidth, so split from 512 K values
+            self._split(blocks, 2 * half, call, MIN_VALUES_PER_THREAD_WARM)
         return out
 
 

@@ -27,6 +27,7 @@ def both_paths(monkeypatch, fn):
     """(native result, eager result) of fn(); the native call splits even a few blocks across threads."""
     monkeypatch.setattr(nf4, "NATIVE_MIN_ELEMENTS", 1)
     monkeypatch.setattr(native, "MIN_VALUES_PER_THREAD", 1)
+    monkeypatch.setattr(native, "MIN_VALUES_PER_THREAD_WARM", 1)
     monkeypatch.setattr(native, "CHUNK_VALUES", 64)
     fast = fn()
     monkeypatch.setattr(nf4, "NATIVE_MIN_ELEMENTS", 1 << 62)
@@ -42,6 +43,9 @@ def assert_same(monkeypatch, w: torch.Tensor, blocksize: int = 64) -> None:
         d_fast, d_slow = both_paths(monkeypatch, lambda: dequantize_nf4(slow, dtype))
         assert d_fast.dtype == dtype and d_fast.shape == w.shape
         assert torch.equal(d_fast, d_slow), f"dequantized {dtype} differs between native and eager paths"
+        buffer = torch.full((w.numel(),), float("nan"), dtype=dtype)  # an existing buffer: written by several threads
+        d_into, _ = both_paths(monkeypatch, lambda: dequantize_nf4(slow, dtype, out=buffer))
+        assert torch.equal(d_into, d_slow), f"dequantized {dtype} into a buffer differs from the eager path"
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
