@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from minigpt.model import GPTConfig
 from minituner.planner import MemoryConfig, Regime, minigpt_shape, preset_shape, regime_bytes
-from minituner.planner.activations import minigpt_activation_bytes, minigpt_saved_by_layer
+from minituner.planner.activations import PRECISION_WIDTHS, minigpt_activation_bytes, minigpt_saved_by_layer
 from minituner.planner.peak import PEAK_MODELS, has_peak_model, largest_trainable, step_peak
 
 TINY = dict(vocab_size=40, block_size=16, n_layer=2, n_head=2, d_model=16)
@@ -91,6 +91,25 @@ def test_half_activations_add_the_fp32_logits_copy():
     peak = step_peak(shape, "lora", 4, "all-linear", B, T, 2, False, weights=b.weights, grads=b.grads,
                      optimizer=b.optimizer)
     assert peak.phases["forward (loss)"]["logits"] == N * shape.vocab_size * (2 + 4)
+
+
+def test_bf16_compute_terms_are_in_their_dtypes():
+    """bf16 compute: fp32 logits (the head casts its product) with no second copy, the residual stream's gradient
+    fp32 and the MLP's bf16, the head's backward cast, the dequantized weight in bf16; A at bf16's widths."""
+    shape = minigpt_shape(GPTConfig(**TINY))
+    V, C, F = shape.vocab_size, 16, 64
+    b = buckets(shape, Regime("qlora", 4))
+    widths = PRECISION_WIDTHS["bf16"]
+    peak = step_peak(shape, "qlora", 4, "all-linear", B, T, weights=b.weights, grads=b.grads, optimizer=b.optimizer,
+                     **widths)
+    assert peak.phases["forward (loss)"]["logits"] == N * V * 4
+    assert peak.phases["forward (loss)"]["activations"] == minigpt_saved_by_layer(shape, B, T, "qlora", 4,
+                                                                                  **widths).total()
+    assert peak.phases["backward: head"]["logit gradient in the head's dtype"] == N * V * 2
+    assert peak.phases["backward: head"]["fp32 logit gradient, then head input gradient"] == max(N * V * 4, N * C * 2)
+    block = peak.phases["backward: last block"]
+    assert block["residual and MLP gradients"] == N * C * 4 + N * F * 2
+    assert block["dequantized weight"] == 16 * 64 * 2
 
 
 def test_gpt2_shape_is_planned_as_the_minigpt_it_imports_into(tmp_path):

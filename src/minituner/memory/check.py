@@ -18,10 +18,12 @@ Measured, bucket by bucket (bytes; every storage counted once, so tied weights a
   of the peak, which the planner's peak model (``planner/peak.py``) predicts; the raw resident-set peak
   above the pre-build process is shown too.
 
-The prediction is ``planner.regime_bytes`` told the run's dtypes (fp32 weights, grads and Adam; fp32
-activations; under --precision bf16 a bf16 frozen base, and fp32's activations as an approximation) with the
-exact activation model of ``planner/activations.py`` (MiniGPT, GPT-2) or ``planner/decoder_activations.py``
-(llama, mistral, qwen2: ``minigpt.decoder.Decoder``); the seed's and Korthikanti's activation estimates are shown with
+The prediction is ``planner.regime_bytes`` told the run's dtypes (fp32 weights, grads and Adam; under
+--precision bf16 a bf16 frozen base beside fp32 norms and LoRA masters) with the exact activation model of
+``planner/activations.py`` (MiniGPT, GPT-2) or ``planner/decoder_activations.py`` (llama, mistral, qwen2:
+``minigpt.decoder.Decoder``) at the run's widths (``PRECISION_WIDTHS``: fp32 throughout, or bf16 compute's
+bf16 block, fp32 stream and norms, and bf16 copies of the LoRA masters), and the step's peak of
+``planner/peak.py`` at the same widths; the seed's and Korthikanti's activation estimates are shown with
 their own errors.
 """
 from __future__ import annotations
@@ -48,7 +50,9 @@ from ..build import build_for_training
 from ..lora import ALL_LINEAR, LoRAConfig
 from .accounting import account, storage_bytes
 from ..planner import (MemoryConfig, ModelShape, Regime, korthikanti_activation_bytes, minigpt_shape,
-                       regime_bytes, seed_activation_bytes)
+                       param_counts, regime_bytes, seed_activation_bytes)
+from ..planner.activations import PRECISION_WIDTHS
+from ..planner.decoder_activations import exact_activation_bytes
 from ..planner.hf import decoder_shape
 from ..planner.peak import step_peak
 from ..planner.report import UNITS
@@ -329,25 +333,27 @@ def predict(cfg: GPTConfig | DecoderConfig, check: CheckConfig, name: str = "mod
             ) -> tuple[dict[str, int], dict[str, int], str, dict[str, int]]:
     """The planner's buckets and peak for this run (exact activations), the two activation estimates, the
     predicted peak phase and every phase's bytes. fp32: every bucket fp32. bf16: the frozen base in bf16
-    (the planner's dtype bf16), the LoRA masters, their grads and Adam fp32; activations as fp32's, an
-    approximation: the residual stream, norms, softmax and loss stay fp32, the Linears save bf16 inputs and
-    casts (MiniGPT, batch 8 x 64: 11% over the measurement; at d_model 64 x 8 tokens, 13% under)."""
+    (the planner's dtype bf16) but its norms fp32, the LoRA masters, their grads and Adam fp32; activations
+    and the peak at bf16 compute's widths (``PRECISION_WIDTHS["bf16"]``)."""
     shape = model_shape(cfg, name)
     regime = Regime("full") if check.regime == "full" else Regime(check.regime, check.rank)
+    widths = PRECISION_WIDTHS[check.precision]
     mem = MemoryConfig(batch_size=check.batch_size, seq_len=check.seq_len, full_precision="fp32",
                        activations="exact", dtype="fp32", grad_checkpoint=check.grad_checkpoint)
     b = regime_bytes(shape, regime, check.targets, mem)
     weights = b.weights
     if check.precision == "bf16":
         low = regime_bytes(shape, regime, check.targets, replace(mem, dtype="bf16"))
-        # the planner's bf16 weights hold the LoRA factors at 2 bytes (as many as their bf16 grads, low.grads);
-        # here they are fp32 masters (as many bytes as their fp32 grads, b.grads). Norms stay fp32 (not planned)
-        weights = low.weights - low.grads + b.grads
-    predicted = {"weights": weights, "grads": b.grads, "optimizer": b.optimizer, "activations": b.activations}
+        # the planner's bf16 weights hold the LoRA factors and the norms at 2 bytes; here the factors are fp32
+        # masters (as many bytes as their fp32 grads, b.grads, not their bf16 ones, low.grads) and the norms fp32
+        weights = low.weights - low.grads + b.grads + 2 * param_counts(shape)["norm"]
+    activations = exact_activation_bytes(shape, check.batch_size, check.seq_len, regime.name, regime.rank,
+                                         check.targets, grad_checkpoint=check.grad_checkpoint, **widths)
+    predicted = {"weights": weights, "grads": b.grads, "optimizer": b.optimizer, "activations": activations}
     predicted["total"] = sum(predicted.values())
     peak = step_peak(shape, check.regime, check.rank, check.targets, check.batch_size, check.seq_len,
-                     4, check.grad_checkpoint,
-                     weights=weights, grads=b.grads, optimizer=b.optimizer)
+                     grad_checkpoint=check.grad_checkpoint, weights=weights, grads=b.grads, optimizer=b.optimizer,
+                     **widths)
     predicted["peak"] = peak.bytes
     estimates = {"seed": seed_activation_bytes(shape, check.batch_size, check.seq_len),
                  "korthikanti": korthikanti_activation_bytes(shape, check.batch_size, check.seq_len)}
@@ -413,8 +419,8 @@ def memory_check(build: Callable[[], nn.Module], check: CheckConfig, device: tor
     predicted, estimates, phase, predicted_phases = predict(model.config, check, name)
     exact = "decoder_activations.py" if isinstance(model.config, DecoderConfig) else "activations.py"
     note = (f"exact model (planner/{exact})" if check.precision == "fp32"
-            else f"exact model (planner/{exact}) at fp32, an approximation in bf16 (the Linears save bf16 inputs "
-                 "and casts; the residual stream, norms, softmax and loss stay fp32)")
+            else f"exact model (planner/{exact}) at bf16 compute's widths (bf16 from each norm to the residual add, "
+                 "the fp32 stream and norms, the bf16 copies of the LoRA masters)")
     source = meter.source + (f", glibc mmap threshold pinned at {MMAP_THRESHOLD // 1024} KiB" if pinned else "")
     return CheckResult(name, check, str(device), predicted, measured, estimates, source,
                        sum(p.numel() for p in params), base_params(model), note, losses,

@@ -7,36 +7,45 @@ inputs requires grad, and then saves only what the gradients it must compute nee
 depends on the regime: in full fine-tuning everything is "hot" from the embeddings on; in LoRA the
 frozen embeddings feed a stream that needs no grad until the first LoRA layer of block 0.
 
-With N = batch·seq tokens, C = d_model, F = d_ff, h = n_head, V = vocab, e = bytes per activation
-element (4 for an fp32 run), the terms are:
+With N = batch·seq tokens, C = d_model, F = d_ff, h = n_head, V = vocab, r = LoRA rank, e = bytes per
+activation element between a norm and the residual add (4 for an fp32 run, 2 under bf16 compute), s = bytes
+per element of the residual stream and of what the norms save (``stream_bytes``: e unless given; 4 under bf16
+compute, where the stream stays fp32 and the norms compute in it), c = bytes per element of the per-call
+copies of the LoRA factors (``lora_copy_bytes``: 0 where LoRA computes with its parameters as they are, 2
+under bf16 compute), the terms are:
 
 - ``token/position ids``: the embedding lookups save their int64 indices, N·8 + seq·8, in full FT only
   (frozen embeddings record nothing).
-- ``layernorm input`` N·C·e and ``layernorm mean/rstd`` 2·N·e, for ln_1, ln_2 (each block) and ln_f,
-  whenever the norm's output needs grad (its input does, or its affine weights train).
+- ``layernorm input`` N·C·s and ``layernorm mean/rstd`` 2·N·s, for ln_1, ln_2 (each block) and ln_f,
+  whenever the norm's output needs grad (its input does, or its affine weights train). Under bf16 compute
+  the norm reads the fp32 stream, and the forward hook that casts its output to bf16 saves nothing.
 - ``linear input`` N·C·e (or N·F·e for fc2): a Linear whose weight trains (full FT) or that carries a
   LoRA A (A saves its input) keeps its input; q/k/v share one input (ln_1's output), counted once. A
   frozen Linear saves only its weight (a parameter, not an activation). o_proj's input is the attention
   output's storage, already counted when attention was recorded.
 - ``LoRA A output`` N·r·e per LoRA layer: B saves A's output for its weight grad.
+- ``LoRA factor copies`` r·(in + out)·c per LoRA layer: under bf16 compute each LoRALinear casts its fp32
+  masters A and B to bf16 per call and ``LoRAUpdate`` saves those copies (not parameters: activations).
+  Where c is 0 it saves the factors themselves, parameters, counted as weights.
 - ``attention q, k, v`` 3·N·C·e, ``attention output`` N·C·e and ``attention logsumexp`` h·N·4 (fp32):
   ``F.scaled_dot_product_attention`` without dropout runs the fused (flash) kernel, which keeps its
   inputs, its output and one logsumexp per query and head, never the h·seq² score matrix. Its output is
   laid out (B, T, h, hs), so ``transpose(1, 2).contiguous()`` is a view and o_proj saves no new storage.
 - ``gelu input`` N·F·e: GELU keeps fc1's output; fc2 (or its LoRA A) keeps GELU's output (``linear input``).
-- ``log-softmax output`` N·V·4: ``lm_loss`` upcasts the logits to fp32 and cross-entropy keeps the
-  log-probabilities; ``targets`` N·8 (int64) and the fp32 ``loss total_weight`` (4 bytes) of nll_loss.
+- ``log-softmax output`` N·V·4: ``lm_loss`` upcasts the logits to fp32 (a no-op under bf16 compute, whose
+  head returns fp32 logits) and cross-entropy keeps the log-probabilities; ``targets`` N·8 (int64) and the
+  fp32 ``loss total_weight`` (4 bytes) of nll_loss.
 - dropout is 0 (MiniGPT's default; memory-check sets it): with dropout, masks and the unfused attention
   path would add to this.
 
-- with gradient checkpointing (``model.grad_checkpoint``) each block keeps only its input, N·C·e
-  (``checkpointed block input``), and saves its terms again while the backward recomputes it.
+- with gradient checkpointing (``model.grad_checkpoint``) each block keeps only its input, N·C·s
+  (``checkpointed block input``: the stream), and saves its terms again while the backward recomputes it.
 
-Assumptions: the run's float activations share one dtype (no autocast), the inputs x and y are
-contiguous (B, T) tensors. On CUDA the memory-efficient attention kernel
-pads the logsumexp to a multiple of 32 positions and keeps two RNG scalars per layer (not modelled; a
-few bytes per layer). The seed's B·T·d·L·16 and Korthikanti et al.'s 34·sbh + 5·as²b stay available
-as estimates for comparison.
+Assumptions: one float dtype from each norm to the residual add (e) and one for the stream (s): an fp32 run,
+or minituner.precision's bf16 compute (no autocast); the inputs x and y are contiguous (B, T) tensors. On
+CUDA the memory-efficient attention kernel pads the logsumexp to a multiple of 32 positions and keeps two
+RNG scalars per layer (not modelled; a few bytes per layer). The seed's B·T·d·L·16 and Korthikanti et
+al.'s 34·sbh + 5·as²b stay available as estimates for comparison.
 """
 from __future__ import annotations
 
@@ -48,10 +57,13 @@ from minigpt.errors import InputError
 from minigpt.model import GPTConfig
 
 from .counts import ALL_LINEAR, resolve_targets
-from .shapes import ModelShape, minigpt_shape
+from .shapes import LinearShape, ModelShape, minigpt_shape
 
 INDEX_BYTES = 8  # int64 token ids, positions and targets
 FP32 = 4  # logsumexp, log-softmax output, nll_loss's total_weight
+# the widths (e, s, c) of a run at each --precision: fp32 throughout, or minituner.precision's bf16 compute
+# (bf16 from each norm to the residual add, the fp32 stream and norms, bf16 copies of the fp32 LoRA masters)
+PRECISION_WIDTHS = {"fp32": {"act_bytes": 4}, "bf16": {"act_bytes": 2, "stream_bytes": 4, "lora_copy_bytes": 2}}
 QKV = ("attn.q_proj", "attn.k_proj", "attn.v_proj")
 BLOCK_LINEARS = (*QKV, "attn.o_proj", "mlp.fc1", "mlp.fc2")
 EXACT_FAMILIES = ("minigpt", "gpt2")  # GPT-2 as minituner trains it: imported into MiniGPT (as_minigpt)
@@ -63,6 +75,15 @@ GPT2_TO_MINIGPT = {"attn.c_attn": QKV, "attn.c_proj": ("attn.o_proj",), "mlp.c_f
 def lora_paths(shape: ModelShape, targets: str | Iterable[str]) -> frozenset[str]:
     """Block paths (attn.q_proj, ...) carrying a LoRA adapter for these targets."""
     return frozenset(lin.path for lin in resolve_targets(shape, targets))
+
+
+def lora_saved(lin: LinearShape, tokens: int, rank: int, act_bytes: int, lora_copy_bytes: int) -> Counter[str]:
+    """What one LoRA layer's own path saves: A's output (N, r), and the per-call copies of A and B when it
+    computes with cast copies of its masters (r·(in + out) elements of lora_copy_bytes; none when 0)."""
+    saved = Counter({"LoRA A output": tokens * rank * act_bytes})
+    if lora_copy_bytes:
+        saved["LoRA factor copies"] = rank * (lin.in_features + lin.out_features) * lora_copy_bytes
+    return saved
 
 
 @dataclass(frozen=True)
@@ -108,12 +129,14 @@ def check_exact(shape: ModelShape, regime: str) -> None:
 
 def minigpt_saved_by_layer(shape: ModelShape, batch_size: int, seq_len: int, regime: str = "full",
                            rank: int | None = None, targets: str | Iterable[str] = ALL_LINEAR,
-                           act_bytes: int = 4, grad_checkpoint: bool = False) -> SavedByLayer:
+                           act_bytes: int = 4, grad_checkpoint: bool = False, *, stream_bytes: int | None = None,
+                           lora_copy_bytes: int = 0) -> SavedByLayer:
     """Bytes saved for backward by one MiniGPT training forward, per term and layer (see the module docstring).
 
-    With ``grad_checkpoint`` each block keeps only its input (N·C·e, held by torch.utils.checkpoint to
-    recompute the block in backward); what the block would save is saved again, one block at a time,
-    during the backward (``minigpt_saved_by_layer(...).blocks`` without checkpointing gives it).
+    act_bytes is e, stream_bytes s (None: e), lora_copy_bytes c. With ``grad_checkpoint`` each block keeps
+    only its input (N·C·s, held by torch.utils.checkpoint to recompute the block in backward); what the
+    block would save is saved again, one block at a time, during the backward
+    (``minigpt_saved_by_layer(...).blocks`` without checkpointing gives it).
     """
     check_exact(shape, regime)
     shape, targets = as_minigpt(shape, targets)
@@ -121,6 +144,8 @@ def minigpt_saved_by_layer(shape: ModelShape, batch_size: int, seq_len: int, reg
     lora = frozenset() if full else lora_paths(shape, targets)
     r = rank or 0
     N, C, F, h, e = batch_size * seq_len, shape.d_model, shape.d_ff, shape.n_head, act_bytes
+    s = stream_bytes or act_bytes
+    linears = {lin.path: lin for lin in shape.linears}
     embed: Counter[str] = Counter()
     head: Counter[str] = Counter()
     blocks: list[dict[str, int]] = []
@@ -130,12 +155,12 @@ def minigpt_saved_by_layer(shape: ModelShape, batch_size: int, seq_len: int, reg
 
     def layernorm(terms: Counter, hot: bool) -> None:
         if hot:
-            terms["layernorm input"] += N * C * e
-            terms["layernorm mean/rstd"] += 2 * N * e
+            terms["layernorm input"] += N * C * s
+            terms["layernorm mean/rstd"] += 2 * N * s
 
     def lora_out(terms: Counter, path: str) -> None:
         if path in lora:
-            terms["LoRA A output"] += N * r * e
+            terms.update(lora_saved(linears[path], N, r, e, lora_copy_bytes))
 
     if full:
         embed["token/position ids"] += N * INDEX_BYTES + (seq_len * INDEX_BYTES if shape.n_positions else 0)
@@ -168,7 +193,7 @@ def minigpt_saved_by_layer(shape: ModelShape, batch_size: int, seq_len: int, reg
             terms["linear input"] += N * F * e  # GELU's output
         lora_out(terms, "mlp.fc2")
         hot = hot or fc1_hot or trains("mlp.fc2")
-        blocks.append({"checkpointed block input": N * C * e} if grad_checkpoint else dict(terms))
+        blocks.append({"checkpointed block input": N * C * s} if grad_checkpoint else dict(terms))
     layernorm(head, hot or full)  # ln_f
     if full:
         head["linear input"] += N * C * e  # the (tied) head trains: it keeps ln_f's output

@@ -9,17 +9,22 @@ fine-tuning the stream is "hot" from the embeddings on; in LoRA and QLoRA the fr
 stream that needs no grad until the first LoRA layer.
 
 With N = batch·seq tokens, T = seq, C = d_model, F = intermediate_size, h = query heads, d = head_dim,
-V = vocab, r = LoRA rank, e = bytes per activation element (4 for an fp32 run), the terms are:
+V = vocab, r = LoRA rank, e = bytes per activation element between a norm and the residual add (4 for an
+fp32 run, 2 under bf16 compute), s = bytes per element of the residual stream and of what the norms save
+(``stream_bytes``: e unless given; 4 under bf16 compute), c = bytes per element of the per-call copies of
+the LoRA factors (``lora_copy_bytes``: 0, or 2 under bf16 compute), the terms are:
 
 - ``token ids``: the embedding lookup saves its int64 indices, N·8, in full FT only (rotary positions
   have no embedding).
 - ``rotary cos/sin`` 2·T·d·e, once for the whole model: ``Decoder.rope`` builds cos and sin (T, d) once
-  per forward and every layer's ``q * cos`` and ``rotate_half(q) * sin`` (and k's) save the same two
-  tensors, whenever q or k needs grad (rotate_half's chunk, neg and cat save nothing).
-- ``rmsnorm input`` N·C·e and ``rmsnorm rstd`` N·e, for input_layernorm, post_attention_layernorm (each
+  per forward, in the dtype q and k are in (``Decoder.compute_dtype``), and every layer's ``q * cos`` and
+  ``rotate_half(q) * sin`` (and k's) save the same two tensors, whenever q or k needs grad (rotate_half's
+  chunk, neg and cat save nothing).
+- ``rmsnorm input`` N·C·s and ``rmsnorm rstd`` N·s, for input_layernorm, post_attention_layernorm (each
   layer) and the final norm, when the norm's input needs grad (``x.pow(2)`` and ``x * rsqrt(...)`` keep
-  x, rsqrt keeps its output; x.float() is a no-op in fp32); ``rmsnorm normalized input`` N·C·e when its
-  weight trains (full FT: ``weight * x_normed`` keeps x_normed).
+  x, rsqrt keeps its output; x.float() is a no-op on the fp32 stream); ``rmsnorm normalized input`` N·C·s
+  when its weight trains (full FT: ``weight * x_normed`` keeps x_normed). Under bf16 compute the forward
+  hook that casts the norm's output to bf16 saves nothing.
 - ``linear input``: a Linear whose weight trains (full FT) or that carries a LoRA A keeps its input:
   N·C·e for q/k/v (one shared input) and for gate/up (one shared input), N·F·e for down_proj (the
   SwiGLU product), and N·h·d·e for o_proj only when attention recorded nothing (otherwise its input is
@@ -27,6 +32,8 @@ V = vocab, r = LoRA rank, e = bytes per activation element (4 for an fp32 run), 
 - ``LoRA A output`` N·r·e per LoRA layer (B's weight gradient needs it); QLoRA's
   ``DequantLinearFunction`` saves only the quantized buffers (the weights bucket), never the
   dequantized weight, which lives only inside the forward and the backward (planner/peak.py).
+- ``LoRA factor copies`` r·(in + out)·c per LoRA layer: the bf16 copies of the fp32 masters that each
+  LoRALinear makes per call under bf16 compute and ``LoRAUpdate`` saves (activations, not parameters).
 - ``attention q, k, v`` 3·N·h·d·e, ``attention output`` N·h·d·e and ``attention logsumexp`` h·N·4
   (fp32): on CPU ``F.scaled_dot_product_attention`` without dropout runs the fused flash kernel, which
   keeps its inputs, its output and one logsumexp per query and head, never the h·T² scores. Its inputs
@@ -41,13 +48,14 @@ V = vocab, r = LoRA rank, e = bytes per activation element (4 for an fp32 run), 
   gate does); any ``hidden_act`` of the Decoder keeps its input.
 - ``log-softmax output`` N·V·4, ``targets`` N·8 and ``loss total_weight`` 4: as MiniGPT's (lm_loss).
 
-- with gradient checkpointing (``model.grad_checkpoint``) each layer keeps only its input, N·C·e
-  (``checkpointed block input``), and torch.utils.checkpoint holds the rotary cos/sin it was called with
-  (2·T·d·e, once: every layer gets the same two tensors); the layer's terms are saved again, one layer at
-  a time, while the backward recomputes it.
+- with gradient checkpointing (``model.grad_checkpoint``) each layer keeps only its input, N·C·s
+  (``checkpointed block input``: the stream), and torch.utils.checkpoint holds the rotary cos/sin it was
+  called with (2·T·d·e, once: every layer gets the same two tensors); the layer's terms are saved again,
+  one layer at a time, while the backward recomputes it.
 
-Assumptions: attention dropout 0 (memory-check sets it), one float dtype for the run's activations (no
-autocast), contiguous (B, T) inputs; biases change nothing here (their gradient is a sum of the output's).
+Assumptions: attention dropout 0 (memory-check sets it), one float dtype from each norm to the residual
+add (e) and one for the stream (s): an fp32 run, or minituner.precision's bf16 compute (no autocast);
+contiguous (B, T) inputs; biases change nothing here (their gradient is a sum of the output's).
 """
 from __future__ import annotations
 
@@ -57,7 +65,7 @@ from collections.abc import Iterable
 from minigpt.errors import InputError
 
 from .activations import EXACT_FAMILIES as MINIGPT_FAMILIES
-from .activations import FP32, INDEX_BYTES, SavedByLayer, lora_paths, minigpt_saved_by_layer
+from .activations import FP32, INDEX_BYTES, SavedByLayer, lora_paths, lora_saved, minigpt_saved_by_layer
 from .counts import ALL_LINEAR
 from .shapes import ModelShape
 
@@ -79,13 +87,17 @@ def check_decoder(shape: ModelShape, regime: str) -> None:
 
 def decoder_saved_by_layer(shape: ModelShape, batch_size: int, seq_len: int, regime: str = "full",
                            rank: int | None = None, targets: str | Iterable[str] = ALL_LINEAR,
-                           act_bytes: int = 4, grad_checkpoint: bool = False) -> SavedByLayer:
-    """Bytes saved for backward by one Decoder training forward, per term and layer (see the module docstring)."""
+                           act_bytes: int = 4, grad_checkpoint: bool = False, *, stream_bytes: int | None = None,
+                           lora_copy_bytes: int = 0) -> SavedByLayer:
+    """Bytes saved for backward by one Decoder training forward, per term and layer (see the module docstring):
+    act_bytes is e, stream_bytes s (None: e), lora_copy_bytes c."""
     check_decoder(shape, regime)
     full = regime == "full"
     lora = frozenset() if full else lora_paths(shape, targets)
     r = rank or 0
     N, T, C, F, e = batch_size * seq_len, seq_len, shape.d_model, shape.d_ff, act_bytes
+    s = stream_bytes or act_bytes
+    linears = {lin.path: lin for lin in shape.linears}
     A = shape.n_head * shape.head_dim  # attention width: q, and k/v after repeat_interleave
     embed: Counter[str] = Counter()
     head: Counter[str] = Counter()
@@ -97,14 +109,14 @@ def decoder_saved_by_layer(shape: ModelShape, batch_size: int, seq_len: int, reg
 
     def rmsnorm(terms: Counter, hot: bool) -> None:
         if hot:
-            terms["rmsnorm input"] += N * C * e
-            terms["rmsnorm rstd"] += N * e
+            terms["rmsnorm input"] += N * C * s
+            terms["rmsnorm rstd"] += N * s
         if full:
-            terms["rmsnorm normalized input"] += N * C * e
+            terms["rmsnorm normalized input"] += N * C * s
 
     def lora_out(terms: Counter, path: str) -> None:
         if path in lora:
-            terms["LoRA A output"] += N * r * e
+            terms.update(lora_saved(linears[path], N, r, e, lora_copy_bytes))
 
     if full:
         embed["token ids"] += N * INDEX_BYTES
@@ -146,7 +158,7 @@ def decoder_saved_by_layer(shape: ModelShape, batch_size: int, seq_len: int, reg
             terms["linear input"] += N * F * e  # the SwiGLU product
         lora_out(terms, "mlp.down_proj")
         hot = hot or gate_hot or up_hot or trains("mlp.down_proj")
-        blocks.append({"checkpointed block input": N * C * e} if grad_checkpoint else dict(terms))
+        blocks.append({"checkpointed block input": N * C * s} if grad_checkpoint else dict(terms))
     if rope_saved or grad_checkpoint:  # one cos and one sin for every layer (checkpointing holds them as inputs)
         embed["rotary cos/sin"] += 2 * T * shape.head_dim * e
     rmsnorm(head, hot)  # the final norm
@@ -159,15 +171,18 @@ def decoder_saved_by_layer(shape: ModelShape, batch_size: int, seq_len: int, reg
 
 
 def saved_by_layer(shape: ModelShape, batch_size: int, seq_len: int, regime: str = "full", rank: int | None = None,
-                   targets: str | Iterable[str] = ALL_LINEAR, act_bytes: int = 4,
-                   grad_checkpoint: bool = False) -> SavedByLayer:
+                   targets: str | Iterable[str] = ALL_LINEAR, act_bytes: int = 4, grad_checkpoint: bool = False, *,
+                   stream_bytes: int | None = None, lora_copy_bytes: int = 0) -> SavedByLayer:
     """The exact model of this shape's family: MiniGPT (and GPT-2 imported into it) or the llama family."""
     fn = decoder_saved_by_layer if shape.family in LLAMA_FAMILIES else minigpt_saved_by_layer
-    return fn(shape, batch_size, seq_len, regime, rank, targets, act_bytes, grad_checkpoint)
+    return fn(shape, batch_size, seq_len, regime, rank, targets, act_bytes, grad_checkpoint,
+              stream_bytes=stream_bytes, lora_copy_bytes=lora_copy_bytes)
 
 
 def exact_activation_bytes(shape: ModelShape, batch_size: int, seq_len: int, regime: str = "full",
                            rank: int | None = None, targets: str | Iterable[str] = ALL_LINEAR, act_bytes: int = 4,
-                           grad_checkpoint: bool = False) -> int:
+                           grad_checkpoint: bool = False, *, stream_bytes: int | None = None,
+                           lora_copy_bytes: int = 0) -> int:
     """Total bytes saved for backward by one training forward of this shape (any family with an exact model)."""
-    return saved_by_layer(shape, batch_size, seq_len, regime, rank, targets, act_bytes, grad_checkpoint).total()
+    return saved_by_layer(shape, batch_size, seq_len, regime, rank, targets, act_bytes, grad_checkpoint,
+                          stream_bytes=stream_bytes, lora_copy_bytes=lora_copy_bytes).total()

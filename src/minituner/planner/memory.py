@@ -22,7 +22,9 @@ Per base parameter N and LoRA parameter P (bytes):
   MemoryConfig.grad_checkpoint models each block recomputed in backward (it keeps only its input).
 - MemoryConfig.dtype (default fp16) is the float storage of LoRA/QLoRA's frozen weights, LoRA factors and
   grads and of the exact model's activations; "fp32" describes a plain fp32 run (minituner on CPU, or
-  with bf16 autocast, which keeps fp32 weights). Adam's m and v are fp32 whatever it says.
+  with bf16 autocast, which keeps fp32 weights). Adam's m and v are fp32 whatever it says. minituner's
+  --precision bf16 (fp32 stream, norms and LoRA masters around a bf16 base) is none of these:
+  ``memory-check`` predicts it with the exact model's bf16 widths (``activations.PRECISION_WIDTHS``).
 """
 from __future__ import annotations
 

@@ -12,19 +12,26 @@ full FT of a large-vocabulary model peaks at the embeddings' backward and in Ada
 (both hold every grad plus two V x C temporaries); a small full FT run can peak at the end of the
 forward (the last step's grads are still alive there).
 
-With N = batch·seq, C = d_model, F = d_ff, V = vocab, e = bytes per activation element, and the
-weights/grads/optimizer buckets W, G, O of ``regime_bytes`` (A = the bytes saved for backward):
+With N = batch·seq, C = d_model, F = d_ff, V = vocab, the exact activation model's widths e (bytes per
+element from each norm to the residual add), s (the residual stream's, e unless given) and c (the LoRA
+factors' per-call copies) of ``planner/activations.py`` (an fp32 run: e = s = 4, c = 0; bf16 compute:
+e = 2, s = 4, c = 2), and the weights/grads/optimizer buckets W, G, O of ``regime_bytes`` (A = the bytes
+saved for backward, at those widths):
 
-- forward (loss): W + O + G (last step's grads: zero_grad comes after the forward) + A + logits N·V·e
-  (plus their fp32 copy N·V·4 when e is not 4: lm_loss upcasts).
+- forward (loss): W + O + G (last step's grads: zero_grad comes after the forward) + A + logits N·V·s
+  (the head returns the stream's dtype: fp32 under bf16 compute, whose head computes in bf16 and casts its
+  product, a transient below this moment; plus their fp32 copy N·V·4 when s is not 4: lm_loss upcasts).
 - backward, loss: W + O + A + 2·N·V·4 (nll_loss's gradient and log-softmax's, both (N, V) fp32, while
   log-softmax's saved output is alive; G was set to None).
-- backward, head: W + O + A - log-softmax output + logit gradient N·V·4 + head input gradient N·C·e
-  + the head's weight gradient V·C·4 when it trains (full FT).
+- backward, head: W + O + A - log-softmax output + the head's gradients (``head_gradients``): an fp32 head
+  holds the fp32 logit gradient N·V·4 while making its input gradient N·C·4; a head computing in e < 4
+  casts the logit gradient to e first (N·V·e beside the fp32 N·V·4), then makes its input gradient N·C·e
+  from the cast; + the head's weight gradient V·C·4 when it trains (full FT).
 - backward, last block: W + O + the grads produced so far (full FT: head and one block; LoRA: one
-  block's factors) + A minus what the head saved + the block's gradients (the residual stream's N·C·e
-  and one N·F·e in the MLP) + QLoRA's largest dequantized weight out·in·e (its backward dequantizes
-  again) + with gradient checkpointing the block's recomputed saved tensors.
+  block's factors) + A minus what the head saved + the block's gradients (the residual stream's N·C·s,
+  fp32 under bf16 compute, and the MLP's N·F·e) + QLoRA's largest dequantized weight out·in·e (its
+  backward dequantizes again, into the compute dtype) + with gradient checkpointing the block's
+  recomputed saved tensors.
 - forward, last block (gradient checkpointing only): W + O + G + A minus the head's + what the block would
   save, alive until it returns (without checkpointing this moment is below the loss's).
 - backward, embeddings (full FT): W + O + G + the embedding's dense gradient V·C·4, twice when tied
@@ -71,49 +78,70 @@ class Peak:
 
 def minigpt_phases(shape: ModelShape, regime: str, rank: int | None, targets: str | Iterable[str],
                    batch_size: int, seq_len: int, act_bytes: int, grad_checkpoint: bool,
-                   weights: int, grads: int, optimizer: int, grad_bytes: int) -> dict[str, dict[str, int]]:
+                   weights: int, grads: int, optimizer: int, grad_bytes: int, *, stream_bytes: int | None = None,
+                   lora_copy_bytes: int = 0) -> dict[str, dict[str, int]]:
     """Live bytes per term at the worst moment of each phase of one MiniGPT (or GPT-2) training step."""
     shape, targets = as_minigpt(shape, targets)  # GPT-2 trains as the MiniGPT it imports into
     N, C, F = batch_size * seq_len, shape.d_model, shape.d_ff
-    # the last block's backward: the residual stream's gradient and one (N, F) in the MLP (GELU's input gradient;
-    # fc2's saved input is freed as GELU's gradient appears)
+    # the last block's backward: the residual stream's gradient (the stream's dtype) and one (N, F) in the MLP
+    # (GELU's input gradient, in the block's dtype; fc2's saved input is freed as GELU's gradient appears)
+    block_grads = N * C * (stream_bytes or act_bytes) + N * F * act_bytes
     return step_phases(shape, regime, rank, targets, batch_size, seq_len, act_bytes, grad_checkpoint, weights, grads,
-                       optimizer, grad_bytes, minigpt_saved_by_layer, (N * C + N * F) * act_bytes)
+                       optimizer, grad_bytes, minigpt_saved_by_layer, block_grads, stream_bytes=stream_bytes,
+                       lora_copy_bytes=lora_copy_bytes)
 
 
 def llama_phases(shape: ModelShape, regime: str, rank: int | None, targets: str | Iterable[str],
                  batch_size: int, seq_len: int, act_bytes: int, grad_checkpoint: bool,
-                 weights: int, grads: int, optimizer: int, grad_bytes: int) -> dict[str, dict[str, int]]:
+                 weights: int, grads: int, optimizer: int, grad_bytes: int, *, stream_bytes: int | None = None,
+                 lora_copy_bytes: int = 0) -> dict[str, dict[str, int]]:
     """Live bytes per term at the worst moment of each phase of one llama / mistral / qwen2 (Decoder) step."""
     N, C, F = batch_size * seq_len, shape.d_model, shape.d_ff
     down_saved = regime == "full" or "mlp.down_proj" in lora_paths(shape, targets)
     # SwiGLU's backward at its product: the gradient arriving from down_proj and the two it makes (silu output's
-    # and up's), all (N, F), beside the residual stream's (N, C); down_proj's saved input is freed by then
+    # and up's), all (N, F) in the block's dtype, beside the residual stream's (N, C) in the stream's;
+    # down_proj's saved input is freed by then
     mlp = (3 - (1 if down_saved else 0)) * N * F
+    block_grads = N * C * (stream_bytes or act_bytes) + mlp * act_bytes
     return step_phases(shape, regime, rank, targets, batch_size, seq_len, act_bytes, grad_checkpoint, weights, grads,
-                       optimizer, grad_bytes, decoder_saved_by_layer, (N * C + mlp) * act_bytes)
+                       optimizer, grad_bytes, decoder_saved_by_layer, block_grads, stream_bytes=stream_bytes,
+                       lora_copy_bytes=lora_copy_bytes)
+
+
+def head_gradients(tokens: int, d_model: int, vocab: int, act_bytes: int) -> dict[str, int]:
+    """The head's backward at its worst moment, from the fp32 logit gradient (N, V) that the loss hands it.
+
+    An fp32 head's product holds it while making the input gradient (N, C). A head computing in a narrower
+    dtype casts it to that dtype first (both alive), frees it, then makes the input gradient in that dtype."""
+    N, C, V, e = tokens, d_model, vocab, act_bytes
+    if e == FP32:
+        return {"logit gradient (N x V, fp32)": N * V * FP32, "head input gradient": N * C * e}
+    return {"logit gradient in the head's dtype": N * V * e,
+            "fp32 logit gradient, then head input gradient": max(N * V * FP32, N * C * e)}
 
 
 def step_phases(shape: ModelShape, regime: str, rank: int | None, targets: str | Iterable[str],
                 batch_size: int, seq_len: int, act_bytes: int, grad_checkpoint: bool,
                 weights: int, grads: int, optimizer: int, grad_bytes: int,
-                saved_by_layer: Callable[..., SavedByLayer], block_grads: int) -> dict[str, dict[str, int]]:
+                saved_by_layer: Callable[..., SavedByLayer], block_grads: int, *, stream_bytes: int | None = None,
+                lora_copy_bytes: int = 0) -> dict[str, dict[str, int]]:
     """The phases of a step for a family's saved-tensor model and its last block's backward gradients (bytes)."""
-    saved = saved_by_layer(shape, batch_size, seq_len, regime, rank, targets, act_bytes, grad_checkpoint)
-    plain = saved_by_layer(shape, batch_size, seq_len, regime, rank, targets, act_bytes) if grad_checkpoint \
-        else saved
+    widths = {"stream_bytes": stream_bytes, "lora_copy_bytes": lora_copy_bytes}
+    saved = saved_by_layer(shape, batch_size, seq_len, regime, rank, targets, act_bytes, grad_checkpoint, **widths)
+    plain = saved_by_layer(shape, batch_size, seq_len, regime, rank, targets, act_bytes, **widths) \
+        if grad_checkpoint else saved
     N, C, V, e = batch_size * seq_len, shape.d_model, shape.vocab_size, act_bytes
+    logits = stream_bytes or act_bytes  # the head returns the stream's dtype (fp32 under bf16 compute)
     A, full = saved.total(), regime == "full"
     head_saved = sum(saved.head.values())
     embedding = V * C * FP32  # the token embedding (and a tied head): its gradient is fp32 like Adam's state
     base = {"weights": weights, "optimizer state": optimizer}
     phases = {
         "forward (loss)": {**base, "grads (last step's; zero_grad follows the forward)": grads, "activations": A,
-                           "logits": N * V * e + (N * V * FP32 if e != FP32 else 0)},
+                           "logits": N * V * logits + (N * V * FP32 if logits != FP32 else 0)},
         "backward: loss": {**base, "activations": A, "nll and log-softmax gradients (N x V, fp32)": 2 * N * V * FP32},
         "backward: head": {**base, "activations (log-softmax output freed)": A - saved.head["log-softmax output"],
-                           "logit gradient (N x V, fp32)": N * V * FP32, "head input gradient": N * C * e,
-                           "head weight gradient": embedding if full else 0},
+                           **head_gradients(N, C, V, e), "head weight gradient": embedding if full else 0},
     }
     if full:
         per_block = (total_params(shape) - V * C * (1 if shape.tie_embeddings else 2) - shape.n_positions * C
@@ -165,9 +193,14 @@ def has_peak_model(shape: ModelShape) -> bool:
 
 def step_peak(shape: ModelShape, regime: str, rank: int | None = None, targets: str | Iterable[str] = ALL_LINEAR,
               batch_size: int = 16, seq_len: int = 32, act_bytes: int = 4, grad_checkpoint: bool = False, *,
-              weights: int, grads: int, optimizer: int, grad_bytes: int = 4) -> Peak:
-    """The phase where a training step peaks and what is alive there (``PEAK_MODELS[shape.family]``)."""
+              weights: int, grads: int, optimizer: int, grad_bytes: int = 4, stream_bytes: int | None = None,
+              lora_copy_bytes: int = 0) -> Peak:
+    """The phase where a training step peaks and what is alive there (``PEAK_MODELS[shape.family]``).
+
+    act_bytes, stream_bytes and lora_copy_bytes are the exact activation model's widths (e, s, c of
+    planner/activations.py); ``PRECISION_WIDTHS[precision]`` holds them for an fp32 or a bf16 run."""
     phases = PEAK_MODELS[shape.family](shape, regime, rank, targets, batch_size, seq_len, act_bytes, grad_checkpoint,
-                                       weights, grads, optimizer, grad_bytes)
+                                       weights, grads, optimizer, grad_bytes, stream_bytes=stream_bytes,
+                                       lora_copy_bytes=lora_copy_bytes)
     worst = max(phases, key=lambda k: sum(phases[k].values()))
     return Peak(worst, phases)

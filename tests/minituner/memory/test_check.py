@@ -1,4 +1,4 @@
-"""memory-check: the planner's buckets equal the measured ones exactly on tiny models (fp32, CPU)."""
+"""memory-check: the planner's buckets equal the measured ones exactly on tiny models (fp32 and bf16, CPU)."""
 from __future__ import annotations
 
 import json
@@ -17,10 +17,10 @@ from minituner.cli import main
 from minituner.hf_gpt2 import gpt2_config_dict
 from minituner.memory.check import BUCKETS, CheckConfig, SavedTensors, describe, memory_check
 from minituner.planner import MemoryConfig, Regime, minigpt_shape, regime_bytes, total_params
-from minituner.planner.activations import minigpt_activation_terms
+from minituner.planner.activations import PRECISION_WIDTHS, minigpt_activation_terms, minigpt_saved_by_layer
 
 CPU = torch.device("cpu")
-SRC = str(Path(__file__).resolve().parents[2] / "src")
+SRC = str(Path(__file__).resolve().parents[3] / "src")  # the checkout's src, not an installed copy
 TINY = dict(vocab_size=40, block_size=16, n_layer=2, n_head=2, d_model=16)
 
 
@@ -59,6 +59,22 @@ def test_activation_terms_follow_the_regime():
     # block 0's ln_1 sees no grad-requiring input under LoRA: one layernorm input fewer than full FT
     assert full["layernorm input"] - lora["layernorm input"] == 2 * 8 * 16 * 4
     assert full["log-softmax output"] == 2 * 8 * 40 * 4
+
+
+def test_bf16_terms_follow_the_dataflow():
+    """bf16 compute: norms save fp32 (they read the fp32 stream), the block between them saves bf16, and each
+    LoRA layer saves the bf16 copies of its fp32 masters."""
+    shape, N, r = minigpt_shape(GPTConfig(**TINY)), 2 * 8, 4
+    fp32 = minigpt_saved_by_layer(shape, 2, 8, "lora", r).terms()
+    bf16 = minigpt_saved_by_layer(shape, 2, 8, "lora", r, **PRECISION_WIDTHS["bf16"]).terms()
+    for term in ("layernorm input", "layernorm mean/rstd", "attention logsumexp", "log-softmax output", "targets"):
+        assert bf16[term] == fp32[term]
+    for term in ("linear input", "LoRA A output", "attention q, k, v", "attention output", "gelu input"):
+        assert 2 * bf16[term] == fp32[term]
+    assert "LoRA factor copies" not in fp32  # fp32 LoRA saves its factors themselves: parameters
+    assert bf16["LoRA factor copies"] == 2 * r * (4 * (16 + 16) + 2 * (16 + 64)) * 2  # layers x r(in + out) x bf16
+    ckpt = minigpt_saved_by_layer(shape, 2, 8, "lora", r, grad_checkpoint=True, **PRECISION_WIDTHS["bf16"])
+    assert ckpt.blocks == ({"checkpointed block input": N * 16 * 4},) * 2  # the fp32 stream
 
 
 def test_planner_dtype_scales_lora_buckets():
@@ -104,7 +120,8 @@ def test_cli_base_folder_and_table(tmp_path, capsys):
     assert "| activations | " in out and "seed estimate" in out and "| peak (planner/peak.py) |" in out
 
 
-@pytest.mark.parametrize("args", [("--regime", "lora"), ("--regime", "full", "--grad-checkpoint")])
+@pytest.mark.parametrize("args", [("--regime", "lora"), ("--regime", "full", "--grad-checkpoint"),
+                                  ("--regime", "lora", "--grad-checkpoint", "--precision", "bf16", "--allow-slow-bf16")])
 def test_peak_within_ten_percent_in_a_fresh_process(tmp_path, args):
     """The planner's step peak against the measured one, in a process of its own (its peak is this run's alone).
 
@@ -133,26 +150,37 @@ def test_cuda_buckets(precision):
     cfg = GPTConfig(**{**TINY, "d_model": 64, "n_head": 4})
     r = memory_check(lambda: MiniGPT(cfg).cuda(), CheckConfig(regime="lora", batch_size=2, seq_len=8,
                                                               precision=precision), torch.device("cuda"))
-    for b in ("grads", "optimizer"):  # the LoRA masters' grads and Adam are fp32 in both
+    for b in ("weights", "grads", "optimizer"):  # the LoRA masters' grads and Adam are fp32 in both
         assert r.predicted[b] == r.measured[b]
-    norms = 0 if precision == "fp32" else 2 * sum(p.numel() for n, p in MiniGPT(cfg).named_parameters() if "ln" in n)
-    assert r.predicted["weights"] + norms == r.measured["weights"]  # bf16: the norms stay fp32 (planned bf16)
     assert r.measured["peak"] >= r.measured["weights"] and r.peak_source.startswith("torch.cuda")
     if precision == "fp32":
         assert abs(r.predicted["activations"] - r.measured["activations"]) <= 0.1 * r.measured["activations"]
 
 
+@pytest.mark.parametrize("cfg", [GPTConfig(**TINY),
+                                 GPTConfig(**{**TINY, "bias": False, "tie_weights": False, "d_ff": 24})])
+@pytest.mark.parametrize("regime,targets", [("lora", "all-linear"), ("lora", "k_proj"), ("lora", "o_proj,fc1"),
+                                            ("qlora", "all-linear"), ("qlora", "fc2")])
+@pytest.mark.parametrize("grad_checkpoint", [False, True])
+def test_bf16_buckets_are_exact(cfg, regime, targets, grad_checkpoint):
+    """--precision bf16 (slow bf16 allowed: CI CPUs may lack bf16 units): a bf16 base beside fp32 norms and LoRA
+    masters, the bf16 block between the fp32 norms and stream, the masters' bf16 copies: every bucket exact."""
+    r = check(cfg, regime=regime, targets=targets, precision="bf16", allow_slow_bf16=True,
+              grad_checkpoint=grad_checkpoint)
+    for b in BUCKETS:
+        assert r.predicted[b] == r.measured[b], (b, r.predicted[b], r.measured[b])
+
+
 @pytest.mark.parametrize("regime", ["lora", "qlora"])
 def test_bf16_frozen_base_is_planned_in_bf16(regime):
-    """--precision bf16 (slow bf16 allowed: CI CPUs may lack bf16 units): the base in bf16, LoRA and Adam fp32."""
+    """--precision bf16: the base in bf16, LoRA and Adam fp32; the block's activations in bf16."""
     cfg = GPTConfig(**{**TINY, "d_model": 64, "n_head": 4})
     fp32, bf16 = (memory_check(lambda: MiniGPT(cfg), CheckConfig(regime=regime, batch_size=2, seq_len=8, precision=p,
                                                                  allow_slow_bf16=True), CPU) for p in ("fp32", "bf16"))
-    norms = 2 * sum(p.numel() for n, p in MiniGPT(cfg).named_parameters() if "ln" in n)  # fp32 norms, planned bf16
-    assert bf16.predicted["weights"] + norms == bf16.measured["weights"] < fp32.measured["weights"]
+    assert bf16.predicted["weights"] == bf16.measured["weights"] < fp32.measured["weights"]
     for b in ("grads", "optimizer"):
         assert bf16.predicted[b] == bf16.measured[b] == fp32.measured[b]
-    assert bf16.predicted["activations"] == fp32.predicted["activations"]  # fp32's model: an approximation in bf16
+    assert bf16.predicted["activations"] == bf16.measured["activations"] < fp32.measured["activations"]
     assert bf16.to_json()["details"]["precision"] == "bf16"
 
 

@@ -15,6 +15,7 @@ from minigpt.io import write_json
 from minituner.cli import main
 from minituner.memory.check import BUCKETS, CheckConfig, memory_check
 from minituner.planner import MemoryConfig, Regime, regime_bytes
+from minituner.planner.activations import PRECISION_WIDTHS
 from minituner.planner.decoder_activations import decoder_saved_by_layer
 from minituner.planner.hf import decoder_shape
 
@@ -50,6 +51,20 @@ def test_buckets_are_exact(name, grad_checkpoint):
             assert r.predicted[b] == r.measured[b], (name, regime, targets, b, r.predicted[b], r.measured[b])
 
 
+@pytest.mark.parametrize("name", CONFIGS)
+@pytest.mark.parametrize("grad_checkpoint", [False, True])
+def test_bf16_buckets_are_exact(name, grad_checkpoint):
+    """--precision bf16 (bf16 block between fp32 norms and stream, bf16 RoPE and mask, the LoRA masters' bf16
+    copies; a bf16 base beside fp32 norms and masters): byte for byte too. Slow bf16 allowed for CI CPUs."""
+    cfg = decoder(name)
+    for regime, targets in [case for case in CASES if case[0] != "full"]:  # bf16 compute needs a frozen base
+        check = CheckConfig(regime=regime, targets=targets, rank=2, batch_size=3, seq_len=8, precision="bf16",
+                            allow_slow_bf16=True, grad_checkpoint=grad_checkpoint)
+        r = memory_check(lambda: Decoder(cfg), check, CPU, name)
+        for b in BUCKETS:
+            assert r.predicted[b] == r.measured[b], (name, regime, targets, b, r.predicted[b], r.measured[b])
+
+
 def test_terms_follow_the_forward():
     """A few terms by hand: GQA's k/v are saved after repeat_interleave (h heads wide), the mask only past the window."""
     cfg = decoder("mistral window head_dim")  # 4 query heads of 16, 1 K/V head, window 4 on layer 1
@@ -67,6 +82,23 @@ def test_terms_follow_the_forward():
     assert ckpt.blocks == ({"checkpointed block input": N * 32 * e},) * 2 and ckpt.head == saved.head
 
 
+def test_bf16_terms_follow_the_dataflow():
+    """bf16 compute: RMSNorm saves fp32 (the stream's), RoPE's cos/sin and the window's mask are bf16 (the
+    products'), each LoRA layer saves bf16 copies of its masters; checkpointing keeps the fp32 stream."""
+    cfg = decoder("mistral window head_dim")  # C 32, F 48, 4 query heads of 16, 1 K/V head (k/v_proj 32 -> 16)
+    shape, N, bf16 = decoder_shape(cfg), 3 * 8, PRECISION_WIDTHS["bf16"]
+    fp32, low = (decoder_saved_by_layer(shape, 3, 8, "lora", 2, **w) for w in (PRECISION_WIDTHS["fp32"], bf16))
+    assert low.embed == {"rotary cos/sin": 2 * 8 * 16 * 2}
+    assert low.blocks[1]["rmsnorm input"] == fp32.blocks[1]["rmsnorm input"] == 2 * N * 32 * 4
+    assert low.blocks[1]["rmsnorm rstd"] == 2 * N * 4 and low.blocks[1]["attention mask"] == 8 * 8 * 2
+    assert 2 * low.blocks[1]["attention q, k, v"] == fp32.blocks[1]["attention q, k, v"]
+    # r x (in + out) x bf16 over q (32 -> 64), k and v (32 -> 16), o (64 -> 32), gate and up (32 -> 48), down
+    assert low.blocks[0]["LoRA factor copies"] == 2 * (96 + 48 + 48 + 96 + 80 + 80 + 80) * 2
+    assert "LoRA factor copies" not in fp32.blocks[0]  # fp32 LoRA saves its factors themselves: parameters
+    ckpt = decoder_saved_by_layer(shape, 3, 8, "lora", 2, grad_checkpoint=True, **bf16)
+    assert ckpt.blocks == ({"checkpointed block input": N * 32 * 4},) * 2 and ckpt.head == low.head
+
+
 def test_count_defaults_to_the_exact_model_for_the_llama_family():
     shape = decoder_shape(decoder("qwen2 gqa bias tied"))
     exact = regime_bytes(shape, Regime("lora", 8), "all-linear", MemoryConfig(activations="exact"))
@@ -74,14 +106,15 @@ def test_count_defaults_to_the_exact_model_for_the_llama_family():
         shape, 16, 32, "lora", 8, act_bytes=2).total()
 
 
-def test_peak_within_ten_percent_in_a_fresh_process(tmp_path):
-    """A small llama (GQA, untied head, ~4M parameters), LoRA at batch 4 x 128 tokens (~66 MiB at the peak);
-    benchmarks/memory_sweep.py covers full FT, QLoRA and checkpointing."""
+@pytest.mark.parametrize("args", [(), ("--precision", "bf16", "--allow-slow-bf16")])
+def test_peak_within_ten_percent_in_a_fresh_process(tmp_path, args):
+    """A small llama (GQA, untied head, ~4M parameters), LoRA at batch 4 x 128 tokens (~66 MiB at the peak; ~43 in
+    bf16); benchmarks/memory_sweep.py covers full FT, QLoRA and checkpointing."""
     write_json(tmp_path / "config.json", {
         "model_type": "llama", "vocab_size": 2000, "hidden_size": 256, "intermediate_size": 688,
         "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2, "max_position_embeddings": 512})
     out = subprocess.run([sys.executable, "-m", "minituner", "memory-check", "--config", str(tmp_path), "--regime", "lora",
-                          "--batch-size", "4", "--seq-len", "128", "--device", "cpu", "--json"],
+                          "--batch-size", "4", "--seq-len", "128", "--device", "cpu", "--json", *args],
                          capture_output=True, text=True, check=True, env={**os.environ, "PYTHONPATH": SRC})
     result = json.loads(out.stdout)
     assert abs(result["error"]["peak"]) <= 0.10, result["details"]
