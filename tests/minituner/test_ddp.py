@@ -33,11 +33,12 @@ def base(tmp_path_factory):
     return folder
 
 
-def finetune(base, out, nproc: int, *extra: str) -> subprocess.CompletedProcess:
+def finetune(base, out, nproc: int, *extra: str, model=None, data=None) -> subprocess.CompletedProcess:
+    """`minituner finetune` in nproc processes (torchrun when > 1); model and data default to the fixture's."""
     launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
                 if nproc > 1 else [sys.executable])
-    cmd = [*launcher, "-m", "minituner", "finetune", "--base", str(base / "base"), "--data", str(base / "data.txt"),
-           "--out", str(out), *FLAGS, *extra]
+    cmd = [*launcher, "-m", "minituner", "finetune", "--base", str(model or base / "base"),
+           "--data", str(data or base / "data.txt"), "--out", str(out), *FLAGS, *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -88,6 +89,21 @@ def test_resume_under_torchrun(base, runs):
     for k in a:
         assert torch.allclose(a[k], b[k], atol=1e-6, rtol=0), k
     assert losses(resumed) == pytest.approx(losses(two), abs=1e-6)
+
+
+def test_two_processes_match_one_on_a_hugging_face_folder(base, hf_folder, hf_words):
+    """QLoRA on a llama-family folder (NF4 as it is read, GQA, sliding window) under torchrun."""
+    model = hf_folder("mistral", name="mistral-ddp")
+    data = base / "words.txt"
+    data.write_text("\n\n".join(" ".join(hf_words[(i * 7 + j) % len(hf_words)] for j in range(9)) for i in range(80)))
+    one, two = base / "hf-one", base / "hf-two"
+    for out, nproc in ((one, 1), (two, 2)):
+        finetune(base, out, nproc, "--qlora", "--seq-len", "12", model=model, data=data)
+    a, b = adapter(one), adapter(two)
+    assert sorted(a) == sorted(b) and any(k.startswith("model.layers.0.self_attn") for k in a)
+    for k in a:
+        assert torch.allclose(a[k], b[k], atol=1e-6, rtol=0), (k, (a[k] - b[k]).abs().max().item())
+    assert losses(one) == pytest.approx(losses(two), abs=1e-5)
 
 
 @pytest.fixture(scope="module")

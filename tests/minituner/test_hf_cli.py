@@ -11,7 +11,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
-from minituner.adapter_io import load_adapter  # noqa: E402
+from minituner.adapter_io import ADAPTER_FILE, load_adapter  # noqa: E402
 from minituner.base_model import load_base  # noqa: E402
 from minituner.cli import main  # noqa: E402
 
@@ -27,10 +27,10 @@ def data(tmp_path_factory, hf_words):
     return path
 
 
-def finetune(base, data, out, *extra):
-    argv = ["finetune", "--base", str(base), "--data", str(data), "--out", str(out), "--steps", "3", "--batch-size",
-            "2", "--rank", "4", "--alpha", "8", "--lr", "1e-2", "--base-domain", "none", "--no-progress",
-            "--checkpoint-every", "0", *map(str, extra)]
+def finetune(base, data, out, *extra, checkpoint_every=0, steps=3):
+    argv = ["finetune", "--base", str(base), "--data", str(data), "--out", str(out), "--steps", str(steps),
+            "--batch-size", "2", "--rank", "4", "--alpha", "8", "--lr", "1e-2", "--base-domain", "none", "--no-progress",
+            "--checkpoint-every", str(checkpoint_every), *map(str, extra)]
     assert main(argv) == 0
 
 
@@ -84,6 +84,19 @@ def test_qlora_run_streams_nf4_and_exports_onto_the_dequantized_base(hf_folder, 
     assert main(["export", "--base", str(base), "--adapter", str(tmp_path / "run"), "--out", str(out), "--overwrite",
                  "--dtype", "bf16"]) == 0
     assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
+
+
+def test_qlora_run_on_a_folder_resumes_bit_identically(hf_folder, data, tmp_path, capsys):
+    """Killed after step 2's checkpoint (step 4's deleted), --resume ends with the same adapter bytes."""
+    base = hf_folder("mistral", name="mistral-cli")
+    ref, resumed = tmp_path / "ref", tmp_path / "resumed"
+    args = ("--qlora", "--seq-len", 16, "--dropout", 0.1)  # LoRA dropout: the RNG state must resume too
+    finetune(base, data, ref, *args, checkpoint_every=2, steps=4)
+    shutil.copytree(ref, resumed)
+    (resumed / "checkpoints" / "step-00000004.safetensors").unlink()
+    finetune(base, data, resumed, *args, "--resume", checkpoint_every=2, steps=4)
+    assert (ref / ADAPTER_FILE).read_bytes() == (resumed / ADAPTER_FILE).read_bytes()
+    capsys.readouterr()
 
 
 def test_lora_on_a_bf16_base_keeps_it_bf16_and_exports(hf_folder, hf_ref, data, tmp_path, capsys):
