@@ -1,12 +1,12 @@
 """bf16 training steps (issue 13): ours (use_bf16_compute) against PEFT + bitsandbytes under CPU autocast, and the floor.
 
 For each model shape (SHAPES: a builder of the float base model plus its batch; the GPT-shaped stack of
-bench_step.py here, a Llama-1B shape plugs in as one more entry) one subprocess builds every configuration
-(CONFIGS) and times their optimizer steps in interleaved rounds (timing.time_interleaved: each round calls
-every row once, in rotating order), so load from other processes falls on all rows alike; then it profiles
-one more step of each. Rows: our LoRA and QLoRA in fp32 and in bf16, PEFT + bitsandbytes QLoRA in fp32 and
-with compute_dtype bf16 under torch.autocast (its best CPU setting). Every row starts from the same weights
-and batch.
+bench_step.py and Llama-3.2-1B cut to LLAMA_LAYERS of its 16 layers, a section each) one subprocess builds
+every configuration (CONFIGS) and times their optimizer steps in interleaved rounds (timing.time_interleaved:
+each round calls every row once, in rotating order), so load from other processes falls on all rows alike;
+then it profiles one more step of each. Rows: our LoRA and QLoRA in fp32 and in bf16, PEFT + bitsandbytes
+QLoRA in fp32 and with compute_dtype bf16 under torch.autocast (its best CPU setting). Every row starts from
+the same weights and batch.
 
 The floor: one step of our QLoRA bf16 runs under a TorchDispatchMode that records every matrix product
 (aten::mm, addmm, addmm_, bmm, baddbmm) with its shapes, strides and dtypes; the floor row replays them all,
@@ -35,8 +35,11 @@ import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import bench_step  # noqa: E402
+import real_checkpoints  # noqa: E402
 from minigpt.bf16_support import bf16_support  # noqa: E402
+from minigpt.decoder import Decoder  # noqa: E402
 from minigpt.model import MiniGPT  # noqa: E402
+from minituner.hf_config import decoder_config_from_hf  # noqa: E402
 from report import Goal, Section  # noqa: E402
 from timing import fmt_ratio, fmt_seconds, wait_for_quiet  # noqa: E402
 
@@ -59,6 +62,35 @@ class Shape:
     targets: tuple[str, ...]  # LoRA (and NF4) targets
     rank: int = 8
     alpha: float = 16.0
+    note: str = ""  # a note under the section's table (e.g. why a shape is cut short)
+
+
+LLAMA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # not lm_head
+LLAMA_LAYERS = 6  # of Llama-3.2-1B's 16, for the bench time and memory (LLAMA_NOTE)
+LLAMA_NOTE = (
+    "6 of Llama-3.2-1B's 16 layers, for the bench time and memory. Measured on the 2-core machine this was sized on "
+    "(avx512_bf16, no AMX; all six models live in one process): with 6 layers a round (the six steps and the floor) "
+    "takes about 36 s, the whole subprocess (building, 9 rounds, the profiled steps) 7.5 minutes, peak RSS 13.6 GiB; "
+    "8 layers: 47 s a round (about 9.5 minutes projected), 14.6 GiB; all 16, projected: 16 to 18 minutes and 21 GiB "
+    "of the machine's 23. In matrix-product FLOPs the tied lm_head over 128,256 tokens weighs about 4 layers.")
+
+
+def llama_1b(n_layer: int, vocab: int | None = None, note: str = "") -> Shape:
+    """Llama-3.2-1B (real_checkpoints' config.json, through hf_config) cut to n_layer layers (and `vocab` tokens).
+
+    A random-init minigpt.decoder.Decoder in float32; batch 1 × 512 tokens, LoRA r 16, alpha 32 (as in
+    bench_real_models) on the seven Linears of every layer.
+    """
+    hf = {**real_checkpoints.SHAPES["llama-3.2-1b"], "num_hidden_layers": n_layer}
+    if vocab is not None:
+        hf["vocab_size"] = vocab
+    cfg = decoder_config_from_hf(hf)
+    tied = "tied embedding and lm_head" if cfg.tie_word_embeddings else "untied lm_head"
+    return Shape(
+        f"{n_layer} of Llama-3.2-1B's 16 layers (d_model {cfg.d_model}, {cfg.n_head} heads, {cfg.n_kv_head} "
+        f"KV heads, SwiGLU d_ff {cfg.d_ff}, vocab {cfg.vocab_size:,}, {tied}), random init, as minigpt.decoder."
+        "Decoder; batch 1 × 512 tokens",
+        lambda: Decoder(cfg), cfg.vocab_size, 1, 512, LLAMA_TARGETS, rank=16, alpha=32.0, note=note)
 
 
 SHAPES: dict[str, Shape] = {
@@ -67,7 +99,13 @@ SHAPES: dict[str, Shape] = {
         f"heads, vocab {bench_step.STACK.vocab_size}; batch {bench_step.BATCH} × {bench_step.STACK.block_size} tokens",
         lambda: MiniGPT(bench_step.STACK), bench_step.STACK.vocab_size, bench_step.BATCH, bench_step.STACK.block_size,
         tuple(bench_step.TARGETS)),
+    "llama-1b": llama_1b(LLAMA_LAYERS, note=LLAMA_NOTE),
+    # the quick run's stand-in: the same code path in seconds
+    "llama-1b-tiny": llama_1b(1, vocab=8192, note="a smoke-run stand-in for the llama-1b shape: 1 layer, vocab 8,192"),
 }
+BENCH_SHAPES = ("gpt", "llama-1b")  # a section each, in this order
+QUICK_SHAPES = ("gpt", "llama-1b-tiny")
+
 
 # name -> label, in the order of the table (and of the first round)
 CONFIGS = {
@@ -248,7 +286,12 @@ def _run(shape: str, warmup: int, repeats: int) -> dict:
 GROUPS = ("matrix products", "attention kernel (fp32)", "dtype casts and copies", "other")
 
 
-def run(quick: bool = False, shape: str = "gpt", wait_s: float | None = None) -> Section:
+def run(quick: bool = False, wait_s: float | None = None) -> list[Section]:
+    """One section per shape of the bench (QUICK_SHAPES in a quick run)."""
+    return [run_shape(shape, quick, wait_s) for shape in (QUICK_SHAPES if quick else BENCH_SHAPES)]
+
+
+def run_shape(shape: str, quick: bool = False, wait_s: float | None = None) -> Section:
     warmup, repeats = (1, 2) if quick else (2, 7)
     wait_s = (0.0 if quick else WAIT_PER_CONFIG_S) if wait_s is None else wait_s
     spec, support = SHAPES[shape], bf16_support("cpu")
@@ -298,8 +341,8 @@ def run(quick: bool = False, shape: str = "gpt", wait_s: float | None = None) ->
              f"{not_here}the rest, {fmt_seconds(rest)} a step, is outside the products: in one profiled step the fused "
              f"attention kernel (fp32, softmax inside) took {fmt_seconds(q.get('attention kernel (fp32)', 0.0))}, "
              f"dtype casts between the fp32 residual stream and the bf16 products "
-             f"{fmt_seconds(q.get('dtype casts and copies', 0.0))}, everything else (GELU, norms, loss, embeddings, "
-             f"NF4 dequantization, AdamW, autograd) {fmt_seconds(q.get('other', 0.0))}",
+             f"{fmt_seconds(q.get('dtype casts and copies', 0.0))}, everything else (the MLP activation, norms, loss, "
+             f"embeddings, NF4 dequantization, AdamW, autograd) {fmt_seconds(q.get('other', 0.0))}",
              measurable=support.fast),
         Goal(f"bf16 step ({shape}): ours QLoRA / ours LoRA", t["qlora_bf16"] / t["lora_bf16"], VS_LORA_GOAL, False,
              f"{not_here}two NF4 dequantizations of every base weight per step, into one reused bf16 workspace, and "
@@ -312,6 +355,8 @@ def run(quick: bool = False, shape: str = "gpt", wait_s: float | None = None) ->
         f"{fmt_ratio(t['peft_bnb_fp32'] / t['peft_bnb_bf16'])}",
         f"torch threads: {res['threads']}",
     ]
+    if spec.note:
+        section.notes.append(spec.note)
     return section
 
 

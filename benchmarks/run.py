@@ -1,7 +1,8 @@
 """`make bench`: run every benchmark side by side and write benchmarks/RESULTS.md.
 
-    python benchmarks/run.py                     # everything (about 10 minutes on 2 cores, + real_models:
-                                                 #   about an hour, the 7B shape most of it)
+    python benchmarks/run.py                     # everything (about 10 minutes on 2 cores, + bf16's Llama-1B
+                                                 #   shape: about 8, + real_models: about an hour, the 7B shape
+                                                 #   most of it)
     python benchmarks/run.py --only nf4,planner  # some sections; RESULTS.md then holds only those
     python benchmarks/run.py --quick             # fewer repeats, to check that it runs
 """
@@ -58,10 +59,11 @@ def main(argv: list[str] | None = None) -> int:
         wait_left -= waited
         t0 = time.perf_counter()
         log(f"[bench] {name} ...")
-        section = importlib.import_module(SECTIONS[name]).run(quick=args.quick)
-        section.intro += (f" When this section started, the whole machine's CPU use was {busy:.0f}% "
+        made = importlib.import_module(SECTIONS[name]).run(quick=args.quick)  # a Section, or a list (one per shape)
+        made = made if isinstance(made, list) else [made]
+        made[0].intro += (f" When this section started, the whole machine's CPU use was {busy:.0f}% "
                           f"(after waiting {waited:.0f} s for other processes).")
-        sections.append(section)
+        sections += made
         log(f"[bench] {name} done in {fmt_seconds(time.perf_counter() - t0)}")
     command = "python benchmarks/run.py" + (" " + " ".join(argv if argv is not None else sys.argv[1:])).rstrip()
     text = render(machine, sections, command.strip(), time.perf_counter() - start)
