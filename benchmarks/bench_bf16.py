@@ -41,7 +41,7 @@ from minigpt.decoder import Decoder  # noqa: E402
 from minigpt.model import MiniGPT  # noqa: E402
 from minituner.hf_config import decoder_config_from_hf  # noqa: E402
 from report import Goal, Section  # noqa: E402
-from timing import fmt_ratio, fmt_seconds, wait_for_quiet  # noqa: E402
+from timing import fmt_ratio, fmt_seconds, peak_rss_mib, wait_for_quiet  # noqa: E402
 
 VS_PEFT_BNB_GOAL = 0.5  # our QLoRA bf16 step / PEFT + bitsandbytes bf16 (autocast) step
 VS_FLOOR_GOAL = 1.3  # our QLoRA bf16 step / the sum of its matrix products timed alone
@@ -68,11 +68,10 @@ class Shape:
 LLAMA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # not lm_head
 LLAMA_LAYERS = 6  # of Llama-3.2-1B's 16, for the bench time and memory (LLAMA_NOTE)
 LLAMA_NOTE = (
-    "6 of Llama-3.2-1B's 16 layers, for the bench time and memory. Measured on the 2-core machine this was sized on "
-    "(avx512_bf16, no AMX; all six models live in one process): with 6 layers a round (the six steps and the floor) "
-    "takes about 36 s, the whole subprocess (building, 9 rounds, the profiled steps) 7.5 minutes, peak RSS 13.6 GiB; "
-    "8 layers: 47 s a round (about 9.5 minutes projected), 14.6 GiB; all 16, projected: 16 to 18 minutes and 21 GiB "
-    "of the machine's 23. In matrix-product FLOPs the tied lm_head over 128,256 tokens weighs about 4 layers.")
+    f"{LLAMA_LAYERS} of Llama-3.2-1B's 16 layers: all six configurations live in one process and run in every "
+    "round, so the section's time and memory grow with each layer; sized so that this section takes about 8 "
+    "minutes and fits a 23 GiB machine (in matrix-product FLOPs the tied lm_head over 128,256 tokens weighs "
+    "about 4 layers)")
 
 
 def llama_1b(n_layer: int, vocab: int | None = None, note: str = "") -> Shape:
@@ -203,8 +202,8 @@ def products_fn(calls: Counter) -> Callable[[], None]:
 PROFILE_GROUPS = {  # profiler op name -> group, for "what the rest of the step is"
     "aten::mm": "matrix products", "aten::addmm": "matrix products", "aten::addmm_": "matrix products",
     "aten::bmm": "matrix products", "aten::baddbmm": "matrix products",
-    "aten::_scaled_dot_product_flash_attention_for_cpu": "attention kernel (fp32)",
-    "aten::_scaled_dot_product_flash_attention_for_cpu_backward": "attention kernel (fp32)",
+    "aten::_scaled_dot_product_flash_attention_for_cpu": "attention kernel",
+    "aten::_scaled_dot_product_flash_attention_for_cpu_backward": "attention kernel",
     "aten::copy_": "dtype casts and copies",
 }
 
@@ -265,6 +264,7 @@ def measure(shape_name: str, warmup: int, repeats: int) -> dict:
             "rounds": timings["floor"].repeats,
             "losses": {c: [v[0], v[-1]] for c, v in losses.items()},
             "groups": {c: p[1] for c, p in profiles.items()}, "threads": torch.get_num_threads(),
+            "peak_rss_mib": peak_rss_mib(),
             "products": sum(calls.values()),
             "product_dtypes": sorted({a[3] for (_, args, _), _ in calls.items() for a in args
                                       if isinstance(a, tuple) and a and a[0] == "tensor"}),
@@ -277,13 +277,15 @@ def measure(shape_name: str, warmup: int, repeats: int) -> dict:
 def _run(shape: str, warmup: int, repeats: int) -> dict:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--shape", shape, "--warmup", str(warmup),
            "--repeats", str(repeats)]
+    t0 = time.perf_counter()
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+    wall = time.perf_counter() - t0
     if out.returncode != 0:
         raise RuntimeError(f"bf16 {shape} failed:\n{out.stderr[-3000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return {**json.loads(out.stdout.strip().splitlines()[-1]), "wall_s": wall}
 
 
-GROUPS = ("matrix products", "attention kernel (fp32)", "dtype casts and copies", "other")
+GROUPS = ("matrix products", "attention kernel", "dtype casts and copies", "other")
 
 
 def run(quick: bool = False, wait_s: float | None = None) -> list[Section]:
@@ -305,7 +307,9 @@ def run_shape(shape: str, quick: bool = False, wait_s: float | None = None) -> S
         f"bf16 training step, {shape} shape",
         f"{spec.describe}; LoRA r = {spec.rank}, alpha {spec.alpha:g} on {', '.join(spec.targets)}; AdamW; loss in "
         f"fp32. Ours in bf16: `use_bf16_compute` (frozen base stored in bf16, NF4 dequantized to bf16 into a reused "
-        "workspace, LoRA factors fp32 masters computed in bf16, norms, attention softmax and loss in fp32). PEFT + "
+        "workspace, LoRA factors fp32 masters computed in bf16, the block bf16 from each norm to the residual add "
+        "(attention's fused kernel takes bf16 q, k, v and computes its softmax in fp32), the residual stream, norms, "
+        "logits and loss in fp32). PEFT + "
         "bitsandbytes in bf16: Linear4bit(compute_dtype=bf16) with the forward under torch.autocast('cpu', bf16). "
         f"All rows live in one process and are timed in {res['rounds']} interleaved rounds (each round calls every "
         f"row once, in rotating order) after {warmup} warm-up round(s), so load from other processes falls on all "
@@ -333,14 +337,15 @@ def run_shape(shape: str, quick: bool = False, wait_s: float | None = None) -> S
         Goal(f"bf16 step ({shape}): ours QLoRA / PEFT + bitsandbytes (autocast)", t["qlora_bf16"] / t["peft_bnb_bf16"],
              VS_PEFT_BNB_GOAL, False,
              f"{not_here}PEFT + bitsandbytes under autocast dequantizes to bf16 and casts activations per call; both "
-             f"run the same bf16 products and fp32 attention; fp32 beside: ours QLoRA {fmt_seconds(t['qlora_fp32'])}, "
+             f"run the same bf16 products and bf16 attention (autocast lists SDPA); fp32 beside: ours QLoRA {fmt_seconds(t['qlora_fp32'])}, "
              f"PEFT + bitsandbytes {fmt_seconds(t['peft_bnb_fp32'])}",
              measurable=support.fast),
         Goal(f"bf16 step ({shape}): ours QLoRA / its matrix products alone", t["qlora_bf16"] / floor, VS_FLOOR_GOAL,
              False,
              f"{not_here}the rest, {fmt_seconds(rest)} a step, is outside the products: in one profiled step the fused "
-             f"attention kernel (fp32, softmax inside) took {fmt_seconds(q.get('attention kernel (fp32)', 0.0))}, "
-             f"dtype casts between the fp32 residual stream and the bf16 products "
+             f"attention kernel (bf16 in and out, softmax in fp32 inside) took "
+             f"{fmt_seconds(q.get('attention kernel', 0.0))}, dtype casts (each norm's bf16 copy, the residual "
+             "adds' bf16 gradients, the LoRA masters' bf16 copies) "
              f"{fmt_seconds(q.get('dtype casts and copies', 0.0))}, everything else (the MLP activation, norms, loss, "
              f"embeddings, NF4 dequantization, AdamW, autograd) {fmt_seconds(q.get('other', 0.0))}",
              measurable=support.fast),
@@ -353,7 +358,8 @@ def run_shape(shape: str, quick: bool = False, wait_s: float | None = None) -> S
         f"bf16 over fp32, same run: ours LoRA {fmt_ratio(t['lora_fp32'] / t['lora_bf16'])} faster, ours QLoRA "
         f"{fmt_ratio(t['qlora_fp32'] / t['qlora_bf16'])}, PEFT + bitsandbytes "
         f"{fmt_ratio(t['peft_bnb_fp32'] / t['peft_bnb_bf16'])}",
-        f"torch threads: {res['threads']}",
+        f"torch threads: {res['threads']}; the subprocess that built and timed every row took "
+        f"{fmt_seconds(res['wall_s'])}, peak RSS {res['peak_rss_mib'] / 1024:.1f} GiB",
     ]
     if spec.note:
         section.notes.append(spec.note)
