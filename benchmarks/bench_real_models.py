@@ -447,9 +447,9 @@ def section(results: dict[str, list[dict]], planner: dict, written: dict, plan: 
         s.notes.append(f"{shape}: checkpoint of {gib:.2f} GiB written in {_fmt_s(secs)}; compute dtypes run: "
                        f"{', '.join(DTYPES[d] for d in plan[shape][0])}; timed steps after the first: {plan[shape][1]}")
     if seven in plan:
-        s.notes.append(f"7B: bf16 only, {plan[seven][1]} timed step(s) after the first (0: the first step is the "
-                       "figure, with its one-off costs such as allocator growth): a 7B step takes minutes on 2 shared "
-                       "cores, PEFT + bitsandbytes' 7B load longer, and fp32 runs would double the section's time")
+        s.notes.append(f"7B: bf16 only (fp32 runs would double the section's time), {plan[seven][1]} timed step(s) "
+                       "after the first (0: the first step is the figure, with its one-off costs such as allocator "
+                       "growth)")
     elif one in plan:
         s.notes.append("7B shape not run in this invocation (quick mode or --shapes)")
     s.notes.append("PEFT + bitsandbytes runs without prepare_model_for_kbit_training (it would turn on gradient "
