@@ -179,7 +179,7 @@ class LoRALinear(nn.Module):
             else:
                 y = y + ((h @ A.t()) @ B.t() * scale).to(y.dtype)  # (N, r) -> (N, out)
         if cd is not None:
-            y = y.to(x.dtype)  # back to the caller's dtype (fp32 residual stream)
+            y = y.to(x.dtype)  # the caller's dtype (bf16 after a norm that hands out bf16; fp32 if fed fp32)
         return y.view(*x.shape[:-1], self.out_features)  # (..., out)
 
     def delta_weight(self, adapters: dict[str, float] | None = None) -> torch.Tensor:

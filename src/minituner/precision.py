@@ -33,6 +33,8 @@ factor); full fine-tuning trains in fp32. The same path runs on CUDA (cuBLAS bf1
 """
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -46,7 +48,8 @@ from miniquant import QuantizedLinear
 from .lora import LoRALinear, lora_modules
 
 BF16 = torch.bfloat16
-NORMS = (nn.LayerNorm, nn.RMSNorm, RMSNorm)  # computed in fp32 on the stream; their output handed out in bf16
+# computed in fp32 on the stream; their output handed out in bf16 (nn.RMSNorm exists from torch 2.4 on)
+NORMS = (nn.LayerNorm, RMSNorm, *((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ()))
 
 
 class Bf16Linear(nn.Linear):
@@ -70,11 +73,17 @@ class Bf16Embedding(nn.Embedding):
         return super().forward(idx).to(self.output_dtype)  # (..., C)
 
 
+def _cast_output(dtype: torch.dtype, module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
+    """A forward hook's body: the module's output in dtype (a module-level function, so the model pickles)."""
+    return out.to(dtype)
+
+
 def _hand_out_bf16(norm: nn.Module, dtype: torch.dtype) -> None:
     """Cast `norm`'s output to dtype (a forward hook, once per module): the norm computes in fp32, the products
     after it read one bf16 copy of its output."""
-    if getattr(norm, "_output_dtype_hook", None) is None:
-        norm._output_dtype_hook = norm.register_forward_hook(lambda module, args, out: out.to(dtype))
+    if getattr(norm, "_output_dtype", None) is None:
+        norm._output_dtype = dtype
+        norm.register_forward_hook(partial(_cast_output, dtype))
 
 
 def _frozen_copy(param: nn.Parameter, dtype: torch.dtype, cache: dict[int, nn.Parameter]) -> nn.Parameter:
@@ -145,6 +154,9 @@ def use_bf16_compute(model: nn.Module, dtype: torch.dtype = BF16) -> nn.Module:
     if dtype not in (torch.bfloat16, torch.float16):
         raise InputError(f"low-precision compute dtype must be bfloat16 or float16, got {dtype}")
     check_frozen_base(model)
+    earlier = {getattr(m, "_output_dtype", None) for m in model.modules() if isinstance(m, NORMS)} - {None, dtype}
+    if earlier:
+        raise InputError(f"this model already computes in {earlier.pop()}; build it again for {dtype}")
     low = _non_fp32_tensors(model)
     if low:
         raise InputError(f"bf16 compute starts from an fp32 model (norms stay fp32), but {low[0]} is not fp32: "

@@ -44,7 +44,8 @@ def assert_same(monkeypatch, w: torch.Tensor, blocksize: int = 64) -> None:
         assert d_fast.dtype == dtype and d_fast.shape == w.shape
         assert torch.equal(d_fast, d_slow), f"dequantized {dtype} differs between native and eager paths"
         buffer = torch.full((w.numel(),), float("nan"), dtype=dtype)  # an existing buffer: written by several threads
-        d_into, _ = both_paths(monkeypatch, lambda: dequantize_nf4(slow, dtype, out=buffer))
+        d_into, _ = both_paths(monkeypatch, lambda: dequantize_nf4(slow, dtype, out=buffer).clone())  # before the
+        # eager path writes the same buffer
         assert torch.equal(d_into, d_slow), f"dequantized {dtype} into a buffer differs from the eager path"
 
 

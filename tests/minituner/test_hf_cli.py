@@ -96,6 +96,8 @@ def test_qlora_run_on_a_folder_resumes_bit_identically(hf_folder, data, tmp_path
     (resumed / "checkpoints" / "step-00000004.safetensors").unlink()
     finetune(base, data, resumed, *args, "--resume", checkpoint_every=2, steps=4)
     assert (ref / ADAPTER_FILE).read_bytes() == (resumed / ADAPTER_FILE).read_bytes()
+    resumes = json.loads((resumed / "manifest.json").read_text())["resumes"]
+    assert [r["step"] for r in resumes] == [2]  # it went on from step 2's checkpoint, not from scratch
     capsys.readouterr()
 
 

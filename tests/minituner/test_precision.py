@@ -183,6 +183,21 @@ def test_idempotent_and_disabled_adapters():
     assert torch.equal(layer(x), layer.base_layer(x))
 
 
+def test_a_model_in_bf16_compute_pickles_and_refuses_another_low_dtype(tmp_path):
+    import io
+
+    model = use_bf16_compute(_model("qlora"))
+    x, _ = _batch()
+    buffer = io.BytesIO()
+    torch.save(model, buffer)  # the norms' hooks are module-level functions
+    buffer.seek(0)
+    again = torch.load(buffer, weights_only=False)
+    assert torch.equal(again(x), model(x))
+    with pytest.raises(InputError, match="already computes in torch.bfloat16"):
+        use_bf16_compute(model, dtype=torch.float16)
+    assert {m.compute_dtype for m in lora_modules(model).values()} == {torch.bfloat16}  # nothing changed
+
+
 def test_unsupported_dtype_is_refused():
     with pytest.raises(InputError, match="bfloat16 or float16"):
         use_bf16_compute(_model("lora"), dtype=torch.float64)
