@@ -58,10 +58,13 @@ def test_lora_optimizer_temporaries_follow_the_largest_factor():
     assert largest_trainable(shape, "lora", 4, "q_proj") == 4 * 16
 
 
-def test_qlora_adds_the_dequantized_weight():
+def test_qlora_holds_the_dequantization_workspace_in_every_phase():
     shape = minigpt_shape(GPTConfig(**TINY))
     peak, _ = phases(shape, "qlora", 4)
-    assert peak.phases["backward: last block"]["dequantized weight"] == 16 * 64 * 4  # fc1/fc2, fp32
+    for phase, terms in peak.phases.items():  # one buffer of the largest weight (fc1/fc2), fp32, kept all step
+        assert terms["NF4 dequantization workspace"] == 16 * 64 * 4, phase
+    lora, _ = phases(shape, "lora", 4)
+    assert not any("workspace" in term for terms in lora.phases.values() for term in terms)
 
 
 def test_grad_checkpoint_keeps_block_inputs_and_recomputes_one_block():
@@ -95,7 +98,7 @@ def test_half_activations_add_the_fp32_logits_copy():
 
 def test_bf16_compute_terms_are_in_their_dtypes():
     """bf16 compute: fp32 logits (the head casts its product) with no second copy, the residual stream's gradient
-    fp32 and the MLP's bf16, the head's backward cast, the dequantized weight in bf16; A at bf16's widths."""
+    fp32 and the MLP's bf16, the head's backward cast, the dequantization workspace in bf16; A at bf16's widths."""
     shape = minigpt_shape(GPTConfig(**TINY))
     V, C, F = shape.vocab_size, 16, 64
     b = buckets(shape, Regime("qlora", 4))
@@ -109,7 +112,7 @@ def test_bf16_compute_terms_are_in_their_dtypes():
     assert peak.phases["backward: head"]["fp32 logit gradient, then head input gradient"] == max(N * V * 4, N * C * 2)
     block = peak.phases["backward: last block"]
     assert block["residual and MLP gradients"] == N * C * 4 + N * F * 2
-    assert block["dequantized weight"] == 16 * 64 * 2
+    assert block["NF4 dequantization workspace"] == 16 * 64 * 2
 
 
 def test_gpt2_shape_is_planned_as_the_minigpt_it_imports_into(tmp_path):

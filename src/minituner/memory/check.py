@@ -14,7 +14,7 @@ Measured, bucket by bucket (bytes; every storage counted once, so tied weights a
   first frees and keeps them, and the resident set then holds freed activations of earlier steps); on
   CUDA ``torch.cuda.max_memory_allocated``. The process's own memory (Python, libraries' buffers,
   allocator slack) is measured before the measured steps as the resident set minus the live tensors'
-  bytes, shown as its own line ("baseline": its growth since before the model was built) and taken out
+  bytes (QLoRA's dequantization workspace among them), shown as its own line ("baseline": its growth since before the model was built) and taken out
   of the peak, which the planner's peak model (``planner/peak.py``) predicts; the raw resident-set peak
   above the pre-build process is shown too.
 
@@ -44,6 +44,7 @@ from minigpt.device import check_precision
 from minigpt.errors import InputError
 from minigpt.model import GPTConfig, MiniGPT
 from minigpt.train import adamw, lm_loss, train_step
+from miniquant.quantize import workspace_bytes
 
 from ..base_model import load_base
 from ..build import build_for_training
@@ -394,7 +395,7 @@ def memory_check(build: Callable[[], nn.Module], check: CheckConfig, device: tor
     for step in range(check.steps):
         measuring = step >= first
         if step == first:
-            own = meter.level() - account(model, opt)["total"]
+            own = meter.level() - account(model, opt)["total"] - workspace_bytes()  # QLoRA's workspace: live
             meter.reset_peak()
         ids = torch.randint(vocab, (check.batch_size, check.seq_len + 1), generator=gen)
         x, y = ids[:, :-1].clone().to(device), ids[:, 1:].clone().to(device)  # (B, T) each, own storages

@@ -31,7 +31,7 @@ the LoRA factors (``lora_copy_bytes``: 0, or 2 under bf16 compute), the terms ar
   the attention output, a view of a storage already counted). A frozen Linear keeps only its weight.
 - ``LoRA A output`` N·r·e per LoRA layer (B's weight gradient needs it); QLoRA's
   ``DequantLinearFunction`` saves only the quantized buffers (the weights bucket), never the
-  dequantized weight, which lives only inside the forward and the backward (planner/peak.py).
+  dequantized weight, which lives in one reused workspace (planner/peak.py counts it).
 - ``LoRA factor copies`` r·(in + out)·c per LoRA layer: the bf16 copies of the fp32 masters that each
   LoRALinear makes per call under bf16 compute and ``LoRAUpdate`` saves (activations, not parameters).
 - ``attention q, k, v`` 3·N·h·d·e, ``attention output`` N·h·d·e and ``attention logsumexp`` h·N·4

@@ -16,7 +16,9 @@ With N = batch·seq, C = d_model, F = d_ff, V = vocab, the exact activation mode
 element from each norm to the residual add), s (the residual stream's, e unless given) and c (the LoRA
 factors' per-call copies) of ``planner/activations.py`` (an fp32 run: e = s = 4, c = 0; bf16 compute:
 e = 2, s = 4, c = 2), and the weights/grads/optimizer buckets W, G, O of ``regime_bytes`` (A = the bytes
-saved for backward, at those widths):
+saved for backward, at those widths). For QLoRA, W in every phase below includes the dequantization
+workspace: every NF4 weight is dequantized into one buffer the size of the largest, out·in·e, reused by
+every layer in forward and backward and kept from the first step on (``miniquant.quantize``):
 
 - forward (loss): W + O + G (last step's grads: zero_grad comes after the forward) + A + logits N·V·s
   (the head returns the stream's dtype: fp32 under bf16 compute, whose head computes in bf16 and casts its
@@ -29,9 +31,8 @@ saved for backward, at those widths):
   from the cast; + the head's weight gradient V·C·4 when it trains (full FT).
 - backward, last block: W + O + the grads produced so far (full FT: head and one block; LoRA: one
   block's factors) + A minus what the head saved + the block's gradients (the residual stream's N·C·s,
-  fp32 under bf16 compute, and the MLP's N·F·e) + QLoRA's largest dequantized weight out·in·e (its
-  backward dequantizes again, into the compute dtype) + with gradient checkpointing the block's
-  recomputed saved tensors.
+  fp32 under bf16 compute, and the MLP's N·F·e) + with gradient checkpointing the block's recomputed
+  saved tensors.
 - forward, last block (gradient checkpointing only): W + O + G + A minus the head's + what the block would
   save, alive until it returns (without checkpointing this moment is below the loss's).
 - backward, embeddings (full FT): W + O + G + the embedding's dense gradient V·C·4, twice when tied
@@ -136,6 +137,10 @@ def step_phases(shape: ModelShape, regime: str, rank: int | None, targets: str |
     head_saved = sum(saved.head.values())
     embedding = V * C * FP32  # the token embedding (and a tied head): its gradient is fp32 like Adam's state
     base = {"weights": weights, "optimizer state": optimizer}
+    if regime == "qlora":  # every NF4 weight is dequantized into one reused buffer, kept from the first step on
+        quantized = lora_paths(shape, targets)
+        base["NF4 dequantization workspace"] = max(lin.weight_params for lin in shape.linears
+                                                   if lin.path in quantized) * e
     phases = {
         "forward (loss)": {**base, "grads (last step's; zero_grad follows the forward)": grads, "activations": A,
                            "logits": N * V * logits + (N * V * FP32 if logits != FP32 else 0)},
@@ -152,9 +157,6 @@ def step_phases(shape: ModelShape, regime: str, rank: int | None, targets: str |
         so_far = sum((rank or 0) * (lin.in_features + lin.out_features) for lin in lins) * grad_bytes
     block = {**base, "grads so far (head, last block)": so_far, "activations (head's freed)": A - head_saved,
              "residual and MLP gradients": block_grads}
-    if regime == "qlora":
-        quantized = lora_paths(shape, targets)
-        block["dequantized weight"] = max(lin.weight_params for lin in shape.linears if lin.path in quantized) * e
     if grad_checkpoint:
         block["recomputed block's saved tensors"] = sum(plain.blocks[-1].values())
         # inside the last block's forward: what it would save is alive until it returns
@@ -167,7 +169,7 @@ def step_phases(shape: ModelShape, regime: str, rank: int | None, targets: str |
         phases["backward: embeddings"] = {**base, "grads": grads, "activations (ids)": ids,
                                           "embedding gradient temporaries":
                                               embedding * (2 if shape.tie_embeddings else 1)}
-    phases["optimizer step"] = {"weights": weights, "grads": grads, "optimizer state": optimizer,
+    phases["optimizer step"] = {**base, "grads": grads,
                                 "AdamW temporaries (sqrt, division)":
                                     2 * largest_trainable(shape, regime, rank, targets) * FP32}
     return phases
