@@ -34,7 +34,7 @@ if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
 from report import Goal, Section  # noqa: E402
-from timing import MIB, cpu_summary, current_rss_mib, fmt_ratio, peak_rss_mib, reset_peak_rss  # noqa: E402
+from timing import MIB, cpu_summary, current_rss_mib, peak_rss_mib, reset_peak_rss  # noqa: E402
 
 RANK, ALPHA = 16, 32.0
 BATCH, SEQ = 1, 512
@@ -48,7 +48,7 @@ DEFAULT_CONTENDERS = ("ours", "peft_bnb")
 CONTENDER_ENV = {"ours_mmap": {"MALLOC_MMAP_THRESHOLD_": "131072"}}
 DTYPES = {"float32": "fp32", "bfloat16": "bf16"}  # torch name -> planner MemoryConfig.dtype
 LOAD_GOAL = 1.10  # peak RSS while loading / (planner QLoRA weights + largest tensor + baseline)
-TRAIN_GOAL_7B = 1.15  # peak RSS while training / planner total
+TRAIN_GOAL_7B = 1.15  # peak RSS while training / (planner peak + process baseline)
 LOAD_SPEED_GOAL_7B = 10.0  # bnb load_in_4bit seconds / ours
 STEP_GOAL_1B = 0.8  # our step / PEFT + bnb step, same compute dtype
 # shape -> (compute dtypes, timed steps after the first): the 7B runs bf16 only, one step (a step takes minutes;
@@ -343,17 +343,17 @@ def section(results: dict[str, list[dict]], planner: dict, written: dict, plan: 
                 s.rows.append([SHORT[shape], label, DTYPES[r["dtype"]], "failed: " + r["error"][:120]] + [""] * 14)
                 continue
             bound = p["load weights"] + p["largest"][1] + r["baseline_mib"]
-            total = p[DTYPES[r["dtype"]]]["peak"] + r["baseline_mib"]
+            planned = p[DTYPES[r["dtype"]]]["peak"] + r["baseline_mib"]  # the planner's peak + this process's own
             step = statistics.median(r["step_times"]) if r["step_times"] else r["first_step_s"]  # 1 step: that one
-            r.update(bound=bound, planner_total=total, step=step)
+            r.update(bound=bound, planned_peak=planned, step=step)
             s.rows.append([
                 SHORT[shape], label, DTYPES[r["dtype"]], _fmt_s(r["load_s"]), _fmt_s(r["load_cpu_s"]),
                 f"{r['load_peak_mib']:.0f}", f"{bound:.0f}", f"{r['load_peak_mib'] / bound:.2f}",
                 _fmt_s(r["first_step_s"]),
                 f"{_fmt_s(step)}" + {0: " (the first step alone)", 1: " (1 step)"}.get(
                     len(r["step_times"]), f" (median of {len(r['step_times'])})"),
-                f"{SEQ * BATCH / step:.1f}", f"{r['train_peak_mib']:.0f}", f"{total:.0f}",
-                f"{r['train_peak_mib'] / total:.2f}", f"{r['baseline_mib']:.0f}", f"{r['trainable_params']:,}",
+                f"{SEQ * BATCH / step:.1f}", f"{r['train_peak_mib']:.0f}", f"{planned:.0f}",
+                f"{r['train_peak_mib'] / planned:.2f}", f"{r['baseline_mib']:.0f}", f"{r['trainable_params']:,}",
                 f"{r['losses'][0]:.3f} → {r['losses'][-1]:.3f}" if r.get("losses") else "n/a",
                 f"{r['loadavg_at_start']:.1f}",
             ])
@@ -383,7 +383,7 @@ def section(results: dict[str, list[dict]], planner: dict, written: dict, plan: 
                 pl = planner[seven][DTYPES[dtype]]
                 s.goals.append(Goal(
                     f"7B QLoRA ({DTYPES[dtype]}) trains here: our train peak RSS / (planner peak + baseline)",
-                    r["train_peak_mib"] / r["planner_total"], TRAIN_GOAL_7B, False,
+                    r["train_peak_mib"] / r["planned_peak"], TRAIN_GOAL_7B, False,
                     f"planner peak {pl['peak']:.0f} MiB at '{pl['phase']}' (weights {pl['weights']:.0f}, activations "
                     f"saved for backward {pl['activations']:.0f}; planner/peak.py, as memory-check predicts this run) + "
                     f"baseline {r['baseline_mib']:.0f} MiB; RSS before the first step {r['rss_before_train_mib']:.0f} "
@@ -424,8 +424,8 @@ def section(results: dict[str, list[dict]], planner: dict, written: dict, plan: 
             s.notes.append(
                 f"{SHORT[shape]} ({DTYPES[mm['dtype']]}): with glibc's mmap threshold fixed at 128 KiB "
                 f"(MALLOC_MMAP_THRESHOLD_=131072, no code change) our train peak RSS is {mm['train_peak_mib']:.0f} MiB "
-                f"against {base['train_peak_mib']:.0f} MiB with the default ({mm['train_peak_mib'] / mm['planner_total']:.2f}× "
-                f"the planner's peak + baseline instead of {base['train_peak_mib'] / base['planner_total']:.2f}×), and a "
+                f"against {base['train_peak_mib']:.0f} MiB with the default ({mm['train_peak_mib'] / mm['planned_peak']:.2f}× "
+                f"the planner's peak + baseline instead of {base['train_peak_mib'] / base['planned_peak']:.2f}×), and a "
                 f"step takes {_fmt_s(mm['step'])} instead of {_fmt_s(base['step'])}: by default glibc raises its "
                 "threshold after each large free, so activations then come from the heap and freed holes in it stay "
                 "resident; pinned, every large tensor is a fresh mapping whose pages fault in and are zeroed on first "
