@@ -9,6 +9,8 @@ peak RSS is its own:
 - PEFT + bitsandbytes: AutoModelForCausalLM.from_pretrained(folder, quantization_config=
   BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=X),
   device_map="cpu", dtype=X), then get_peft_model; bf16 runs the forward under torch.autocast("cpu").
+The 7B shape also runs ours without the heap trims that build_for_training installs on CPU (heap_trims=False)
+and ours with glibc's mmap threshold pinned (MALLOC_MMAP_THRESHOLD_), to show what glibc's heap adds to the peak.
 Both: LoRA r 16, alpha 32 on all-linear (not lm_head), AdamW on the LoRA factors, batch 1 x 512 random
 token ids, cross-entropy against random targets. Peak RSS is the kernel's high-water mark (VmHWM),
 reset before loading and again before the first training step.
@@ -41,7 +43,8 @@ BATCH, SEQ = 1, 512
 LR = 1e-4
 SCHEME = "nf4_per_group_64"
 CONTENDERS = {"ours": "ours (load_base NF4 + build_for_training)", "peft_bnb": "PEFT + bitsandbytes (load_in_4bit nf4)",
-              "ours_mmap": "informational: ours, glibc MALLOC_MMAP_THRESHOLD_=131072"}
+              "ours_mmap": "informational: ours, glibc MALLOC_MMAP_THRESHOLD_=131072",
+              "ours_no_trims": "informational: ours without the heap trims (build_for_training(heap_trims=False))"}
 DEFAULT_CONTENDERS = ("ours", "peft_bnb")
 # glibc raises its mmap threshold (up to 32 MiB) after each large free, so later activations come from the heap
 # and freed holes stay resident; a fixed threshold returns every large block to the OS when freed
@@ -54,8 +57,9 @@ STEP_GOAL_1B = 0.8  # our step / PEFT + bnb step, same compute dtype
 # shape -> (compute dtypes, timed steps after the first): the 7B runs bf16 only, one step (a step takes minutes;
 # with 0 the first step is the figure, warm-up costs included)
 PLAN = {"llama-3.2-1b": (("float32", "bfloat16"), 2), "llama-2-7b": (("bfloat16",), 1)}
-# the 7B also runs ours with glibc's mmap threshold pinned: what the allocator's retained heap adds to the peak
-SHAPE_CONTENDERS = {"llama-2-7b": ("ours", "peft_bnb", "ours_mmap")}
+# the 7B also runs ours without the heap trims of minituner.memory.heap and with glibc's mmap threshold pinned:
+# what the allocator's retained heap adds to the peak, and what each remedy costs
+SHAPE_CONTENDERS = {"llama-2-7b": ("ours", "peft_bnb", "ours_no_trims", "ours_mmap")}
 QUICK_PLAN = {"llama-3.2-1b": (("bfloat16",), 1)}
 SHORT = {"llama-3.2-1b": "1B", "llama-2-7b": "7B"}
 
@@ -63,7 +67,7 @@ SHORT = {"llama-3.2-1b": "1B", "llama-2-7b": "7B"}
 # ---- one contender (runs inside the subprocess) --------------------------------------------------
 
 
-def _build_ours(folder: str, dtype):
+def _build_ours(folder: str, dtype, heap_trims: bool = True):
     import torch
 
     from minituner.base_model import load_base
@@ -79,7 +83,7 @@ def _build_ours(folder: str, dtype):
         bf16 = dtype == torch.bfloat16
         build_for_training(model, "qlora", LoRAConfig(r=RANK, alpha=ALPHA, target_modules="all-linear"), SCHEME,
                            "cpu", None if bf16 else torch.float32, precision="bf16" if bf16 else "fp32",
-                           allow_slow_bf16=True)
+                           allow_slow_bf16=True, heap_trims=heap_trims)
         return model, {"quantized_layers": n_quantized}
 
     return load, prepare, lambda model, x: model(x)
@@ -115,7 +119,8 @@ def measure(contender: str, folder: str, dtype_name: str, steps: int) -> dict:
     import torch.nn.functional as F
 
     dtype = getattr(torch, dtype_name)
-    load, prepare, forward = (_build_peft_bnb if contender == "peft_bnb" else _build_ours)(folder, dtype)
+    load, prepare, forward = (_build_peft_bnb(folder, dtype) if contender == "peft_bnb"
+                              else _build_ours(folder, dtype, heap_trims=contender != "ours_no_trims"))
     gc.collect()
     baseline = current_rss_mib()  # torch and the contender's own libraries imported, nothing built
     reset_ok = reset_peak_rss()
@@ -139,8 +144,8 @@ def measure(contender: str, folder: str, dtype_name: str, steps: int) -> dict:
 
     def step() -> float:
         opt.zero_grad(set_to_none=True)
-        logits = forward(model, x)  # (B, T, V)
-        loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1))
+        # as minigpt.train's lm_loss: nothing holds the (B, T, V) logits through backward
+        loss = F.cross_entropy(forward(model, x).float().flatten(0, 1), y.flatten())
         loss.backward()
         opt.step()
         return loss.item()
@@ -388,7 +393,7 @@ def section(results: dict[str, list[dict]], planner: dict, written: dict, plan: 
                     f"saved for backward {pl['activations']:.0f}; planner/peak.py, as memory-check predicts this run) + "
                     f"baseline {r['baseline_mib']:.0f} MiB; RSS before the first step {r['rss_before_train_mib']:.0f} "
                     "MiB. Above the planner: transients it does not model and freed memory glibc keeps resident "
-                    "(see the MALLOC_MMAP_THRESHOLD_ note)"))
+                    "(see the note on glibc's heap)"))
             if r and t:
                 s.goals.append(Goal(
                     f"7B load + quantize: transformers + bitsandbytes load_in_4bit / ours ({DTYPES[dtype]} run)",
@@ -419,17 +424,23 @@ def section(results: dict[str, list[dict]], planner: dict, written: dict, plan: 
                     "most of the step at this shape (the bf16 section times the products of the step alone), so a "
                     "lead of 20% needs fewer or cheaper products, not less overhead"))
     for shape in results:
-        base, mm = ok((shape, "ours", "bfloat16")) or ok((shape, "ours", "float32")), ok((shape, "ours_mmap", "bfloat16"))
-        if base and mm:
+        base = ok((shape, "ours", "bfloat16")) or ok((shape, "ours", "float32"))
+        plain, mm = ok((shape, "ours_no_trims", "bfloat16")), ok((shape, "ours_mmap", "bfloat16"))
+        if base and (plain or mm):
+            def peak(r: dict) -> str:
+                return (f"train peak RSS {r['train_peak_mib']:.0f} MiB ({r['train_peak_mib'] / r['planned_peak']:.2f}× "
+                        f"the planner's peak + baseline), step {_fmt_s(r['step'])}")
             s.notes.append(
-                f"{SHORT[shape]} ({DTYPES[mm['dtype']]}): with glibc's mmap threshold fixed at 128 KiB "
-                f"(MALLOC_MMAP_THRESHOLD_=131072, no code change) our train peak RSS is {mm['train_peak_mib']:.0f} MiB "
-                f"against {base['train_peak_mib']:.0f} MiB with the default ({mm['train_peak_mib'] / mm['planned_peak']:.2f}× "
-                f"the planner's peak + baseline instead of {base['train_peak_mib'] / base['planned_peak']:.2f}×), and a "
-                f"step takes {_fmt_s(mm['step'])} instead of {_fmt_s(base['step'])}: by default glibc raises its "
-                "threshold after each large free, so activations then come from the heap and freed holes in it stay "
-                "resident; pinned, every large tensor is a fresh mapping whose pages fault in and are zeroed on first "
-                "touch. Training keeps the default (speed); `minituner memory-check` pins it (to measure live tensors)")
+                f"{SHORT[shape]} ({DTYPES[base['dtype']]}), glibc's heap: by default glibc raises its mmap threshold "
+                "after each large free, so activations then come from the heap, and the holes the forward's freed "
+                "temporaries leave there stay resident. Ours as built (build_for_training on CPU gives the heap's free "
+                "pages back with malloc_trim before every 8th block and before the head of a training forward, "
+                f"minituner.memory.heap): {peak(base)}"
+                + (f"; without the trims: {peak(plain)}" if plain else "")
+                + (f"; with glibc's mmap threshold fixed at 128 KiB instead (MALLOC_MMAP_THRESHOLD_=131072, every "
+                   f"large tensor a fresh mapping whose pages fault in and are zeroed on first touch): {peak(mm)}"
+                   if mm else "")
+                + ". `minituner memory-check` pins the threshold (to measure live tensors)")
         for dtype in plan[shape][0]:
             r, t = ok((shape, "ours", dtype)), ok((shape, "peft_bnb", dtype))
             if r and t and r.get("losses") and t.get("losses"):

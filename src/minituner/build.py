@@ -5,7 +5,8 @@
     wrap_minigpt_qlora(model, r=8, alpha=16.0)                         # the same, in QLoRA's words
 
 Every command and lab builds through ``build_for_training``. The steps, in order (each a function here):
-check every input before changing anything -> move to the device -> quantize the targets (QLoRA; a
+check every input before changing anything -> move to the device (on CPU, the heap trims of
+``minituner.memory.heap`` join the training forward) -> quantize the targets (QLoRA; a
 target that is already a ``QuantizedLinear`` of the scheme, e.g. quantized by a loader while reading, is
 kept as it is) -> cast the frozen float tensors to the compute dtype -> wrap the targets with LoRA (fresh
 factors, or an adapter loaded from a file) -> finite-output guards (QLoRA) -> check the trainable set.
@@ -34,6 +35,7 @@ from miniquant import DEFAULT_QUANT_SCHEME, QuantizedLinear
 
 from .adapter_io import load_adapter
 from .lora import ALL_LINEAR, LoRAConfig, apply_lora, find_targets, lora_modules
+from .memory.heap import trim_heap_in_forward
 from .precision import use_bf16_compute
 from .qlora import (COMPUTE_DTYPES, add_finite_guards, cast_float_tensors, check_qlora, check_scheme,
                     default_compute_dtype, quantize_linears)
@@ -106,13 +108,14 @@ def build_for_training(base: nn.Module, method: str = "lora", lora: LoRAConfig |
                        quant_scheme: str = DEFAULT_QUANT_SCHEME, device: str | torch.device | None = "auto",
                        compute_dtype: torch.dtype | None = None, *, precision: str = "fp32",
                        allow_slow_bf16: bool = False, adapter_name: str = "default",
-                       init_adapter: str | Path | None = None, guards: bool = True) -> nn.Module:
+                       init_adapter: str | Path | None = None, guards: bool = True,
+                       heap_trims: bool = True) -> nn.Module:
     """Make `base` (a loaded float model) ready to train by `method`, in place, and return it.
 
     full: every parameter trains. lora: LoRA (`lora`, default LoRAConfig()) wraps the targets, only its
     factors train. qlora: the targets are quantized to `quant_scheme` first. `init_adapter` starts LoRA
     from a saved adapter (file, run folder or PEFT folder) instead of fresh factors. `guards` adds the
-    finite-output hooks (QLoRA only). `precision` "bf16": built in float32 (QLoRA quantizes from it), then
+    finite-output hooks (QLoRA only); `heap_trims` the CPU heap trims of ``minituner.memory.heap``. `precision` "bf16": built in float32 (QLoRA quantizes from it), then
     the frozen base is stored in bf16 (minituner.precision); refused where bf16 is slow unless allow_slow_bf16.
     """
     lora = lora or LoRAConfig()
@@ -123,6 +126,8 @@ def build_for_training(base: nn.Module, method: str = "lora", lora: LoRAConfig |
         dtype = compute_dtype or {"qlora": default_compute_dtype(dev), "lora": float_dtype(base)}.get(method, torch.float32)
     paths = _check(base, method, lora, quant_scheme, dtype, precision, dev, allow_slow_bf16)
     base.to(dev)
+    if dev.type == "cpu" and heap_trims:
+        trim_heap_in_forward(base)  # glibc keeps a forward's freed temporaries resident; give them back
     if method == "full":
         base.requires_grad_(True)
         return base

@@ -177,3 +177,23 @@ def test_grad_checkpoint_flag_trains_the_same_adapter(base, tmp_path):
         torch.testing.assert_close(ckpt[k], plain[k], rtol=1e-5, atol=1e-6)
     manifest = json.loads((tmp_path / "ckpt" / "manifest.json").read_text())
     assert manifest["config"]["train"]["grad_checkpoint"] is True
+
+
+@pytest.mark.skipif(__import__("platform").libc_ver()[0] != "glibc", reason="malloc_trim is glibc's")
+def test_heap_trims_flag(base, tmp_path, monkeypatch):
+    """CPU training trims the heap before the head of each training forward; --no-heap-trims never does, and
+    the two runs train the same adapter bit for bit (trimming hands back pages, never tensors)."""
+    from minituner.adapter_io import read_adapter
+    from minituner.memory import heap
+
+    calls = []
+    monkeypatch.setattr(heap, "trim_heap", lambda: calls.append(1) or True)
+    flags = ["finetune", "--base", str(base), "--steps", "3", "--batch-size", "4", "--eval-every", "3",
+             "--base-domain", "none", "--no-progress", "--device", "cpu"]
+    assert main([*flags, "--out", str(tmp_path / "trims")]) == 0
+    assert len(calls) == 3  # 2 blocks: before the head only, once per training step (evaluation runs no_grad)
+    assert main([*flags, "--out", str(tmp_path / "plain"), "--no-heap-trims"]) == 0
+    assert len(calls) == 3
+    a, _ = read_adapter(tmp_path / "trims" / ADAPTER_FILE)
+    b, _ = read_adapter(tmp_path / "plain" / ADAPTER_FILE)
+    assert all(torch.equal(a[k], b[k]) for k in a)

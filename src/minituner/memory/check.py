@@ -28,7 +28,6 @@ their own errors.
 """
 from __future__ import annotations
 
-import ctypes
 import math
 import resource
 import weakref
@@ -50,6 +49,7 @@ from ..base_model import load_base
 from ..build import build_for_training
 from ..lora import ALL_LINEAR, LoRAConfig
 from .accounting import account, storage_bytes
+from .heap import pin_allocator
 from ..planner import (MemoryConfig, ModelShape, Regime, korthikanti_activation_bytes, minigpt_shape,
                        param_counts, regime_bytes, seed_activation_bytes)
 from ..planner.activations import PRECISION_WIDTHS
@@ -192,20 +192,6 @@ class SavedTensors:
             if s.data_ptr() not in self.exclude:
                 storages[s.data_ptr()] = s.nbytes()
         self.bytes = sum(storages.values())
-
-
-def pin_allocator(threshold: int = MMAP_THRESHOLD) -> bool:
-    """glibc: serve blocks above `threshold` by mmap and give them back when freed; False where not glibc.
-
-    Setting the threshold turns off glibc's dynamic threshold, which after the first large frees keeps
-    them in the heap (resident, reused or not), so the resident set follows the live tensors."""
-    try:
-        libc = ctypes.CDLL(None)
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
-        return False
-    m_trim_threshold, m_mmap_threshold = -1, -3
-    return bool(mallopt(m_mmap_threshold, threshold)) and bool(mallopt(m_trim_threshold, threshold))
 
 
 class PeakMemory:
@@ -374,7 +360,7 @@ def memory_check(build: Callable[[], nn.Module], check: CheckConfig, device: tor
                  name: str = "model") -> CheckResult:
     """Build the model with `build` (on `device`), train check.steps steps on random tokens, measure, predict."""
     check_precision(check.precision, device, check.allow_slow_bf16)
-    pinned = device.type == "cpu" and check.pin_allocator and pin_allocator()
+    pinned = device.type == "cpu" and check.pin_allocator and pin_allocator(MMAP_THRESHOLD)
     warm_up(device)
     meter = PeakMemory(device)
     meter.start()

@@ -1,0 +1,86 @@
+"""glibc's heap and the resident set: what a CPU training run holds beyond its live tensors, and how to give it back.
+
+PyTorch's CPU tensors come from glibc's malloc. By default glibc serves a large block by mmap only until
+the first such block is freed; then it raises its mmap threshold and serves blocks of that size from the
+heap, where a freed block stays resident: reused when a later request fits into it, otherwise held.
+A training forward allocates the activations it saves (kept) between temporaries it frees (holes), so the
+holes pile up: on a Llama-2-7B-shaped QLoRA bf16 step (batch 1 x 512) the resident set at the end of the
+forward was over a GiB above the live tensors (benchmarks/RESULTS.md, the real-model section).
+
+Two remedies, each a glibc call through ctypes (a no-op returning False elsewhere):
+- ``trim_heap`` (``malloc_trim(0)``) hands the free pages inside the heap back to the system now. A later
+  allocation that lands there faults its pages in again, zeroed: time in proportion to what was handed back.
+  ``trim_heap_in_forward`` calls it during a training forward, before every ``TRIM_EVERY_BLOCKS``-th block
+  and before the head (where the loss's (N, V) tensors are about to be made): on the 7B shape most of the
+  excess goes, for a few percent of step time (the bench runs ours with and without). Trimming before every
+  block gave back little more and cost more; trimming only before the head left most of it.
+  ``build_for_training`` installs it on CPU (``finetune --no-heap-trims`` leaves it out).
+- ``pin_allocator`` (``mallopt``) fixes the mmap threshold low, so every large block is its own mapping,
+  handed back when freed: the resident set follows the live tensors exactly, and each new block faults its
+  pages in (steps about half again as long on the 7B shape). ``minituner memory-check`` pins it to measure.
+"""
+from __future__ import annotations
+
+import ctypes
+from functools import lru_cache
+
+import torch
+import torch.nn as nn
+
+TRIM_EVERY_BLOCKS = 8  # trim before blocks 8, 16, ... of a training forward (and before the head)
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # mallopt's parameter numbers (glibc's malloc.h)
+
+
+@lru_cache(maxsize=1)
+def _libc() -> ctypes.CDLL | None:
+    try:
+        return ctypes.CDLL(None)
+    except OSError:
+        return None
+
+
+def trim_heap() -> bool:
+    """glibc: give the heap's free pages back to the system (``malloc_trim(0)``); False where not glibc."""
+    fn = getattr(_libc(), "malloc_trim", None)
+    if fn is None:
+        return False
+    fn(0)
+    return True
+
+
+def pin_allocator(threshold: int) -> bool:
+    """glibc: serve blocks above `threshold` bytes by mmap and give them back when freed; False where not glibc.
+
+    Setting the threshold turns off glibc's dynamic threshold, which after the first large frees keeps
+    them in the heap (resident, reused or not), so the resident set follows the live tensors."""
+    mallopt = getattr(_libc(), "mallopt", None)
+    if mallopt is None:
+        return False
+    return bool(mallopt(M_MMAP_THRESHOLD, threshold)) and bool(mallopt(M_TRIM_THRESHOLD, threshold))
+
+
+def _trim_if_training(module: nn.Module, args: tuple) -> None:
+    """Forward pre-hook: trim the heap when this forward saves activations for a backward."""
+    if module.training and torch.is_grad_enabled():
+        trim_heap()
+
+
+def trim_points(model: nn.Module) -> list[nn.Module]:
+    """Where a training forward trims: every TRIM_EVERY_BLOCKS-th block after the first, then the head.
+
+    MiniGPT (and GPT-2 in it) runs ``blocks``, the Decoder ``model.layers``; both end in ``lm_head``. Any
+    other model has no trim points."""
+    blocks = getattr(model, "blocks", None) or getattr(getattr(model, "model", None), "layers", None) or []
+    head = getattr(model, "lm_head", None)
+    return [*list(blocks)[TRIM_EVERY_BLOCKS::TRIM_EVERY_BLOCKS], *([head] if isinstance(head, nn.Module) else [])]
+
+
+def trim_heap_in_forward(model: nn.Module) -> int:
+    """Install the trims of ``trim_points`` (once per model; a no-op where glibc is absent); return how many."""
+    if getattr(model, "_heap_trims", False) or not hasattr(_libc(), "malloc_trim"):
+        return 0
+    points = trim_points(model)
+    for m in points:
+        m.register_forward_pre_hook(_trim_if_training)
+    model._heap_trims = True
+    return len(points)

@@ -1,0 +1,91 @@
+"""The heap trims a CPU training forward makes: where they are, when they run, and that they change no number."""
+from __future__ import annotations
+
+import pickle
+import platform
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from minigpt.decoder import Decoder, DecoderConfig
+from minigpt.model import GPTConfig, MiniGPT
+from minituner.build import build_for_training
+from minituner.lora import LoRAConfig
+from minituner.memory import heap
+
+glibc = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="malloc_trim is glibc's")
+
+
+def minigpt(n_layer: int) -> MiniGPT:
+    torch.manual_seed(0)
+    return MiniGPT(GPTConfig(vocab_size=64, block_size=16, n_layer=n_layer, n_head=2, d_model=16))
+
+
+def decoder(n_layer: int) -> Decoder:
+    torch.manual_seed(0)
+    return Decoder(DecoderConfig(vocab_size=64, n_layer=n_layer, n_head=2, n_kv_head=1, d_model=16, d_ff=32,
+                                 block_size=16))
+
+
+@pytest.fixture
+def trims(monkeypatch) -> list[int]:
+    calls: list[int] = []
+    monkeypatch.setattr(heap, "trim_heap", lambda: calls.append(1) or True)
+    return calls
+
+
+@glibc
+def test_trim_heap_calls_glibc():
+    assert heap.trim_heap() is True
+
+
+@pytest.mark.parametrize("make", [minigpt, decoder])
+def test_trim_points_every_eighth_block_and_the_head(make):
+    model = make(17)
+    blocks = list(model.blocks) if hasattr(model, "blocks") else list(model.model.layers)
+    assert heap.trim_points(model) == [blocks[8], blocks[16], model.lm_head]
+    small = make(2)
+    assert heap.trim_points(small) == [small.lm_head]
+
+
+def test_a_model_without_blocks_or_head_has_no_trim_points():
+    assert heap.trim_points(torch.nn.Sequential(torch.nn.Linear(2, 2))) == []
+
+
+@glibc
+@pytest.mark.parametrize("method", ["lora", "qlora", "full"])
+def test_build_for_training_trims_during_a_training_forward_only(trims, method):
+    model = build_for_training(minigpt(9), method, LoRAConfig(r=2, alpha=4.0), device="cpu")
+    x = torch.randint(0, 64, (2, 8))
+    model.train()
+    model(x)
+    assert len(trims) == 2  # before block 8 and before the head
+    with torch.no_grad():
+        model(x)
+    model.eval()
+    model(x)
+    assert len(trims) == 2  # no backward follows: nothing saved, nothing to trim
+    assert heap.trim_heap_in_forward(model) == 0  # installed once
+
+
+@glibc
+def test_trims_change_no_number():
+    """Trimming frees pages, never tensors: a step with the trims equals one without, bit for bit."""
+    def step(trim: bool) -> tuple[float, torch.Tensor]:
+        model = minigpt(9)
+        if trim:
+            assert heap.trim_heap_in_forward(model) == 2
+        x = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+        loss = F.cross_entropy(model(x).flatten(0, 1), x.flatten())
+        loss.backward()
+        return loss.item(), model.blocks[0].attn.q_proj.weight.grad
+
+    (l1, g1), (l2, g2) = step(True), step(False)
+    assert l1 == l2 and torch.equal(g1, g2)
+
+
+def test_a_model_with_trims_pickles():
+    model = minigpt(9)
+    heap.trim_heap_in_forward(model)
+    pickle.loads(pickle.dumps(model))
