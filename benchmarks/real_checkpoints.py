@@ -1,4 +1,4 @@
-"""Random-weight Hugging Face checkpoints of real shapes (Llama-3.2-1B, Llama-2-7B), written to disk.
+"""Random-weight Hugging Face checkpoints of real shapes (Llama-3.2-1B, Llama-2-7B, SmolLM2-135M), written to disk.
 
 No hub is reachable, so the benchmarks make their own: the config.json of the real model, and
 safetensors shards (at most 5 GB each, with model.safetensors.index.json) holding random bf16
@@ -39,6 +39,15 @@ SHAPES: dict[str, dict] = {
         "rope_theta": 10000.0, "rope_scaling": None,
         "tie_word_embeddings": False, "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
         "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "float16",
+    },
+    "smollm2-135m": {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
+        "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64,
+        "vocab_size": 49152, "max_position_embeddings": 8192, "rms_norm_eps": 1e-5,
+        "rope_theta": 100000.0, "rope_scaling": None,
+        "tie_word_embeddings": True, "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
+        "bos_token_id": 0, "eos_token_id": 0, "torch_dtype": "bfloat16",
     },
 }
 MAX_SHARD_BYTES = 5 * 10**9  # save_pretrained's default max_shard_size "5GB"

@@ -27,11 +27,12 @@ SECTIONS = {
     "step": "bench_step",
     "bf16": "bench_bf16",  # bf16 LoRA/QLoRA steps against PEFT + bitsandbytes and the matrix-product floor (issue 13)
     "lora_forward": "bench_lora_forward",
+    "generate": "bench_generate",  # generation with and without the KV cache, beside transformers' generate
     "planner": "bench_planner",
     "memory": "memory_sweep",  # the planner's buckets against memory-check measurements (issue 7)
     "real_models": "bench_real_models",  # Llama-3.2-1B / Llama-2-7B shapes vs PEFT + bitsandbytes (issue 12)
 }
-TIMING_SENSITIVE = {"nf4", "step", "bf16", "lora_forward", "real_models"}  # worth waiting for a quiet machine (the planner takes µs)
+TIMING_SENSITIVE = {"nf4", "step", "bf16", "lora_forward", "generate", "real_models"}  # worth waiting for a quiet machine (the planner takes µs)
 
 
 def main(argv: list[str] | None = None) -> int:

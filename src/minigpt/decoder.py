@@ -16,6 +16,9 @@ Gradient checkpointing is a switch on the model, as on MiniGPT (it changes memor
 config field, no module, no state-dict key): ``model.grad_checkpoint = True`` runs each layer under
 ``torch.utils.checkpoint`` (non-reentrant) while training with grad enabled, so the forward keeps only each
 layer's input (and the rotary cos/sin it is called with) and the backward recomputes the layer.
+
+Generation passes a ``minigpt.kv_cache.KVCache`` (``model(ids, cache=cache)``): each layer stores its keys
+and values (after RoPE, before GQA's repeat), and the next call's tokens continue at the positions stored.
 """
 from __future__ import annotations
 
@@ -28,6 +31,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from .errors import InputError, check_known_fields
+from .kv_cache import KVCache, LayerKV, attention_mask
 from .sampling import generate
 
 NORMS = ("rmsnorm", "layernorm")
@@ -168,7 +172,8 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(cfg.d_model, cfg.n_kv_head * cfg.head_dim, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(cfg.n_head * cfg.head_dim, cfg.d_model, bias=cfg.o_bias)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
+                kv: LayerKV | None = None) -> torch.Tensor:
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, h, T, hd)
         k = self.k_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, kv, T, hd)
@@ -177,17 +182,19 @@ class Attention(nn.Module):
             cos, sin = rope  # (T, hd) each
             q = q * cos + rotate_half(q) * sin
             k = k * cos + rotate_half(k) * sin
+        start = 0
+        if kv is not None:  # generation: the tokens before these are stored (minigpt.kv_cache)
+            start = kv.cache.length
+            k, v = kv.update(k, v)  # (B, kv, start + T, hd)
         if self.n_kv_head != self.n_head:  # each K/V head serves n_head / n_kv_head query heads
             rep = self.n_head // self.n_kv_head
-            k = k.repeat_interleave(rep, dim=1)  # (B, h, T, hd)
-            v = v.repeat_interleave(rep, dim=1)  # (B, h, T, hd)
+            k = k.repeat_interleave(rep, dim=1)  # (B, h, start + T, hd)
+            v = v.repeat_interleave(rep, dim=1)  # (B, h, start + T, hd)
         p = self.dropout if self.training else 0.0
-        if self.window is None or T <= self.window:
+        if start == 0 and (self.window is None or T <= self.window):
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)  # (B, h, T, hd)
-        else:
-            i = torch.arange(T, device=x.device)
-            d = i[:, None] - i[None, :]  # query index - key index
-            mask = (d >= 0) & (d < self.window)  # (T, T): causal, at most `window` keys back (self included)
+        else:  # causal from position `start`, at most `window` keys back (self included); None: every key
+            mask = attention_mask(T, start, self.window, x.device)  # (T, start + T)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p)  # (B, h, T, hd)
         y = y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim)  # (B, T, h*hd)
         return self.o_proj(y)  # (B, T, C)
@@ -220,8 +227,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = make_norm(cfg)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope)  # (B, T, C)
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
+                kv: LayerKV | None = None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, kv)  # (B, T, C)
         return x + self.mlp(self.post_attention_layernorm(x))  # (B, T, C)
 
 
@@ -271,29 +279,40 @@ class Decoder(nn.Module):
     def get_output_embeddings(self) -> nn.Module:
         return self.lm_head
 
-    def rope(self, T: int, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin (T, head_dim) of positions 0..T-1, computed in float32, returned in dtype."""
+    def rope(self, T: int, device: torch.device, dtype: torch.dtype, start: int = 0
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin (T, head_dim) of positions start..start+T-1, computed in float32, returned in dtype."""
         if self._inv_freq.device != device:
             self._inv_freq = self._inv_freq.to(device)
-        freqs = torch.arange(T, device=device, dtype=torch.float32)[:, None] * self._inv_freq[None, :]  # (T, hd/2)
+        freqs = torch.arange(start, start + T, device=device, dtype=torch.float32)[:, None] * self._inv_freq[None, :]  # (T, hd/2)
         emb = torch.cat((freqs, freqs), dim=-1)  # (T, hd)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        """Token ids (B, T) -> logits (B, T, vocab_size)."""
+    def new_kv_cache(self, capacity: int) -> KVCache:
+        """An empty key/value cache for up to `capacity` positions (generation; minigpt.kv_cache)."""
+        return KVCache(self.config.n_layer, capacity)
+
+    def forward(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        """Token ids (B, T) -> logits (B, T, vocab_size); with `cache`, idx continues the positions it holds."""
         B, T = idx.shape
-        if T > self.config.block_size:
-            raise InputError(f"sequence length {T} exceeds block_size {self.config.block_size}")
+        start = cache.check_room(T) if cache is not None else 0
+        if start + T > self.config.block_size:
+            raise InputError(f"sequence length {start + T} exceeds block_size {self.config.block_size}")
         m = self.model
         x = m.embed_tokens(idx)  # (B, T, C)
         rope = None
         if self.config.positions == "learned":
-            x = x + m.embed_positions(torch.arange(T, device=idx.device))  # (B, T, C)
+            x = x + m.embed_positions(torch.arange(start, start + T, device=idx.device))  # (B, T, C)
         else:
-            rope = self.rope(T, idx.device, self.compute_dtype or x.dtype)
-        recompute = self.grad_checkpoint and self.training and torch.is_grad_enabled()
-        for layer in m.layers:
-            x = checkpoint(layer, x, rope, use_reentrant=False) if recompute else layer(x, rope)  # (B, T, C)
+            rope = self.rope(T, idx.device, self.compute_dtype or x.dtype, start)
+        recompute = self.grad_checkpoint and self.training and torch.is_grad_enabled() and cache is None
+        for i, layer in enumerate(m.layers):
+            if recompute:
+                x = checkpoint(layer, x, rope, use_reentrant=False)  # (B, T, C)
+            else:
+                x = layer(x, rope, cache.layers[i] if cache is not None else None)  # (B, T, C)
+        if cache is not None:
+            cache.advance(T)
         return self.lm_head(m.norm(x))  # (B, T, V)
 
     def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,

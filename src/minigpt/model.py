@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from .errors import InputError, check_known_fields
+from .kv_cache import KVCache, LayerKV, attention_mask
 from .sampling import generate
 
 ACTIVATIONS = {"gelu": "none", "gelu_tanh": "tanh"}  # name -> F.gelu(approximate=...)
@@ -80,13 +81,20 @@ class CausalSelfAttention(nn.Module):
         self.dropout = cfg.dropout
         self.resid_drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, kv: LayerKV | None = None) -> torch.Tensor:
         B, T, C = x.shape
         heads = lambda t: t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, h, T, hs)
         q, k, v = heads(self.q_proj(x)), heads(self.k_proj(x)), heads(self.v_proj(x))
-        y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
-        )  # (B, h, T, hs)
+        start = 0
+        if kv is not None:  # generation: the tokens before these are stored (minigpt.kv_cache)
+            start = kv.cache.length
+            k, v = kv.update(k, v)  # (B, h, start + T, hs)
+        p = self.dropout if self.training else 0.0
+        if start == 0:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)  # (B, h, T, hs)
+        else:  # causal from position `start` (None for one new token: it sees every stored key)
+            mask = attention_mask(T, start, None, x.device)  # (T, start + T)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p)  # (B, h, T, hs)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C)
         return self.resid_drop(self.o_proj(y))
 
@@ -111,8 +119,8 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps, bias=cfg.bias)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))
+    def forward(self, x: torch.Tensor, kv: LayerKV | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), kv)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -144,16 +152,26 @@ class MiniGPT(nn.Module):
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        """Token ids (B, T) -> logits (B, T, vocab_size)."""
+    def new_kv_cache(self, capacity: int) -> KVCache:
+        """An empty key/value cache for up to `capacity` positions (generation; minigpt.kv_cache)."""
+        return KVCache(self.config.n_layer, capacity)
+
+    def forward(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        """Token ids (B, T) -> logits (B, T, vocab_size); with `cache`, idx continues the positions it holds."""
         B, T = idx.shape
-        if T > self.config.block_size:
-            raise InputError(f"sequence length {T} exceeds block_size {self.config.block_size}")
-        pos = torch.arange(T, device=idx.device)
+        start = cache.check_room(T) if cache is not None else 0
+        if start + T > self.config.block_size:
+            raise InputError(f"sequence length {start + T} exceeds block_size {self.config.block_size}")
+        pos = torch.arange(start, start + T, device=idx.device)
         x = self.drop(self.wte(idx) + self.wpe(pos))  # (B, T, C)
-        recompute = self.grad_checkpoint and self.training and torch.is_grad_enabled()
-        for block in self.blocks:
-            x = checkpoint(block, x, use_reentrant=False) if recompute else block(x)  # (B, T, C)
+        recompute = self.grad_checkpoint and self.training and torch.is_grad_enabled() and cache is None
+        for i, block in enumerate(self.blocks):
+            if recompute:
+                x = checkpoint(block, x, use_reentrant=False)  # (B, T, C)
+            else:
+                x = block(x, cache.layers[i] if cache is not None else None)  # (B, T, C)
+        if cache is not None:
+            cache.advance(T)
         return self.lm_head(self.ln_f(x))  # (B, T, V)
 
     def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,

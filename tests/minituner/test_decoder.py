@@ -151,3 +151,22 @@ def test_gpt_style_variant_equals_minigpt():
     ids = torch.randint(0, 23, (2, 16))
     with torch.no_grad():
         assert (dec(ids) - mini(ids)).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("case", ["llama-gqa-tied-biases", "llama-head_dim-llama3-rope", "mistral-gqa-sliding",
+                                  "qwen2-biases-sliding-layer1"])
+def test_cached_greedy_generation_equals_transformers(hf_folder, hf_ref, case):
+    """Our generate (KV cache: prefill, then one token a step) picks transformers' greedy tokens (its own cache),
+    past the sliding windows; and the logits of each cached step equal transformers' full forward."""
+    folder = folder_of(hf_folder, case)
+    ref, ours = hf_ref(folder), load_hf_decoder(folder)
+    prompt = IDS[:, :6]
+    with torch.no_grad():
+        theirs = ref.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=20, min_new_tokens=20,
+                              do_sample=False, pad_token_id=0)
+        mine = ours.generate(prompt, 20, temperature=0)
+        cache = ours.new_kv_cache(mine.shape[1])
+        steps = [ours(mine[:, :6], cache=cache)] + [ours(mine[:, t:t + 1], cache=cache) for t in range(6, mine.shape[1])]
+        full = ref(mine).logits
+    assert torch.equal(mine, theirs)
+    assert (torch.cat(steps, dim=1) - full).abs().max().item() < 1e-4
