@@ -68,5 +68,4 @@ def run(quick: bool = False) -> Section:
         f"ours with the cache takes {fmt_ratio(cached / hf)} transformers' time: both run one token's products per "
         "layer per step; ours writes keys and values into a preallocated cache and repeats the KV heads for GQA",
     ]
-    section.notes.append("same tokens: " + ", ".join(f"{n}: {'yes' if same[n] else 'no'}" for n in names))
     return section

@@ -32,7 +32,8 @@ SECTIONS = {
     "memory": "memory_sweep",  # the planner's buckets against memory-check measurements (issue 7)
     "real_models": "bench_real_models",  # Llama-3.2-1B / Llama-2-7B shapes vs PEFT + bitsandbytes (issue 12)
 }
-TIMING_SENSITIVE = {"nf4", "step", "bf16", "lora_forward", "generate", "real_models"}  # worth waiting for a quiet machine (the planner takes µs)
+# worth waiting for a quiet machine (the planner takes µs)
+TIMING_SENSITIVE = {"nf4", "step", "bf16", "lora_forward", "generate", "real_models"}
 
 
 def main(argv: list[str] | None = None) -> int:

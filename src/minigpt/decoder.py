@@ -284,7 +284,8 @@ class Decoder(nn.Module):
         """cos and sin (T, head_dim) of positions start..start+T-1, computed in float32, returned in dtype."""
         if self._inv_freq.device != device:
             self._inv_freq = self._inv_freq.to(device)
-        freqs = torch.arange(start, start + T, device=device, dtype=torch.float32)[:, None] * self._inv_freq[None, :]  # (T, hd/2)
+        positions = torch.arange(start, start + T, device=device, dtype=torch.float32)
+        freqs = positions[:, None] * self._inv_freq[None, :]  # (T, hd/2)
         emb = torch.cat((freqs, freqs), dim=-1)  # (T, hd)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
@@ -295,7 +296,7 @@ class Decoder(nn.Module):
     def forward(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         """Token ids (B, T) -> logits (B, T, vocab_size); with `cache`, idx continues the positions it holds."""
         B, T = idx.shape
-        start = cache.check_room(T) if cache is not None else 0
+        start = cache.check_room(B, T) if cache is not None else 0
         if start + T > self.config.block_size:
             raise InputError(f"sequence length {start + T} exceeds block_size {self.config.block_size}")
         m = self.model
@@ -316,6 +317,7 @@ class Decoder(nn.Module):
         return self.lm_head(m.norm(x))  # (B, T, V)
 
     def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
-                 generator: torch.Generator | None = None, eos_id: int | list[int] | None = None) -> torch.Tensor:
+                 generator: torch.Generator | None = None, eos_id: int | list[int] | None = None,
+                 use_cache: bool = True) -> torch.Tensor:
         """Sample continuations of idx (B, T), stopping once every row has sampled an eos_id (minigpt.sampling)."""
-        return generate(self, idx, max_new_tokens, temperature, top_k, generator, eos_id)
+        return generate(self, idx, max_new_tokens, temperature, top_k, generator, eos_id, use_cache)

@@ -1,14 +1,15 @@
 """A key/value cache for generation: each new token attends to the keys and values already computed for the
 tokens before it, instead of the model reading the whole context again at every step.
 
-    cache = model.new_kv_cache(batch=1, capacity=prompt_len + max_new_tokens)
+    cache = model.new_kv_cache(capacity=prompt_len + max_new_tokens)
     logits = model(prompt_ids, cache=cache)       # prefill: every layer stores the prompt's keys and values
     logits = model(next_id[:, None], cache=cache)  # one token: positions continue at cache.length
 
 Each layer's keys and values live in one tensor preallocated to ``capacity`` tokens, (B, kv heads, capacity,
 head_dim), in the dtype the layer computes them in, and are written in place. A step costs one token's
 products per layer plus attention over the stored keys: O(T) instead of O(T^2) per token. Only inference uses
-it (autograd never sees a cache): ``minigpt.sampling.generate`` makes one per call.
+it: a forward with a cache is refused while autograd records (the cache is written in place), and so is a
+batch of another size than the one it stores. ``minigpt.sampling.generate`` makes one per call.
 """
 from __future__ import annotations
 
@@ -48,8 +49,13 @@ class KVCache:
         self.length = 0  # positions stored (the next token's position)
         self.layers = [LayerKV(self) for _ in range(n_layer)]
 
-    def check_room(self, T: int) -> int:
-        """The position the next T tokens start at; refuses to overflow the capacity."""
+    def check_room(self, batch: int, T: int) -> int:
+        """The position the next (batch, T) tokens start at; refuses what the cache cannot take."""
+        if torch.is_grad_enabled():
+            raise InputError("a KV cache is for generation: call the model under torch.no_grad()")
+        stored = self.layers[0].keys
+        if stored is not None and stored.size(0) != batch:
+            raise InputError(f"KV cache holds a batch of {stored.size(0)}, got {batch}")
         if self.length + T > self.capacity:
             raise InputError(f"KV cache holds {self.capacity} positions: {self.length} stored, {T} more do not fit")
         return self.length

@@ -159,7 +159,7 @@ class MiniGPT(nn.Module):
     def forward(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         """Token ids (B, T) -> logits (B, T, vocab_size); with `cache`, idx continues the positions it holds."""
         B, T = idx.shape
-        start = cache.check_room(T) if cache is not None else 0
+        start = cache.check_room(B, T) if cache is not None else 0
         if start + T > self.config.block_size:
             raise InputError(f"sequence length {start + T} exceeds block_size {self.config.block_size}")
         pos = torch.arange(start, start + T, device=idx.device)
@@ -175,6 +175,7 @@ class MiniGPT(nn.Module):
         return self.lm_head(self.ln_f(x))  # (B, T, V)
 
     def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
-                 generator: torch.Generator | None = None, eos_id: int | list[int] | None = None) -> torch.Tensor:
+                 generator: torch.Generator | None = None, eos_id: int | list[int] | None = None,
+                 use_cache: bool = True) -> torch.Tensor:
         """Sample continuations of idx (B, T), stopping once every row has sampled an eos_id (minigpt.sampling)."""
-        return generate(self, idx, max_new_tokens, temperature, top_k, generator, eos_id)
+        return generate(self, idx, max_new_tokens, temperature, top_k, generator, eos_id, use_cache)

@@ -24,7 +24,7 @@ def generate(model: nn.Module, idx: torch.Tensor, max_new_tokens: int, temperatu
     done = torch.zeros(idx.size(0), 1, dtype=torch.bool, device=idx.device)
     block = model.config.block_size
     cache = None
-    if use_cache and hasattr(model, "new_kv_cache") and idx.size(1) < block:
+    if use_cache and hasattr(model, "new_kv_cache") and 0 < idx.size(1) < block and max_new_tokens > 0:
         cache = model.new_kv_cache(min(block, idx.size(1) + max_new_tokens))
     for _ in range(max_new_tokens):
         if cache is not None and cache.length + 1 > cache.capacity:

@@ -5,11 +5,11 @@
     wrap_minigpt_qlora(model, r=8, alpha=16.0)                         # the same, in QLoRA's words
 
 Every command and lab builds through ``build_for_training``. The steps, in order (each a function here):
-check every input before changing anything -> move to the device (on CPU, the heap trims of
-``minituner.memory.heap`` join the training forward) -> quantize the targets (QLoRA; a
+check every input before changing anything -> move to the device -> quantize the targets (QLoRA; a
 target that is already a ``QuantizedLinear`` of the scheme, e.g. quantized by a loader while reading, is
 kept as it is) -> cast the frozen float tensors to the compute dtype -> wrap the targets with LoRA (fresh
-factors, or an adapter loaded from a file) -> finite-output guards (QLoRA) -> check the trainable set.
+factors, or an adapter loaded from a file) -> finite-output guards (QLoRA) -> check the trainable set ->
+on CPU, the heap trims of ``minituner.memory.heap`` (last, on the modules the model ends up with).
 
 Precision: ``precision="bf16"`` (``--precision bf16``, CPU with bf16 units or CUDA) builds in float32, then
 ``minituner.precision.use_bf16_compute`` stores the frozen base in bf16 and keeps the LoRA masters, norms and
@@ -115,8 +115,9 @@ def build_for_training(base: nn.Module, method: str = "lora", lora: LoRAConfig |
     full: every parameter trains. lora: LoRA (`lora`, default LoRAConfig()) wraps the targets, only its
     factors train. qlora: the targets are quantized to `quant_scheme` first. `init_adapter` starts LoRA
     from a saved adapter (file, run folder or PEFT folder) instead of fresh factors. `guards` adds the
-    finite-output hooks (QLoRA only); `heap_trims` the CPU heap trims of ``minituner.memory.heap``. `precision` "bf16": built in float32 (QLoRA quantizes from it), then
-    the frozen base is stored in bf16 (minituner.precision); refused where bf16 is slow unless allow_slow_bf16.
+    finite-output hooks (QLoRA only); `heap_trims` the CPU heap trims of ``minituner.memory.heap``.
+    `precision` "bf16": built in float32 (QLoRA quantizes from it), then the frozen base is stored in bf16
+    (minituner.precision); refused where bf16 is slow unless allow_slow_bf16.
     """
     lora = lora or LoRAConfig()
     dev = training_device(device)
@@ -126,11 +127,18 @@ def build_for_training(base: nn.Module, method: str = "lora", lora: LoRAConfig |
         dtype = compute_dtype or {"qlora": default_compute_dtype(dev), "lora": float_dtype(base)}.get(method, torch.float32)
     paths = _check(base, method, lora, quant_scheme, dtype, precision, dev, allow_slow_bf16)
     base.to(dev)
-    if dev.type == "cpu" and heap_trims:
-        trim_heap_in_forward(base)  # glibc keeps a forward's freed temporaries resident; give them back
     if method == "full":
         base.requires_grad_(True)
-        return base
+    else:
+        _adapt(base, method, lora, paths, quant_scheme, dtype, precision, adapter_name, init_adapter, guards)
+    if dev.type == "cpu" and heap_trims:  # last: bf16, quantization or LoRA may have replaced the head
+        trim_heap_in_forward(base)  # glibc keeps a forward's freed temporaries resident; give them back
+    return base
+
+
+def _adapt(base: nn.Module, method: str, lora: LoRAConfig, paths: list[str], quant_scheme: str, dtype: torch.dtype,
+           precision: str, adapter_name: str, init_adapter: str | Path | None, guards: bool) -> None:
+    """LoRA or QLoRA on a checked base already on its device: quantize, cast, wrap, bf16, guards, check."""
     if method == "qlora":
         quantize_step(base, paths, check_scheme(quant_scheme))
     # frozen float tensors only (a no-op on a float32 base in float32); under bf16 the weights use_bf16_compute
@@ -147,7 +155,6 @@ def build_for_training(base: nn.Module, method: str = "lora", lora: LoRAConfig |
     if method == "qlora" and guards:
         add_finite_guards(base)
     check_qlora(base)  # the trainable set is exactly the active LoRA factors
-    return base
 
 
 def wrap_minigpt_qlora(model: nn.Module, r: int = 8, alpha: float = 16.0, quant_scheme: str = DEFAULT_QUANT_SCHEME,

@@ -66,6 +66,37 @@ def test_generate_with_and_without_the_cache(name, new_tokens):
     assert greedy[0].shape == (2, 7 + new_tokens)
 
 
+def test_generate_uses_the_cache_one_token_a_step():
+    """After the prompt, each call reads one token; past the context, the whole last window again."""
+    model = minigpt()
+    seen = []
+    model.register_forward_pre_hook(lambda m, args, kwargs: seen.append((args[0].shape[1], "cache" in kwargs)),
+                                    with_kwargs=True)
+    generate(model, prompt(T=20), 8, temperature=0)  # 20 + 8 > BLOCK = 24: the last 4 steps read 24 tokens
+    assert seen == [(20, True), (1, True), (1, True), (1, True), (1, True)] + [(24, False)] * 3
+
+
+@pytest.mark.parametrize("T,new,B", [(BLOCK, 3, 1), (BLOCK + 3, 2, 3), (1, 1, 3), (5, 0, 2), (0, 0, 1)])
+def test_generate_edges(T, new, B):
+    """A prompt at or past the context, one token, no new tokens, an empty prompt, batches of 1 and 3."""
+    model = MODELS["mistral-window"]()
+    ids = prompt(T=T, B=B)
+    out = generate(model, ids, new, temperature=0)
+    assert out.shape == (B, T + new) and torch.equal(out[:, :T], ids)
+    assert torch.equal(out, generate(model, ids, new, temperature=0, use_cache=False))
+
+
+def test_the_cache_is_for_generation_only():
+    model = minigpt()
+    with pytest.raises(InputError, match="under torch.no_grad"):
+        model(prompt(3), cache=model.new_kv_cache(8))  # autograd records: the in-place cache would break backward
+    cache = model.new_kv_cache(8)
+    with torch.no_grad():
+        model(prompt(3, B=2), cache=cache)
+        with pytest.raises(InputError, match="KV cache holds a batch of 2, got 3"):
+            model(prompt(1, B=3), cache=cache)
+
+
 def test_generate_stops_at_eos_with_the_cache():
     model = minigpt()
     ids = prompt()

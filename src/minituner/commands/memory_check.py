@@ -47,8 +47,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grad-checkpoint", action="store_true",
                    help="recompute each block in backward (torch.utils.checkpoint): less activation memory")
     p.add_argument("--default-allocator", action="store_true",
-                   help="CPU: leave glibc's malloc as it is (by default memory-check pins its mmap threshold so that "
-                        "freed tensors leave the resident set; unpinned, glibc keeps them and the peak includes them)")
+                   help="CPU: leave glibc's mmap threshold as it is (by default memory-check pins it so that freed "
+                        "tensors leave the resident set; unpinned, glibc keeps some and the peak includes them; the "
+                        "heap trims that finetune makes during each forward run either way)")
     p.add_argument("--json", action="store_true",
                    help='print one JSON object: {"predicted": {bucket: bytes}, "measured": {...}, "error": {bucket: '
                         'relative error}, "details": {...}} over weights, grads, optimizer, activations, peak')

@@ -14,7 +14,8 @@ Two remedies, each a glibc call through ctypes (a no-op returning False elsewher
   and before the head (where the loss's (N, V) tensors are about to be made): on the 7B shape most of the
   excess goes, for a few percent of step time (the bench runs ours with and without). Trimming before every
   block gave back little more and cost more; trimming only before the head left most of it.
-  ``build_for_training`` installs it on CPU (``finetune --no-heap-trims`` leaves it out).
+  ``build_for_training`` installs it on CPU (``finetune --no-heap-trims`` leaves it out). Under gradient
+  checkpointing the backward's recomputation of a block runs its pre-hook again, so it trims there too.
 - ``pin_allocator`` (``mallopt``) fixes the mmap threshold low, so every large block is its own mapping,
   handed back when freed: the resident set follows the live tensors exactly, and each new block faults its
   pages in (steps about half again as long on the 7B shape). ``minituner memory-check`` pins it to measure.
@@ -60,7 +61,7 @@ def pin_allocator(threshold: int) -> bool:
 
 
 def _trim_if_training(module: nn.Module, args: tuple) -> None:
-    """Forward pre-hook: trim the heap when this forward saves activations for a backward."""
+    """Forward pre-hook: trim the heap when this forward saves activations for a backward (or recomputes them)."""
     if module.training and torch.is_grad_enabled():
         trim_heap()
 

@@ -54,9 +54,12 @@ def test_a_model_without_blocks_or_head_has_no_trim_points():
 
 
 @glibc
-@pytest.mark.parametrize("method", ["lora", "qlora", "full"])
-def test_build_for_training_trims_during_a_training_forward_only(trims, method):
-    model = build_for_training(minigpt(9), method, LoRAConfig(r=2, alpha=4.0), device="cpu")
+@pytest.mark.parametrize("method,precision", [("lora", "fp32"), ("qlora", "fp32"), ("full", "fp32"),
+                                              ("lora", "bf16"), ("qlora", "bf16")])
+def test_build_for_training_trims_during_a_training_forward_only(trims, method, precision):
+    """The trims go on last, on the modules the model ends with (bf16 compute replaces the head)."""
+    model = build_for_training(minigpt(9), method, LoRAConfig(r=2, alpha=4.0), device="cpu", precision=precision,
+                               allow_slow_bf16=True)
     x = torch.randint(0, 64, (2, 8))
     model.train()
     model(x)
@@ -67,6 +70,7 @@ def test_build_for_training_trims_during_a_training_forward_only(trims, method):
     model(x)
     assert len(trims) == 2  # no backward follows: nothing saved, nothing to trim
     assert heap.trim_heap_in_forward(model) == 0  # installed once
+
 
 
 @glibc
