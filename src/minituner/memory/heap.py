@@ -11,7 +11,7 @@ Two remedies, each a glibc call through ctypes (a no-op returning False elsewher
 - ``trim_heap`` (``malloc_trim(0)``) hands the free pages inside the heap back to the system now. A later
   allocation that lands there faults its pages in again, zeroed: time in proportion to what was handed back.
   ``trim_heap_in_forward`` calls it during a training forward, before every ``TRIM_EVERY_BLOCKS``-th block
-  and before the head (where the loss's (N, V) tensors are about to be made): on the 7B shape most of the
+  and before the head, when the heap then holds at least ``TRIM_MIN_FREE_BYTES`` free (``heap_free_bytes``) (where the loss's (N, V) tensors are about to be made): on the 7B shape most of the
   excess goes, for a few percent of step time (the bench runs ours with and without). Trimming before every
   block gave back little more and cost more; trimming only before the head left most of it.
   ``build_for_training`` installs it on CPU (``finetune --no-heap-trims`` leaves it out). Under gradient
@@ -29,6 +29,14 @@ import torch
 import torch.nn as nn
 
 TRIM_EVERY_BLOCKS = 8  # trim before blocks 8, 16, ... of a training forward (and before the head)
+# trim only when the heap holds at least this much free memory: below it the pages handed back are few, and
+# faulting them in again still costs (Lab 02's 200 K-parameter MiniGPT: about 8% of a step, trimming always)
+TRIM_MIN_FREE_BYTES = 64 * 2**20
+
+
+class _MallInfo2(ctypes.Structure):  # glibc's struct mallinfo2 (malloc.h, glibc >= 2.33): every field a size_t
+    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                     "fsmblks", "uordblks", "fordblks", "keepcost")]
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # mallopt's parameter numbers (glibc's malloc.h)
 
 
@@ -49,6 +57,15 @@ def trim_heap() -> bool:
     return True
 
 
+def heap_free_bytes() -> int | None:
+    """glibc: the free bytes inside malloc's heaps (``mallinfo2().fordblks``); None where not available."""
+    fn = getattr(_libc(), "mallinfo2", None)
+    if fn is None:
+        return None
+    fn.restype = _MallInfo2
+    return int(fn().fordblks)
+
+
 def pin_allocator(threshold: int) -> bool:
     """glibc: serve blocks above `threshold` bytes by mmap and give them back when freed; False where not glibc.
 
@@ -61,9 +78,12 @@ def pin_allocator(threshold: int) -> bool:
 
 
 def _trim_if_training(module: nn.Module, args: tuple) -> None:
-    """Forward pre-hook: trim the heap when this forward saves activations for a backward (or recomputes them)."""
+    """Forward pre-hook: when this forward saves activations for a backward (or recomputes them) and the heap
+    holds at least TRIM_MIN_FREE_BYTES free (or glibc cannot say), trim it."""
     if module.training and torch.is_grad_enabled():
-        trim_heap()
+        free = heap_free_bytes()
+        if free is None or free >= TRIM_MIN_FREE_BYTES:
+            trim_heap()
 
 
 def trim_points(model: nn.Module) -> list[nn.Module]:

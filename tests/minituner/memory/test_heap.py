@@ -30,14 +30,27 @@ def decoder(n_layer: int) -> Decoder:
 
 @pytest.fixture
 def trims(monkeypatch) -> list[int]:
+    """Count the trims, with the heap reporting just enough free memory for each to happen."""
     calls: list[int] = []
     monkeypatch.setattr(heap, "trim_heap", lambda: calls.append(1) or True)
+    monkeypatch.setattr(heap, "heap_free_bytes", lambda: heap.TRIM_MIN_FREE_BYTES)
     return calls
 
 
 @glibc
 def test_trim_heap_calls_glibc():
     assert heap.trim_heap() is True
+    assert isinstance(heap.heap_free_bytes(), int)
+
+
+@glibc
+def test_no_trim_while_the_heap_holds_little_free(trims, monkeypatch):
+    """Below TRIM_MIN_FREE_BYTES free, handing pages back would save little and cost their faults later."""
+    monkeypatch.setattr(heap, "heap_free_bytes", lambda: heap.TRIM_MIN_FREE_BYTES - 1)
+    model = minigpt(9)
+    heap.trim_heap_in_forward(model)
+    model(torch.randint(0, 64, (2, 8)))
+    assert trims == []
 
 
 @pytest.mark.parametrize("make", [minigpt, decoder])
