@@ -122,17 +122,17 @@ CONFIGS = {
 
 def build(shape: Shape, config: str) -> nn.Module:
     """The model of one configuration, only its LoRA factors requiring grad."""
-    from minituner.lora import LoRAConfig, apply_lora
-    from minituner.precision import use_bf16_compute
-    from minituner.build import wrap_minigpt_qlora
+    from minituner.build import build_for_training
+    from minituner.lora import LoRAConfig
 
     torch.manual_seed(0)
     model = shape.build()
-    if config.startswith("lora"):
-        apply_lora(model, LoRAConfig(r=shape.rank, alpha=shape.alpha, target_modules=list(shape.targets)))
-    elif config.startswith("qlora"):
-        wrap_minigpt_qlora(model, r=shape.rank, alpha=shape.alpha, targets=list(shape.targets), device="cpu",
-                           compute_dtype=torch.float32)
+    if config.startswith(("lora", "qlora")):  # ours as `finetune --precision fp32|bf16` builds it
+        bf16 = config.endswith("bf16")
+        build_for_training(model, config.split("_")[0], LoRAConfig(r=shape.rank, alpha=shape.alpha,
+                                                                    target_modules=list(shape.targets)),
+                           device="cpu", compute_dtype=torch.float32, precision="bf16" if bf16 else "fp32",
+                           allow_slow_bf16=True)
     elif config.startswith("peft_bnb"):
         from peft import LoraConfig, get_peft_model
 
@@ -145,8 +145,6 @@ def build(shape: Shape, config: str) -> nn.Module:
                                                  target_modules=list(shape.targets), lora_dropout=0.0))
     else:
         raise ValueError(f"unknown configuration {config!r}; valid: {list(CONFIGS)}")
-    if config in ("lora_bf16", "qlora_bf16"):
-        use_bf16_compute(model)
     return model
 
 
@@ -351,7 +349,7 @@ def run_shape(shape: str, quick: bool = False, wait_s: float | None = None) -> S
              measurable=support.fast),
         Goal(f"bf16 step ({shape}): ours QLoRA / ours LoRA", t["qlora_bf16"] / t["lora_bf16"], VS_LORA_GOAL, False,
              f"{not_here}two NF4 dequantizations of every base weight per step, into one reused bf16 workspace, and "
-             "the finite-output guards of wrap_minigpt_qlora",
+             "the finite-output guards QLoRA adds (build_for_training)",
              measurable=support.fast),
     ]
     section.notes += [

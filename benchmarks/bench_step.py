@@ -76,15 +76,15 @@ def _bnb_linear4bit(linear: nn.Linear, compute_dtype: torch.dtype) -> nn.Module:
 
 def build(config: str) -> tuple[nn.Module, dict]:
     """The model of one configuration, with only its trainable parameters requiring grad, and facts about it."""
-    from minituner.lora import LoRAConfig, apply_lora
+    from minituner.build import build_for_training
+    from minituner.lora import LoRAConfig
 
     torch.manual_seed(0)
     model = MiniGPT(STACK)
     facts: dict = {}
-    if config == "full":
-        pass
-    elif config == "lora":
-        apply_lora(model, LoRAConfig(r=RANK, alpha=ALPHA, target_modules=TARGETS))
+    if config in ("full", "lora"):  # ours as every command builds them (heap trims on CPU included)
+        build_for_training(model, config, LoRAConfig(r=RANK, alpha=ALPHA, target_modules=TARGETS), device="cpu",
+                           compute_dtype=torch.float32)
     elif config in ("qlora", "qlora_noguard", "qlora_bf16"):
         from minituner.build import wrap_minigpt_qlora
 
