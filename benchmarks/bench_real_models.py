@@ -434,7 +434,8 @@ def section(results: dict[str, list[dict]], planner: dict, written: dict, plan: 
                 f"{SHORT[shape]} ({DTYPES[base['dtype']]}), glibc's heap: by default glibc raises its mmap threshold "
                 "after each large free, so activations then come from the heap, and the holes the forward's freed "
                 "temporaries leave there stay resident. Ours as built (build_for_training on CPU gives the heap's free "
-                "pages back with malloc_trim before every 8th block and before the head of a training forward, "
+                "pages back with malloc_trim before every 8th block and before the head of a training forward, whenever "
+                "it holds at least 64 MiB free, "
                 f"minituner.memory.heap): {peak(base)}"
                 + (f"; without the trims: {peak(plain)}" if plain else "")
                 + (f"; with glibc's mmap threshold fixed at 128 KiB instead (MALLOC_MMAP_THRESHOLD_=131072, every "

@@ -11,8 +11,9 @@ Two remedies, each a glibc call through ctypes (a no-op returning False elsewher
 - ``trim_heap`` (``malloc_trim(0)``) hands the free pages inside the heap back to the system now. A later
   allocation that lands there faults its pages in again, zeroed: time in proportion to what was handed back.
   ``trim_heap_in_forward`` calls it during a training forward, before every ``TRIM_EVERY_BLOCKS``-th block
-  and before the head, when the heap then holds at least ``TRIM_MIN_FREE_BYTES`` free (``heap_free_bytes``) (where the loss's (N, V) tensors are about to be made): on the 7B shape most of the
-  excess goes, for a few percent of step time (the bench runs ours with and without). Trimming before every
+  and before the head (where the loss's (N, V) tensors are about to be made), whenever the heap then holds
+  at least ``TRIM_MIN_FREE_BYTES`` free (``heap_free_bytes``): on the 7B shape most of the excess goes, for
+  a few percent of step time at most (the bench runs ours with and without). Trimming before every
   block gave back little more and cost more; trimming only before the head left most of it.
   ``build_for_training`` installs it on CPU (``finetune --no-heap-trims`` leaves it out). Under gradient
   checkpointing the backward's recomputation of a block runs its pre-hook again, so it trims there too.
@@ -37,6 +38,8 @@ TRIM_MIN_FREE_BYTES = 64 * 2**20
 class _MallInfo2(ctypes.Structure):  # glibc's struct mallinfo2 (malloc.h, glibc >= 2.33): every field a size_t
     _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
                                                      "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # mallopt's parameter numbers (glibc's malloc.h)
 
 
