@@ -179,3 +179,10 @@ class MiniGPT(nn.Module):
                  use_cache: bool = True) -> torch.Tensor:
         """Sample continuations of idx (B, T), stopping once every row has sampled an eos_id (minigpt.sampling)."""
         return generate(self, idx, max_new_tokens, temperature, top_k, generator, eos_id, use_cache)
+
+
+def block_list(model: nn.Module) -> list[nn.Module]:
+    """The transformer blocks a model runs in order: MiniGPT's ``blocks`` (GPT-2 included), the Decoder's
+    ``model.layers``; none for any other module."""
+    blocks = getattr(model, "blocks", None) or getattr(getattr(model, "model", None), "layers", None) or []
+    return list(blocks)

@@ -41,7 +41,7 @@ import torch.nn as nn
 from minigpt.decoder import DecoderConfig
 from minigpt.device import check_precision
 from minigpt.errors import InputError
-from minigpt.model import GPTConfig, MiniGPT
+from minigpt.model import GPTConfig, MiniGPT, block_list
 from minigpt.train import adamw, lm_loss, train_step
 from miniquant.quantize import workspace_bytes
 
@@ -118,13 +118,6 @@ def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str,
     steps = storage_bytes([state["step"] for state in optimizer.state.values() if torch.is_tensor(state.get("step"))])
     return {"weights": acc["weights"], "grads": acc["grads"], "optimizer": acc["optimizer"] - steps,
             "optimizer_steps": steps}
-
-
-def block_list(model: nn.Module) -> list[nn.Module]:
-    """The transformer blocks a model runs in order: MiniGPT's ``blocks``, the Decoder's ``model.layers``."""
-    if hasattr(model, "blocks"):
-        return list(model.blocks)
-    return list(model.model.layers)
 
 
 def model_shape(cfg: GPTConfig | DecoderConfig, name: str = "model") -> ModelShape:

@@ -29,6 +29,8 @@ from functools import lru_cache
 import torch
 import torch.nn as nn
 
+from minigpt.model import block_list
+
 TRIM_EVERY_BLOCKS = 8  # trim before blocks 8, 16, ... of a training forward (and before the head)
 # trim only when the heap holds at least this much free memory: below it the pages handed back are few, and
 # faulting them in again still costs (Lab 02's 200 K-parameter MiniGPT: about 8% of a step, trimming always)
@@ -60,13 +62,18 @@ def trim_heap() -> bool:
     return True
 
 
+@lru_cache(maxsize=1)
+def _mallinfo2():
+    fn = getattr(_libc(), "mallinfo2", None)
+    if fn is not None:
+        fn.restype = _MallInfo2
+    return fn
+
+
 def heap_free_bytes() -> int | None:
     """glibc: the free bytes inside malloc's heaps (``mallinfo2().fordblks``); None where not available."""
-    fn = getattr(_libc(), "mallinfo2", None)
-    if fn is None:
-        return None
-    fn.restype = _MallInfo2
-    return int(fn().fordblks)
+    fn = _mallinfo2()
+    return None if fn is None else int(fn().fordblks)
 
 
 def pin_allocator(threshold: int) -> bool:
@@ -90,13 +97,11 @@ def _trim_if_training(module: nn.Module, args: tuple) -> None:
 
 
 def trim_points(model: nn.Module) -> list[nn.Module]:
-    """Where a training forward trims: every TRIM_EVERY_BLOCKS-th block after the first, then the head.
-
-    MiniGPT (and GPT-2 in it) runs ``blocks``, the Decoder ``model.layers``; both end in ``lm_head``. Any
-    other model has no trim points."""
-    blocks = getattr(model, "blocks", None) or getattr(getattr(model, "model", None), "layers", None) or []
+    """Where a training forward trims: every TRIM_EVERY_BLOCKS-th block after the first (``block_list``), then
+    the head (``lm_head``). A model with neither has no trim points."""
     head = getattr(model, "lm_head", None)
-    return [*list(blocks)[TRIM_EVERY_BLOCKS::TRIM_EVERY_BLOCKS], *([head] if isinstance(head, nn.Module) else [])]
+    heads = [head] if isinstance(head, nn.Module) else []
+    return [*block_list(model)[TRIM_EVERY_BLOCKS::TRIM_EVERY_BLOCKS], *heads]
 
 
 def trim_heap_in_forward(model: nn.Module) -> int:
