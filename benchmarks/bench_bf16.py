@@ -5,8 +5,10 @@ bench_step.py and Llama-3.2-1B cut to LLAMA_LAYERS of its 16 layers, a section e
 every configuration (CONFIGS) and times their optimizer steps in interleaved rounds (timing.time_interleaved:
 each round calls every row once, in rotating order), so load from other processes falls on all rows alike;
 then it profiles one more step of each. Rows: our LoRA and QLoRA in fp32 and in bf16, PEFT + bitsandbytes
-QLoRA in fp32 and with compute_dtype bf16 under torch.autocast (its best CPU setting). Every row starts from
-the same weights and batch.
+QLoRA in fp32 and with compute_dtype bf16 under torch.autocast, the rest of its model in fp32 or in bf16 (as
+from_pretrained(dtype=bfloat16) loads it); its best CPU setting is the faster of those two, and the goal takes
+it. Every row starts from the same weights and batch. Each side computes its loss its own way: ours with
+minigpt.train.lm_loss (as finetune does), theirs as transformers does (the logits upcast to fp32).
 
 The floor: one step of our QLoRA bf16 runs under a TorchDispatchMode that records every matrix product
 (aten::mm, addmm, addmm_, bmm, baddbmm) with its shapes, strides and dtypes; the floor row replays them all,
@@ -39,6 +41,7 @@ import real_checkpoints  # noqa: E402
 from minigpt.bf16_support import bf16_support  # noqa: E402
 from minigpt.decoder import Decoder  # noqa: E402
 from minigpt.model import MiniGPT  # noqa: E402
+from minigpt.train import lm_loss  # noqa: E402
 from minituner.hf_config import decoder_config_from_hf  # noqa: E402
 from report import Goal, Section  # noqa: E402
 from timing import fmt_ratio, fmt_seconds, peak_rss_mib, wait_for_quiet  # noqa: E402
@@ -68,8 +71,8 @@ class Shape:
 LLAMA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # not lm_head
 LLAMA_LAYERS = 6  # of Llama-3.2-1B's 16, for the bench time and memory (LLAMA_NOTE)
 LLAMA_NOTE = (
-    f"{LLAMA_LAYERS} of Llama-3.2-1B's 16 layers: all six configurations live in one process and run in every "
-    "round, so the section's time and memory grow with each layer; sized so that this section takes about 8 "
+    f"{LLAMA_LAYERS} of Llama-3.2-1B's 16 layers: every configuration lives in one process and runs in every "
+    "round, so the section's time and memory grow with each layer; sized so that this section takes about 9 "
     "minutes and fits a 23 GiB machine (in matrix-product FLOPs the tied lm_head over 128,256 tokens weighs "
     "about 4 layers)")
 
@@ -114,7 +117,11 @@ CONFIGS = {
     "lora_bf16": "ours, LoRA bf16 (use_bf16_compute)",
     "qlora_bf16": "ours, QLoRA bf16 (use_bf16_compute)",
     "peft_bnb_bf16": "PEFT + bitsandbytes QLoRA, compute_dtype bf16 under CPU autocast",
+    "peft_bnb_bf16_base": "PEFT + bitsandbytes QLoRA, model in bf16 (as from_pretrained(dtype=bf16)), compute_dtype "
+                          "bf16 under CPU autocast",
 }
+PEFT_BF16 = ("peft_bnb_bf16", "peft_bnb_bf16_base")  # its best CPU setting is the faster of the two
+PEFT_SETTING = {"peft_bnb_bf16": "the model in fp32", "peft_bnb_bf16_base": "the model in bf16"}
 
 
 # ---- inside the subprocess ----------------------------------------------------------------------
@@ -136,7 +143,9 @@ def build(shape: Shape, config: str) -> nn.Module:
     elif config.startswith("peft_bnb"):
         from peft import LoraConfig, get_peft_model
 
-        dtype = torch.bfloat16 if config.endswith("bf16") else torch.float32
+        dtype = torch.bfloat16 if config in PEFT_BF16 else torch.float32
+        if config == "peft_bnb_bf16_base":  # embeddings, norms and head in bf16; NF4 quantized from bf16 weights,
+            model.to(torch.bfloat16)  # as transformers loads a bf16 checkpoint with load_in_4bit
         for path in [n for n, m in model.named_modules()
                      if isinstance(m, nn.Linear) and n.rsplit(".", 1)[-1] in shape.targets]:
             parent, _, leaf = path.rpartition(".")
@@ -237,13 +246,16 @@ def measure(shape_name: str, warmup: int, repeats: int) -> dict:
         model = build(shape, config)
         model.train()
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
-        autocast = config == "peft_bnb_bf16"
+        autocast = config in PEFT_BF16
 
         def forward_backward() -> torch.Tensor:
             opt.zero_grad(set_to_none=True)
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-                logits = model(x)  # (B, T, V)
-            loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1))  # fp32 loss
+            if config.startswith("peft_bnb"):  # transformers' loss: the logits upcast to fp32, then cross-entropy
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                    logits = model(x)  # (B, T, V)
+                loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1))
+            else:  # ours as finetune runs it: minigpt.cross_entropy reads the logits in the head's dtype
+                loss = lm_loss(model, x, y)
             loss.backward()
             return loss
 
@@ -306,9 +318,12 @@ def run_shape(shape: str, quick: bool = False, wait_s: float | None = None) -> S
         f"{spec.describe}; LoRA r = {spec.rank}, alpha {spec.alpha:g} on {', '.join(spec.targets)}; AdamW; loss in "
         f"fp32. Ours in bf16: `use_bf16_compute` (frozen base stored in bf16, NF4 dequantized to bf16 into a reused "
         "workspace, LoRA factors fp32 masters computed in bf16, the block bf16 from each norm to the residual add "
-        "(attention's fused kernel takes bf16 q, k, v and computes its softmax in fp32), the residual stream, norms, "
-        "logits and loss in fp32). PEFT + "
-        "bitsandbytes in bf16: Linear4bit(compute_dtype=bf16) with the forward under torch.autocast('cpu', bf16). "
+        "(attention's fused kernel takes bf16 q, k, v and computes its softmax in fp32), the residual stream and "
+        "norms in fp32, bf16 logits whose loss `minigpt.cross_entropy` computes in fp32 a few rows at a time). "
+        "PEFT + bitsandbytes in bf16: Linear4bit(compute_dtype=bf16) with the forward under torch.autocast('cpu', "
+        "bf16), the rest of the model in fp32 or, as `from_pretrained(dtype=bfloat16)` loads it, in bf16 (NF4 "
+        "quantized from the bf16 weights); its logits upcast to fp32 for the loss, as transformers' "
+        "ForCausalLMLoss does; the goal compares ours with the faster of the two. "
         f"All rows live in one process and are timed in {res['rounds']} interleaved rounds (each round calls every "
         f"row once, in rotating order) after {warmup} warm-up round(s), so load from other processes falls on all "
         f"rows alike. The floor: every matrix product of one QLoRA bf16 step ({res['products']} calls; dtypes "
@@ -328,15 +343,18 @@ def run_shape(shape: str, quick: bool = False, wait_s: float | None = None) -> S
     section.rows.append(["floor: the matrix products of ours QLoRA bf16, replayed alone", fmt_seconds(floor),
                          fmt_seconds(res["timings"]["floor"][1]), fmt_ratio(floor / t["qlora_bf16"]), "100% / – / – / –",
                          ""])
+    peft_best = min(PEFT_BF16, key=lambda c: t[c])
     q = res["groups"]["qlora_bf16"]
     rest = t["qlora_bf16"] - floor
     not_here = "" if support.fast else "not measurable here: this CPU has no bf16 units. "
     section.goals += [
-        Goal(f"bf16 step ({shape}): ours QLoRA / PEFT + bitsandbytes (autocast)", t["qlora_bf16"] / t["peft_bnb_bf16"],
-             VS_PEFT_BNB_GOAL, False,
-             f"{not_here}PEFT + bitsandbytes under autocast dequantizes to bf16 and casts activations per call; both "
-             f"run the same bf16 products and bf16 attention (autocast lists SDPA); fp32 beside: ours QLoRA {fmt_seconds(t['qlora_fp32'])}, "
-             f"PEFT + bitsandbytes {fmt_seconds(t['peft_bnb_fp32'])}",
+        Goal(f"bf16 step ({shape}): ours QLoRA / PEFT + bitsandbytes (autocast, its faster setting)",
+             t["qlora_bf16"] / t[peft_best], VS_PEFT_BNB_GOAL, False,
+             f"{not_here}PEFT + bitsandbytes' faster bf16 setting here: {PEFT_SETTING[peft_best]} "
+             f"({fmt_seconds(t[peft_best])}; the other {fmt_seconds(max(t[c] for c in PEFT_BF16))}). Under autocast it "
+             "dequantizes to bf16 and casts activations per call; both run the same bf16 products and bf16 attention "
+             f"(autocast lists SDPA); fp32 beside: ours QLoRA {fmt_seconds(t['qlora_fp32'])}, PEFT + bitsandbytes "
+             f"{fmt_seconds(t['peft_bnb_fp32'])}",
              measurable=support.fast),
         Goal(f"bf16 step ({shape}): ours QLoRA / its matrix products alone", t["qlora_bf16"] / floor, VS_FLOOR_GOAL,
              False,
@@ -355,7 +373,7 @@ def run_shape(shape: str, quick: bool = False, wait_s: float | None = None) -> S
     section.notes += [
         f"bf16 over fp32, same run: ours LoRA {fmt_ratio(t['lora_fp32'] / t['lora_bf16'])} faster, ours QLoRA "
         f"{fmt_ratio(t['qlora_fp32'] / t['qlora_bf16'])}, PEFT + bitsandbytes "
-        f"{fmt_ratio(t['peft_bnb_fp32'] / t['peft_bnb_bf16'])}",
+        f"{fmt_ratio(t['peft_bnb_fp32'] / t[peft_best])} (its faster bf16 setting)",
         f"torch threads: {res['threads']}; the subprocess that built and timed every row took "
         f"{fmt_seconds(res['wall_s'])}, peak RSS {res['peak_rss_mib'] / 1024:.1f} GiB",
     ]

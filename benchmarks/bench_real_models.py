@@ -12,7 +12,8 @@ peak RSS is its own:
 The 7B shape also runs ours without the heap trims that build_for_training installs on CPU (heap_trims=False)
 and ours with glibc's mmap threshold pinned (MALLOC_MMAP_THRESHOLD_), to show what glibc's heap adds to the peak.
 Both: LoRA r 16, alpha 32 on all-linear (not lm_head), AdamW on the LoRA factors, batch 1 x 512 random
-token ids, cross-entropy against random targets. Peak RSS is the kernel's high-water mark (VmHWM),
+token ids, cross-entropy against random targets, each side's own: ours minigpt.train.lm_loss (as finetune),
+theirs transformers' (the logits upcast to fp32, then F.cross_entropy). Peak RSS is the kernel's high-water mark (VmHWM),
 reset before loading and again before the first training step.
 
     python benchmarks/bench_real_models.py --shapes llama-3.2-1b --out /tmp/real_models.md   # standalone
@@ -86,7 +87,12 @@ def _build_ours(folder: str, dtype, heap_trims: bool = True):
                            allow_slow_bf16=True, heap_trims=heap_trims)
         return model, {"quantized_layers": n_quantized}
 
-    return load, prepare, lambda model, x: model(x)
+    def loss(model, x, y):  # as finetune: minigpt.cross_entropy reads the head's logits in their dtype
+        from minigpt.train import lm_loss
+
+        return lm_loss(model, x, y)
+
+    return load, prepare, loss
 
 
 def _build_peft_bnb(folder: str, dtype):
@@ -106,20 +112,22 @@ def _build_peft_bnb(folder: str, dtype):
         cfg = LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules="all-linear", lora_dropout=0.0, task_type="CAUSAL_LM")
         return get_peft_model(model, cfg), {"quantized_layers": n_quantized}
 
-    def forward(model, x):
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
-            return model(input_ids=x, use_cache=False).logits
+    def loss(model, x, y):  # as transformers' ForCausalLMLoss: the logits upcast to fp32, then cross-entropy
+        import torch.nn.functional as F
 
-    return load, prepare, forward
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+            logits = model(input_ids=x, use_cache=False).logits  # (B, T, V)
+        return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+
+    return load, prepare, loss
 
 
 def measure(contender: str, folder: str, dtype_name: str, steps: int) -> dict:
     """Load (timed, peak RSS), prepare, then 1 + `steps` optimizer steps (peak RSS over all of them)."""
     import torch
-    import torch.nn.functional as F
 
     dtype = getattr(torch, dtype_name)
-    load, prepare, forward = (_build_peft_bnb(folder, dtype) if contender == "peft_bnb"
+    load, prepare, loss_fn = (_build_peft_bnb(folder, dtype) if contender == "peft_bnb"
                               else _build_ours(folder, dtype, heap_trims=contender != "ours_no_trims"))
     gc.collect()
     baseline = current_rss_mib()  # torch and the contender's own libraries imported, nothing built
@@ -144,8 +152,7 @@ def measure(contender: str, folder: str, dtype_name: str, steps: int) -> dict:
 
     def step() -> float:
         opt.zero_grad(set_to_none=True)
-        # as minigpt.train's lm_loss: nothing holds the (B, T, V) logits through backward
-        loss = F.cross_entropy(forward(model, x).float().flatten(0, 1), y.flatten())
+        loss = loss_fn(model, x, y)  # nothing holds the (B, T, V) logits through backward
         loss.backward()
         opt.step()
         return loss.item()
@@ -324,8 +331,9 @@ def section(results: dict[str, list[dict]], planner: dict, written: dict, plan: 
         f"batch {BATCH} × {SEQ} random token ids. Compute dtype: fp32 = ours `build_for_training(..., "
         "precision=\"fp32\")` (the base's float parts cast to fp32) / theirs compute_dtype float32; bf16 = ours "
         "`precision=\"bf16\"` (minituner.precision: NF4 dequantized to bf16, bf16 products and attention, "
-        "fp32 LoRA masters, norms and loss) / theirs compute_dtype bfloat16 under torch.autocast(\"cpu\", "
-        "bfloat16). 'step' is the median of the steps after the first (the first is shown apart); tokens/s = "
+        "fp32 LoRA masters and norms, bf16 logits whose loss minigpt.cross_entropy computes in fp32 a few rows "
+        "at a time) / theirs compute_dtype bfloat16 under torch.autocast(\"cpu\", bfloat16), its logits upcast "
+        "to fp32 for the loss as transformers' ForCausalLMLoss does. 'step' is the median of the steps after the first (the first is shown apart); tokens/s = "
         "512 / step. Peak RSS is VmHWM, reset before loading and before the first step; 'baseline' is the RSS "
         "after the contender's imports. Planner: the load bound is `regime_bytes(load_config_shape(folder), "
         "Regime(\"qlora\", 16), \"all-linear\", MemoryConfig(dtype=\"bf16\"))`'s weights bucket (what is "

@@ -29,6 +29,7 @@ import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from minigpt.model import GPTConfig, MiniGPT  # noqa: E402
+from minigpt.train import lm_loss  # noqa: E402
 from report import Goal, Section  # noqa: E402
 from timing import (MIB, current_rss_mib, fmt_ratio, fmt_seconds, peak_rss_mib, reset_peak_rss,  # noqa: E402
                     wait_for_quiet)
@@ -174,8 +175,11 @@ def measure(config: str, warmup: int, steps: int) -> dict:
 
     def step() -> float:
         opt.zero_grad(set_to_none=True)
-        logits = model(x)  # (B, T, V)
-        loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1))
+        if config.startswith("peft"):  # transformers' loss: the logits upcast to fp32, then cross-entropy
+            logits = model(x)  # (B, T, V)
+            loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1))
+        else:  # ours as every command computes it (minigpt.cross_entropy: the same on fp32 logits)
+            loss = lm_loss(model, x, y)
         loss.backward()
         opt.step()
         return loss.item()

@@ -21,9 +21,9 @@ from pathlib import Path
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from tqdm import tqdm
 
+from .cross_entropy import IGNORE_INDEX, cross_entropy
 from .train_state import (CHECKPOINT_DIR, TrainState, capture_rng, check_compatible, clear_checkpoints,
                             latest_checkpoint, list_checkpoints, restore, save_checkpoint)
 from .data import eval_batches, sample_batch
@@ -78,11 +78,7 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 
 def lm_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """Mean next-token loss over the targets of y that count (y = -100, cross_entropy's ignore_index, does not)."""
-    logits = model(x)  # (B, T, V)
-    return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1))
-
-
-IGNORE_INDEX = -100  # a target that does not count (F.cross_entropy's default ignore_index)
+    return cross_entropy(model(x), y)  # logits (B, T, V) in the head's dtype; the loss in fp32
 
 
 def counted_loss(counted: int, ranks: int) -> Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]:
@@ -94,8 +90,7 @@ def counted_loss(counted: int, ranks: int) -> Callable[[nn.Module, torch.Tensor,
     """
 
     def loss_fn(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        logits = model(x)  # (B/N, T, V)
-        total = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1), reduction="sum")
+        total = cross_entropy(model(x), y, reduction="sum")  # logits (B/N, T, V)
         return total * (ranks / counted)
 
     return loss_fn

@@ -25,8 +25,10 @@ the dtype RoPE is applied in; the residual stream stays fp32):
   the product with v), RoPE (``Decoder.compute_dtype``: cos and sin made in fp32, applied in bf16, as
   transformers does for a bf16 model), GELU / SwiGLU, and the projections back; ``x + f(x)`` adds the bf16
   output into the fp32 stream (type promotion: fp32 result, no separate cast);
-- a frozen head computes in bf16 and returns fp32 logits (``Bf16Linear.output_dtype``): the cross-entropy
-  reads fp32 without a second (N, V) copy; AdamW holds fp32 state for the fp32 masters.
+- a frozen head computes in bf16 and returns bf16 logits (it reads the final norm's bf16 output), as a
+  transformers model in bf16 does; the loss (``minigpt.cross_entropy``) computes in fp32 a few rows at a time
+  and hands back a bf16 gradient, so no (N, V) tensor is ever fp32. AdamW holds fp32 state for the fp32
+  masters.
 
 Full fine-tuning is refused: bf16 compute is defined for a frozen base (every trainable parameter a LoRA
 factor); full fine-tuning trains in fp32. The same path runs on CUDA (cuBLAS bf16 products).
@@ -53,15 +55,12 @@ NORMS = (nn.LayerNorm, RMSNorm, *((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else (
 
 
 class Bf16Linear(nn.Linear):
-    """A frozen Linear whose weight and bias are stored in a low-precision dtype; returns `output_dtype`, or
-    the input's dtype when that is None."""
-
-    output_dtype: torch.dtype | None = None  # the head's: fp32 logits for the loss
+    """A frozen Linear whose weight and bias are stored in a low-precision dtype; returns its input's dtype."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
         y = F.linear(x.to(w.dtype), w, self.bias)  # (..., out), computed in w.dtype (a no-op cast when x is)
-        return y.to(self.output_dtype or x.dtype)
+        return y.to(x.dtype)
 
 
 class Bf16Embedding(nn.Embedding):
@@ -185,9 +184,6 @@ def use_bf16_compute(model: nn.Module, dtype: torch.dtype = BF16) -> nn.Module:
     for path, new in replacements:
         parent, _, leaf = path.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, leaf, new)
-    head = getattr(model, "lm_head", None)
-    if isinstance(head, Bf16Linear):  # a frozen head computes in bf16 and returns fp32 logits: the loss reads them
-        head.output_dtype = torch.float32  # as they are (lm_loss's .float() is then a no-op, no second copy)
     return model
 
 

@@ -1,6 +1,7 @@
 """The planner's step peak (planner/peak.py): its terms on tiny configs, and the phase it picks."""
 from __future__ import annotations
 
+from minigpt.cross_entropy import chunk_rows
 from minigpt.model import GPTConfig
 from minituner.planner import MemoryConfig, Regime, minigpt_shape, preset_shape, regime_bytes
 from minituner.planner.activations import PRECISION_WIDTHS, minigpt_activation_bytes, minigpt_saved_by_layer
@@ -88,28 +89,35 @@ def test_every_family_has_a_peak_model_but_estimates_have_no_peak():
     assert mini.peak is None  # the seed's estimate (Lab 01's) has no peak: it has no per-layer model
 
 
-def test_half_activations_add_the_fp32_logits_copy():
+def test_half_logits_are_never_fp32_in_the_loss():
+    """Half-width logits go to minigpt.cross_entropy's chunks: fp32 temporaries of a chunk's rows, never (N, V)."""
     shape = minigpt_shape(GPTConfig(**TINY))
+    V = shape.vocab_size
     b = buckets(shape, Regime("lora", 4))
     peak = step_peak(shape, "lora", 4, "all-linear", B, T, 2, False, weights=b.weights, grads=b.grads,
                      optimizer=b.optimizer)
-    assert peak.phases["forward (loss)"]["logits"] == N * shape.vocab_size * (2 + 4)
+    rows = min(N, chunk_rows(V))
+    assert "logits" not in peak.phases["forward (loss)"]  # in the activations: the logits the loss keeps
+    assert peak.phases["forward (loss)"]["loss chunk (fp32 copy and logsumexp's shifted copy)"] == 2 * rows * V * 4
+    assert peak.phases["backward: loss"]["logit gradient (N x V)"] == N * V * 2
+    assert peak.phases["backward: loss"]["loss chunk (fp32 softmax)"] == rows * V * 4
 
 
 def test_bf16_compute_terms_are_in_their_dtypes():
-    """bf16 compute: fp32 logits (the head casts its product) with no second copy, the residual stream's gradient
-    fp32 and the MLP's bf16, the head's backward cast, the dequantization workspace in bf16; A at bf16's widths."""
+    """bf16 compute: bf16 logits kept by the loss and their bf16 gradient, the residual stream's gradient fp32 and
+    the MLP's bf16, the dequantization workspace in bf16; A at bf16's widths."""
     shape = minigpt_shape(GPTConfig(**TINY))
     V, C, F = shape.vocab_size, 16, 64
     b = buckets(shape, Regime("qlora", 4))
     widths = PRECISION_WIDTHS["bf16"]
     peak = step_peak(shape, "qlora", 4, "all-linear", B, T, weights=b.weights, grads=b.grads, optimizer=b.optimizer,
                      **widths)
-    assert peak.phases["forward (loss)"]["logits"] == N * V * 4
-    assert peak.phases["forward (loss)"]["activations"] == minigpt_saved_by_layer(shape, B, T, "qlora", 4,
-                                                                                  **widths).total()
-    assert peak.phases["backward: head"]["logit gradient in the head's dtype"] == N * V * 2
-    assert peak.phases["backward: head"]["fp32 logit gradient, then head input gradient"] == max(N * V * 4, N * C * 2)
+    saved = minigpt_saved_by_layer(shape, B, T, "qlora", 4, **widths)
+    assert peak.phases["forward (loss)"]["activations"] == saved.total()
+    assert saved.head["logits kept by the loss"] == N * V * 2 and saved.head["loss logsumexp"] == N * 4
+    head = peak.phases["backward: head"]
+    assert head["logit gradient (N x V)"] == N * V * 2 and head["head input gradient"] == N * C * 2
+    assert head["activations (what the loss kept freed)"] == saved.total() - N * V * 2 - N * 4
     block = peak.phases["backward: last block"]
     assert block["residual and MLP gradients"] == N * C * 4 + N * F * 2
     assert block["NF4 dequantization workspace"] == 16 * 64 * 2

@@ -3,9 +3,9 @@ import copy
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from minigpt.cross_entropy import cross_entropy
 from minigpt.errors import InputError
 from minigpt.model import GPTConfig, MiniGPT
 from miniquant import QuantizedLinear
@@ -43,9 +43,9 @@ def _batch(device="cpu"):
 
 
 def _loss(model, x, y):
-    logits = model(x)  # (B, T, V)
-    assert logits.dtype == torch.float32
-    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
+    logits = model(x)  # (B, T, V): bf16 from a bf16 head, which reads the final norm's bf16 output
+    assert logits.dtype == (torch.bfloat16 if isinstance(model.lm_head, Bf16Linear) else torch.float32)
+    return cross_entropy(logits, y)  # as lm_loss: F.cross_entropy on fp32 logits, in fp32 chunks on bf16
 
 
 def _grads(model):
@@ -86,7 +86,7 @@ def test_dtypes_after_conversion(kind):
     assert seen == {"ln_1 in": torch.float32, "ln_1 out": torch.bfloat16,  # the norm reads the fp32 stream
                     "attn in": torch.bfloat16, "attn out": torch.bfloat16,  # bf16 from the norm to the residual add
                     "fc2 in": torch.bfloat16, "fc2 out": torch.bfloat16,
-                    "block in": torch.float32, "block out": torch.float32, "logits": torch.float32}
+                    "block in": torch.float32, "block out": torch.float32, "logits": torch.bfloat16}
 
 
 def _dtypes_seen(model: nn.Module, modules: dict[str, nn.Module]) -> dict[str, torch.dtype]:
@@ -114,7 +114,7 @@ def test_decoder_dataflow_in_bf16():
                                 "layer": layer})
     assert seen == {"norm in": torch.float32, "norm out": torch.bfloat16, "attn in": torch.bfloat16,
                     "attn out": torch.bfloat16, "down in": torch.bfloat16, "down out": torch.bfloat16,
-                    "layer in": torch.float32, "layer out": torch.float32, "logits": torch.float32}
+                    "layer in": torch.float32, "layer out": torch.float32, "logits": torch.bfloat16}
     cos, sin = model.rope(16, torch.device("cpu"), model.compute_dtype)
     assert cos.dtype == sin.dtype == torch.bfloat16
 
@@ -153,7 +153,7 @@ def test_lora_on_some_targets_leaves_other_linears_bf16_returning_their_input_dt
     fc1 = model.blocks[0].mlp.fc1
     assert isinstance(fc1, Bf16Linear) and fc1.bias.dtype == torch.bfloat16
     assert fc1(torch.randn(3, 32)).dtype == torch.float32 and fc1(torch.randn(3, 32).bfloat16()).dtype == torch.bfloat16
-    assert model.lm_head.output_dtype == torch.float32  # the head alone returns fp32 whatever it reads
+    assert model.lm_head(torch.randn(3, 32).bfloat16()).dtype == torch.bfloat16  # bf16 logits: the loss upcasts
     q = model.blocks[0].attn.q_proj.base_layer
     assert isinstance(q, QuantizedLinear) and q.compute_dtype == torch.bfloat16 and q.bias.dtype == torch.bfloat16
     x, y = _batch()

@@ -32,9 +32,10 @@ under bf16 compute), the terms are:
   inputs, its output and one logsumexp per query and head, never the h·seq² score matrix. Its output is
   laid out (B, T, h, hs), so ``transpose(1, 2).contiguous()`` is a view and o_proj saves no new storage.
 - ``gelu input`` N·F·e: GELU keeps fc1's output; fc2 (or its LoRA A) keeps GELU's output (``linear input``).
-- ``log-softmax output`` N·V·4: ``lm_loss`` upcasts the logits to fp32 (a no-op under bf16 compute, whose
-  head returns fp32 logits) and cross-entropy keeps the log-probabilities; ``targets`` N·8 (int64) and the
-  fp32 ``loss total_weight`` (4 bytes) of nll_loss.
+- the loss (``lm_loss``: ``minigpt.cross_entropy``; the head returns its logits in the block's dtype e):
+  fp32 logits go to ``F.cross_entropy``, which keeps the ``log-softmax output`` N·V·4; narrower logits go to
+  its chunked fp32 cross-entropy, which keeps the ``logits kept by the loss`` N·V·e and a ``loss logsumexp``
+  N·4 (``loss_saved``). Both keep the ``targets`` N·8 (int64) and an fp32 ``loss total_weight`` (4 bytes).
 - dropout is 0 (MiniGPT's default; memory-check sets it): with dropout, masks and the unfused attention
   path would add to this.
 
@@ -103,6 +104,20 @@ class SavedByLayer:
             out.update(b)
         out.update(self.head)
         return dict(out)
+
+
+def loss_saved(terms: Counter[str], tokens: int, vocab: int, act_bytes: int) -> None:
+    """Add what ``minigpt.cross_entropy`` keeps for backward from logits of act_bytes per element to terms."""
+    if act_bytes == FP32:  # F.cross_entropy: log-softmax, then nll_loss
+        terms["log-softmax output"] += tokens * vocab * FP32
+    else:  # LowPrecisionCrossEntropy: the logits as they are, and one fp32 logsumexp per row
+        terms["logits kept by the loss"] += tokens * vocab * act_bytes
+        terms["loss logsumexp"] += tokens * FP32
+    terms["targets"] += tokens * INDEX_BYTES
+    terms["loss total_weight"] += FP32
+
+
+LOSS_KEPT = ("log-softmax output", "logits kept by the loss", "loss logsumexp")  # freed by the loss's backward
 
 
 def as_minigpt(shape: ModelShape, targets: str | Iterable[str] = ALL_LINEAR) -> tuple[ModelShape, tuple[str, ...]]:
@@ -197,9 +212,7 @@ def minigpt_saved_by_layer(shape: ModelShape, batch_size: int, seq_len: int, reg
     layernorm(head, hot or full)  # ln_f
     if full:
         head["linear input"] += N * C * e  # the (tied) head trains: it keeps ln_f's output
-    head["log-softmax output"] += N * shape.vocab_size * FP32
-    head["targets"] += N * INDEX_BYTES
-    head["loss total_weight"] += FP32
+    loss_saved(head, N, shape.vocab_size, e)
     return SavedByLayer(dict(embed), tuple(blocks), dict(head))
 
 

@@ -46,7 +46,8 @@ the LoRA factors (``lora_copy_bytes``: 0, or 2 under bf16 compute), the terms ar
 - ``silu input`` N·F·e (gate_proj's output), ``silu output`` N·F·e and ``up output`` N·F·e: SwiGLU's
   ``act(gate) * up`` keeps each factor for the other's gradient (act(gate) when up needs grad, up when
   gate does); any ``hidden_act`` of the Decoder keeps its input.
-- ``log-softmax output`` N·V·4, ``targets`` N·8 and ``loss total_weight`` 4: as MiniGPT's (lm_loss).
+- the loss's terms (``log-softmax output`` N·V·4 from fp32 logits, or ``logits kept by the loss`` N·V·e and
+  ``loss logsumexp`` N·4 from narrower ones; ``targets`` N·8, ``loss total_weight`` 4): as MiniGPT's.
 
 - with gradient checkpointing (``model.grad_checkpoint``) each layer keeps only its input, N·C·s
   (``checkpointed block input``: the stream), and torch.utils.checkpoint holds the rotary cos/sin it was
@@ -65,7 +66,7 @@ from collections.abc import Iterable
 from minigpt.errors import InputError
 
 from .activations import EXACT_FAMILIES as MINIGPT_FAMILIES
-from .activations import FP32, INDEX_BYTES, SavedByLayer, lora_paths, lora_saved, minigpt_saved_by_layer
+from .activations import FP32, INDEX_BYTES, SavedByLayer, loss_saved, lora_paths, lora_saved, minigpt_saved_by_layer
 from .counts import ALL_LINEAR
 from .shapes import ModelShape
 
@@ -164,9 +165,7 @@ def decoder_saved_by_layer(shape: ModelShape, batch_size: int, seq_len: int, reg
     rmsnorm(head, hot)  # the final norm
     if full:
         head["linear input"] += N * C * e  # lm_head trains (tied or not): it keeps the final norm's output
-    head["log-softmax output"] += N * shape.vocab_size * FP32
-    head["targets"] += N * INDEX_BYTES
-    head["loss total_weight"] += FP32
+    loss_saved(head, N, shape.vocab_size, e)
     return SavedByLayer(dict(embed), tuple(blocks), dict(head))
 
 

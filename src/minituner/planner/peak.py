@@ -5,7 +5,7 @@ step's grads still alive), ``zero_grad(set_to_none=True)``, backward, gradient c
 Each phase below lists the tensors alive at its worst moment; the planner's peak is the largest phase.
 Measured on CPU (resident-set high-water mark per phase, see ``minituner.memory.check`` and
 benchmarks/memory_sweep.md), the peak is in the backward at the loss (every saved activation still
-alive, plus the (N, V) fp32 gradients of nll_loss and log-softmax) for LoRA, QLoRA and full FT without
+alive, plus the loss's (N, V) gradients) for LoRA, QLoRA and full FT without
 checkpointing; with gradient checkpointing it moves to the last block's backward (the recomputed block
 plus its gradients) unless the logits dominate (GPT-2's 50,257-token vocabulary: still at the loss);
 full FT of a large-vocabulary model peaks at the embeddings' backward and in AdamW's step, which tie
@@ -20,15 +20,18 @@ saved for backward, at those widths). For QLoRA, W in every phase below includes
 workspace: every NF4 weight is dequantized into one buffer the size of the largest, out·in·e, reused by
 every layer in forward and backward and kept from the first step on (``miniquant.quantize``):
 
-- forward (loss): W + O + G (last step's grads: zero_grad comes after the forward) + A + logits N·V·s
-  (the head returns the stream's dtype: fp32 under bf16 compute, whose head computes in bf16 and casts its
-  product, a transient below this moment; plus their fp32 copy N·V·4 when s is not 4: lm_loss upcasts).
-- backward, loss: W + O + A + 2·N·V·4 (nll_loss's gradient and log-softmax's, both (N, V) fp32, while
-  log-softmax's saved output is alive; G was set to None).
-- backward, head: W + O + A - log-softmax output + the head's gradients (``head_gradients``): an fp32 head
-  holds the fp32 logit gradient N·V·4 while making its input gradient N·C·4; a head computing in e < 4
-  casts the logit gradient to e first (N·V·e beside the fp32 N·V·4), then makes its input gradient N·C·e
-  from the cast; + the head's weight gradient V·C·4 when it trains (full FT).
+The head returns its logits in the block's dtype e, and the loss (``minigpt.cross_entropy``) reads them as they
+are: fp32 logits through ``F.cross_entropy``, narrower ones in fp32 chunks of R = ``chunk_rows(V)`` rows.
+
+- forward (loss): W + O + G (last step's grads: zero_grad comes after the forward) + A + with fp32 logits
+  the logits N·V·4 beside the log-softmax output (in A); with narrower ones, A holds the logits the loss keeps
+  and the loss's chunk temporaries are alive, 2·R·V·4 (a chunk upcast to fp32 and logsumexp's shifted copy).
+- backward, loss: W + O + A + the gradients it makes (G was set to None): with fp32 logits 2·N·V·4
+  (nll_loss's gradient and log-softmax's, both (N, V) fp32, while log-softmax's saved output is alive);
+  with narrower ones the logit gradient N·V·e and one fp32 chunk R·V·4.
+- backward, head: W + O + A - what the loss kept + the head's gradients (``head_gradients``): the logit
+  gradient N·V·e while the head makes its input gradient N·C·e; + the head's weight gradient V·C·4 when it
+  trains (full FT).
 - backward, last block: W + O + the grads produced so far (full FT: head and one block; LoRA: one
   block's factors) + A minus what the head saved + the block's gradients (the residual stream's N·C·s,
   fp32 under bf16 compute, and the MLP's N·F·e) + with gradient checkpointing the block's recomputed
@@ -54,7 +57,9 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from .activations import FP32, SavedByLayer, as_minigpt, lora_paths, minigpt_saved_by_layer
+from minigpt.cross_entropy import chunk_rows
+
+from .activations import FP32, LOSS_KEPT, SavedByLayer, as_minigpt, lora_paths, minigpt_saved_by_layer
 from .decoder_activations import decoder_saved_by_layer
 from .counts import ALL_LINEAR, resolve_targets, total_params
 from .shapes import ModelShape
@@ -110,15 +115,19 @@ def llama_phases(shape: ModelShape, regime: str, rank: int | None, targets: str 
 
 
 def head_gradients(tokens: int, d_model: int, vocab: int, act_bytes: int) -> dict[str, int]:
-    """The head's backward at its worst moment, from the fp32 logit gradient (N, V) that the loss hands it.
+    """The head's backward at its worst moment: the logit gradient (N, V) the loss hands it, in the logits'
+    dtype, alive while the head's product makes the input gradient (N, C)."""
+    return {"logit gradient (N x V)": tokens * vocab * act_bytes, "head input gradient": tokens * d_model * act_bytes}
 
-    An fp32 head's product holds it while making the input gradient (N, C). A head computing in a narrower
-    dtype casts it to that dtype first (both alive), frees it, then makes the input gradient in that dtype."""
-    N, C, V, e = tokens, d_model, vocab, act_bytes
-    if e == FP32:
-        return {"logit gradient (N x V, fp32)": N * V * FP32, "head input gradient": N * C * e}
-    return {"logit gradient in the head's dtype": N * V * e,
-            "fp32 logit gradient, then head input gradient": max(N * V * FP32, N * C * e)}
+
+def loss_phases(tokens: int, vocab: int, act_bytes: int) -> tuple[dict[str, int], dict[str, int]]:
+    """The loss's own tensors at its forward's and its backward's worst moments (beside the saved activations)."""
+    N, V, e = tokens, vocab, act_bytes
+    if e == FP32:  # F.cross_entropy: the logits beside log-softmax's output; nll_loss's and log-softmax's grads
+        return {"logits": N * V * FP32}, {"nll and log-softmax gradients (N x V, fp32)": 2 * N * V * FP32}
+    rows = min(N, chunk_rows(V))  # minigpt.cross_entropy's chunks: the logits stay in their dtype
+    return ({"loss chunk (fp32 copy and logsumexp's shifted copy)": 2 * rows * V * FP32},
+            {"logit gradient (N x V)": N * V * e, "loss chunk (fp32 softmax)": rows * V * FP32})
 
 
 def step_phases(shape: ModelShape, regime: str, rank: int | None, targets: str | Iterable[str],
@@ -132,7 +141,6 @@ def step_phases(shape: ModelShape, regime: str, rank: int | None, targets: str |
     plain = saved_by_layer(shape, batch_size, seq_len, regime, rank, targets, act_bytes, **widths) \
         if grad_checkpoint else saved
     N, C, V, e = batch_size * seq_len, shape.d_model, shape.vocab_size, act_bytes
-    logits = stream_bytes or act_bytes  # the head returns the stream's dtype (fp32 under bf16 compute)
     A, full = saved.total(), regime == "full"
     head_saved = sum(saved.head.values())
     embedding = V * C * FP32  # the token embedding (and a tied head): its gradient is fp32 like Adam's state
@@ -141,11 +149,13 @@ def step_phases(shape: ModelShape, regime: str, rank: int | None, targets: str |
         quantized = lora_paths(shape, targets)
         base["NF4 dequantization workspace"] = max(lin.weight_params for lin in shape.linears
                                                    if lin.path in quantized) * e
+    loss_forward, loss_backward = loss_phases(N, V, e)
+    loss_kept = sum(saved.head.get(term, 0) for term in LOSS_KEPT)
     phases = {
         "forward (loss)": {**base, "grads (last step's; zero_grad follows the forward)": grads, "activations": A,
-                           "logits": N * V * logits + (N * V * FP32 if logits != FP32 else 0)},
-        "backward: loss": {**base, "activations": A, "nll and log-softmax gradients (N x V, fp32)": 2 * N * V * FP32},
-        "backward: head": {**base, "activations (log-softmax output freed)": A - saved.head["log-softmax output"],
+                           **loss_forward},
+        "backward: loss": {**base, "activations": A, **loss_backward},
+        "backward: head": {**base, "activations (what the loss kept freed)": A - loss_kept,
                            **head_gradients(N, C, V, e), "head weight gradient": embedding if full else 0},
     }
     if full:

@@ -2,7 +2,7 @@
 
 A batch is ``(x, y)``, each (B, T) long: ``x`` the input ids, ``y`` the next-token targets, IGNORE (-100) where
 the target does not count or is padding. It is the contract of ``minigpt.data.sample_batch``, so
-``minigpt.train.lm_loss`` (``F.cross_entropy``, whose ignore_index is -100) is already the masked mean over the
+``minigpt.train.lm_loss`` (``minigpt.cross_entropy``, whose ignore index is -100) is already the masked mean over the
 counted targets. Every example holds at least one counted token (tokenize_records drops the others), so no batch
 is all -100.
 """
@@ -14,8 +14,8 @@ from typing import Iterator, Sequence
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
+from minigpt.cross_entropy import cross_entropy
 from minigpt.errors import InputError
 
 from .examples import IGNORE, Example
@@ -102,8 +102,7 @@ def evaluate_examples(model: nn.Module, examples: Sequence[Example], batch_size:
         for x, y in iter_batches(examples, batch_size, seed=None, pad_id=pad_id):
             logits = model(x.to(device))  # (B, T, V)
             y = y.to(device)
-            total += F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1),
-                                     ignore_index=IGNORE, reduction="sum").item()
+            total += cross_entropy(logits, y, reduction="sum").item()
             count += int((y != IGNORE).sum())
     finally:
         model.train(was_training)

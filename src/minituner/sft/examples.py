@@ -28,12 +28,13 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Iterable, Sequence
 
+from minigpt.cross_entropy import IGNORE_INDEX
 from minigpt.errors import InputError
 
 from .formats import Record
 from .templates import ChatTemplate
 
-IGNORE = -100  # label of a token that does not count (torch's cross_entropy ignore_index default)
+IGNORE = IGNORE_INDEX  # label of a token that does not count (-100, as torch's cross_entropy)
 OVERLONG = ("truncate", "drop")
 
 

@@ -67,8 +67,11 @@ def test_bf16_terms_follow_the_dataflow():
     shape, N, r = minigpt_shape(GPTConfig(**TINY)), 2 * 8, 4
     fp32 = minigpt_saved_by_layer(shape, 2, 8, "lora", r).terms()
     bf16 = minigpt_saved_by_layer(shape, 2, 8, "lora", r, **PRECISION_WIDTHS["bf16"]).terms()
-    for term in ("layernorm input", "layernorm mean/rstd", "attention logsumexp", "log-softmax output", "targets"):
+    for term in ("layernorm input", "layernorm mean/rstd", "attention logsumexp", "targets"):
         assert bf16[term] == fp32[term]
+    # the loss keeps the bf16 logits and one fp32 logsumexp per token, not an fp32 log-softmax
+    assert "log-softmax output" not in bf16 and fp32["log-softmax output"] == N * 40 * 4
+    assert bf16["logits kept by the loss"] == N * 40 * 2 and bf16["loss logsumexp"] == N * 4
     for term in ("linear input", "LoRA A output", "attention q, k, v", "attention output", "gelu input"):
         assert 2 * bf16[term] == fp32[term]
     assert "LoRA factor copies" not in fp32  # fp32 LoRA saves its factors themselves: parameters

@@ -1,0 +1,95 @@
+"""minigpt.cross_entropy: fp32 logits through F.cross_entropy as they are; bf16/fp16 logits in fp32 chunks."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import minigpt.cross_entropy as ce
+from minigpt.cross_entropy import IGNORE_INDEX, LowPrecisionCrossEntropy, chunk_rows, cross_entropy
+
+
+def _case(n=12, vocab=50, dtype=torch.bfloat16, ignored=(3, 7), seed=0):
+    g = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(n, vocab, generator=g) * 3).to(dtype)
+    targets = torch.randint(0, vocab, (n,), generator=g)
+    targets[list(ignored)] = IGNORE_INDEX
+    return logits, targets
+
+
+def _reference(logits, targets, reduction):
+    """transformers' way: upcast, then F.cross_entropy; the gradient cast back to the logits' dtype."""
+    z = logits.detach().float().clone().requires_grad_()
+    loss = F.cross_entropy(z, targets, ignore_index=IGNORE_INDEX, reduction=reduction)
+    loss.backward(torch.tensor(1.7))  # any incoming gradient
+    return loss.detach(), z.grad
+
+
+def _ours(logits, targets, reduction):
+    z = logits.detach().clone().requires_grad_()
+    loss = cross_entropy(z, targets, reduction)
+    loss.backward(torch.tensor(1.7))
+    return loss.detach(), z.grad
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("chunk", [1 << 19, 50, 150])  # one chunk; one row a chunk; 3 rows, the last chunk short
+def test_low_precision_logits_give_the_upcast_loss_and_gradient(dtype, reduction, chunk, monkeypatch):
+    monkeypatch.setattr(ce, "CHUNK_ELEMENTS", chunk)
+    logits, targets = _case(dtype=dtype)
+    ref_loss, ref_grad = _reference(logits, targets, reduction)
+    loss, grad = _ours(logits, targets, reduction)
+    assert loss.dtype == torch.float32 and grad.dtype == dtype
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-6)  # same fp32 arithmetic, another order
+    # the same fp32 gradient, rounded once to the logits' dtype: at most one unit in the last place apart
+    torch.testing.assert_close(grad.float(), ref_grad, rtol=2 ** -7 if dtype == torch.bfloat16 else 2 ** -10,
+                               atol=1e-6)
+    assert torch.all(grad[[3, 7]] == 0)  # ignored targets get no gradient
+
+
+def test_fp32_logits_are_f_cross_entropy_exactly():
+    logits, targets = _case(dtype=torch.float32)
+    for reduction in ("mean", "sum"):
+        ref_loss, ref_grad = _reference(logits, targets, reduction)
+        loss, grad = _ours(logits, targets, reduction)
+        assert torch.equal(loss, ref_loss) and torch.equal(grad, ref_grad)
+
+
+def test_batched_logits_and_targets_are_flattened():
+    logits, targets = _case(n=12)
+    a = cross_entropy(logits.view(3, 4, -1), targets.view(3, 4))
+    assert torch.equal(a, cross_entropy(logits, targets))
+
+
+def test_no_counted_target():
+    logits, _ = _case(n=4, ignored=())
+    targets = torch.full((4,), IGNORE_INDEX)
+    assert torch.isnan(cross_entropy(logits, targets)) and torch.isnan(F.cross_entropy(logits.float(), targets))
+    z = logits.detach().clone().requires_grad_()
+    total = cross_entropy(z, targets, "sum")
+    total.backward()
+    assert total.item() == 0 and torch.all(z.grad == 0)
+
+
+def test_keeps_the_logits_in_their_dtype_and_one_fp32_value_per_row():
+    """What the backward keeps (the planner's 'logits kept by the loss' and 'loss logsumexp'): no (N, V) fp32."""
+    logits, targets = _case(n=12, vocab=50)
+    z = logits.detach().clone().requires_grad_()
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        cross_entropy(z, targets)
+    shapes = sorted((tuple(t.shape), str(t.dtype)) for t in saved)
+    assert shapes == sorted([((), "torch.float32"), ((12,), "torch.int64"), ((12,), "torch.float32"),
+                             ((12, 50), "torch.bfloat16")])
+
+
+def test_chunk_rows_and_bad_reduction():
+    assert chunk_rows(128_256) == 4 and chunk_rows(4096) == 128 and chunk_rows(10 ** 7) == 1
+    with pytest.raises(ValueError, match="reduction"):
+        cross_entropy(*_case(), reduction="none")
+
+
+def test_out_of_range_target_is_refused():
+    logits, targets = _case()
+    targets[0] = 50
+    with pytest.raises(RuntimeError):
+        LowPrecisionCrossEntropy.apply(logits, targets, True)
