@@ -34,7 +34,7 @@ def _ours(logits, targets, reduction):
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 @pytest.mark.parametrize("chunk", [1 << 19, 50, 150])  # one chunk; one row a chunk; 3 rows, the last chunk short
 def test_low_precision_logits_give_the_upcast_loss_and_gradient(dtype, reduction, chunk, monkeypatch):
-    monkeypatch.setattr(ce, "CHUNK_ELEMENTS", chunk)
+    monkeypatch.setitem(ce.CHUNK_ELEMENTS, "cpu", chunk)
     logits, targets = _case(dtype=dtype)
     ref_loss, ref_grad = _reference(logits, targets, reduction)
     loss, grad = _ours(logits, targets, reduction)
@@ -82,10 +82,26 @@ def test_keeps_the_logits_in_their_dtype_and_one_fp32_value_per_row():
                              ((12, 50), "torch.bfloat16")])
 
 
-def test_chunk_rows_and_bad_reduction():
+def test_chunk_rows_and_bad_arguments():
     assert chunk_rows(128_256) == 4 and chunk_rows(4096) == 128 and chunk_rows(10 ** 7) == 1
+    assert chunk_rows(128_256, "cuda") == 130  # 64 Mi values on an accelerator: fewer kernel launches
     with pytest.raises(ValueError, match="reduction"):
         cross_entropy(*_case(), reduction="none")
+    logits, targets = _case(n=5, ignored=(3,))
+    with pytest.raises(ValueError, match=r"need 5 targets, got shape \(1,\)"):  # never broadcast one target
+        cross_entropy(logits, targets[:1])
+
+
+def test_default_dtype_does_not_leak_into_the_gradient():
+    logits, targets = _case()
+    z = logits.detach().clone().requires_grad_()
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        cross_entropy(z, targets).backward()
+    finally:
+        torch.set_default_dtype(previous)
+    assert z.grad.dtype == torch.bfloat16
 
 
 def test_out_of_range_target_is_refused():
