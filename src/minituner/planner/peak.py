@@ -18,12 +18,11 @@ factors' per-call copies) of ``planner/activations.py`` (an fp32 run: e = s = 4,
 e = 2, s = 4, c = 2), and the weights/grads/optimizer buckets W, G, O of ``regime_bytes`` (A = the bytes
 saved for backward, at those widths). For QLoRA, W in every phase below includes the dequantization
 workspace: every NF4 weight is dequantized into one buffer the size of the largest, out·in·e, reused by
-every layer in forward and backward and kept from the first step on (``miniquant.quantize``):
-
-The head returns its logits in the block's dtype e, and the loss (``minigpt.cross_entropy``) reads them as they
-are: fp32 logits through ``F.cross_entropy``, narrower ones in fp32 chunks of R = ``chunk_rows(V)`` rows (CPU's
-chunk, about 2 MiB; on CUDA the loss takes 64 MiB chunks, so its 2·R·V·4 term below is up to 128 MiB larger
-there than planned).
+every layer in forward and backward and kept from the first step on (``miniquant.quantize``). The head returns
+its logits in the block's dtype e, and the loss (``minigpt.cross_entropy``) reads them as they are: fp32 logits
+through ``F.cross_entropy``, narrower ones in fp32 chunks of R = ``chunk_rows(V)`` rows (CPU's chunk, about
+2 MiB; on CUDA the loss takes 64 MiB chunks, so its 2·R·V·4 term below is up to 128 MiB larger there than
+planned). The phases:
 
 - forward (loss): W + O + G (last step's grads: zero_grad comes after the forward) + A + with fp32 logits
   the logits N·V·4 beside the log-softmax output (in A); with narrower ones, A holds the logits the loss keeps
