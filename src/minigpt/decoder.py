@@ -18,7 +18,12 @@ config field, no module, no state-dict key): ``model.grad_checkpoint = True`` ru
 layer's input (and the rotary cos/sin it is called with) and the backward recomputes the layer.
 
 Generation passes a ``minigpt.kv_cache.KVCache`` (``model(ids, cache=cache)``): each layer stores its keys
-and values (after RoPE, before GQA's repeat), and the next call's tokens continue at the positions stored.
+and values (after RoPE, at their num_key_value_heads), and the next call's tokens continue at the positions stored.
+
+Grouped-query attention hands the kv heads to ``F.scaled_dot_product_attention(..., enable_gqa=True)``
+(torch 2.5 on; SDPA_GQA): the kernel reads each K/V head for its group of query heads, so k and v are never
+repeated to n_head heads (on a 2-core CPU at Llama-3.2-1B's shape, 39 against 43 ms for one layer's attention
+forward and backward, and the saved k and v are n_head / n_kv_head times smaller). Older torch repeats them.
 """
 from __future__ import annotations
 
@@ -33,6 +38,10 @@ from torch.utils.checkpoint import checkpoint
 from .errors import InputError, check_known_fields
 from .kv_cache import KVCache, LayerKV, attention_mask
 from .sampling import generate
+
+# SDPA's enable_gqa (torch 2.5 on): K/V heads read in groups instead of repeated to n_head heads
+SDPA_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)
+
 
 NORMS = ("rmsnorm", "layernorm")
 POSITIONS = ("rope", "learned")
@@ -186,16 +195,20 @@ class Attention(nn.Module):
         if kv is not None:  # generation: the tokens before these are stored (minigpt.kv_cache)
             start = kv.cache.length
             k, v = kv.update(k, v)  # (B, kv, start + T, hd)
+        gqa = {}
         if self.n_kv_head != self.n_head:  # each K/V head serves n_head / n_kv_head query heads
-            rep = self.n_head // self.n_kv_head
-            k = k.repeat_interleave(rep, dim=1)  # (B, h, start + T, hd)
-            v = v.repeat_interleave(rep, dim=1)  # (B, h, start + T, hd)
+            if SDPA_GQA:
+                gqa = {"enable_gqa": True}  # the kernel reads k, v (B, kv, start + T, hd) per group
+            else:
+                rep = self.n_head // self.n_kv_head
+                k = k.repeat_interleave(rep, dim=1)  # (B, h, start + T, hd)
+                v = v.repeat_interleave(rep, dim=1)  # (B, h, start + T, hd)
         p = self.dropout if self.training else 0.0
         if start == 0 and (self.window is None or T <= self.window):
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)  # (B, h, T, hd)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p, **gqa)  # (B, h, T, hd)
         else:  # causal from position `start`, at most `window` keys back (self included); None: every key
             mask = attention_mask(T, start, self.window, x.device)  # (T, start + T)
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p)  # (B, h, T, hd)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, **gqa)  # (B, h, T, hd)
         y = y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim)  # (B, T, h*hd)
         return self.o_proj(y)  # (B, T, C)
 

@@ -37,10 +37,11 @@ the LoRA factors (``lora_copy_bytes``: 0, or 2 under bf16 compute), the terms ar
 - ``attention q, k, v`` 3·N·h·d·e, ``attention output`` N·h·d·e and ``attention logsumexp`` h·N·4
   (fp32): on CPU ``F.scaled_dot_product_attention`` without dropout runs the fused flash kernel, which
   keeps its inputs, its output and one logsumexp per query and head, never the h·T² scores. Its inputs
-  are the rotated q (a new tensor), the rotated k and v after ``repeat_interleave`` to h heads under
-  grouped-query attention (so k and v are h·d wide whatever num_key_value_heads is; repeat_interleave's
-  own backward saves nothing, and the narrower k/v before it are not kept); without GQA v is a view of
-  v_proj's output. The output is laid out (B, T, h, d), so o_proj's input is a view of it.
+  are the rotated q (a new tensor) and the rotated k and v (v a view of v_proj's output). Under
+  grouped-query attention k and v stay at num_key_value_heads (kv·d wide: ``enable_gqa``, torch 2.5 on,
+  ``minigpt.decoder.SDPA_GQA``), so the term is N·(h + 2·kv)·d·e; older torch repeats them to h heads with
+  ``repeat_interleave`` first (3·N·h·d·e: its own backward saves nothing, and the narrower k/v before it
+  are not kept). The output is laid out (B, T, h, d), so o_proj's input is a view of it.
 - ``attention mask`` T·T·e per sliding-window layer when T exceeds the window (Mistral, Qwen2 with
   use_sliding_window): the boolean (T, T) mask is converted to the query's dtype and kept by the kernel.
 - ``silu input`` N·F·e (gate_proj's output), ``silu output`` N·F·e and ``up output`` N·F·e: SwiGLU's
@@ -63,6 +64,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable
 
+from minigpt.decoder import SDPA_GQA
 from minigpt.errors import InputError
 
 from .activations import EXACT_FAMILIES as MINIGPT_FAMILIES
@@ -99,7 +101,8 @@ def decoder_saved_by_layer(shape: ModelShape, batch_size: int, seq_len: int, reg
     N, T, C, F, e = batch_size * seq_len, seq_len, shape.d_model, shape.d_ff, act_bytes
     s = stream_bytes or act_bytes
     linears = {lin.path: lin for lin in shape.linears}
-    A = shape.n_head * shape.head_dim  # attention width: q, and k/v after repeat_interleave
+    A = shape.n_head * shape.head_dim  # attention width: q (and k/v repeated to h heads without SDPA_GQA)
+    KV = (shape.n_kv_head if SDPA_GQA else shape.n_head) * shape.head_dim  # k and v as attention keeps them
     embed: Counter[str] = Counter()
     head: Counter[str] = Counter()
     blocks: list[dict[str, int]] = []
@@ -134,7 +137,7 @@ def decoder_saved_by_layer(shape: ModelShape, batch_size: int, seq_len: int, reg
         rope_saved = rope_saved or q_hot or k_hot
         attn_hot = q_hot or k_hot or v_hot
         if attn_hot:
-            terms["attention q, k, v"] += 3 * N * A * e
+            terms["attention q, k, v"] += N * (A + 2 * KV) * e
             terms["attention output"] += N * A * e
             terms["attention logsumexp"] += shape.n_head * N * FP32
             if shape.sliding_window is not None and i in shape.sliding_layers and T > shape.sliding_window:
