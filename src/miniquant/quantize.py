@@ -196,7 +196,11 @@ class QuantizedLinear(nn.Module):
         if s.kind == "nf4":
             out = _workspace.get(shape.numel(), dtype, qtensors[0].device) if transient else None
             w = dequantize_nf4(NF4Tensor(qtensors[0], qtensors[1], shape, self.weight_dtype, s.group_size), dtype, out)
-            if _nf4_surely_finite(qtensors[1], dtype):  # one look at the scales instead of a pass over w
+            # one look at the scales instead of a pass over w, and none while they are the same, unchanged tensor
+            # (an in-place write bumps its version): the frozen scales are read twice a step, every step
+            seen = (id(qtensors[1]), qtensors[1].data_ptr(), qtensors[1]._version, dtype)
+            if getattr(self, "_finite_scales", None) == seen or _nf4_surely_finite(qtensors[1], dtype):
+                self._finite_scales = seen
                 return w
         else:
             bits = 8 if s.kind == "int8" else 4

@@ -156,6 +156,17 @@ def test_non_finite_dequantized_weight_is_caught():
         q(torch.randn(2, 64))
 
 
+def test_scales_written_after_a_checked_forward_are_checked_again():
+    """The scales' finiteness is remembered per tensor version: an in-place write after a good call is seen."""
+    q = QuantizedLinear.from_linear(make_linear(), "nf4_per_group_64")
+    x = torch.randn(2, 64)
+    good = q(x)
+    assert torch.equal(q(x), good)  # the remembered check changes nothing
+    q.weight_absmax[3] = float("nan")
+    with pytest.raises(ValueError, match="NaN/Inf"):
+        q(x)
+
+
 def test_fp16_overflow_is_caught():
     lin = make_linear()
     with torch.no_grad():
