@@ -8,8 +8,8 @@ NaN above every finite value), the scaled value is value x (1 / max(absmax, 1e-3
 and the code is the number of the 15 midpoints strictly below it. Dequantization is code value x scale
 in float32, then a round-to-nearest-even cast. No fast-math flags: float results are IEEE-exact.
 
-The shared library is cached under $MINIQUANT_CACHE (default: <tmp>/miniquant-<uid>), keyed by a hash
-of the source, the flags, the compiler and the CPU's feature flags (it is built with -march=native).
+Building, caching (under $MINIQUANT_CACHE, keyed by the source, the flags, the compiler and the CPU's feature
+flags: it is built with -march=native) and the threads are ``minigpt.native_build``'s.
 Quantization splits its blocks across `torch.get_num_threads()` Python threads (ctypes releases the GIL
 during a call), and so does dequantization into an existing buffer (the layers' shared workspace);
 dequantization into a fresh tensor runs on the calling thread.
@@ -19,31 +19,23 @@ then use the eager PyTorch path, which gives the same bytes.
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import itertools
 import os
-import platform
-import shutil
 import subprocess
-import tempfile
-import threading
 import warnings
-from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
+from minigpt.native_build import CACHE_ENV, ThreadSplit, build_library, find_compiler
+
 NATIVE_ENV = "MINIQUANT_NATIVE"  # set to 0 to never build or use the native kernels
-CACHE_ENV = "MINIQUANT_CACHE"  # folder for the compiled library
 MIN_VALUES_PER_THREAD = 1 << 21  # smaller calls stay on the calling thread (handing work over costs ~50 µs)
 MIN_VALUES_PER_THREAD_WARM = 1 << 18  # the same, dequantizing into an existing (already touched) buffer
 CHUNK_VALUES = 1 << 18  # threads take work in chunks of this many values, as they get free
 HUGE_PAGE_MIN_BYTES = 8 << 20  # fresh outputs at least this large ask for transparent huge pages
 CFLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-ffp-contract=off", "-fno-fast-math", "-std=gnu11"]
-
-CPU_COUNT = os.cpu_count() or 1  # asked once: the call costs microseconds
 # dtype codes shared with the C source
 _DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
@@ -268,36 +260,8 @@ void nf4_dequantize(const uint8_t* packed, const float* scales, int64_t b0, int6
 """
 
 
-def _cache_dir() -> Path:
-    default = Path(tempfile.gettempdir()) / f"miniquant-{os.getuid() if hasattr(os, 'getuid') else 'user'}"
-    return Path(os.environ.get(CACHE_ENV, default))
-
-
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
-
-
 def _build(compiler: str) -> Path:
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
-    key = hashlib.sha256("\n".join([_SOURCE, " ".join(CFLAGS), version, _cpu_flags(), platform.machine()]).encode())
-    target = _cache_dir() / f"nf4_{key.hexdigest()[:16]}.so"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        src, out = Path(tmp) / "nf4.c", Path(tmp) / "nf4.so"
-        src.write_text(_SOURCE)
-        result = subprocess.run([compiler, *CFLAGS, str(src), "-o", str(out)], capture_output=True, text=True, timeout=300)
-        if result.returncode != 0:
-            raise RuntimeError(result.stderr.strip().splitlines()[-1] if result.stderr.strip() else "compiler failed")
-        os.replace(out, target)  # atomic: concurrent builders leave one complete file
-    return target
+    return build_library("nf4", _SOURCE, CFLAGS, compiler)
 
 
 class NativeKernels:
@@ -315,43 +279,11 @@ class NativeKernels:
         self._advise.argtypes = [ptr, i64]
         self._advise.restype = None
         self.dtypes = tuple(d for d, c in _DTYPE_CODE.items() if c != 2 or lib.nf4_has_f16())
-        self._pool: ThreadPoolExecutor | None = None
-        self._lock = threading.Lock()
-        if hasattr(os, "register_at_fork"):  # a forked child has none of the pool's threads: start afresh
-            os.register_at_fork(after_in_child=self._forget_pool)
-
-    def _forget_pool(self) -> None:
-        self._pool, self._lock = None, threading.Lock()
+        self._threads = ThreadSplit("miniquant")
 
     def _split(self, blocks: int, blocksize: int, call, min_values: int | None = None) -> None:
-        """call(b0, b1) over [0, blocks): threads take chunks of blocks from a shared counter, each thread
-        at least `min_values` values (default MIN_VALUES_PER_THREAD).
-
-        Many chunks per thread, taken as threads get free: on a busy machine a thread that waits for a
-        core leaves its share to the others instead of holding up the whole call."""
-        values, min_values = blocks * blocksize, min_values or MIN_VALUES_PER_THREAD
-        threads = 1 if values < 2 * min_values else min(torch.get_num_threads(), CPU_COUNT, values // min_values)
-        if threads <= 1:
-            call(0, blocks)
-            return
-        with self._lock:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(max_workers=CPU_COUNT, thread_name_prefix="miniquant")
-            pool = self._pool
-        chunks = max(threads, values // CHUNK_VALUES)
-        bounds = [blocks * c // chunks for c in range(chunks + 1)]
-        counter = itertools.count()  # next() is atomic under the GIL
-
-        def worker() -> None:
-            for c in iter(lambda: next(counter), None):
-                if c >= chunks:
-                    return
-                call(bounds[c], bounds[c + 1])
-
-        futures = [pool.submit(worker) for _ in range(threads - 1)]
-        worker()
-        for f in futures:
-            f.result()
+        """call(b0, b1) over [0, blocks) on threads, each at least `min_values` values (default MIN_VALUES_PER_THREAD)."""
+        self._threads.run(blocks, blocksize, call, min_values or MIN_VALUES_PER_THREAD, CHUNK_VALUES)
 
     def _fresh(self, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
         """An uninitialised CPU tensor; a large one asks for huge pages first (page faults on a fresh
@@ -406,7 +338,7 @@ def native_enabled() -> bool:
 @lru_cache(maxsize=None)
 def _load() -> NativeKernels | None:
     global _failed
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    compiler = find_compiler()
     if compiler is None:
         _failed = True
         return None

@@ -1,0 +1,114 @@
+"""Small C kernels: compiled on first use with the system C compiler, cached, loaded with ctypes, run on threads.
+
+    path = build_library("nf4", SOURCE, CFLAGS)       # None: no compiler; raises RuntimeError if the build fails
+    lib = ctypes.CDLL(str(path))
+    split = ThreadSplit("miniquant")                   # a pool shared by every call of one kernel family
+    split.run(blocks, values_per_block, lambda b0, b1: lib.kernel(..., b0, b1), min_values)
+
+Used by ``miniquant.native`` (NF4) and ``minigpt.native_loss`` (the bf16 cross-entropy). A library is cached
+under $MINIQUANT_CACHE (default: <tmp>/miniquant-<uid>), keyed by a hash of the source, the flags, the
+compiler's version and the CPU's feature flags (kernels are built with -march=native), so a changed source or
+another CPU builds afresh. Python threads run the kernels in parallel: ctypes releases the GIL during a call.
+"""
+from __future__ import annotations
+
+import hashlib
+import itertools
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+CACHE_ENV = "MINIQUANT_CACHE"  # folder for the compiled libraries
+CPU_COUNT = os.cpu_count() or 1  # asked once: the call costs microseconds
+
+
+def find_compiler() -> str | None:
+    """$CC, else cc, gcc or clang on PATH; None when there is none."""
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+
+
+def cache_dir() -> Path:
+    default = Path(tempfile.gettempdir()) / f"miniquant-{os.getuid() if hasattr(os, 'getuid') else 'user'}"
+    return Path(os.environ.get(CACHE_ENV, default))
+
+
+def cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def build_library(name: str, source: str, cflags: list[str], compiler: str) -> Path:
+    """The shared library of `source` compiled with `cflags` (cached); RuntimeError with the compiler's last line."""
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
+    key = hashlib.sha256("\n".join([source, " ".join(cflags), version, cpu_flags(), platform.machine()]).encode())
+    target = cache_dir() / f"{name}_{key.hexdigest()[:16]}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        src, out = Path(tmp) / f"{name}.c", Path(tmp) / f"{name}.so"
+        src.write_text(source)
+        result = subprocess.run([compiler, *cflags, str(src), "-o", str(out)], capture_output=True, text=True,
+                                timeout=300)
+        if result.returncode != 0:
+            raise RuntimeError(result.stderr.strip().splitlines()[-1] if result.stderr.strip() else "compiler failed")
+        os.replace(out, target)  # atomic: concurrent builders leave one complete file
+    return target
+
+
+class ThreadSplit:
+    """Runs call(b0, b1) over [0, units) on up to torch.get_num_threads() threads (a pool started on first need)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._pool: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+        if hasattr(os, "register_at_fork"):  # a forked child has none of the pool's threads: start afresh
+            os.register_at_fork(after_in_child=self._forget_pool)
+
+    def _forget_pool(self) -> None:
+        self._pool, self._lock = None, threading.Lock()
+
+    def run(self, units: int, unit_values: int, call: Callable[[int, int], None], min_values: int,
+            chunk_values: int) -> None:
+        """call(b0, b1) over [0, units): threads take chunks of about `chunk_values` values from a shared
+        counter, each thread at least `min_values` values (fewer values stay on the calling thread).
+
+        Many chunks per thread, taken as threads get free: on a busy machine a thread that waits for a core
+        leaves its share to the others instead of holding up the whole call."""
+        values = units * unit_values
+        threads = 1 if values < 2 * min_values else min(torch.get_num_threads(), CPU_COUNT, values // min_values)
+        if threads <= 1:
+            call(0, units)
+            return
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=CPU_COUNT, thread_name_prefix=self.name)
+            pool = self._pool
+        chunks = min(units, max(threads, values // chunk_values))
+        bounds = [units * c // chunks for c in range(chunks + 1)]
+        counter = itertools.count()  # next() is atomic under the GIL
+
+        def worker() -> None:
+            for c in iter(lambda: next(counter), None):
+                if c >= chunks:
+                    return
+                call(bounds[c], bounds[c + 1])
+
+        futures = [pool.submit(worker) for _ in range(threads - 1)]
+        worker()
+        for f in futures:
+            f.result()
