@@ -28,9 +28,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from minigpt.native_build import CACHE_ENV, ThreadSplit, build_library, find_compiler
+from minigpt.native_build import CACHE_ENV, NATIVE_ENV, ThreadSplit, build_library, find_compiler
 
-NATIVE_ENV = "MINIQUANT_NATIVE"  # set to 0 to never build or use the native kernels
 MIN_VALUES_PER_THREAD = 1 << 21  # smaller calls stay on the calling thread (handing work over costs ~50 µs)
 MIN_VALUES_PER_THREAD_WARM = 1 << 18  # the same, dequantizing into an existing (already touched) buffer
 CHUNK_VALUES = 1 << 18  # threads take work in chunks of this many values, as they get free

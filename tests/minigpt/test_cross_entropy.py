@@ -4,6 +4,7 @@ import torch
 import torch.nn.functional as F
 
 import minigpt.cross_entropy as ce
+from minigpt import native_loss
 from minigpt.cross_entropy import IGNORE_INDEX, LowPrecisionCrossEntropy, chunk_rows, cross_entropy
 
 
@@ -30,10 +31,21 @@ def _ours(logits, targets, reduction):
     return loss.detach(), z.grad
 
 
+@pytest.fixture(params=["native", "torch ops"])
+def loss_path(request, monkeypatch):
+    """Each test runs with minigpt.native_loss's kernels (bf16 on CPU) and with the PyTorch ops alone."""
+    if request.param == "native":
+        if native_loss.kernels() is None:
+            pytest.skip("no C compiler: the native loss kernels are not built")
+    else:
+        monkeypatch.setattr(native_loss, "kernels", lambda: None)
+    return request.param
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 @pytest.mark.parametrize("chunk", [1 << 19, 50, 150])  # one chunk; one row a chunk; 3 rows, the last chunk short
-def test_low_precision_logits_give_the_upcast_loss_and_gradient(dtype, reduction, chunk, monkeypatch):
+def test_low_precision_logits_give_the_upcast_loss_and_gradient(dtype, reduction, chunk, monkeypatch, loss_path):
     monkeypatch.setitem(ce.CHUNK_ELEMENTS, "cpu", chunk)
     logits, targets = _case(dtype=dtype)
     ref_loss, ref_grad = _reference(logits, targets, reduction)
@@ -60,7 +72,7 @@ def test_batched_logits_and_targets_are_flattened():
     assert torch.equal(a, cross_entropy(logits, targets))
 
 
-def test_no_counted_target():
+def test_no_counted_target(loss_path):
     logits, _ = _case(n=4, ignored=())
     targets = torch.full((4,), IGNORE_INDEX)
     assert torch.isnan(cross_entropy(logits, targets)) and torch.isnan(F.cross_entropy(logits.float(), targets))
@@ -70,7 +82,7 @@ def test_no_counted_target():
     assert total.item() == 0 and torch.all(z.grad == 0)
 
 
-def test_keeps_the_logits_in_their_dtype_and_one_fp32_value_per_row():
+def test_keeps_the_logits_in_their_dtype_and_one_fp32_value_per_row(loss_path):
     """What the backward keeps (the planner's 'logits kept by the loss' and 'loss logsumexp'): no (N, V) fp32."""
     logits, targets = _case(n=12, vocab=50)
     z = logits.detach().clone().requires_grad_()
@@ -92,7 +104,7 @@ def test_chunk_rows_and_bad_arguments():
         cross_entropy(logits, targets[:1])
 
 
-def test_default_dtype_does_not_leak_into_the_gradient():
+def test_default_dtype_does_not_leak_into_the_gradient(loss_path):
     logits, targets = _case()
     z = logits.detach().clone().requires_grad_()
     previous = torch.get_default_dtype()
@@ -104,7 +116,7 @@ def test_default_dtype_does_not_leak_into_the_gradient():
     assert z.grad.dtype == torch.bfloat16
 
 
-def test_out_of_range_target_is_refused():
+def test_out_of_range_target_is_refused(loss_path):
     logits, targets = _case()
     targets[0] = 50
     with pytest.raises(RuntimeError):

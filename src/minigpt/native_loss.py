@@ -1,0 +1,269 @@
+"""The bf16 cross-entropy's two passes as one native kernel each (C compiled on first use, rows on threads).
+
+    k = kernels()                                  # None: no compiler, the build failed, or MINIQUANT_NATIVE=0
+    lse = k.logsumexp(logits)                      # (N, V) bf16 -> (N,) fp32: log Σ_v exp(z_v), per row
+    grad = k.softmax_grad(logits, lse, targets, row_scale)   # (N, V) bf16: (softmax - one-hot(target)) · scale
+
+``minigpt.cross_entropy.LowPrecisionCrossEntropy`` calls these for contiguous bf16 logits on CPU; elsewhere
+(fp16, CUDA, no compiler) it runs the same arithmetic as PyTorch ops a few rows at a time. Per row the
+kernel reads the bf16 logits once for the maximum and once for Σ exp(z - max) (fp32), and in the backward
+once more, writing each gradient value once, rounded to bf16 (round to nearest even): no fp32 (N, V)
+tensor and no fp32 chunk in memory, where the PyTorch path makes and reads several.
+
+exp is computed as Cephes' expf does (x = n·ln2 + r with |r| <= ln2/2, a degree-7 polynomial in r, times
+2^n), to about 1 unit in the last place of fp32, on AVX-512 16 values at a time and in plain C for the rest
+(the same operations, no fused multiply-add: -ffp-contract=off, so both give the same bits). A row with
+an infinite or NaN logit goes through libm's expf and logf with PyTorch's logsumexp rule (the maximum taken
+as 0 when it is infinite), so such rows give PyTorch's inf and NaN.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import subprocess
+import warnings
+from functools import lru_cache
+
+import torch
+from torch import Tensor
+
+from .native_build import NATIVE_ENV, ThreadSplit, build_library, find_compiler, fresh_tensor
+
+CFLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-ffp-contract=off", "-fno-fast-math", "-std=gnu11"]
+MIN_VALUES_PER_THREAD = 1 << 18  # fewer logits stay on the calling thread (handing work over costs ~50 µs)
+CHUNK_VALUES = 1 << 18  # threads take rows in chunks of about this many values, as they get free
+
+_SOURCE = r"""
+#include <stdint.h>
+#include <string.h>
+#include <math.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+static inline float f32_from_bf16(uint16_t h) { uint32_t u = (uint32_t)h << 16; float f; memcpy(&f, &u, 4); return f; }
+
+/* float -> bfloat16 bits, round to nearest even; NaN -> 0x7FC0 (PyTorch's rule) */
+static inline uint16_t bf16_from_f32(float f) {
+    uint32_t u; memcpy(&u, &f, 4);
+    if (f != f) return 0x7FC0;
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+#define EXP_LO -87.33654f           /* below: exp is 0 here (fp32 denormals are not produced) */
+#define LOG2E 1.44269504088896341f
+#define LN2_HI 0.693359375f
+#define LN2_LO -2.12194440e-4f
+#define P0 1.9875691500e-4f
+#define P1 1.3981999507e-3f
+#define P2 8.3334519073e-3f
+#define P3 4.1665795894e-2f
+#define P4 1.6666665459e-1f
+#define P5 5.0000001201e-1f
+
+/* exp(x) for finite x <= 0 (Cephes expf); 0 below EXP_LO */
+static inline float exp_nonpos(float x) {
+    if (x < EXP_LO) return 0.0f;
+    float t = x * LOG2E - 0.5f;
+    int n = (int)t;                       /* truncation of t - 0.5 rounds t <= 0 to the nearest integer */
+    float fn = (float)n;
+    float r = x - fn * LN2_HI;
+    r = r - fn * LN2_LO;
+    float p = P0;
+    p = p * r + P1; p = p * r + P2; p = p * r + P3; p = p * r + P4; p = p * r + P5;
+    p = p * (r * r) + r;
+    p = p + 1.0f;
+    uint32_t s = (uint32_t)(n + 127) << 23; float scale; memcpy(&scale, &s, 4);
+    return p * scale;
+}
+
+#ifdef __AVX512F__
+static inline __m512 load16(const uint16_t* z) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)z)), 16));
+}
+
+/* the same operations as exp_nonpos, 16 lanes */
+static inline __m512 exp16(__m512 x) {
+    __mmask16 zero = _mm512_cmp_ps_mask(x, _mm512_set1_ps(EXP_LO), _CMP_LT_OQ);
+    __m512 t = _mm512_sub_ps(_mm512_mul_ps(x, _mm512_set1_ps(LOG2E)), _mm512_set1_ps(0.5f));
+    __m512i n = _mm512_cvttps_epi32(t);
+    __m512 fn = _mm512_cvtepi32_ps(n);
+    __m512 r = _mm512_sub_ps(x, _mm512_mul_ps(fn, _mm512_set1_ps(LN2_HI)));
+    r = _mm512_sub_ps(r, _mm512_mul_ps(fn, _mm512_set1_ps(LN2_LO)));
+    __m512 p = _mm512_set1_ps(P0);
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(P1));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(P2));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(P3));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(P4));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(P5));
+    p = _mm512_add_ps(_mm512_mul_ps(p, _mm512_mul_ps(r, r)), r);
+    p = _mm512_add_ps(p, _mm512_set1_ps(1.0f));
+    __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(n, _mm512_set1_epi32(127)), 23));
+    return _mm512_maskz_mul_ps(~zero, p, scale);
+}
+
+/* 16 fp32 lanes -> 16 bf16 (round to nearest even; NaN -> 0x7FC0) */
+static inline void store16(uint16_t* out, __m512 v) {
+    __m512i u = _mm512_castps_si512(v);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb), 16);
+    __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7FC0));
+    _mm256_storeu_si256((__m256i*)out, _mm512_cvtepi32_epi16(rounded));
+}
+#endif
+
+/* log Σ exp over a row with an inf or NaN: PyTorch's logsumexp (an infinite maximum taken as 0) */
+static float lse_special(const uint16_t* z, int64_t vocab) {
+    float m = -INFINITY;
+    for (int64_t j = 0; j < vocab; j++) { float x = f32_from_bf16(z[j]); if (x > m || x != x) m = x; }
+    if (m != m) return m;
+    if (isinf(m)) m = 0.0f;
+    float s = 0.0f;
+    for (int64_t j = 0; j < vocab; j++) s += expf(f32_from_bf16(z[j]) - m);
+    return logf(s) + m;
+}
+
+/* lse[r] = log Σ_j exp(z[r, j]) for rows [r0, r1) of z (rows `ld` values apart) */
+void ce_logsumexp(const uint16_t* z, int64_t ld, int64_t vocab, int64_t r0, int64_t r1, float* lse) {
+    for (int64_t r = r0; r < r1; r++) {
+        const uint16_t* row = z + r * ld;
+        float m = -INFINITY;
+        int special = 0;
+        int64_t j = 0;
+#ifdef __AVX512F__
+        __m512 mv = _mm512_set1_ps(-INFINITY);
+        const __m512i expo = _mm512_set1_epi32(0x7F800000);
+        __mmask16 nonfinite = 0;  /* lanes that saw an all-ones exponent: inf or NaN */
+        for (; j + 16 <= vocab; j += 16) {
+            __m512 x = load16(row + j);
+            mv = _mm512_max_ps(mv, x);
+            nonfinite |= _mm512_cmpeq_epi32_mask(_mm512_and_si512(_mm512_castps_si512(x), expo), expo);
+        }
+        m = _mm512_reduce_max_ps(mv);
+        special = nonfinite != 0;
+#endif
+        for (; j < vocab; j++) {
+            uint16_t h = row[j];
+            if ((h & 0x7F80u) == 0x7F80u) special = 1;
+            float x = f32_from_bf16(h);
+            if (x > m) m = x;
+        }
+        if (special) { lse[r] = lse_special(row, vocab); continue; }
+        float s = 0.0f;
+        j = 0;
+#ifdef __AVX512F__
+        /* four running sums of 16 lanes: 64 partial sums per row (accuracy, and four independent chains) */
+        __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0, mb = _mm512_set1_ps(m);
+        for (; j + 64 <= vocab; j += 64) {
+            s0 = _mm512_add_ps(s0, exp16(_mm512_sub_ps(load16(row + j), mb)));
+            s1 = _mm512_add_ps(s1, exp16(_mm512_sub_ps(load16(row + j + 16), mb)));
+            s2 = _mm512_add_ps(s2, exp16(_mm512_sub_ps(load16(row + j + 32), mb)));
+            s3 = _mm512_add_ps(s3, exp16(_mm512_sub_ps(load16(row + j + 48), mb)));
+        }
+        for (; j + 16 <= vocab; j += 16) s0 = _mm512_add_ps(s0, exp16(_mm512_sub_ps(load16(row + j), mb)));
+        s = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(s0, s1), _mm512_add_ps(s2, s3)));
+#endif
+        for (; j < vocab; j++) s += exp_nonpos(f32_from_bf16(row[j]) - m);
+        lse[r] = logf(s) + m;
+    }
+}
+
+/* out[r, j] = (exp(z[r, j] - lse[r]) - [j == target[r]]) * scale[r], rounded to bf16, rows [r0, r1);
+   target < 0: no one-hot (a row that does not count; its scale is 0) */
+void ce_softmax_grad(const uint16_t* z, int64_t ld, int64_t vocab, const float* lse, const int64_t* target,
+                     const float* scale, int64_t r0, int64_t r1, uint16_t* out, int64_t out_ld) {
+    for (int64_t r = r0; r < r1; r++) {
+        const uint16_t* row = z + r * ld;
+        uint16_t* o = out + r * out_ld;
+        float l = lse[r], sc = scale[r];
+        int64_t j = 0;
+        if (isfinite(l)) {
+#ifdef __AVX512F__
+            __m512 lb = _mm512_set1_ps(l), sb = _mm512_set1_ps(sc);
+            for (; j + 16 <= vocab; j += 16) {
+                __m512 x = _mm512_min_ps(_mm512_sub_ps(load16(row + j), lb), _mm512_setzero_ps());
+                store16(o + j, _mm512_mul_ps(exp16(x), sb));
+            }
+#endif
+            for (; j < vocab; j++) {
+                float x = f32_from_bf16(row[j]) - l;
+                o[j] = bf16_from_f32(exp_nonpos(x < 0.0f ? x : 0.0f) * sc);
+            }
+        } else {
+            for (; j < vocab; j++) o[j] = bf16_from_f32(expf(f32_from_bf16(row[j]) - l) * sc);
+        }
+        int64_t t = target[r];
+        if (t >= 0) {
+            float x = f32_from_bf16(row[t]) - l;
+            float p = isfinite(l) ? exp_nonpos(x < 0.0f ? x : 0.0f) : expf(x);
+            o[t] = bf16_from_f32((p - 1.0f) * sc);
+        }
+    }
+}
+"""
+
+
+class LossKernels:
+    """The compiled kernels, with rows split across threads."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        self._lse = lib.ce_logsumexp
+        self._lse.argtypes = [ptr, i64, i64, i64, i64, ptr]
+        self._lse.restype = None
+        self._grad = lib.ce_softmax_grad
+        self._grad.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, i64, ptr, i64]
+        self._grad.restype = None
+        self._threads = ThreadSplit("minigpt-loss")
+
+    @staticmethod
+    def fits(logits: Tensor) -> bool:
+        """Whether these kernels take these logits: bf16 (N, V) on CPU, each row contiguous."""
+        return (logits.dtype == torch.bfloat16 and logits.device.type == "cpu" and logits.dim() == 2
+                and logits.stride(1) == 1)
+
+    def logsumexp(self, logits: Tensor) -> Tensor:
+        """(N, V) bf16 -> (N,) fp32 log Σ_v exp(z_v) of each row."""
+        n, vocab = logits.shape
+        lse = torch.empty(n, dtype=torch.float32)
+        z, ld = logits.data_ptr(), logits.stride(0)
+        self._threads.run(n, vocab, lambda r0, r1: self._lse(z, ld, vocab, r0, r1, lse.data_ptr()),
+                          MIN_VALUES_PER_THREAD, CHUNK_VALUES)
+        return lse
+
+    def softmax_grad(self, logits: Tensor, lse: Tensor, targets: Tensor, row_scale: Tensor) -> Tensor:
+        """(N, V) bf16: (exp(z - lse) - one-hot(target)) · row_scale per row; a target < 0 has no one-hot."""
+        n, vocab = logits.shape
+        out = fresh_tensor((n, vocab), torch.bfloat16)
+        lse, targets = lse.contiguous().float(), targets.contiguous().long()
+        row_scale = row_scale.contiguous().float()
+        args = (logits.data_ptr(), logits.stride(0), vocab, lse.data_ptr(), targets.data_ptr(), row_scale.data_ptr())
+        self._threads.run(n, vocab, lambda r0, r1: self._grad(*args, r0, r1, out.data_ptr(), vocab),
+                          MIN_VALUES_PER_THREAD, CHUNK_VALUES)
+        return out
+
+
+_failed = False
+
+
+@lru_cache(maxsize=None)
+def _load() -> LossKernels | None:
+    global _failed
+    compiler = find_compiler()
+    if compiler is None:
+        _failed = True
+        return None
+    try:
+        return LossKernels(ctypes.CDLL(str(build_library("bf16_loss", _SOURCE, CFLAGS, compiler))))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        _failed = True
+        warnings.warn(f"minigpt: building the native loss kernels failed ({e}); using PyTorch ops")
+        return None
+
+
+def kernels() -> LossKernels | None:
+    """The native loss kernels, built on first use; None when disabled or unavailable."""
+    if _failed or os.environ.get(NATIVE_ENV, "1") == "0":
+        return None
+    return _load()
