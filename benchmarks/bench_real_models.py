@@ -2,7 +2,10 @@
 
 For each shape a random-weight bf16 checkpoint is written to a temporary folder (real_checkpoints.py),
 then each contender runs in its own subprocess (`python bench_real_models.py --contender ...`), so its
-peak RSS is its own:
+peak RSS is its own. At the 1B shape (PACED_SHAPES) both subprocesses stay alive and their timed steps
+alternate (each loads and takes its first step in turn, then waits for the parent's "step"), so a ratio of
+step times is measured under the same load; the 7B's contenders do not fit in memory together and run one
+after the other:
 - ours: load_base(folder, quantize=("all-linear", "nf4_per_group_64")) (every block Linear NF4 as it
   is read), then build_for_training(model, "qlora", ..., precision="fp32" | "bf16"): what
   `minituner finetune --method qlora --precision ...` builds;
@@ -57,7 +60,11 @@ LOAD_SPEED_GOAL_7B = 10.0  # bnb load_in_4bit seconds / ours
 STEP_GOAL_1B = 0.8  # our step / PEFT + bnb step, same compute dtype
 # shape -> (compute dtypes, timed steps after the first): the 7B runs bf16 only, one step (a step takes minutes;
 # with 0 the first step is the figure, warm-up costs included)
-PLAN = {"llama-3.2-1b": (("float32", "bfloat16"), 2), "llama-2-7b": (("bfloat16",), 1)}
+PLAN = {"llama-3.2-1b": (("float32", "bfloat16"), 4), "llama-2-7b": (("bfloat16",), 1)}
+# shapes whose contenders all fit in memory at once (1B: about 4 + 8 GiB at fp32): they run side by side, their
+# timed steps alternating (_run_paced); the 7B's (8 + 20 GiB) run one after another
+PACED_SHAPES = ("llama-3.2-1b",)
+PACED_WARM = 1  # untimed steps at the start of each turn: a process's first step after the other's ran slower
 # the 7B also runs ours without the heap trims of minituner.memory.heap and with glibc's mmap threshold pinned:
 # what the allocator's retained heap adds to the peak, and what each remedy costs
 SHAPE_CONTENDERS = {"llama-2-7b": ("ours", "peft_bnb", "ours_no_trims", "ours_mmap")}
@@ -122,8 +129,11 @@ def _build_peft_bnb(folder: str, dtype):
     return load, prepare, loss
 
 
-def measure(contender: str, folder: str, dtype_name: str, steps: int) -> dict:
-    """Load (timed, peak RSS), prepare, then 1 + `steps` optimizer steps (peak RSS over all of them)."""
+def measure(contender: str, folder: str, dtype_name: str, steps: int, paced: bool = False) -> dict:
+    """Load (timed, peak RSS), prepare, then 1 + `steps` optimizer steps (peak RSS over all of them).
+
+    paced: after the first step, print READY and take each further step when the parent writes "step" on stdin
+    (answering with its time), until "done": the parent alternates two contenders' steps (_run_paced)."""
     import torch
 
     dtype = getattr(torch, dtype_name)
@@ -160,19 +170,39 @@ def measure(contender: str, folder: str, dtype_name: str, steps: int) -> dict:
     gc.collect()
     rss_before_train = current_rss_mib()
     reset_peak_rss()
-    times, losses = [], []
-    for _ in range(1 + steps):
+    times, losses, warm_times = [], [], []
+    for _ in range(1 if paced else 1 + steps):
         t0 = time.perf_counter()
         losses.append(step())
         times.append(time.perf_counter() - t0)
+    if paced:
+        _say({"ready": True})
+        for command in iter(sys.stdin.readline, ""):
+            if command.strip() not in ("step", "warm"):
+                break
+            t0 = time.perf_counter()
+            losses.append(step())
+            if command.strip() == "step":
+                times.append(time.perf_counter() - t0)
+            else:
+                warm_times.append(time.perf_counter() - t0)
+            _say({"step_s": time.perf_counter() - t0})
     train_peak = peak_rss_mib()
     split_trained = _rss_split_mib()
     return {"rss_anon_file_loaded_mib": split_loaded, "rss_anon_file_trained_mib": split_trained,"contender": contender, "dtype": dtype_name, "load_s": load_s, "load_cpu_s": load_cpu_s,
             "prepare_s": prepare_s, "baseline_mib": baseline, "load_peak_mib": load_peak,
             "rss_loaded_mib": rss_loaded, "rss_before_train_mib": rss_before_train, "train_peak_mib": train_peak,
-            "first_step_s": times[0], "step_times": times[1:], "losses": losses, "peak_reset": reset_ok,
+            "first_step_s": times[0], "step_times": times[1:], "warm_step_times": warm_times, "losses": losses,
+            "peak_reset": reset_ok,
             "trainable_params": sum(p.numel() for p in trainable), "threads": torch.get_num_threads(),
             "loadavg_at_start": load_avg, "loadavg_at_end": os.getloadavg()[0], **facts}
+
+
+PACE = "@@bench "  # the prefix of a paced contender's protocol lines on stdout (libraries may print too)
+
+
+def _say(message: dict) -> None:
+    print(PACE + json.dumps(message), flush=True)
 
 
 def _rss_split_mib() -> list[float]:
@@ -203,6 +233,73 @@ def _run_contender(contender: str, folder: Path, dtype: str, steps: int) -> dict
     res = json.loads(out.stdout.strip().splitlines()[-1])
     res["wall_s"] = time.perf_counter() - t0
     return res
+
+
+def _run_paced(contenders: tuple[str, ...], folder: Path, dtype: str, steps: int) -> list[dict]:
+    """Every contender in its own live subprocess: each loads and takes its first step in turn (alone on the
+    machine but for the others' idle memory), then their timed steps alternate, the order rotating each round, so
+    that load from other processes falls on both sides alike. Each returns measure()'s result."""
+    procs: dict[str, subprocess.Popen] = {}
+    started: dict[str, float] = {}
+    errors: dict[str, dict] = {}
+    logs: dict[str, tempfile.SpooledTemporaryFile] = {}
+
+    def read(name: str) -> dict | None:  # the next protocol line of `name`; None when it ended
+        for line in iter(procs[name].stdout.readline, ""):
+            if line.startswith(PACE):
+                return json.loads(line[len(PACE):])
+        return None
+
+    def fail(name: str) -> None:
+        procs[name].wait(timeout=600)
+        logs[name].seek(0)
+        err = logs[name].read().decode(errors="replace")
+        _log(f"[bench]   {name} {dtype} failed:\n{err[-3000:]}")
+        errors[name] = {"contender": name, "dtype": dtype, "error": (err.strip().splitlines() or ["?"])[-1]}
+
+    try:
+        for name in contenders:
+            cmd = [sys.executable, str(Path(__file__).resolve()), "--contender", name, "--folder", str(folder),
+                   "--dtype", dtype, "--steps", str(steps), "--paced"]
+            logs[name] = tempfile.TemporaryFile()
+            started[name] = time.perf_counter()
+            procs[name] = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=logs[name],
+                                           text=True, env={**os.environ, **CONTENDER_ENV.get(name, {})})
+            if read(name) is None:
+                fail(name)
+        live = [n for n in contenders if n not in errors]
+        for i in range(steps):
+            for name in live[i % len(live):] + live[:i % len(live)]:
+                if name in errors:
+                    continue
+                for command in ("warm",) * PACED_WARM + ("step",):  # its turn: untimed steps first, then one timed
+                    if name not in errors:
+                        procs[name].stdin.write(command + "\n")
+                        procs[name].stdin.flush()
+                        if read(name) is None:
+                            fail(name)
+        results = []
+        for name in contenders:
+            if name in errors:
+                results.append(errors[name])
+                continue
+            procs[name].stdin.write("done\n")
+            procs[name].stdin.close()
+            last = procs[name].stdout.read().strip().splitlines()
+            if procs[name].wait(timeout=600) != 0 or not last:
+                fail(name)
+                results.append(errors[name])
+                continue
+            res = json.loads(last[-1])
+            res["wall_s"] = time.perf_counter() - started[name]
+            results.append(res)
+        return results
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+        for log in logs.values():
+            log.close()
 
 
 def _planner(folder: Path) -> dict:
@@ -266,8 +363,15 @@ def run(quick: bool = False, plan: dict | None = None, contenders: tuple[str, ..
             planner[shape] = _planner(folder)
             results[shape] = []
             for dtype in dtypes:
-                # ours first, then theirs; the machine's load is logged beside each
-                for contender in contenders or SHAPE_CONTENDERS.get(shape, DEFAULT_CONTENDERS):
+                names = contenders or SHAPE_CONTENDERS.get(shape, DEFAULT_CONTENDERS)
+                if shape in PACED_SHAPES:  # side by side, their timed steps alternating
+                    _log(f"[bench]   real_models: {shape} {', '.join(names)} {dtype}, steps alternating (load "
+                         f"average {os.getloadavg()[0]:.1f})")
+                    for res in _run_paced(tuple(names), folder, dtype, steps):
+                        results[shape].append({"shape": shape, "paced": True, **res})
+                        _log(f"[bench]   -> {json.dumps(results[shape][-1])}")
+                    continue
+                for contender in names:  # one after another; the machine's load is logged beside each
                     _log(f"[bench]   real_models: {shape} {contender} {dtype} (load average {os.getloadavg()[0]:.1f})")
                     results[shape].append({"shape": shape, **_run_contender(contender, folder, dtype, steps)})
                     _log(f"[bench]   -> {json.dumps(results[shape][-1])}")
@@ -323,7 +427,9 @@ def section(results: dict[str, list[dict]], planner: dict, written: dict, plan: 
         f"CPU: {cpu_summary()}. Random-weight bf16 checkpoints of real shapes (config.json and tensor names "
         "of Llama-3.2-1B: 16 layers, d_model 2048, 32/8 heads, vocab 128,256, tied; Llama-2-7B: 32 layers, "
         "d_model 4096, vocab 32,000), written to a temporary folder and deleted after. Each contender runs "
-        "in its own subprocess. Load: ours is `load_base(folder, quantize=(\"all-linear\", "
+        "in its own subprocess; at the 1B shape both stay alive and, after each has loaded and taken its first "
+        "step in turn, their timed steps alternate (the order rotating each round), so both see the same load "
+        "from other processes; the 7B's do not fit in memory together and run one after the other. Load: ours is `load_base(folder, quantize=(\"all-linear\", "
         f"\"{SCHEME}\"))` (each block Linear quantized to NF4 as it is read); theirs is `AutoModelForCausalLM."
         "from_pretrained(folder, quantization_config=BitsAndBytesConfig(load_in_4bit=True, "
         "bnb_4bit_quant_type=\"nf4\", bnb_4bit_compute_dtype=X), device_map=\"cpu\", dtype=X)`. Training: "
@@ -426,8 +532,9 @@ def section(results: dict[str, list[dict]], planner: dict, written: dict, plan: 
                     f"1B QLoRA step ({DTYPES[dtype]}): ours / PEFT + bitsandbytes", r["step"] / t["step"],
                     STEP_GOAL_1B, False,
                     f"ours {_fmt_s(r['step'])}, theirs {_fmt_s(t['step'])} "
-                    f"({len(r['step_times'])} vs {len(t['step_times'])} timed steps, after one untimed); load "
-                    f"average {r['loadavg_at_start']:.1f} / {t['loadavg_at_start']:.1f} when each started. "
+                    f"({len(r['step_times'])} vs {len(t['step_times'])} timed steps after one untimed"
+                    + (", the two processes' steps alternating" if r.get("paced") and t.get("paced") else "")
+                    + f"); load average {r['loadavg_at_start']:.1f} / {t['loadavg_at_start']:.1f} when each started. "
                     + f"Both run the same {DTYPES[dtype]} products on NF4 weights dequantized per call, which take "
                     "most of the step at this shape (the bf16 section times the products of the step alone), so a "
                     "lead of 20% needs fewer or cheaper products, not less overhead"))
@@ -492,6 +599,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--folder")
     parser.add_argument("--dtype", choices=list(DTYPES), default="float32")
     parser.add_argument("--steps", type=int, default=-1, help="timed steps after the first (-1: the plan's)")
+    parser.add_argument("--paced", action="store_true", help="subprocess mode: timed steps on 'step' lines from stdin")
     parser.add_argument("--shapes", help=f"section mode: comma-separated of {list(PLAN)}")
     parser.add_argument("--dtypes", help="section mode: override the compute dtypes (comma-separated)")
     parser.add_argument("--out", type=Path, help="section mode: write a Markdown report here")
@@ -500,7 +608,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--from-logs", type=Path, nargs="+", help="render the section from earlier runs' stderr")
     args = parser.parse_args(argv)
     if args.contender:
-        print(json.dumps(measure(args.contender, args.folder, args.dtype, max(0, args.steps))))  # -1 -> 0
+        print(json.dumps(measure(args.contender, args.folder, args.dtype, max(0, args.steps), args.paced)))  # -1 -> 0
         return 0
     from minigpt.io import atomic_write_text
     from report import render
