@@ -27,7 +27,7 @@ from functools import lru_cache
 import torch
 from torch import Tensor
 
-from .native_build import NATIVE_ENV, ThreadSplit, build_library, find_compiler, fresh_tensor
+from minikernels.build import NATIVE_ENV, ThreadSplit, build_library, find_compiler, fresh_tensor
 
 CFLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-ffp-contract=off", "-fno-fast-math", "-std=gnu11"]
 MIN_VALUES_PER_THREAD = 1 << 18  # fewer logits stay on the calling thread (handing work over costs ~50 µs)

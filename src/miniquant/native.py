@@ -9,7 +9,7 @@ and the code is the number of the 15 midpoints strictly below it. Dequantization
 in float32, then a round-to-nearest-even cast. No fast-math flags: float results are IEEE-exact.
 
 Building, caching (under $MINIQUANT_CACHE, keyed by the source, the flags, the compiler and the CPU's feature
-flags: it is built with -march=native) and the threads are ``minigpt.native_build``'s.
+flags: it is built with -march=native) and the threads are ``minikernels.build``'s.
 Quantization splits its blocks across `torch.get_num_threads()` Python threads (ctypes releases the GIL
 during a call), and so does dequantization into an existing buffer (the layers' shared workspace);
 dequantization into a fresh tensor runs on the calling thread.
@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from minigpt.native_build import CACHE_ENV, NATIVE_ENV, ThreadSplit, build_library, find_compiler
+from minikernels.build import CACHE_ENV, NATIVE_ENV, ThreadSplit, build_library, find_compiler
 
 MIN_VALUES_PER_THREAD = 1 << 21  # smaller calls stay on the calling thread (handing work over costs ~50 µs)
 MIN_VALUES_PER_THREAD_WARM = 1 << 18  # the same, dequantizing into an existing (already touched) buffer

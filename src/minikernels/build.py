@@ -1,7 +1,7 @@
 """Small C kernels: compiled on first use with the system C compiler, cached, loaded with ctypes, run on threads.
 
-    path = build_library("nf4", SOURCE, CFLAGS)       # None: no compiler; raises RuntimeError if the build fails
-    lib = ctypes.CDLL(str(path))
+    cc = find_compiler()                              # None: no compiler (callers then use PyTorch ops)
+    lib = ctypes.CDLL(str(build_library("nf4", SOURCE, CFLAGS, cc)))   # RuntimeError if the build fails
     split = ThreadSplit("miniquant")                   # a pool shared by every call of one kernel family
     split.run(blocks, values_per_block, lambda b0, b1: lib.kernel(..., b0, b1), min_values)
 
