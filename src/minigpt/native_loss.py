@@ -20,14 +20,12 @@ from __future__ import annotations
 
 import ctypes
 import os
-import subprocess
-import warnings
 from functools import lru_cache
 
 import torch
 from torch import Tensor
 
-from minikernels.build import NATIVE_ENV, ThreadSplit, build_library, find_compiler, fresh_tensor
+from minikernels.build import NATIVE_ENV, ThreadSplit, fresh_tensor, load_library
 
 CFLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-ffp-contract=off", "-fno-fast-math", "-std=gnu11"]
 MIN_VALUES_PER_THREAD = 1 << 18  # fewer logits stay on the calling thread (handing work over costs ~50 µs)
@@ -244,26 +242,12 @@ class LossKernels:
         return out
 
 
-_failed = False
-
-
 @lru_cache(maxsize=None)
 def _load() -> LossKernels | None:
-    global _failed
-    compiler = find_compiler()
-    if compiler is None:
-        _failed = True
-        return None
-    try:
-        return LossKernels(ctypes.CDLL(str(build_library("bf16_loss", _SOURCE, CFLAGS, compiler))))
-    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-        _failed = True
-        warnings.warn(f"minigpt: building the native loss kernels failed ({e}); using PyTorch ops")
-        return None
+    lib = load_library("bf16_loss", _SOURCE, CFLAGS, "minigpt's native loss kernels")
+    return None if lib is None else LossKernels(lib)
 
 
 def kernels() -> LossKernels | None:
-    """The native loss kernels, built on first use; None when disabled or unavailable."""
-    if _failed or os.environ.get(NATIVE_ENV, "1") == "0":
-        return None
-    return _load()
+    """The native loss kernels, built on first use; None when disabled (MINIQUANT_NATIVE=0) or unavailable."""
+    return None if os.environ.get(NATIVE_ENV, "1") == "0" else _load()

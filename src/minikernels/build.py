@@ -1,7 +1,6 @@
 """Small C kernels: compiled on first use with the system C compiler, cached, loaded with ctypes, run on threads.
 
-    cc = find_compiler()                              # None: no compiler (callers then use PyTorch ops)
-    lib = ctypes.CDLL(str(build_library("nf4", SOURCE, CFLAGS, cc)))   # RuntimeError if the build fails
+    lib = load_library("nf4", SOURCE, CFLAGS, "miniquant's NF4 kernels")  # None: no compiler or a failed build
     split = ThreadSplit("miniquant")                   # a pool shared by every call of one kernel family
     split.run(blocks, values_per_block, lambda b0, b1: lib.kernel(..., b0, b1), min_values)
 
@@ -22,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
 from pathlib import Path
@@ -101,6 +101,19 @@ def build_library(name: str, source: str, cflags: list[str], compiler: str) -> P
             raise RuntimeError(result.stderr.strip().splitlines()[-1] if result.stderr.strip() else "compiler failed")
         os.replace(out, target)  # atomic: concurrent builders leave one complete file
     return target
+
+
+def load_library(name: str, source: str, cflags: list[str], what: str) -> ctypes.CDLL | None:
+    """build_library with the system compiler, loaded; None when there is none or the build fails (a warning
+    naming `what` says why): the caller then runs its PyTorch ops."""
+    compiler = find_compiler()
+    if compiler is None:
+        return None
+    try:
+        return ctypes.CDLL(str(build_library(name, source, cflags, compiler)))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        warnings.warn(f"building {what} failed ({e}); using PyTorch ops instead")
+        return None
 
 
 class ThreadSplit:

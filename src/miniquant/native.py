@@ -20,15 +20,13 @@ from __future__ import annotations
 
 import ctypes
 import os
-import subprocess
-import warnings
 from functools import lru_cache
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
-from minikernels.build import CACHE_ENV, NATIVE_ENV, ThreadSplit, build_library, find_compiler
+from minikernels.build import CACHE_ENV, NATIVE_ENV, ThreadSplit, build_library, load_library  # noqa: F401 (CACHE_ENV: bench_nf4)
 
 MIN_VALUES_PER_THREAD = 1 << 21  # smaller calls stay on the calling thread (handing work over costs ~50 µs)
 MIN_VALUES_PER_THREAD_WARM = 1 << 18  # the same, dequantizing into an existing (already touched) buffer
@@ -327,26 +325,14 @@ class NativeKernels:
         return out
 
 
-_failed = False
-
-
 def native_enabled() -> bool:
-    return not _failed and os.environ.get(NATIVE_ENV, "1") != "0"
+    return os.environ.get(NATIVE_ENV, "1") != "0"
 
 
 @lru_cache(maxsize=None)
 def _load() -> NativeKernels | None:
-    global _failed
-    compiler = find_compiler()
-    if compiler is None:
-        _failed = True
-        return None
-    try:
-        return NativeKernels(ctypes.CDLL(str(_build(compiler))))
-    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-        _failed = True
-        warnings.warn(f"miniquant: building the native NF4 kernels failed ({e}); using the eager PyTorch path")
-        return None
+    lib = load_library("nf4", _SOURCE, CFLAGS, "miniquant's native NF4 kernels")
+    return None if lib is None else NativeKernels(lib)
 
 
 def kernels() -> NativeKernels | None:
