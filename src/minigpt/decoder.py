@@ -20,15 +20,18 @@ layer's input (and the rotary cos/sin it is called with) and the backward recomp
 Generation passes a ``minigpt.kv_cache.KVCache`` (``model(ids, cache=cache)``): each layer stores its keys
 and values (after RoPE, at their num_key_value_heads), and the next call's tokens continue at the positions stored.
 
-Grouped-query attention hands the kv heads to ``F.scaled_dot_product_attention(..., enable_gqa=True)``
-(torch 2.5 on; SDPA_GQA): the kernel reads each K/V head for its group of query heads, so k and v are never
-repeated to n_head heads (on a 2-core CPU at Llama-3.2-1B's shape, 39 against 43 ms for one layer's attention
-forward and backward, and the saved k and v are n_head / n_kv_head times smaller). Older torch repeats them.
+Grouped-query attention on CPU hands the kv heads to ``F.scaled_dot_product_attention(..., enable_gqa=True)``
+where PyTorch's fused CPU kernel takes them (``cpu_flash_takes_gqa``, asked once: torch 2.9 on): the kernel
+reads each K/V head for its group of query heads, so k and v are never repeated to n_head heads (on a 2-core
+CPU at Llama-3.2-1B's shape, 39 against 43 ms for one layer's attention forward and backward, and the saved k
+and v are n_head / n_kv_head times smaller). Elsewhere, and on CUDA (whose memory-efficient kernel does not
+take enable_gqa, so SDPA would fall back to its h·T² math path), k and v are repeated first.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
+from functools import lru_cache
 
 import torch
 import torch.nn as nn
@@ -39,8 +42,19 @@ from .errors import InputError, check_known_fields
 from .kv_cache import KVCache, LayerKV, attention_mask
 from .sampling import generate
 
-# SDPA's enable_gqa (torch 2.5 on): K/V heads read in groups instead of repeated to n_head heads
-SDPA_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)
+
+
+@lru_cache(maxsize=None)
+def cpu_flash_takes_gqa() -> bool:
+    """Whether SDPA on CPU runs grouped K/V heads (enable_gqa=True) through its fused flash kernel: asked once
+    with a tiny call. False on torch before 2.5 (no enable_gqa) and where that call would take the math path."""
+    q = torch.zeros(1, 2, 2, 8, requires_grad=True)
+    kv = torch.zeros(1, 1, 2, 8)
+    try:
+        y = F.scaled_dot_product_attention(q, kv, kv, is_causal=True, enable_gqa=True)
+    except (TypeError, RuntimeError):
+        return False
+    return "flash" in type(y.grad_fn).__name__.lower()
 
 
 NORMS = ("rmsnorm", "layernorm")
@@ -197,7 +211,7 @@ class Attention(nn.Module):
             k, v = kv.update(k, v)  # (B, kv, start + T, hd)
         gqa = {}
         if self.n_kv_head != self.n_head:  # each K/V head serves n_head / n_kv_head query heads
-            if SDPA_GQA:
+            if x.device.type == "cpu" and cpu_flash_takes_gqa():
                 gqa = {"enable_gqa": True}  # the kernel reads k, v (B, kv, start + T, hd) per group
             else:
                 rep = self.n_head // self.n_kv_head

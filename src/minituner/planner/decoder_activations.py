@@ -38,10 +38,10 @@ the LoRA factors (``lora_copy_bytes``: 0, or 2 under bf16 compute), the terms ar
   (fp32): on CPU ``F.scaled_dot_product_attention`` without dropout runs the fused flash kernel, which
   keeps its inputs, its output and one logsumexp per query and head, never the h·T² scores. Its inputs
   are the rotated q (a new tensor) and the rotated k and v (v a view of v_proj's output). Under
-  grouped-query attention k and v stay at num_key_value_heads (kv·d wide: ``enable_gqa``, torch 2.5 on,
-  ``minigpt.decoder.SDPA_GQA``), so the term is N·(h + 2·kv)·d·e; older torch repeats them to h heads with
-  ``repeat_interleave`` first (3·N·h·d·e: its own backward saves nothing, and the narrower k/v before it
-  are not kept). The output is laid out (B, T, h, d), so o_proj's input is a view of it.
+  grouped-query attention k and v stay at num_key_value_heads (kv·d wide: ``enable_gqa``, where the CPU
+  flash kernel takes it, ``minigpt.decoder.cpu_flash_takes_gqa``: torch 2.9 on), so the term is
+  N·(h + 2·kv)·d·e; otherwise the decoder repeats them to h heads with ``repeat_interleave`` first
+  (3·N·h·d·e: its own backward saves nothing, and the narrower k/v before it are not kept). The output is laid out (B, T, h, d), so o_proj's input is a view of it.
 - ``attention mask`` T·T·e per sliding-window layer when T exceeds the window (Mistral, Qwen2 with
   use_sliding_window): the boolean (T, T) mask is converted to the query's dtype and kept by the kernel.
 - ``silu input`` N·F·e (gate_proj's output), ``silu output`` N·F·e and ``up output`` N·F·e: SwiGLU's
@@ -64,7 +64,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable
 
-from minigpt.decoder import SDPA_GQA
+from minigpt.decoder import cpu_flash_takes_gqa
 from minigpt.errors import InputError
 
 from .activations import EXACT_FAMILIES as MINIGPT_FAMILIES
@@ -101,8 +101,8 @@ def decoder_saved_by_layer(shape: ModelShape, batch_size: int, seq_len: int, reg
     N, T, C, F, e = batch_size * seq_len, seq_len, shape.d_model, shape.d_ff, act_bytes
     s = stream_bytes or act_bytes
     linears = {lin.path: lin for lin in shape.linears}
-    A = shape.n_head * shape.head_dim  # attention width: q (and k/v repeated to h heads without SDPA_GQA)
-    KV = (shape.n_kv_head if SDPA_GQA else shape.n_head) * shape.head_dim  # k and v as attention keeps them
+    A = shape.n_head * shape.head_dim  # attention width: q (and k/v repeated to h heads without enable_gqa)
+    KV = (shape.n_kv_head if cpu_flash_takes_gqa() else shape.n_head) * shape.head_dim  # k, v as attention keeps them
     embed: Counter[str] = Counter()
     head: Counter[str] = Counter()
     blocks: list[dict[str, int]] = []

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from minigpt.decoder import SDPA_GQA, Decoder, DecoderConfig
+from minigpt.decoder import Decoder, DecoderConfig, cpu_flash_takes_gqa
 from minigpt.io import write_json
 from minituner.cli import main
 from minituner.memory.check import BUCKETS, CheckConfig, memory_check
@@ -66,12 +66,12 @@ def test_bf16_buckets_are_exact(name, grad_checkpoint):
 
 
 def test_terms_follow_the_forward():
-    """A few terms by hand: GQA's k/v are saved at their kv heads (enable_gqa; repeated to h heads before torch
-    2.5), the mask only past the window."""
+    """A few terms by hand: GQA's k/v are saved at their kv heads (enable_gqa where the CPU flash kernel takes
+    it; else repeated to h heads), the mask only past the window."""
     cfg = decoder("mistral window head_dim")  # 4 query heads of 16, 1 K/V head, window 4 on layer 1
     shape, N, e = decoder_shape(cfg), 3 * 8, 4
     saved = decoder_saved_by_layer(shape, 3, 8, "lora", 2, "all-linear")
-    kv_heads = 1 if SDPA_GQA else 4
+    kv_heads = 1 if cpu_flash_takes_gqa() else 4
     assert saved.blocks[0]["attention q, k, v"] == N * (4 + 2 * kv_heads) * 16 * e
     assert "attention mask" not in saved.blocks[0] and saved.blocks[1]["attention mask"] == 8 * 8 * e
     assert "attention mask" not in decoder_saved_by_layer(shape, 3, 4, "lora", 2).blocks[1]  # T <= window
