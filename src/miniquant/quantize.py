@@ -77,8 +77,8 @@ def _buffer_shapes(scheme: QuantScheme, out_features: int, in_features: int) -> 
 def _nf4_surely_finite(absmax: Tensor, dtype: torch.dtype) -> bool:
     """True when every NF4 value code x absmax is finite in dtype: |code| <= 1, so finite scales no larger
     than dtype's largest value are enough. False means "look at the values" (it does not mean non-finite)."""
-    peak = float(absmax.abs().max())  # NaN if any is NaN
-    return math.isfinite(peak) and peak <= torch.finfo(dtype).max
+    low, high = (float(v) for v in torch.aminmax(absmax))  # one pass, nothing allocated; NaN if any is NaN
+    return math.isfinite(low) and math.isfinite(high) and max(-low, high) <= torch.finfo(dtype).max
 
 
 class _Workspace(threading.local):
@@ -196,11 +196,7 @@ class QuantizedLinear(nn.Module):
         if s.kind == "nf4":
             out = _workspace.get(shape.numel(), dtype, qtensors[0].device) if transient else None
             w = dequantize_nf4(NF4Tensor(qtensors[0], qtensors[1], shape, self.weight_dtype, s.group_size), dtype, out)
-            # one look at the scales instead of a pass over w, and none while they are the same, unchanged tensor
-            # (an in-place write bumps its version): the frozen scales are read twice a step, every step
-            seen = (id(qtensors[1]), qtensors[1].data_ptr(), qtensors[1]._version, dtype)
-            if getattr(self, "_finite_scales", None) == seen or _nf4_surely_finite(qtensors[1], dtype):
-                self._finite_scales = seen
+            if _nf4_surely_finite(qtensors[1], dtype):  # one look at the scales (out·in/64) instead of a pass over w
                 return w
         else:
             bits = 8 if s.kind == "int8" else 4

@@ -156,15 +156,21 @@ def test_non_finite_dequantized_weight_is_caught():
         q(torch.randn(2, 64))
 
 
-def test_scales_written_after_a_checked_forward_are_checked_again():
-    """The scales' finiteness is remembered per tensor version: an in-place write after a good call is seen."""
+@pytest.mark.parametrize("write", ["in place", "through .data"])
+def test_scales_written_after_a_good_forward_are_seen(write):
+    """The scales are looked at on every dequantization: a NaN written after a good call is caught, however written."""
     q = QuantizedLinear.from_linear(make_linear(), "nf4_per_group_64")
     x = torch.randn(2, 64)
-    good = q(x)
-    assert torch.equal(q(x), good)  # the remembered check changes nothing
-    q.weight_absmax[3] = float("nan")
+    q(x)
+    (q.weight_absmax if write == "in place" else q.weight_absmax.data)[3] = float("nan")
     with pytest.raises(ValueError, match="NaN/Inf"):
         q(x)
+
+
+def test_layer_built_and_run_under_inference_mode():
+    with torch.inference_mode():
+        q = QuantizedLinear.from_linear(make_linear(), "nf4_per_group_64")
+        assert torch.isfinite(q(torch.randn(2, 64))).all() and q.dequantize().shape == (48, 64)
 
 
 def test_fp16_overflow_is_caught():
