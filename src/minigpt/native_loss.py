@@ -12,9 +12,11 @@ tensor and no fp32 chunk in memory, where the PyTorch path makes and reads sever
 
 exp is computed as Cephes' expf does (x = n·ln2 + r with |r| <= ln2/2, a degree-7 polynomial in r, times
 2^n), to about 1 unit in the last place of fp32, on AVX-512 16 values at a time and in plain C for the rest
-(the same operations, no fused multiply-add: -ffp-contract=off, so both give the same bits). A row with
-an infinite or NaN logit goes through libm's expf and logf with PyTorch's logsumexp rule (the maximum taken
-as 0 when it is infinite), so such rows give PyTorch's inf and NaN.
+(the same operations, no fused multiply-add: -ffp-contract=off, so both give the same bits); -inf logits
+(masked tokens) are exact zeros in the sum. A row with a NaN or +inf logit, or only -inf, goes through libm's
+expf and logf with PyTorch's logsumexp rule (the maximum taken as 0 when it is infinite), so such rows give
+PyTorch's NaN, inf and -inf. The kernels are used only where they were built with AVX-512 (``ce_vectorized``):
+a plain-C row sum is one sequential chain, slower than PyTorch's ops and less accurate over 128K values.
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ from torch import Tensor
 from minikernels.build import NATIVE_ENV, ThreadSplit, fresh_tensor, load_library
 
 CFLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-ffp-contract=off", "-fno-fast-math", "-std=gnu11"]
+LIBS = ["-lm"]  # expf, logf
 MIN_VALUES_PER_THREAD = 1 << 18  # fewer logits stay on the calling thread (handing work over costs ~50 µs)
 CHUNK_VALUES = 1 << 18  # threads take rows in chunks of about this many values, as they get free
 
@@ -38,6 +41,16 @@ _SOURCE = r"""
 #ifdef __AVX512F__
 #include <immintrin.h>
 #endif
+
+/* 1 when built with AVX-512 (the 16-lane loops below); without it the kernels are not used: a plain-C row
+   sum is one sequential chain, slower than PyTorch's ops and less accurate at a 128K-token row */
+int ce_vectorized(void) {
+#ifdef __AVX512F__
+    return 1;
+#else
+    return 0;
+#endif
+}
 
 static inline float f32_from_bf16(uint16_t h) { uint32_t u = (uint32_t)h << 16; float f; memcpy(&f, &u, 4); return f; }
 
@@ -131,23 +144,26 @@ void ce_logsumexp(const uint16_t* z, int64_t ld, int64_t vocab, int64_t r0, int6
         int64_t j = 0;
 #ifdef __AVX512F__
         __m512 mv = _mm512_set1_ps(-INFINITY);
-        const __m512i expo = _mm512_set1_epi32(0x7F800000);
-        __mmask16 nonfinite = 0;  /* lanes that saw an all-ones exponent: inf or NaN */
+        const __m512i magnitude = _mm512_set1_epi32(0x7FFFFFFF), inf = _mm512_set1_epi32(0x7F800000);
+        const __m512i minus_inf = _mm512_set1_epi32((int)0xFF800000u);
+        __mmask16 seen = 0;  /* lanes that saw NaN or +inf (-inf is an ordinary 0 in the sum) */
         for (; j + 16 <= vocab; j += 16) {
             __m512 x = load16(row + j);
+            __m512i u = _mm512_castps_si512(x);
             mv = _mm512_max_ps(mv, x);
-            nonfinite |= _mm512_cmpeq_epi32_mask(_mm512_and_si512(_mm512_castps_si512(x), expo), expo);
+            seen |= _mm512_mask_cmpneq_epi32_mask(_mm512_cmpge_epu32_mask(_mm512_and_si512(u, magnitude), inf),
+                                                  u, minus_inf);
         }
         m = _mm512_reduce_max_ps(mv);
-        special = nonfinite != 0;
+        special = seen != 0;
 #endif
         for (; j < vocab; j++) {
             uint16_t h = row[j];
-            if ((h & 0x7F80u) == 0x7F80u) special = 1;
+            if ((h & 0x7FFFu) >= 0x7F80u && h != 0xFF80u) special = 1;  /* NaN or +inf */
             float x = f32_from_bf16(h);
             if (x > m) m = x;
         }
-        if (special) { lse[r] = lse_special(row, vocab); continue; }
+        if (special || m == -INFINITY) { lse[r] = lse_special(row, vocab); continue; }  /* torch's inf, NaN, -inf */
         float s = 0.0f;
         j = 0;
 #ifdef __AVX512F__
@@ -233,6 +249,11 @@ class LossKernels:
     def softmax_grad(self, logits: Tensor, lse: Tensor, targets: Tensor, row_scale: Tensor) -> Tensor:
         """(N, V) bf16: (exp(z - lse) - one-hot(target)) · row_scale per row; a target < 0 has no one-hot."""
         n, vocab = logits.shape
+        if not (lse.numel() == targets.numel() == row_scale.numel() == n):
+            raise ValueError(f"{n} rows need {n} lse, targets and scales, got {lse.numel()}, {targets.numel()}, "
+                             f"{row_scale.numel()}")
+        if n and int(targets.max()) >= vocab:  # the kernel writes at each target: never past a row
+            raise ValueError(f"target {int(targets.max())} is out of range for {vocab} logits")
         out = fresh_tensor((n, vocab), torch.bfloat16)
         lse, targets = lse.contiguous().float(), targets.contiguous().long()
         row_scale = row_scale.contiguous().float()
@@ -244,8 +265,12 @@ class LossKernels:
 
 @lru_cache(maxsize=None)
 def _load() -> LossKernels | None:
-    lib = load_library("bf16_loss", _SOURCE, CFLAGS, "minigpt's native loss kernels")
-    return None if lib is None else LossKernels(lib)
+    return _usable(load_library("bf16_loss", _SOURCE, CFLAGS, "minigpt's native loss kernels", LIBS))
+
+
+def _usable(lib: ctypes.CDLL | None) -> LossKernels | None:
+    """The kernels of a built library, or None when there is none or it was built without AVX-512."""
+    return None if lib is None or not lib.ce_vectorized() else LossKernels(lib)
 
 
 def kernels() -> LossKernels | None:

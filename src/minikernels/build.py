@@ -22,7 +22,7 @@ import sys
 import tempfile
 import threading
 import warnings
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from functools import lru_cache
 from pathlib import Path
 from typing import Callable
@@ -84,10 +84,13 @@ def cpu_flags() -> str:
     return platform.processor()
 
 
-def build_library(name: str, source: str, cflags: list[str], compiler: str) -> Path:
-    """The shared library of `source` compiled with `cflags` (cached); RuntimeError with the compiler's last line."""
+def build_library(name: str, source: str, cflags: list[str], compiler: str, libs: tuple[str, ...] | list[str] = ()
+                  ) -> Path:
+    """The shared library of `source` compiled with `cflags` and linked with `libs` (after the source, e.g. -lm;
+    cached); RuntimeError with the compiler's last line."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
-    key = hashlib.sha256("\n".join([source, " ".join(cflags), version, cpu_flags(), platform.machine()]).encode())
+    key = hashlib.sha256("\n".join([source, " ".join(cflags), " ".join(libs), version, cpu_flags(),
+                                     platform.machine()]).encode())
     target = cache_dir() / f"{name}_{key.hexdigest()[:16]}.so"
     if target.exists():
         return target
@@ -95,7 +98,7 @@ def build_library(name: str, source: str, cflags: list[str], compiler: str) -> P
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         src, out = Path(tmp) / f"{name}.c", Path(tmp) / f"{name}.so"
         src.write_text(source)
-        result = subprocess.run([compiler, *cflags, str(src), "-o", str(out)], capture_output=True, text=True,
+        result = subprocess.run([compiler, *cflags, str(src), *libs, "-o", str(out)], capture_output=True, text=True,
                                 timeout=300)
         if result.returncode != 0:
             raise RuntimeError(result.stderr.strip().splitlines()[-1] if result.stderr.strip() else "compiler failed")
@@ -103,14 +106,15 @@ def build_library(name: str, source: str, cflags: list[str], compiler: str) -> P
     return target
 
 
-def load_library(name: str, source: str, cflags: list[str], what: str) -> ctypes.CDLL | None:
+def load_library(name: str, source: str, cflags: list[str], what: str, libs: tuple[str, ...] | list[str] = ()
+                 ) -> ctypes.CDLL | None:
     """build_library with the system compiler, loaded; None when there is none or the build fails (a warning
     naming `what` says why): the caller then runs its PyTorch ops."""
     compiler = find_compiler()
     if compiler is None:
         return None
     try:
-        return ctypes.CDLL(str(build_library(name, source, cflags, compiler)))
+        return ctypes.CDLL(str(build_library(name, source, cflags, compiler, libs)))
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         warnings.warn(f"building {what} failed ({e}); using PyTorch ops instead")
         return None
@@ -148,14 +152,23 @@ class ThreadSplit:
         chunks = min(units, max(threads, values // chunk_values))
         bounds = [units * c // chunks for c in range(chunks + 1)]
         counter = itertools.count()  # next() is atomic under the GIL
+        stop = threading.Event()
 
         def worker() -> None:
             for c in iter(lambda: next(counter), None):
-                if c >= chunks:
+                if c >= chunks or stop.is_set():
                     return
-                call(bounds[c], bounds[c + 1])
+                try:
+                    call(bounds[c], bounds[c + 1])
+                except BaseException:
+                    stop.set()  # one error ends the call: the other threads take no further chunk
+                    raise
 
         futures = [pool.submit(worker) for _ in range(threads - 1)]
-        worker()
+        try:
+            worker()
+        finally:  # however this thread leaves (an error, KeyboardInterrupt), no kernel may outlive the call:
+            stop.set()  # the caller frees the tensors they write
+            wait(futures)
         for f in futures:
-            f.result()
+            f.result()  # a worker's error

@@ -1,4 +1,5 @@
 """minigpt.native_loss: the bf16 cross-entropy kernels against PyTorch's fp32 arithmetic on the same values."""
+import ctypes
 import os
 import subprocess
 import sys
@@ -49,20 +50,50 @@ def test_a_large_vocabulary_row_sums_accurately():
 
 
 @needs_kernels
-def test_rows_with_inf_or_nan_follow_torch():
-    z = _logits(5, 40)
+@pytest.mark.parametrize("vocab", [40, 1000])  # within the 16-wide loop's tail, and across whole 64-value steps
+def test_rows_with_inf_or_nan_follow_torch(vocab):
+    z = _logits(6, vocab)
     z[0, 3] = float("inf")
     z[1, 5] = float("nan")
     z[2] = float("-inf")
-    z[3, 0] = float("-inf")  # one -inf in a finite row: exp gives 0 there
-    z[4, 39] = float("inf")  # in the scalar tail of the 16-wide loop
-    torch.testing.assert_close(kernels.logsumexp(z), torch.logsumexp(z.float(), -1), equal_nan=True)
+    z[3, :: 7] = float("-inf")  # masked logits in a finite row: exact zeros in the sum, the fast path
+    z[4, vocab - 1] = float("inf")  # in the last value
+    z[5, 0] = float("-inf")
+    torch.testing.assert_close(kernels.logsumexp(z), torch.logsumexp(z.float(), -1), rtol=1e-6, atol=1e-6,
+                               equal_nan=True)
     lse = kernels.logsumexp(z)
-    grad = kernels.softmax_grad(z, lse, torch.tensor([1, 2, 3, 4, 5]), torch.ones(5))
-    expected = torch.exp(z.float() - lse[:, None])
-    expected[torch.arange(5), torch.tensor([1, 2, 3, 4, 5])] -= 1
-    torch.testing.assert_close(grad[3].float(), expected[3], rtol=2 ** -7, atol=1e-7)
-    assert torch.isnan(grad[0:3]).any(dim=1).all()  # inf - inf, NaN, -inf - (-inf): NaN, as torch's exp gives
+    targets = torch.tensor([1, 2, 3, 4, 5, 6])
+    grad = kernels.softmax_grad(z, lse, targets, torch.ones(6))
+    expected = torch.exp(z.float() - lse[:, None])  # PyTorch's exp of the same differences: NaN for inf - inf
+    expected[torch.arange(6), targets] -= 1
+    torch.testing.assert_close(grad.float(), expected, rtol=2 ** -7, atol=1e-7, equal_nan=True)
+
+
+@needs_kernels
+def test_bad_arguments_never_reach_the_kernel():
+    z = _logits(3, 10)
+    lse = kernels.logsumexp(z)
+    with pytest.raises(ValueError, match="out of range"):
+        kernels.softmax_grad(z, lse, torch.tensor([0, 10, 1]), torch.ones(3))
+    with pytest.raises(ValueError, match="3 rows need"):
+        kernels.softmax_grad(z, lse, torch.tensor([0, 1]), torch.ones(3))
+
+
+def test_a_build_without_avx512_is_not_used(tmp_path, monkeypatch):
+    """Without AVX-512 the row sums are sequential plain C: slower than PyTorch's ops, so not used."""
+    from minikernels.build import build_library, find_compiler
+
+    compiler = find_compiler()
+    if compiler is None:
+        pytest.skip("no C compiler")
+    monkeypatch.setenv("MINIQUANT_CACHE", str(tmp_path))
+    try:
+        path = build_library("bf16_loss_plain", native_loss._SOURCE, native_loss.CFLAGS + ["-mno-avx512f"], compiler,
+                             native_loss.LIBS)
+    except RuntimeError as e:  # a compiler that does not know the flag (not x86)
+        pytest.skip(f"cannot build without AVX-512 here: {e}")
+    lib = ctypes.CDLL(str(path))
+    assert lib.ce_vectorized() == 0 and native_loss._usable(lib) is None
 
 
 @needs_kernels
