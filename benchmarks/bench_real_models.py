@@ -32,6 +32,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -65,6 +66,7 @@ PLAN = {"llama-3.2-1b": (("float32", "bfloat16"), 4), "llama-2-7b": (("bfloat16"
 # timed steps alternating (_run_paced); the 7B's (8 + 20 GiB) run one after another
 PACED_SHAPES = ("llama-3.2-1b",)
 PACED_WARM = 1  # untimed steps at the start of each turn: a process's first step after the other's ran slower
+PACED_TIMEOUT_S = 4 * 3600  # the whole paced run (as _run_contender's limit for one contender)
 # the 7B also runs ours without the heap trims of minituner.memory.heap and with glibc's mmap threshold pinned:
 # what the allocator's retained heap adds to the peak, and what each remedy costs
 SHAPE_CONTENDERS = {"llama-2-7b": ("ours", "peft_bnb", "ours_no_trims", "ours_mmap")}
@@ -243,15 +245,27 @@ def _run_paced(contenders: tuple[str, ...], folder: Path, dtype: str, steps: int
     started: dict[str, float] = {}
     errors: dict[str, dict] = {}
     logs: dict[str, tempfile.SpooledTemporaryFile] = {}
+    watchdog = threading.Timer(PACED_TIMEOUT_S, lambda: [p.kill() for p in procs.values()])  # a hung child: its
+    watchdog.daemon = True  # pipe closes, read() returns None and it is recorded as failed
+    watchdog.start()
 
     def read(name: str) -> dict | None:  # the next protocol line of `name`; None when it ended
         for line in iter(procs[name].stdout.readline, ""):
-            if line.startswith(PACE):
-                return json.loads(line[len(PACE):])
+            if PACE in line:  # anywhere: a library's output without a newline may come first
+                return json.loads(line[line.index(PACE) + len(PACE):])
         return None
 
+    def send(name: str, command: str) -> dict | None:  # None when the child is gone (its answer otherwise)
+        try:
+            procs[name].stdin.write(command + "\n")
+            procs[name].stdin.flush()
+        except OSError:  # BrokenPipeError: it died while the other ran
+            return None
+        return read(name)
+
     def fail(name: str) -> None:
-        procs[name].wait(timeout=600)
+        procs[name].kill()  # ended already, or hung: either way its result is an error
+        procs[name].wait()
         logs[name].seek(0)
         err = logs[name].read().decode(errors="replace")
         _log(f"[bench]   {name} {dtype} failed:\n{err[-3000:]}")
@@ -268,25 +282,25 @@ def _run_paced(contenders: tuple[str, ...], folder: Path, dtype: str, steps: int
             if read(name) is None:
                 fail(name)
         live = [n for n in contenders if n not in errors]
-        for i in range(steps):
+        for i in range(steps if live else 0):
             for name in live[i % len(live):] + live[:i % len(live)]:
                 if name in errors:
                     continue
                 for command in ("warm",) * PACED_WARM + ("step",):  # its turn: untimed steps first, then one timed
-                    if name not in errors:
-                        procs[name].stdin.write(command + "\n")
-                        procs[name].stdin.flush()
-                        if read(name) is None:
-                            fail(name)
+                    if name not in errors and send(name, command) is None:
+                        fail(name)
         results = []
         for name in contenders:
             if name in errors:
                 results.append(errors[name])
                 continue
-            procs[name].stdin.write("done\n")
-            procs[name].stdin.close()
+            try:
+                procs[name].stdin.write("done\n")
+                procs[name].stdin.close()
+            except OSError:
+                pass  # it died: wait() below says so
             last = procs[name].stdout.read().strip().splitlines()
-            if procs[name].wait(timeout=600) != 0 or not last:
+            if procs[name].wait() != 0 or not last:
                 fail(name)
                 results.append(errors[name])
                 continue
@@ -295,6 +309,7 @@ def _run_paced(contenders: tuple[str, ...], folder: Path, dtype: str, steps: int
             results.append(res)
         return results
     finally:
+        watchdog.cancel()
         for proc in procs.values():
             if proc.poll() is None:
                 proc.kill()
