@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-from functools import lru_cache
 
 import torch
 import torch.nn as nn
@@ -44,17 +43,27 @@ from .sampling import generate
 
 
 
-@lru_cache(maxsize=None)
+def _ask_cpu_flash_for_gqa() -> bool:
+    """One tiny SDPA call with grouped K/V heads and a graph: did the fused flash kernel take it? False on torch
+    before 2.5 (no enable_gqa) and where the call would take the math path instead."""
+    with torch.inference_mode(False), torch.enable_grad():
+        q = torch.zeros(1, 2, 2, 8, requires_grad=True)
+        kv = torch.zeros(1, 1, 2, 8)
+        try:
+            y = F.scaled_dot_product_attention(q, kv, kv, is_causal=True, enable_gqa=True)
+        except (TypeError, RuntimeError):
+            return False
+        return "flash" in type(y.grad_fn).__name__.lower()
+
+
+# asked at import, outside any model call: inside one (a checkpointed layer, no_grad) the question's own graph
+# would count among the layer's saved tensors, or there would be no graph to look at
+_CPU_FLASH_GQA = _ask_cpu_flash_for_gqa()
+
+
 def cpu_flash_takes_gqa() -> bool:
-    """Whether SDPA on CPU runs grouped K/V heads (enable_gqa=True) through its fused flash kernel: asked once
-    with a tiny call. False on torch before 2.5 (no enable_gqa) and where that call would take the math path."""
-    q = torch.zeros(1, 2, 2, 8, requires_grad=True)
-    kv = torch.zeros(1, 1, 2, 8)
-    try:
-        y = F.scaled_dot_product_attention(q, kv, kv, is_causal=True, enable_gqa=True)
-    except (TypeError, RuntimeError):
-        return False
-    return "flash" in type(y.grad_fn).__name__.lower()
+    """Whether SDPA on CPU runs grouped K/V heads (enable_gqa=True) through its fused flash kernel (torch 2.9 on)."""
+    return _CPU_FLASH_GQA
 
 
 NORMS = ("rmsnorm", "layernorm")

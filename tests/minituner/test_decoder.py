@@ -170,3 +170,18 @@ def test_cached_greedy_generation_equals_transformers(hf_folder, hf_ref, case):
         full = ref(mine).logits
     assert torch.equal(mine, theirs)
     assert (torch.cat(steps, dim=1) - full).abs().max().item() < 1e-4
+
+
+def test_first_attention_of_a_process_inside_a_checkpointed_layer():
+    """A fresh process whose first grouped-query attention runs under torch.utils.checkpoint: the question
+    whether the CPU flash kernel takes enable_gqa is asked at import, so it adds nothing to the layer's saved
+    tensors (asked inside, the recomputation saved fewer tensors than the forward and the backward failed)."""
+    import subprocess
+    import sys
+
+    code = ("import torch; from minigpt.decoder import Decoder, DecoderConfig\n"
+            "m = Decoder(DecoderConfig(vocab_size=11, block_size=8, n_layer=2, n_head=4, n_kv_head=2, d_model=16)); "
+            "m.grad_checkpoint = True; m.train()\n"
+            "m(torch.randint(0, 11, (2, 8))).sum().backward(); print('ok')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
