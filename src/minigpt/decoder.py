@@ -42,7 +42,6 @@ from .kv_cache import KVCache, LayerKV, attention_mask
 from .sampling import generate
 
 
-
 def _ask_cpu_flash_for_gqa() -> bool:
     """One tiny SDPA call with grouped K/V heads and a graph: did the fused flash kernel take it? False on torch
     before 2.5 (no enable_gqa) and where the call would take the math path instead."""

@@ -50,9 +50,10 @@ def _libc_madvise():
 
 
 def fresh_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialised CPU tensor; a large one first asks for transparent huge pages (advisory), so that a
-    kernel's first write into it faults once per 2 MiB instead of per 4 KiB: a fresh 131 MB bf16 gradient
-    took 33 ms of page faults to fill on the machine of benchmarks/RESULTS.md, its computation 13."""
+    """An uninitialised CPU tensor for a kernel's output (NF4's and the bf16 loss's); a large one first asks for
+    transparent huge pages (advisory), so that the first write into it faults once per 2 MiB instead of per
+    4 KiB: a fresh 131 MB bf16 gradient took 33 ms of page faults to fill on the machine of
+    benchmarks/RESULTS.md, its computation 13."""
     t = torch.empty(shape, dtype=dtype)
     madvise = _libc_madvise()
     if madvise is not None and t.nbytes >= HUGE_PAGE_MIN_BYTES:

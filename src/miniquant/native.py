@@ -26,12 +26,11 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from minikernels.build import CACHE_ENV, NATIVE_ENV, ThreadSplit, build_library, load_library  # noqa: F401 (CACHE_ENV: bench_nf4)
+from minikernels.build import CACHE_ENV, NATIVE_ENV, ThreadSplit, build_library, fresh_tensor, load_library  # noqa: F401 (CACHE_ENV: bench_nf4)
 
 MIN_VALUES_PER_THREAD = 1 << 21  # smaller calls stay on the calling thread (handing work over costs ~50 µs)
 MIN_VALUES_PER_THREAD_WARM = 1 << 18  # the same, dequantizing into an existing (already touched) buffer
 CHUNK_VALUES = 1 << 18  # threads take work in chunks of this many values, as they get free
-HUGE_PAGE_MIN_BYTES = 8 << 20  # fresh outputs at least this large ask for transparent huge pages
 CFLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-ffp-contract=off", "-fno-fast-math", "-std=gnu11"]
 # dtype codes shared with the C source
 _DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -39,9 +38,6 @@ _DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _SOURCE = r"""
 #include <stdint.h>
 #include <string.h>
-#if defined(__linux__)
-#include <sys/mman.h>
-#endif
 #ifdef __AVX512F__
 #include <immintrin.h>
 #endif
@@ -56,16 +52,6 @@ _SOURCE = r"""
 enum { F32 = 0, BF16 = 1, F16 = 2 };
 
 int nf4_has_f16(void) { return HAVE_F16; }  /* float16 needs _Float16 for the non-AVX-512 block sizes */
-
-/* Ask for transparent huge pages on a fresh buffer before its first write: one page fault per 2 MiB
-   instead of per 4 KiB. Advisory; ignored where unsupported. */
-void nf4_advise_huge_pages(void* p, int64_t nbytes) {
-#if defined(__linux__) && defined(MADV_HUGEPAGE)
-    const uintptr_t huge = (uintptr_t)1 << 21;
-    uintptr_t start = ((uintptr_t)p + huge - 1) & ~(huge - 1), stop = ((uintptr_t)p + (uintptr_t)nbytes) & ~(huge - 1);
-    if (stop > start) madvise((void*)start, stop - start, MADV_HUGEPAGE);
-#endif
-}
 
 static inline float f32_from_bits(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
 static inline uint32_t bits_from_f32(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
@@ -272,9 +258,6 @@ class NativeKernels:
         self._dequantize = lib.nf4_dequantize
         self._dequantize.argtypes = [ptr, ptr, i64, i64, i64, ptr, ptr, ctypes.c_int]
         self._dequantize.restype = None
-        self._advise = lib.nf4_advise_huge_pages
-        self._advise.argtypes = [ptr, i64]
-        self._advise.restype = None
         self.dtypes = tuple(d for d, c in _DTYPE_CODE.items() if c != 2 or lib.nf4_has_f16())
         self._threads = ThreadSplit("miniquant")
 
@@ -282,19 +265,11 @@ class NativeKernels:
         """call(b0, b1) over [0, blocks) on threads, each at least `min_values` values (default MIN_VALUES_PER_THREAD)."""
         self._threads.run(blocks, blocksize, call, min_values or MIN_VALUES_PER_THREAD, CHUNK_VALUES)
 
-    def _fresh(self, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
-        """An uninitialised CPU tensor; a large one asks for huge pages first (page faults on a fresh
-        64 MiB tensor cost more than writing it)."""
-        t = torch.empty(shape, dtype=dtype)
-        if t.nbytes >= HUGE_PAGE_MIN_BYTES:
-            self._advise(t.data_ptr(), t.nbytes)
-        return t
-
     def quantize(self, x: Tensor, mids: Tensor) -> tuple[Tensor, Tensor]:
         """(blocks, blocksize) contiguous CPU tensor -> ((blocks, blocksize/2) uint8, (blocks,) float32 absmax)."""
         blocks, bs = x.shape
         x, mids = x.contiguous(), mids.contiguous().float()
-        packed = self._fresh((blocks, bs // 2), torch.uint8)
+        packed = fresh_tensor((blocks, bs // 2), torch.uint8)
         absmax = torch.empty(blocks, dtype=torch.float32)
         args = (x.data_ptr(), _DTYPE_CODE[x.dtype])
         tail = (bs, mids.data_ptr(), packed.data_ptr(), absmax.data_ptr())
@@ -311,7 +286,7 @@ class NativeKernels:
         packed, scales, code = packed.contiguous(), scales.contiguous().float(), code.contiguous().float()
         fresh = out is None
         if fresh:
-            out = self._fresh((blocks, 2 * half), dtype)
+            out = fresh_tensor((blocks, 2 * half), dtype)
         elif out.shape != (blocks, 2 * half) or out.dtype != dtype or not out.is_contiguous() or out.device.type != "cpu":
             raise ValueError(f"out must be a contiguous CPU {dtype} tensor of shape {(blocks, 2 * half)}, "
                              f"got {out.dtype} {tuple(out.shape)} on {out.device}")
