@@ -10,12 +10,10 @@ kernel reads the bf16 logits once for the maximum and once for Σ exp(z - max) (
 once more, writing each gradient value once, rounded to bf16 (round to nearest even): no fp32 (N, V)
 tensor and no fp32 chunk in memory, where the PyTorch path makes and reads several.
 
-exp is computed as Cephes' expf does (x = n·ln2 + r with |r| <= ln2/2, a degree-7 polynomial in r, times
-2^n), to about 1 unit in the last place of fp32, on AVX-512 16 values at a time and in plain C for the rest
-(the same operations, no fused multiply-add: -ffp-contract=off, so both give the same bits); -inf logits
-(masked tokens) are exact zeros in the sum. A row with a NaN or +inf logit, or only -inf, goes through libm's
-expf and logf with PyTorch's logsumexp rule (the maximum taken as 0 when it is infinite), so such rows give
-PyTorch's NaN, inf and -inf. The kernels are used only where they were built with AVX-512 (``ce_vectorized``):
+exp and the bf16 roundings are ``minikernels.bf16_exp``'s (Cephes' expf: the same bits on AVX-512 and in
+plain C); -inf logits (masked tokens) are exact zeros in the sum. A row with a NaN or +inf logit, or only
+-inf, goes through libm's expf and logf with PyTorch's logsumexp rule (the maximum taken as 0 when it is
+infinite), so such rows give PyTorch's NaN, inf and -inf. The kernels are used only where they were built with AVX-512 (``ce_vectorized``):
 a plain-C row sum is one sequential chain, slower than PyTorch's ops and less accurate over 128K values.
 """
 from __future__ import annotations
@@ -27,6 +25,7 @@ from functools import lru_cache
 import torch
 from torch import Tensor
 
+from minikernels.bf16_exp import BF16_EXP_C
 from minikernels.build import NATIVE_ENV, ThreadSplit, fresh_tensor, load_library
 
 CFLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-ffp-contract=off", "-fno-fast-math", "-std=gnu11"]
@@ -34,14 +33,7 @@ LIBS = ["-lm"]  # expf, logf
 MIN_VALUES_PER_THREAD = 1 << 18  # fewer logits stay on the calling thread (handing work over costs ~50 µs)
 CHUNK_VALUES = 1 << 18  # threads take rows in chunks of about this many values, as they get free
 
-_SOURCE = r"""
-#include <stdint.h>
-#include <string.h>
-#include <math.h>
-#ifdef __AVX512F__
-#include <immintrin.h>
-#endif
-
+_SOURCE = BF16_EXP_C + r"""
 /* 1 when built with AVX-512 (the 16-lane loops below); without it the kernels are not used: a plain-C row
    sum is one sequential chain, slower than PyTorch's ops and less accurate at a 128K-token row */
 int ce_vectorized(void) {
@@ -51,78 +43,6 @@ int ce_vectorized(void) {
     return 0;
 #endif
 }
-
-static inline float f32_from_bf16(uint16_t h) { uint32_t u = (uint32_t)h << 16; float f; memcpy(&f, &u, 4); return f; }
-
-/* float -> bfloat16 bits, round to nearest even; NaN -> 0x7FC0 (PyTorch's rule) */
-static inline uint16_t bf16_from_f32(float f) {
-    uint32_t u; memcpy(&u, &f, 4);
-    if (f != f) return 0x7FC0;
-    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
-
-#define EXP_LO -87.33654f           /* below: exp is 0 here (fp32 denormals are not produced) */
-#define LOG2E 1.44269504088896341f
-#define LN2_HI 0.693359375f
-#define LN2_LO -2.12194440e-4f
-#define P0 1.9875691500e-4f
-#define P1 1.3981999507e-3f
-#define P2 8.3334519073e-3f
-#define P3 4.1665795894e-2f
-#define P4 1.6666665459e-1f
-#define P5 5.0000001201e-1f
-
-/* exp(x) for finite x <= 0 (Cephes expf); 0 below EXP_LO */
-static inline float exp_nonpos(float x) {
-    if (x < EXP_LO) return 0.0f;
-    float t = x * LOG2E - 0.5f;
-    int n = (int)t;                       /* truncation of t - 0.5 rounds t <= 0 to the nearest integer */
-    float fn = (float)n;
-    float r = x - fn * LN2_HI;
-    r = r - fn * LN2_LO;
-    float p = P0;
-    p = p * r + P1; p = p * r + P2; p = p * r + P3; p = p * r + P4; p = p * r + P5;
-    p = p * (r * r) + r;
-    p = p + 1.0f;
-    uint32_t s = (uint32_t)(n + 127) << 23; float scale; memcpy(&scale, &s, 4);
-    return p * scale;
-}
-
-#ifdef __AVX512F__
-static inline __m512 load16(const uint16_t* z) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)z)), 16));
-}
-
-/* the same operations as exp_nonpos, 16 lanes */
-static inline __m512 exp16(__m512 x) {
-    __mmask16 zero = _mm512_cmp_ps_mask(x, _mm512_set1_ps(EXP_LO), _CMP_LT_OQ);
-    __m512 t = _mm512_sub_ps(_mm512_mul_ps(x, _mm512_set1_ps(LOG2E)), _mm512_set1_ps(0.5f));
-    __m512i n = _mm512_cvttps_epi32(t);
-    __m512 fn = _mm512_cvtepi32_ps(n);
-    __m512 r = _mm512_sub_ps(x, _mm512_mul_ps(fn, _mm512_set1_ps(LN2_HI)));
-    r = _mm512_sub_ps(r, _mm512_mul_ps(fn, _mm512_set1_ps(LN2_LO)));
-    __m512 p = _mm512_set1_ps(P0);
-    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(P1));
-    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(P2));
-    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(P3));
-    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(P4));
-    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(P5));
-    p = _mm512_add_ps(_mm512_mul_ps(p, _mm512_mul_ps(r, r)), r);
-    p = _mm512_add_ps(p, _mm512_set1_ps(1.0f));
-    __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(n, _mm512_set1_epi32(127)), 23));
-    return _mm512_maskz_mul_ps(~zero, p, scale);
-}
-
-/* 16 fp32 lanes -> 16 bf16 (round to nearest even; NaN -> 0x7FC0) */
-static inline void store16(uint16_t* out, __m512 v) {
-    __m512i u = _mm512_castps_si512(v);
-    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb), 16);
-    __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-    rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7FC0));
-    _mm256_storeu_si256((__m256i*)out, _mm512_cvtepi32_epi16(rounded));
-}
-#endif
 
 /* log Σ exp over a row with an inf or NaN: PyTorch's logsumexp (an infinite maximum taken as 0) */
 static float lse_special(const uint16_t* z, int64_t vocab) {

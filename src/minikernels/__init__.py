@@ -1,5 +1,6 @@
 """Small C kernels for the packages above: compiled on first use with the system compiler, cached, run on threads.
 
 minigpt (the bf16 loss, ``minigpt.native_loss``) and miniquant (NF4, ``miniquant.native``) both build theirs
-with ``minikernels.build``; this package imports nothing of ours.
+with ``minikernels.build``; ``minikernels.bf16_exp`` holds the C helpers the bf16 kernels share (bf16
+conversions, exp). This package imports nothing of ours.
 """

@@ -1,0 +1,92 @@
+"""C helpers shared by the bf16 kernels: bf16 <-> fp32 conversions and exp(x) for x <= 0, scalar and 16 lanes.
+
+    SOURCE = BF16_EXP_C + my_kernels   # prepended to a kernel family's C source (minikernels.build)
+
+exp is computed as Cephes' expf does (x = n·ln2 + r with |r| <= ln2/2, a degree-7 polynomial in r, times
+2^n), to about 1 unit in the last place of fp32, on AVX-512 16 values at a time (``exp16``) and in plain C
+(``exp_nonpos``) with the same operations: built with -ffp-contract=off (no fused multiply-add), both give the
+same bits. Inputs below -87.34 give 0 (fp32 denormals are not produced). bf16 is rounded to nearest even, NaN
+to 0x7FC0 (PyTorch's rule). Used by ``minigpt.native_loss`` and ``minigpt.native_attention``.
+"""
+
+BF16_EXP_C = r"""
+#include <stdint.h>
+#include <string.h>
+#include <math.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+static inline float f32_from_bf16(uint16_t h) { uint32_t u = (uint32_t)h << 16; float f; memcpy(&f, &u, 4); return f; }
+
+/* float -> bfloat16 bits, round to nearest even; NaN -> 0x7FC0 (PyTorch's rule) */
+static inline uint16_t bf16_from_f32(float f) {
+    uint32_t u; memcpy(&u, &f, 4);
+    if (f != f) return 0x7FC0;
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+#define EXP_LO -87.33654f           /* below: exp is 0 here (fp32 denormals are not produced) */
+#define LOG2E 1.44269504088896341f
+#define LN2_HI 0.693359375f
+#define LN2_LO -2.12194440e-4f
+#define P0 1.9875691500e-4f
+#define P1 1.3981999507e-3f
+#define P2 8.3334519073e-3f
+#define P3 4.1665795894e-2f
+#define P4 1.6666665459e-1f
+#define P5 5.0000001201e-1f
+
+/* exp(x) for finite x <= 0 (Cephes expf); 0 below EXP_LO */
+static inline float exp_nonpos(float x) {
+    if (x < EXP_LO) return 0.0f;
+    float t = x * LOG2E - 0.5f;
+    int n = (int)t;                       /* truncation of t - 0.5 rounds t <= 0 to the nearest integer */
+    float fn = (float)n;
+    float r = x - fn * LN2_HI;
+    r = r - fn * LN2_LO;
+    float p = P0;
+    p = p * r + P1; p = p * r + P2; p = p * r + P3; p = p * r + P4; p = p * r + P5;
+    p = p * (r * r) + r;
+    p = p + 1.0f;
+    uint32_t s = (uint32_t)(n + 127) << 23; float scale; memcpy(&scale, &s, 4);
+    return p * scale;
+}
+
+#ifdef __AVX512F__
+static inline __m512 load16(const uint16_t* z) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)z)), 16));
+}
+
+/* the same operations as exp_nonpos, 16 lanes */
+static inline __m512 exp16(__m512 x) {
+    __mmask16 zero = _mm512_cmp_ps_mask(x, _mm512_set1_ps(EXP_LO), _CMP_LT_OQ);
+    __m512 t = _mm512_sub_ps(_mm512_mul_ps(x, _mm512_set1_ps(LOG2E)), _mm512_set1_ps(0.5f));
+    __m512i n = _mm512_cvttps_epi32(t);
+    __m512 fn = _mm512_cvtepi32_ps(n);
+    __m512 r = _mm512_sub_ps(x, _mm512_mul_ps(fn, _mm512_set1_ps(LN2_HI)));
+    r = _mm512_sub_ps(r, _mm512_mul_ps(fn, _mm512_set1_ps(LN2_LO)));
+    __m512 p = _mm512_set1_ps(P0);
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(P1));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(P2));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(P3));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(P4));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(P5));
+    p = _mm512_add_ps(_mm512_mul_ps(p, _mm512_mul_ps(r, r)), r);
+    p = _mm512_add_ps(p, _mm512_set1_ps(1.0f));
+    __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(n, _mm512_set1_epi32(127)), 23));
+    return _mm512_maskz_mul_ps(~zero, p, scale);
+}
+
+/* 16 fp32 lanes -> 16 bf16 (round to nearest even; NaN -> 0x7FC0) */
+static inline void store16(uint16_t* out, __m512 v) {
+    __m512i u = _mm512_castps_si512(v);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb), 16);
+    __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7FC0));
+    _mm256_storeu_si256((__m256i*)out, _mm512_cvtepi32_epi16(rounded));
+}
+#endif
+
+"""
