@@ -211,6 +211,8 @@ PROFILE_GROUPS = {  # profiler op name -> group, for "what the rest of the step 
     "aten::bmm": "matrix products", "aten::baddbmm": "matrix products",
     "aten::_scaled_dot_product_flash_attention_for_cpu": "attention kernel",
     "aten::_scaled_dot_product_flash_attention_for_cpu_backward": "attention kernel",
+    # minigpt.native_attention: its GEMMs are aten::bmm (matrix products); its own time is the C softmax kernels
+    "_CausalAttention": "attention kernel", "_CausalAttentionBackward": "attention kernel",
     "aten::copy_": "dtype casts and copies",
 }
 
@@ -318,7 +320,8 @@ def run_shape(shape: str, quick: bool = False, wait_s: float | None = None) -> S
         f"{spec.describe}; LoRA r = {spec.rank}, alpha {spec.alpha:g} on {', '.join(spec.targets)}; AdamW; loss in "
         f"fp32. Ours in bf16: `use_bf16_compute` (frozen base stored in bf16, NF4 dequantized to bf16 into a reused "
         "workspace, LoRA factors fp32 masters computed in bf16, the block bf16 from each norm to the residual add "
-        "(attention's fused kernel takes bf16 q, k, v and computes its softmax in fp32), the residual stream and "
+        "(attention: q·kᵀ and P·v as bf16 GEMMs, the softmax and its gradient in fp32 in C, "
+        "`minigpt.native_attention`), the residual stream and "
         "norms in fp32, bf16 logits whose loss `minigpt.cross_entropy` computes in fp32 a few rows at a time). "
         "PEFT + bitsandbytes in bf16: Linear4bit(compute_dtype=bf16) with the forward under torch.autocast('cpu', "
         "bf16), the rest of the model in fp32 or, as `from_pretrained(dtype=bfloat16)` loads it, in bf16 (NF4 "
@@ -327,7 +330,7 @@ def run_shape(shape: str, quick: bool = False, wait_s: float | None = None) -> S
         f"All rows live in one process and are timed in {res['rounds']} interleaved rounds (each round calls every "
         f"row once, in rotating order) after {warmup} warm-up round(s), so load from other processes falls on all "
         f"rows alike. The floor: every matrix product of one QLoRA bf16 step ({res['products']} calls; dtypes "
-        f"{', '.join(res['product_dtypes'])}), recorded with a TorchDispatchMode and replayed back to back on random "
+        f"{', '.join(res['product_dtypes'])}; attention's GEMMs among them), recorded with a TorchDispatchMode and replayed back to back on random "
         "inputs of the same shapes and strides. 'profiled share': self CPU time by group in one profiled step "
         f"(profiler overhead included). CPU bf16 units: {support.reason}. Machine CPU use before the run: {busy:.0f}%.",
         ["configuration", "median step", "fastest step", "vs ours QLoRA bf16",
@@ -352,14 +355,16 @@ def run_shape(shape: str, quick: bool = False, wait_s: float | None = None) -> S
              t["qlora_bf16"] / t[peft_best], VS_PEFT_BNB_GOAL, False,
              f"{not_here}PEFT + bitsandbytes' faster bf16 setting here: {PEFT_SETTING[peft_best]} "
              f"({fmt_seconds(t[peft_best])}; the other {fmt_seconds(max(t[c] for c in PEFT_BF16))}). Under autocast it "
-             "dequantizes to bf16 and casts activations per call; both run the same bf16 products and bf16 attention "
-             f"(autocast lists SDPA); fp32 beside: ours QLoRA {fmt_seconds(t['qlora_fp32'])}, PEFT + bitsandbytes "
+             "dequantizes to bf16 and casts activations per call; both run the same bf16 products; its attention is "
+             "SDPA's fused kernel on bf16 (autocast lists SDPA), ours bf16 GEMMs around a C softmax "
+             f"(minigpt.native_attention); fp32 beside: ours QLoRA {fmt_seconds(t['qlora_fp32'])}, PEFT + bitsandbytes "
              f"{fmt_seconds(t['peft_bnb_fp32'])}",
              measurable=support.fast),
         Goal(f"bf16 step ({shape}): ours QLoRA / its matrix products alone", t["qlora_bf16"] / floor, VS_FLOOR_GOAL,
              False,
-             f"{not_here}the rest, {fmt_seconds(rest)} a step, is outside the products: in one profiled step the fused "
-             f"attention kernel (bf16 in and out, softmax in fp32 inside) took "
+             f"{not_here}the rest, {fmt_seconds(rest)} a step, is outside the products: in one profiled step attention "
+             f"outside its GEMMs (minigpt.native_attention's C softmax and softmax gradient, the copies that group "
+             f"heads) took "
              f"{fmt_seconds(q.get('attention kernel', 0.0))}, dtype casts (each norm's bf16 copy, the residual "
              "adds' bf16 gradients, the LoRA masters' bf16 copies) "
              f"{fmt_seconds(q.get('dtype casts and copies', 0.0))}, everything else (the MLP activation, norms, loss, "

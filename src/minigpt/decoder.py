@@ -20,7 +20,10 @@ layer's input (and the rotary cos/sin it is called with) and the backward recomp
 Generation passes a ``minigpt.kv_cache.KVCache`` (``model(ids, cache=cache)``): each layer stores its keys
 and values (after RoPE, at their num_key_value_heads), and the next call's tokens continue at the positions stored.
 
-Grouped-query attention on CPU hands the kv heads to ``F.scaled_dot_product_attention(..., enable_gqa=True)``
+Attention in bf16 on CPU (training and plain forwards, no cache, no attention dropout, up to 1,024 tokens)
+is ``minigpt.native_attention``: bf16 GEMMs around a C softmax, each K/V head's query heads stacked as rows, so k
+and v stay at their kv heads there too. Otherwise:
+grouped-query attention on CPU hands the kv heads to ``F.scaled_dot_product_attention(..., enable_gqa=True)``
 where PyTorch's fused CPU kernel takes them (``cpu_flash_takes_gqa``, asked once: torch 2.9 on): the kernel
 reads each K/V head for its group of query heads, so k and v are never repeated to n_head heads (on a 2-core
 CPU at Llama-3.2-1B's shape, 39 against 43 ms for one layer's attention forward and backward, and the saved k
@@ -37,6 +40,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from . import native_attention
 from .errors import InputError, check_known_fields
 from .kv_cache import KVCache, LayerKV, attention_mask
 from .sampling import generate
@@ -217,6 +221,10 @@ class Attention(nn.Module):
         if kv is not None:  # generation: the tokens before these are stored (minigpt.kv_cache)
             start = kv.cache.length
             k, v = kv.update(k, v)  # (B, kv, start + T, hd)
+        p = self.dropout if self.training else 0.0
+        if start == 0 and p == 0.0 and native_attention.fits(q, k, v):  # bf16 on CPU: bf16 GEMMs + C softmax
+            y = native_attention.causal_attention(q, k, v, self.window)  # (B, h, T, hd), laid out (B, T, h, hd)
+            return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim))
         gqa = {}
         if self.n_kv_head != self.n_head:  # each K/V head serves n_head / n_kv_head query heads
             if x.device.type == "cpu" and cpu_flash_takes_gqa():
@@ -225,7 +233,6 @@ class Attention(nn.Module):
                 rep = self.n_head // self.n_kv_head
                 k = k.repeat_interleave(rep, dim=1)  # (B, h, start + T, hd)
                 v = v.repeat_interleave(rep, dim=1)  # (B, h, start + T, hd)
-        p = self.dropout if self.training else 0.0
         if start == 0 and (self.window is None or T <= self.window):
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p, **gqa)  # (B, h, T, hd)
         else:  # causal from position `start`, at most `window` keys back (self included); None: every key

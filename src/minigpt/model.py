@@ -7,6 +7,9 @@ Gradient checkpointing is a switch on the model, not a config field (it changes 
 result, and a base folder's config.json stays the same): ``model.grad_checkpoint = True`` runs each
 block under ``torch.utils.checkpoint`` (non-reentrant) while training, so the forward keeps only each
 block's input and the backward recomputes the block before differentiating it.
+
+Attention is ``F.scaled_dot_product_attention`` (causal), except in bf16 on CPU without attention dropout or a KV
+cache, where ``minigpt.native_attention`` computes the same with bf16 GEMMs around a C softmax (faster there).
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from . import native_attention
 from .errors import InputError, check_known_fields
 from .kv_cache import KVCache, LayerKV, attention_mask
 from .sampling import generate
@@ -90,7 +94,9 @@ class CausalSelfAttention(nn.Module):
             start = kv.cache.length
             k, v = kv.update(k, v)  # (B, h, start + T, hs)
         p = self.dropout if self.training else 0.0
-        if start == 0:
+        if start == 0 and p == 0.0 and native_attention.fits(q, k, v):  # bf16 on CPU: bf16 GEMMs + C softmax
+            y = native_attention.causal_attention(q, k, v)  # (B, h, T, hs), laid out (B, T, h, hs)
+        elif start == 0:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)  # (B, h, T, hs)
         else:  # causal from position `start` (None for one new token: it sees every stored key)
             mask = attention_mask(T, start, None, x.device)  # (T, start + T)

@@ -4,10 +4,10 @@
     split = ThreadSplit("miniquant")                   # a pool shared by every call of one kernel family
     split.run(blocks, values_per_block, lambda b0, b1: lib.kernel(..., b0, b1), min_values)
 
-Used by ``miniquant.native`` (NF4) and ``minigpt.native_loss`` (the bf16 cross-entropy). A library is cached
-under $MINIQUANT_CACHE (default: <tmp>/miniquant-<uid>), keyed by a hash of the source, the flags, the
-compiler's version and the CPU's feature flags (kernels are built with -march=native), so a changed source or
-another CPU builds afresh. Python threads run the kernels in parallel: ctypes releases the GIL during a call.
+Used by ``miniquant.native`` (NF4), ``minigpt.native_loss`` (the bf16 cross-entropy) and
+``minigpt.native_attention``. A library is cached under $MINIQUANT_CACHE (default: <tmp>/miniquant-<uid>),
+keyed by a hash of the source, the flags, the compiler's version and the CPU's feature flags (kernels are
+built with -march=native), so a changed source or another CPU builds afresh. Python threads run the kernels in parallel: ctypes releases the GIL during a call.
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ from typing import Callable
 import torch
 
 CACHE_ENV = "MINIQUANT_CACHE"  # folder for the compiled libraries
-NATIVE_ENV = "MINIQUANT_NATIVE"  # set to 0 to never build or use native kernels (NF4 and the bf16 loss)
+NATIVE_ENV = "MINIQUANT_NATIVE"  # set to 0 to never build or use native kernels (NF4, the bf16 loss and attention)
 CPU_COUNT = os.cpu_count() or 1  # asked once: the call costs microseconds
 HUGE_PAGE_MIN_BYTES = 8 << 20  # fresh_tensor asks for transparent huge pages from this size on
 MADV_HUGEPAGE = 14  # Linux's <sys/mman.h>

@@ -19,10 +19,10 @@ the dtype RoPE is applied in; the residual stream stays fp32):
 - norms (LayerNorm, RMSNorm) compute in fp32 on the fp32 residual stream and hand their output to the
   products that follow in bf16: one cast per norm (a forward hook, ``_hand_out_bf16``), shared by q/k/v
   or gate/up, where each product casting its own input would cast the same tensor three times;
-- so the block between a norm and the residual add is bf16 end to end: q, k, v and attention
-  (``scaled_dot_product_attention`` on bf16 inputs: its CPU flash kernel, like CUDA's, computes q·kᵀ, the
-  running max, the exponentials and the softmax sums in fp32 and rounds the probabilities to bf16 only for
-  the product with v), RoPE (``Decoder.compute_dtype``: cos and sin made in fp32, applied in bf16, as
+- so the block between a norm and the residual add is bf16 end to end: q, k, v and attention (on CPU
+  ``minigpt.native_attention``: q·kᵀ and P·v as bf16 GEMMs, the softmax and its gradient computed in fp32 in C,
+  the probabilities rounded to bf16 for the product with v; elsewhere, and past its 1,024 tokens,
+  ``scaled_dot_product_attention``'s fused kernel, which also keeps q·kᵀ in fp32), RoPE (``Decoder.compute_dtype``: cos and sin made in fp32, applied in bf16, as
   transformers does for a bf16 model), GELU / SwiGLU, and the projections back; ``x + f(x)`` adds the bf16
   output into the fp32 stream (type promotion: fp32 result, no separate cast);
 - a frozen head computes in bf16 and returns bf16 logits (it reads the final norm's bf16 output), as a

@@ -31,6 +31,9 @@ under bf16 compute), the terms are:
   ``F.scaled_dot_product_attention`` without dropout runs the fused (flash) kernel, which keeps its
   inputs, its output and one logsumexp per query and head, never the h·seq² score matrix. Its output is
   laid out (B, T, h, hs), so ``transpose(1, 2).contiguous()`` is a view and o_proj saves no new storage.
+  Under bf16 compute on a CPU where ``minigpt.native_attention`` runs (its kernels built, seq at most its
+  ``MAX_TOKENS``), attention keeps q, k, v and the logsumexp but not its output: o_proj keeps that
+  (``linear input`` N·C·e) when it trains.
 - ``gelu input`` N·F·e: GELU keeps fc1's output; fc2 (or its LoRA A) keeps GELU's output (``linear input``).
 - the loss (``lm_loss``: ``minigpt.cross_entropy``; the head returns its logits in the block's dtype e):
   fp32 logits go to ``F.cross_entropy``, which keeps the ``log-softmax output`` N·V·4; narrower logits go to
@@ -54,6 +57,7 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from minigpt import native_attention
 from minigpt.errors import InputError
 from minigpt.model import GPTConfig
 
@@ -160,6 +164,7 @@ def minigpt_saved_by_layer(shape: ModelShape, batch_size: int, seq_len: int, reg
     r = rank or 0
     N, C, F, h, e = batch_size * seq_len, shape.d_model, shape.d_ff, shape.n_head, act_bytes
     s = stream_bytes or act_bytes
+    native = e == 2 and native_attention.takes_bf16_run(seq_len)  # minigpt.native_attention keeps no output
     linears = {lin.path: lin for lin in shape.linears}
     embed: Counter[str] = Counter()
     head: Counter[str] = Counter()
@@ -191,9 +196,10 @@ def minigpt_saved_by_layer(shape: ModelShape, batch_size: int, seq_len: int, reg
         attn_hot = ln1_hot or any(trains(p) for p in QKV)
         if attn_hot:
             terms["attention q, k, v"] += 3 * N * C * e
-            terms["attention output"] += N * C * e
+            if not native:  # the fused kernel keeps its output; minigpt.native_attention does not
+                terms["attention output"] += N * C * e
             terms["attention logsumexp"] += h * N * FP32
-        elif trains("attn.o_proj"):
+        if trains("attn.o_proj") and (native or not attn_hot):
             terms["linear input"] += N * C * e  # the attention output, not saved by attention itself
         lora_out(terms, "attn.o_proj")
         hot = hot or attn_hot or trains("attn.o_proj")

@@ -42,8 +42,12 @@ the LoRA factors (``lora_copy_bytes``: 0, or 2 under bf16 compute), the terms ar
   flash kernel takes it, ``minigpt.decoder.cpu_flash_takes_gqa``: torch 2.9 on), so the term is
   N·(h + 2·kv)·d·e; otherwise the decoder repeats them to h heads with ``repeat_interleave`` first
   (3·N·h·d·e: its own backward saves nothing, and the narrower k/v before it are not kept). The output is laid out (B, T, h, d), so o_proj's input is a view of it.
+  Under bf16 compute on a CPU where ``minigpt.native_attention`` runs (its kernels built, T at most its
+  ``MAX_TOKENS``), attention saves q, k and v (k and v at their kv heads) and the logsumexp, not its output:
+  o_proj keeps that (N·h·d·e, ``linear input``) when it trains.
 - ``attention mask`` T·T·e per sliding-window layer when T exceeds the window (Mistral, Qwen2 with
-  use_sliding_window): the boolean (T, T) mask is converted to the query's dtype and kept by the kernel.
+  use_sliding_window): the boolean (T, T) mask is converted to the query's dtype and kept by the kernel
+  (not under ``minigpt.native_attention``, which applies the window by index).
 - ``silu input`` N·F·e (gate_proj's output), ``silu output`` N·F·e and ``up output`` N·F·e: SwiGLU's
   ``act(gate) * up`` keeps each factor for the other's gradient (act(gate) when up needs grad, up when
   gate does); any ``hidden_act`` of the Decoder keeps its input.
@@ -64,6 +68,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable
 
+from minigpt import native_attention
 from minigpt.decoder import cpu_flash_takes_gqa
 from minigpt.errors import InputError
 
@@ -102,7 +107,8 @@ def decoder_saved_by_layer(shape: ModelShape, batch_size: int, seq_len: int, reg
     s = stream_bytes or act_bytes
     linears = {lin.path: lin for lin in shape.linears}
     A = shape.n_head * shape.head_dim  # attention width: q (and k/v repeated to h heads without enable_gqa)
-    KV = (shape.n_kv_head if cpu_flash_takes_gqa() else shape.n_head) * shape.head_dim  # k, v as attention keeps them
+    native = e == 2 and native_attention.takes_bf16_run(T)  # minigpt.native_attention: no mask, k/v at kv heads
+    KV = (shape.n_kv_head if native or cpu_flash_takes_gqa() else shape.n_head) * shape.head_dim  # k, v as kept
     embed: Counter[str] = Counter()
     head: Counter[str] = Counter()
     blocks: list[dict[str, int]] = []
@@ -138,11 +144,13 @@ def decoder_saved_by_layer(shape: ModelShape, batch_size: int, seq_len: int, reg
         attn_hot = q_hot or k_hot or v_hot
         if attn_hot:
             terms["attention q, k, v"] += N * (A + 2 * KV) * e
-            terms["attention output"] += N * A * e
+            if not native:  # the fused kernel keeps its output; minigpt.native_attention does not
+                terms["attention output"] += N * A * e
             terms["attention logsumexp"] += shape.n_head * N * FP32
-            if shape.sliding_window is not None and i in shape.sliding_layers and T > shape.sliding_window:
+            if (shape.sliding_window is not None and i in shape.sliding_layers and T > shape.sliding_window
+                    and not native):
                 terms["attention mask"] += T * T * e
-        elif trains("self_attn.o_proj"):
+        if trains("self_attn.o_proj") and (native or not attn_hot):
             terms["linear input"] += N * A * e  # the attention output, not saved by attention itself
         lora_out(terms, "self_attn.o_proj")
         hot = hot or attn_hot or trains("self_attn.o_proj")

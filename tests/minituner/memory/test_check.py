@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from minigpt import native_attention
 from minigpt.base_folder import save_base
 from minigpt.io import write_json
 from minigpt.model import GPTConfig, MiniGPT
@@ -72,8 +73,12 @@ def test_bf16_terms_follow_the_dataflow():
     # the loss keeps the bf16 logits and one fp32 logsumexp per token, not an fp32 log-softmax
     assert "log-softmax output" not in bf16 and fp32["log-softmax output"] == N * 40 * 4
     assert bf16["logits kept by the loss"] == N * 40 * 2 and bf16["loss logsumexp"] == N * 4
-    for term in ("linear input", "LoRA A output", "attention q, k, v", "attention output", "gelu input"):
+    for term in ("LoRA A output", "attention q, k, v", "gelu input"):
         assert 2 * bf16[term] == fp32[term]
+    # the attention output: kept by the fused kernel, or (minigpt.native_attention) by o_proj's LoRA A instead
+    native = native_attention.takes_bf16_run(8)
+    assert 2 * bf16.get("attention output", 0) == (0 if native else fp32["attention output"])
+    assert 2 * bf16["linear input"] == fp32["linear input"] + (fp32["attention output"] if native else 0)
     assert "LoRA factor copies" not in fp32  # fp32 LoRA saves its factors themselves: parameters
     assert bf16["LoRA factor copies"] == 2 * r * (4 * (16 + 16) + 2 * (16 + 64)) * 2  # layers x r(in + out) x bf16
     ckpt = minigpt_saved_by_layer(shape, 2, 8, "lora", r, grad_checkpoint=True, **PRECISION_WIDTHS["bf16"])
@@ -165,9 +170,15 @@ def test_cuda_buckets(precision):
 @pytest.mark.parametrize("regime,targets", [("lora", "all-linear"), ("lora", "k_proj"), ("lora", "o_proj,fc1"),
                                             ("qlora", "all-linear"), ("qlora", "fc2")])
 @pytest.mark.parametrize("grad_checkpoint", [False, True])
-def test_bf16_buckets_are_exact(cfg, regime, targets, grad_checkpoint):
+@pytest.mark.parametrize("native", [True, False], ids=["native attention", "SDPA"])
+def test_bf16_buckets_are_exact(cfg, regime, targets, grad_checkpoint, native, monkeypatch):
     """--precision bf16 (slow bf16 allowed: CI CPUs may lack bf16 units): a bf16 base beside fp32 norms and LoRA
-    masters, the bf16 block between the fp32 norms and stream, the masters' bf16 copies: every bucket exact."""
+    masters, the bf16 block between the fp32 norms and stream, the masters' bf16 copies: every bucket exact,
+    through minigpt.native_attention and through SDPA (its kernels switched off)."""
+    if native and native_attention.kernels() is None:
+        pytest.skip("minigpt.native_attention is not built here (no compiler or no AVX-512)")
+    if not native:
+        monkeypatch.setattr(native_attention, "kernels", lambda: None)
     r = check(cfg, regime=regime, targets=targets, precision="bf16", allow_slow_bf16=True,
               grad_checkpoint=grad_checkpoint)
     for b in BUCKETS:

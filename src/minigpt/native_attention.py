@@ -1,0 +1,309 @@
+"""Causal self-attention for bf16 on CPU: the products as batched GEMMs, the softmax and its gradient in C.
+
+    if fits(q, k, v):                       # bf16 on CPU, T queries over the same T keys, kernels built
+        y = causal_attention(q, k, v, window=None)   # (B, h, T, d); k, v may have fewer (kv) heads
+
+What it computes is ``F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)`` (with a
+sliding window: each query sees itself and the window - 1 keys before it), as transformers' "eager" attention
+does it in bf16: S = q·kᵀ by ``torch.bmm`` (bf16 in, fp32 accumulation, S rounded to bf16), P = softmax(S·d^-½)
+per row in fp32 (C: the row's maximum, Σ exp, then P written in bf16 over S), y = P·v by ``torch.bmm``.
+PyTorch's fused CPU kernel (flash) keeps S in fp32 instead and skips the masked half, but on a 2-core
+CPU its bf16 run is no faster than its fp32 one (oneDNN's bf16 GEMMs are several times faster): at
+Llama-3.2-1B's shape (32 heads, 8 KV heads, 512 tokens) one layer's forward and backward take about 36 ms
+through it and about 9.5 ms in bf16 GEMMs (benchmarks/RESULTS.md has the whole-step figures).
+
+Grouped-query attention without repeating K/V: the g = h / kv query heads that share a K/V head are stacked
+as g·T rows of one GEMM against that head's T keys, so S is (B·kv, g·T, T) and row r is query t = r mod T.
+
+Backward (FlashAttention-2's, with P recomputed from the saved logsumexp instead of kept): S again by
+``bmm``, P = exp(S·d^-½ - lse) (C), dV = Pᵀ·dy, dP = dy·vᵀ, then in C per row D = Σ_j P·dP (fp32, from the
+same bf16 P and dP, so each row of dS sums to 0 as softmax's gradient must) and dS = P ∘ (dP - D)·d^-½
+written over dP, and dq = dS·k, dk = dSᵀ·q (``bmm``). It saves q, k, v and the logsumexp per query and head
+(fp32); not its output, which the fused kernel also keeps (FlashAttention-2 takes D from it): the o_proj that
+follows keeps that only when it trains (``minituner.planner`` counts both ways). The output is laid out
+(B, T, h, d), as the fused kernel lays it out, so o_proj's input is a view of it. The (g·T, T)
+scores are made a few K/V groups at a time (at most ``CHUNK_BYTES`` of S at once, never less than one group),
+so the transient memory stays small (and S stays in cache between the GEMM that writes it and the kernel that
+reads it); sequences over ``MAX_TOKENS`` are left to the fused kernel, whose memory does not grow with T² and
+which skips the masked half (there the two take the same time).
+
+exp and the bf16 rounding are ``minikernels.bf16_exp``'s. A row whose scores hold a NaN or an inf gives NaN
+(as softmax does for NaN; an inf score is NaN there too, inf - inf). Used only where the C was built with
+AVX-512 (``attn_vectorized``); elsewhere, and for fp32, fp16, CUDA, dropout and the KV cache of generation, the
+models call ``F.scaled_dot_product_attention``.
+"""
+from __future__ import annotations
+
+import ctypes
+import math
+import os
+from functools import lru_cache
+
+import torch
+from torch import Tensor
+
+from minikernels.bf16_exp import BF16_EXP_C
+from minikernels.build import NATIVE_ENV, ThreadSplit, load_library
+
+CFLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-ffp-contract=off", "-fno-fast-math", "-std=gnu11"]
+LIBS = ["-lm"]  # expf, logf
+CHUNK_BYTES = 2 << 20  # the scores S of at most this many bytes exist at once (but always one K/V group)
+# longer sequences go to the fused kernel: at 1,024 tokens (32 heads, 8 KV heads, 2 cores) the two took the same
+# time for forward and backward (87 vs 90 ms), and S grows as T² while the fused kernel's memory does not
+MAX_TOKENS = 1024
+MIN_VALUES_PER_THREAD = 1 << 16  # fewer scores stay on the calling thread (handing work over costs ~50 µs)
+CHUNK_VALUES = 1 << 16  # threads take rows in chunks of about this many scores
+
+_SOURCE = BF16_EXP_C + r"""
+int attn_vectorized(void) {
+#ifdef __AVX512F__
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* the keys [*lo, *hi) that query t sees: causal, and at most `window` back (itself included) when window > 0 */
+static inline void visible(int64_t t, int64_t window, int64_t* lo, int64_t* hi) {
+    *hi = t + 1;
+    *lo = window > 0 && t + 1 > window ? t + 1 - window : 0;
+}
+
+static void fill_nan(uint16_t* row, int64_t n) { for (int64_t j = 0; j < n; j++) row[j] = 0x7FC0; }
+
+/* Rows [r0, r1) of s (bf16 scores, rows `ld` apart, T keys each; row r is query r mod T): overwrite each row
+   with P = softmax(s·scale) over its visible keys, 0 elsewhere, in bf16. have_lse = 0: compute each row's
+   logsumexp (of s·scale) into lse[r]; 1: take lse[r] as given (the backward's recomputation). */
+void attn_softmax(uint16_t* s, int64_t ld, int64_t T, int64_t window, float scale, int64_t r0, int64_t r1,
+                  float* lse, int have_lse) {
+    for (int64_t r = r0; r < r1; r++) {
+        uint16_t* row = s + r * ld;
+        int64_t lo, hi;
+        visible(r % T, window, &lo, &hi);
+        if (!have_lse) {
+            float m = -INFINITY;
+            int bad = 0;
+            int64_t j = lo;
+#ifdef __AVX512F__
+            __m512 mv = _mm512_set1_ps(-INFINITY), sb = _mm512_set1_ps(scale);
+            __mmask16 odd = 0;  /* lanes that saw NaN or inf */
+            for (; j + 16 <= hi; j += 16) {
+                __m512 x = _mm512_mul_ps(load16(row + j), sb);
+                odd |= _mm512_cmp_ps_mask(_mm512_sub_ps(x, x), _mm512_setzero_ps(), _CMP_NEQ_UQ);
+                mv = _mm512_max_ps(mv, x);
+            }
+            m = _mm512_reduce_max_ps(mv);
+            bad = odd != 0;
+#endif
+            for (; j < hi; j++) {
+                float x = f32_from_bf16(row[j]) * scale;
+                if (!isfinite(x)) bad = 1;
+                if (x > m) m = x;
+            }
+            if (bad) { fill_nan(row, T); lse[r] = NAN; continue; }
+            /* exp(x - m) once per key into e, summed; then P = e / Σ, rounded to bf16 */
+            float e[hi - lo + 16], sum = 0.0f;
+            j = lo;
+#ifdef __AVX512F__
+            __m512 s0 = _mm512_setzero_ps(), s1 = s0, mb = _mm512_set1_ps(m);
+            for (; j + 32 <= hi; j += 32) {
+                __m512 e0 = exp16(_mm512_sub_ps(_mm512_mul_ps(load16(row + j), sb), mb));
+                __m512 e1 = exp16(_mm512_sub_ps(_mm512_mul_ps(load16(row + j + 16), sb), mb));
+                _mm512_storeu_ps(e + (j - lo), e0); _mm512_storeu_ps(e + (j - lo) + 16, e1);
+                s0 = _mm512_add_ps(s0, e0); s1 = _mm512_add_ps(s1, e1);
+            }
+            for (; j + 16 <= hi; j += 16) {
+                __m512 e0 = exp16(_mm512_sub_ps(_mm512_mul_ps(load16(row + j), sb), mb));
+                _mm512_storeu_ps(e + (j - lo), e0);
+                s0 = _mm512_add_ps(s0, e0);
+            }
+            sum = _mm512_reduce_add_ps(_mm512_add_ps(s0, s1));
+#endif
+            for (; j < hi; j++) { e[j - lo] = exp_nonpos(f32_from_bf16(row[j]) * scale - m); sum += e[j - lo]; }
+            lse[r] = m + logf(sum);
+            float inv = 1.0f / sum;
+            memset(row, 0, (size_t)lo * 2);
+            j = lo;
+#ifdef __AVX512F__
+            __m512 ib = _mm512_set1_ps(inv);
+            for (; j + 16 <= hi; j += 16) store16(row + j, _mm512_mul_ps(_mm512_loadu_ps(e + (j - lo)), ib));
+#endif
+            for (; j < hi; j++) row[j] = bf16_from_f32(e[j - lo] * inv);
+            memset(row + hi, 0, (size_t)(T - hi) * 2);
+            continue;
+        }
+        /* P = exp(x - lse) from the saved logsumexp (the backward's recomputation) */
+        float l = lse[r];
+        if (!isfinite(l)) { fill_nan(row, T); continue; }
+        memset(row, 0, (size_t)lo * 2);
+        int64_t j = lo;
+#ifdef __AVX512F__
+        __m512 lb = _mm512_set1_ps(l), sc = _mm512_set1_ps(scale);
+        for (; j + 16 <= hi; j += 16) {
+            __m512 x = _mm512_min_ps(_mm512_sub_ps(_mm512_mul_ps(load16(row + j), sc), lb), _mm512_setzero_ps());
+            store16(row + j, exp16(x));
+        }
+#endif
+        for (; j < hi; j++) {
+            float x = f32_from_bf16(row[j]) * scale - l;
+            row[j] = bf16_from_f32(exp_nonpos(x < 0.0f ? x : 0.0f));
+        }
+        memset(row + hi, 0, (size_t)(T - hi) * 2);
+    }
+}
+
+/* Rows [r0, r1): dp[r, j] = p[r, j]·(dp[r, j] - D)·scale over the visible keys, 0 elsewhere (bf16, in place),
+   with D = Σ_j p[r, j]·dp[r, j] over the same keys in fp32 (softmax's backward: each row of dS sums to 0) */
+void attn_softmax_grad(const uint16_t* p, uint16_t* dp, int64_t ld, int64_t T, int64_t window, float scale,
+                       int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; r++) {
+        const uint16_t* pr = p + r * ld;
+        uint16_t* g = dp + r * ld;
+        int64_t lo, hi;
+        visible(r % T, window, &lo, &hi);
+        float d = 0.0f;
+        int64_t j = lo;
+#ifdef __AVX512F__
+        __m512 acc = _mm512_setzero_ps();
+        for (; j + 16 <= hi; j += 16) acc = _mm512_add_ps(acc, _mm512_mul_ps(load16(pr + j), load16(g + j)));
+        d = _mm512_reduce_add_ps(acc);
+#endif
+        for (; j < hi; j++) d += f32_from_bf16(pr[j]) * f32_from_bf16(g[j]);
+        memset(g, 0, (size_t)lo * 2);
+        j = lo;
+#ifdef __AVX512F__
+        __m512 db = _mm512_set1_ps(d), sb = _mm512_set1_ps(scale);
+        for (; j + 16 <= hi; j += 16)
+            store16(g + j, _mm512_mul_ps(_mm512_mul_ps(load16(pr + j), _mm512_sub_ps(load16(g + j), db)), sb));
+#endif
+        for (; j < hi; j++)
+            g[j] = bf16_from_f32((f32_from_bf16(pr[j]) * (f32_from_bf16(g[j]) - d)) * scale);
+        memset(g + hi, 0, (size_t)(T - hi) * 2);
+    }
+}
+"""
+
+
+class AttentionKernels:
+    """The compiled softmax kernels, rows split across threads."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+        self._softmax = lib.attn_softmax
+        self._softmax.argtypes = [ptr, i64, i64, i64, f32, i64, i64, ptr, ctypes.c_int]
+        self._softmax.restype = None
+        self._grad = lib.attn_softmax_grad
+        self._grad.argtypes = [ptr, ptr, i64, i64, i64, f32, i64, i64]
+        self._grad.restype = None
+        self._threads = ThreadSplit("minigpt-attention")
+
+    def softmax_(self, s: Tensor, T: int, window: int, scale: float, lse: Tensor, have_lse: bool) -> None:
+        """s (G, R, T) bf16 contiguous, rows r = query r mod T: overwritten with P; lse (G·R,) fp32 read or written."""
+        rows = s.numel() // T
+        args = (s.data_ptr(), T, T, window, scale)
+        self._threads.run(rows, T, lambda r0, r1: self._softmax(*args, r0, r1, lse.data_ptr(), int(have_lse)),
+                          MIN_VALUES_PER_THREAD, CHUNK_VALUES)
+
+    def softmax_grad_(self, p: Tensor, dp: Tensor, T: int, window: int, scale: float) -> None:
+        """dp (G, R, T) bf16 contiguous overwritten with P ∘ (dP - D)·scale, D = rowsum(P ∘ dP) in fp32."""
+        rows = dp.numel() // T
+        args = (p.data_ptr(), dp.data_ptr(), T, T, window, scale)
+        self._threads.run(rows, T, lambda r0, r1: self._grad(*args, r0, r1), MIN_VALUES_PER_THREAD, CHUNK_VALUES)
+
+
+@lru_cache(maxsize=None)
+def _load() -> AttentionKernels | None:
+    return _usable(load_library("bf16_attention", _SOURCE, CFLAGS, "minigpt's native attention kernels", LIBS))
+
+
+def _usable(lib: ctypes.CDLL | None) -> AttentionKernels | None:
+    """The kernels of a built library, or None when there is none or it was built without AVX-512."""
+    return None if lib is None or not lib.attn_vectorized() else AttentionKernels(lib)
+
+
+def kernels() -> AttentionKernels | None:
+    """The native attention kernels, built on first use; None when disabled (MINIQUANT_NATIVE=0) or unavailable."""
+    return None if os.environ.get(NATIVE_ENV, "1") == "0" else _load()
+
+
+def fits(q: Tensor, k: Tensor, v: Tensor) -> bool:
+    """Whether causal_attention takes these: bf16 on CPU, (B, h, T, d) queries over (B, kv, T, d) keys and values
+    (kv dividing h), T at most MAX_TOKENS, and the kernels built."""
+    if not (q.dtype == k.dtype == v.dtype == torch.bfloat16 and q.device.type == "cpu" and q.dim() == 4):
+        return False
+    B, h, T, _ = q.shape
+    if k.shape != v.shape or k.dim() != 4 or k.shape[0] != B or k.shape[2] != T or h % k.shape[1]:
+        return False
+    return T <= MAX_TOKENS and kernels() is not None
+
+
+def takes_bf16_run(seq_len: int) -> bool:
+    """Whether a bf16 CPU training run at seq_len tokens attends here (what minituner.planner counts)."""
+    return seq_len <= MAX_TOKENS and kernels() is not None
+
+
+def _chunks(q: Tensor, kv: int) -> list[tuple[int, int]]:
+    """[g0, g1) ranges of q's B·kv K/V groups whose bf16 scores take at most CHUNK_BYTES together, and no more
+    than q itself (a small model's S stays below its own activations), at least one group each."""
+    B, h, T, d = q.shape
+    groups, group_bytes = B * kv, (h // kv) * T * T * 2
+    per = max(1, min(CHUNK_BYTES, q.numel() * 2) // group_bytes)
+    return [(g0, min(groups, g0 + per)) for g0 in range(0, groups, per)]
+
+
+def _as_groups(x: Tensor, kv: int) -> Tensor:
+    """(B, n, T, d) -> (B·kv, n / kv · T, d) contiguous: each K/V head's query heads stacked as rows."""
+    B, n, T, d = x.shape
+    return x.reshape(B * kv, (n // kv) * T, d).contiguous()
+
+
+class _CausalAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, window: int) -> Tensor:
+        lib = kernels()
+        B, h, T, d = q.shape
+        kv = k.shape[1]
+        scale = 1.0 / math.sqrt(d)
+        qg, kg, vg = _as_groups(q, kv), _as_groups(k, kv), _as_groups(v, kv)
+        out = torch.empty(B * kv, qg.shape[1], d, dtype=q.dtype)  # (B, h, T, d) in memory
+        lse = torch.empty(B * h * T, dtype=torch.float32)
+        rows = qg.shape[1]
+        for g0, g1 in _chunks(q, kv):
+            s = torch.bmm(qg[g0:g1], kg[g0:g1].transpose(1, 2))  # (G, g·T, T) bf16
+            lib.softmax_(s, T, window, scale, lse[g0 * rows:g1 * rows], have_lse=False)
+            torch.bmm(s, vg[g0:g1], out=out[g0:g1])
+        y = torch.empty(B, T, h, d, dtype=q.dtype)  # laid out as the fused kernel lays it out
+        y.copy_(out.view(B, h, T, d).transpose(1, 2))
+        y = y.transpose(1, 2)  # (B, h, T, d)
+        ctx.save_for_backward(q, k, v, lse)
+        ctx.window = window
+        return y
+
+    @staticmethod
+    def backward(ctx, dy: Tensor):
+        q, k, v, lse = ctx.saved_tensors
+        lib = kernels()
+        B, h, T, d = q.shape
+        kv = k.shape[1]
+        scale = 1.0 / math.sqrt(d)
+        qg, kg, vg, dyg = _as_groups(q, kv), _as_groups(k, kv), _as_groups(v, kv), _as_groups(dy.to(q.dtype), kv)
+        dq, dk, dv = torch.empty_like(qg), torch.empty_like(kg), torch.empty_like(vg)
+        rows = qg.shape[1]
+        for g0, g1 in _chunks(q, kv):
+            r0, r1 = g0 * rows, g1 * rows
+            p = torch.bmm(qg[g0:g1], kg[g0:g1].transpose(1, 2))  # S again, then P over it
+            lib.softmax_(p, T, ctx.window, scale, lse[r0:r1], have_lse=True)
+            torch.bmm(p.transpose(1, 2), dyg[g0:g1], out=dv[g0:g1])
+            ds = torch.bmm(dyg[g0:g1], vg[g0:g1].transpose(1, 2))  # dP, then dS over it
+            lib.softmax_grad_(p, ds, T, ctx.window, scale)
+            del p
+            torch.bmm(ds, kg[g0:g1], out=dq[g0:g1])
+            torch.bmm(ds.transpose(1, 2), qg[g0:g1], out=dk[g0:g1])
+        return dq.view(B, h, T, d), dk.view(B, kv, T, d), dv.view(B, kv, T, d), None
+
+
+def causal_attention(q: Tensor, k: Tensor, v: Tensor, window: int | None = None) -> Tensor:
+    """softmax(q·kᵀ/√d, causal; at most `window` keys back, itself included) · v for bf16 on CPU (``fits``).
+
+    q (B, h, T, d), k and v (B, kv, T, d) with kv dividing h -> (B, h, T, d)."""
+    return _CausalAttention.apply(q, k, v, 0 if window is None else int(window))

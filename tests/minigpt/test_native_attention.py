@@ -1,0 +1,189 @@
+"""minigpt.native_attention: bf16 causal attention (bf16 GEMMs + C softmax) against fp32 arithmetic and SDPA."""
+import ctypes
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from minigpt import native_attention
+from minigpt.decoder import Decoder, DecoderConfig
+from minigpt.model import GPTConfig, MiniGPT
+from minikernels.build import build_library, find_compiler
+
+kernels = native_attention.kernels()
+needs_kernels = pytest.mark.skipif(kernels is None, reason="no C compiler or no AVX-512: the kernels are not built")
+
+
+def _visible(T, window=None):
+    i, j = torch.arange(T)[:, None], torch.arange(T)[None]
+    return (j <= i) if window is None else (j <= i) & (j > i - window)
+
+
+def _reference(q, k, v, window=None):
+    """fp32 attention of the same values, K/V heads repeated to the query heads (head i reads K/V head i // g)."""
+    g = q.shape[1] // k.shape[1]
+    q, k, v = q.float(), k.float().repeat_interleave(g, 1), v.float().repeat_interleave(g, 1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=_visible(q.shape[2], window))
+
+
+def _inputs(B, h, kv, T, d, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(B, n, T, d, generator=g).bfloat16() for n in (h, kv, kv)], \
+        torch.randn(B, h, T, d, generator=g).bfloat16()
+
+
+def _rel(a, b):
+    """The largest difference relative to b's largest magnitude (the difference itself where b is all 0)."""
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1.0)).item()
+
+
+@needs_kernels
+@pytest.mark.parametrize("T", [1, 15, 16, 17, 40, 130])  # every tail of the 16- and 32-wide loops
+@pytest.mark.parametrize("window", [None, 5])
+def test_softmax_kernel_matches_fp32_torch(T, window):
+    """Each row: softmax of the visible scores · scale in fp32, 0 elsewhere, one bf16 rounding; the logsumexp
+    within fp32 rounding of torch's; P recomputed from that logsumexp within one bf16 unit of the first."""
+    g = torch.Generator().manual_seed(T)
+    s = (torch.randn(2, 3 * T, T, generator=g) * 8).bfloat16()  # 2 groups, 3 query heads stacked
+    scale = 0.125
+    rows_t = torch.arange(3 * T) % T
+    mask = _visible(T, window)[rows_t]  # (3T, T)
+    x = (s.float() * scale).masked_fill(~mask, float("-inf"))
+    want_p, want_lse = torch.softmax(x, -1), torch.logsumexp(x, -1).flatten()
+    p, lse = s.clone(), torch.empty(2 * 3 * T)
+    kernels.softmax_(p, T, window or 0, scale, lse, have_lse=False)
+    torch.testing.assert_close(lse, want_lse, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(p.float(), want_p, rtol=2 ** -7, atol=1e-7)
+    assert torch.all(p.float()[:, ~mask] == 0)
+    again = s.clone()
+    kernels.softmax_(again, T, window or 0, scale, lse, have_lse=True)
+    torch.testing.assert_close(again.float(), p.float(), rtol=2 ** -7, atol=1e-7)
+
+
+@needs_kernels
+@pytest.mark.parametrize("T", [1, 17, 64])
+def test_softmax_gradient_kernel_matches_fp32_torch(T):
+    g = torch.Generator().manual_seed(T)
+    p = torch.softmax(torch.randn(2, T, T, generator=g).masked_fill(~_visible(T), float("-inf")), -1).bfloat16()
+    dp = torch.randn(2, T, T, generator=g).bfloat16()
+    D = (p.float() * dp.float()).sum(-1, keepdim=True)  # rowsum(P ∘ dP) of the same bf16 values
+    want = p.float() * (dp.float() - D) * 0.25
+    kernels.softmax_grad_(p, dp, T, 0, 0.25)
+    torch.testing.assert_close(dp.float(), want, rtol=2 ** -7, atol=1e-6)
+    assert torch.all(dp.float()[:, ~_visible(T)] == 0)
+    if T == 1:  # one visible key: softmax is constant, its gradient exactly 0
+        assert torch.all(dp == 0)
+
+
+@needs_kernels
+@pytest.mark.parametrize("B,h,kv,T,d,window", [(2, 4, 4, 37, 16, None), (2, 4, 2, 40, 32, None),
+                                               (1, 8, 1, 33, 64, 7), (3, 2, 2, 1, 8, None), (1, 32, 8, 128, 64, None)])
+def test_attention_and_its_gradients_are_as_close_to_fp32_as_sdpa_in_bf16(B, h, kv, T, d, window):
+    """Against fp32 attention of the same bf16 values, ours (S rounded to bf16, as transformers' eager bf16
+    attention) stays within twice the error of PyTorch's SDPA run on the same bf16 tensors (S kept in fp32)."""
+    (q, k, v), dy = _inputs(B, h, kv, T, d, seed=T)
+    ref = [t.float().requires_grad_() for t in (q, k, v)]
+    _reference(*ref, window).backward(dy.float())
+    ours = [t.clone().requires_grad_() for t in (q, k, v)]
+    y = native_attention.causal_attention(*ours, window)
+    y.backward(dy)
+    theirs = [t.clone().requires_grad_() for t in (q, k, v)]
+    g = h // kv
+    y_sdpa = F.scaled_dot_product_attention(theirs[0], theirs[1].repeat_interleave(g, 1),
+                                            theirs[2].repeat_interleave(g, 1), attn_mask=_visible(T, window))
+    y_sdpa.backward(dy)
+    assert y.dtype == torch.bfloat16 and y.shape == (B, h, T, d)
+    want = _reference(q, k, v, window)
+    for a, b, r in [(y, y_sdpa, want), *((o.grad, t.grad, x.grad) for o, t, x in zip(ours, theirs, ref))]:
+        assert a.shape == r.shape and torch.isfinite(a).all()
+        assert _rel(a, r) <= 2 * _rel(b, r) + 2 ** -8, (_rel(a, r), _rel(b, r))
+
+
+@needs_kernels
+def test_layouts_and_chunks_change_nothing(monkeypatch):
+    """q, k, v as the models hand them over (views of (B, T, h, d)) give the same bits as contiguous ones, and
+    the scores made one K/V group at a time the same bits as all at once. The output is laid out (B, T, h, d)."""
+    (q, k, v), dy = _inputs(2, 4, 2, 24, 16)
+    views = [t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v)]
+
+    def run(inputs):
+        inputs = [t.clone().requires_grad_() if t.is_contiguous() else t.detach().requires_grad_() for t in inputs]
+        y = native_attention.causal_attention(*inputs)
+        y.backward(dy)
+        return [y.detach(), *(t.grad for t in inputs)]
+
+    whole = run([q, k, v])
+    for a, b in zip(whole, run(views)):
+        assert torch.equal(a, b)
+    monkeypatch.setattr(native_attention, "CHUNK_BYTES", 1)  # one group per chunk
+    for a, b in zip(whole, run([q, k, v])):
+        assert torch.equal(a, b)
+    y = native_attention.causal_attention(q, k, v)
+    assert y.transpose(1, 2).is_contiguous()  # o_proj's input is a view of it, as of the fused kernel's output
+
+
+@needs_kernels
+def test_a_nan_in_a_query_makes_its_rows_nan_and_no_other():
+    (q, k, v), _ = _inputs(1, 2, 2, 20, 16)
+    q[0, 1, 7, 3] = float("nan")
+    y = native_attention.causal_attention(q, k, v)
+    assert torch.isnan(y[0, 1, 7]).all() and not torch.isnan(y[0, 0]).any() and not torch.isnan(y[0, 1, 8:]).any()
+
+
+def test_fits_only_bf16_cpu_self_attention_within_its_length(monkeypatch):
+    (q, k, v), _ = _inputs(1, 4, 2, 8, 16)
+    if kernels is not None:
+        assert native_attention.fits(q, k, v)
+    assert not native_attention.fits(q.float(), k.float(), v.float())
+    assert not native_attention.fits(q, k[:, :, :4], v[:, :, :4])  # a KV cache: more keys than queries
+    assert not native_attention.fits(q[:, :3], k, v)  # 3 query heads over 2 K/V heads
+    long = torch.zeros(1, 1, native_attention.MAX_TOKENS + 1, 8, dtype=torch.bfloat16)
+    assert not native_attention.fits(long, long, long)
+    monkeypatch.setenv("MINIQUANT_NATIVE", "0")
+    assert native_attention.kernels() is None and not native_attention.fits(q, k, v)
+
+
+@needs_kernels
+def test_a_build_without_avx512_is_not_used(tmp_path, monkeypatch):
+    """The kernels' 16-lane loops need AVX-512; a plain-C build reports it and is refused."""
+    compiler = find_compiler()
+    monkeypatch.setenv("MINIQUANT_CACHE", str(tmp_path))
+    path = build_library("bf16_attention_plain", native_attention._SOURCE,
+                         native_attention.CFLAGS + ["-mno-avx512f"], compiler, native_attention.LIBS)
+    lib = ctypes.CDLL(str(path))
+    assert lib.attn_vectorized() == 0 and native_attention._usable(lib) is None
+
+
+def _grad_fn_names(y):
+    seen, todo = set(), [y.grad_fn]
+    while todo:
+        fn = todo.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        todo.extend(f for f, _ in fn.next_functions)
+    return {type(f).__name__ for f in seen}
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype,native", [(torch.bfloat16, True), (torch.float32, False)])
+def test_the_models_attend_here_in_bf16_and_through_sdpa_in_fp32(dtype, native):
+    """Both models (MiniGPT, the llama-family Decoder with GQA and a window) take this path for bf16 on CPU while
+    training and in a plain forward; fp32 keeps SDPA. Gradient checkpointing recomputes it to the same bits."""
+    idx = torch.randint(0, 50, (2, 12), generator=torch.Generator().manual_seed(0))
+    gpt = MiniGPT(GPTConfig(vocab_size=50, block_size=16, n_layer=1, n_head=2, d_model=16, dropout=0.0))
+    llama = Decoder(DecoderConfig(vocab_size=50, n_layer=2, n_head=4, n_kv_head=2, d_model=32, d_ff=48,
+                                  block_size=16, sliding_window=4, sliding_layers=[1]))
+    for model in (gpt, llama):
+        model.to(dtype).train()
+        names = _grad_fn_names(model(idx))
+        assert ("_CausalAttentionBackward" in names) == native
+        if native:
+            grads = []
+            for ckpt in (False, True):
+                model.zero_grad()
+                model.grad_checkpoint = ckpt
+                model(idx).float().square().mean().backward()
+                grads.append([p.grad.clone() for p in model.parameters()])
+            model.grad_checkpoint = False
+            assert all(torch.equal(a, b) for a, b in zip(*grads))
