@@ -8,12 +8,16 @@ then it profiles one more step of each. Rows: our LoRA and QLoRA in fp32 and in 
 QLoRA in fp32 and with compute_dtype bf16 under torch.autocast, the rest of its model in fp32 or in bf16 (as
 from_pretrained(dtype=bfloat16) loads it); its best CPU setting is the faster of those two, and the goal takes
 it. Every row starts from the same weights and batch. Each side computes its loss its own way: ours with
-minigpt.train.lm_loss (as finetune does), theirs as transformers does (the logits upcast to fp32).
+minigpt.train.lm_loss (as finetune does), theirs as transformers does (the logits upcast to fp32). The PEFT
+rows run our model code with bitsandbytes' Linear4bit swapped in; they attend as transformers' models do on CPU,
+through F.scaled_dot_product_attention (minigpt.native_attention switched off for them), and one informational
+row gives the bf16 one our attention instead, to show what that alone is worth.
 
 The floor: one step of our QLoRA bf16 runs under a TorchDispatchMode that records every matrix product
 (aten::mm, addmm, addmm_, bmm, baddbmm) with its shapes, strides and dtypes; the floor row replays them all,
 back to back, on random inputs of the same layouts, timed in the same interleaved rounds as the steps.
-Attention's fused CPU kernel is not a matrix product: it is reported apart.
+Our attention's q·kᵀ and P·v are bf16 GEMMs (aten::bmm) and count among the products; its C softmax, and
+SDPA's fused kernel in the PEFT rows, are reported apart.
 On a CPU without bf16 units (minigpt.bf16_support) the bf16 goals are reported as not measurable here.
 """
 from __future__ import annotations
@@ -24,9 +28,11 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
+from unittest import mock
 
 HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
@@ -38,6 +44,7 @@ import torch.nn.functional as F  # noqa: E402
 
 import bench_step  # noqa: E402
 import real_checkpoints  # noqa: E402
+from minigpt import native_attention  # noqa: E402
 from minigpt.bf16_support import bf16_support  # noqa: E402
 from minigpt.decoder import Decoder  # noqa: E402
 from minigpt.model import MiniGPT  # noqa: E402
@@ -119,9 +126,14 @@ CONFIGS = {
     "peft_bnb_bf16": "PEFT + bitsandbytes QLoRA, compute_dtype bf16 under CPU autocast",
     "peft_bnb_bf16_base": "PEFT + bitsandbytes QLoRA, model in bf16 (as from_pretrained(dtype=bf16)), compute_dtype "
                           "bf16 under CPU autocast",
+    "peft_bnb_bf16_base_our_attention": "informational: the row above with our attention (minigpt.native_attention) "
+                                        "instead of SDPA",
 }
 PEFT_BF16 = ("peft_bnb_bf16", "peft_bnb_bf16_base")  # its best CPU setting is the faster of the two
 PEFT_SETTING = {"peft_bnb_bf16": "the model in fp32", "peft_bnb_bf16_base": "the model in bf16"}
+# the PEFT rows attend as transformers' models do on CPU, through SDPA (minigpt.native_attention switched off),
+# except this one, which shows what our attention alone is worth to them
+OUR_ATTENTION = ("peft_bnb_bf16_base_our_attention",)
 
 
 # ---- inside the subprocess ----------------------------------------------------------------------
@@ -143,8 +155,8 @@ def build(shape: Shape, config: str) -> nn.Module:
     elif config.startswith("peft_bnb"):
         from peft import LoraConfig, get_peft_model
 
-        dtype = torch.bfloat16 if config in PEFT_BF16 else torch.float32
-        if config == "peft_bnb_bf16_base":  # embeddings, norms and head in bf16; NF4 quantized from bf16 weights,
+        dtype = torch.bfloat16 if config in (*PEFT_BF16, *OUR_ATTENTION) else torch.float32
+        if config in ("peft_bnb_bf16_base", *OUR_ATTENTION):  # embeddings, norms and head in bf16; NF4 quantized from bf16 weights,
             model.to(torch.bfloat16)  # as transformers loads a bf16 checkpoint with load_in_4bit
         for path in [n for n, m in model.named_modules()
                      if isinstance(m, nn.Linear) and n.rsplit(".", 1)[-1] in shape.targets]:
@@ -231,6 +243,17 @@ def profile_groups(step: Callable[[], object]) -> tuple[float, dict[str, float]]
     return wall, dict(groups)
 
 
+@contextmanager
+def _sdpa_attention(on: bool):
+    """With on: the models attend through F.scaled_dot_product_attention, as transformers' models do on CPU
+    (minigpt.native_attention's kernels reported absent for the while)."""
+    if not on:
+        yield
+        return
+    with mock.patch.object(native_attention, "kernels", lambda: None):
+        yield
+
+
 def measure(shape_name: str, warmup: int, repeats: int) -> dict:
     """Every configuration and the floor in this one process, timed in interleaved rounds (timing.py)."""
     import bitsandbytes  # noqa: F401
@@ -248,17 +271,19 @@ def measure(shape_name: str, warmup: int, repeats: int) -> dict:
         model = build(shape, config)
         model.train()
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
-        autocast = config in PEFT_BF16
+        autocast = config in (*PEFT_BF16, *OUR_ATTENTION)
+        sdpa = config.startswith("peft_bnb") and config not in OUR_ATTENTION
 
         def forward_backward() -> torch.Tensor:
             opt.zero_grad(set_to_none=True)
             if config.startswith("peft_bnb"):  # transformers' loss: the logits upcast to fp32, then cross-entropy
-                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast), _sdpa_attention(sdpa):
                     logits = model(x)  # (B, T, V)
                 loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1))
             else:  # ours as finetune runs it: minigpt.cross_entropy reads the logits in the head's dtype
                 loss = lm_loss(model, x, y)
-            loss.backward()
+            with _sdpa_attention(sdpa):  # the backward of the attention the forward ran
+                loss.backward()
             return loss
 
         def step() -> None:
@@ -326,7 +351,9 @@ def run_shape(shape: str, quick: bool = False, wait_s: float | None = None) -> S
         "PEFT + bitsandbytes in bf16: Linear4bit(compute_dtype=bf16) with the forward under torch.autocast('cpu', "
         "bf16), the rest of the model in fp32 or, as `from_pretrained(dtype=bfloat16)` loads it, in bf16 (NF4 "
         "quantized from the bf16 weights); its logits upcast to fp32 for the loss, as transformers' "
-        "ForCausalLMLoss does; the goal compares ours with the faster of the two. "
+        "ForCausalLMLoss does; it runs our model code with Linear4bit swapped in, attending through SDPA's fused "
+        "kernel as transformers' models do on CPU (an informational row gives it our attention instead); the goal "
+        "compares ours with the faster of its two settings. "
         f"All rows live in one process and are timed in {res['rounds']} interleaved rounds (each round calls every "
         f"row once, in rotating order) after {warmup} warm-up round(s), so load from other processes falls on all "
         f"rows alike. The floor: every matrix product of one QLoRA bf16 step ({res['products']} calls; dtypes "
@@ -356,8 +383,10 @@ def run_shape(shape: str, quick: bool = False, wait_s: float | None = None) -> S
              f"{not_here}PEFT + bitsandbytes' faster bf16 setting here: {PEFT_SETTING[peft_best]} "
              f"({fmt_seconds(t[peft_best])}; the other {fmt_seconds(max(t[c] for c in PEFT_BF16))}). Under autocast it "
              "dequantizes to bf16 and casts activations per call; both run the same bf16 products; its attention is "
-             "SDPA's fused kernel on bf16 (autocast lists SDPA), ours bf16 GEMMs around a C softmax "
-             f"(minigpt.native_attention); fp32 beside: ours QLoRA {fmt_seconds(t['qlora_fp32'])}, PEFT + bitsandbytes "
+             "SDPA's fused kernel on bf16 (autocast lists SDPA), as in transformers' models, ours bf16 GEMMs around "
+             "a C softmax (minigpt.native_attention; given to PEFT + bitsandbytes' model in bf16: "
+             f"{fmt_seconds(t[OUR_ATTENTION[0]])}, {fmt_ratio(t['qlora_bf16'] / t[OUR_ATTENTION[0]])} for ours "
+             f"against that); fp32 beside: ours QLoRA {fmt_seconds(t['qlora_fp32'])}, PEFT + bitsandbytes "
              f"{fmt_seconds(t['peft_bnb_fp32'])}",
              measurable=support.fast),
         Goal(f"bf16 step ({shape}): ours QLoRA / its matrix products alone", t["qlora_bf16"] / floor, VS_FLOOR_GOAL,
