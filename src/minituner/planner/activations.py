@@ -69,6 +69,14 @@ FP32 = 4  # logsumexp, log-softmax output, nll_loss's total_weight
 # the widths (e, s, c) of a run at each --precision: fp32 throughout, or minituner.precision's bf16 compute
 # (bf16 from each norm to the residual add, the fp32 stream and norms, bf16 copies of the fp32 LoRA masters)
 PRECISION_WIDTHS = {"fp32": {"act_bytes": 4}, "bf16": {"act_bytes": 2, "stream_bytes": 4, "lora_copy_bytes": 2}}
+
+
+def bf16_compute_attention(act_bytes: int, stream_bytes: int | None, seq_len: int) -> bool:
+    """Whether attention runs as ``minigpt.native_attention`` in the run these widths describe: minituner.precision's
+    bf16 compute (a bf16 block, e = 2, beside the fp32 stream, s = 4) on a CPU where its kernels are built, at most
+    its MAX_TOKENS tokens. A plain 16-bit plan (s = e = 2: MemoryConfig(dtype="fp16"/"bf16")) keeps SDPA's terms;
+    a bf16 run on CUDA attends through SDPA too, where o_proj does not train that is N·h·d·e a layer above this."""
+    return act_bytes == 2 and stream_bytes == 4 and native_attention.takes_bf16_run(seq_len)
 QKV = ("attn.q_proj", "attn.k_proj", "attn.v_proj")
 BLOCK_LINEARS = (*QKV, "attn.o_proj", "mlp.fc1", "mlp.fc2")
 EXACT_FAMILIES = ("minigpt", "gpt2")  # GPT-2 as minituner trains it: imported into MiniGPT (as_minigpt)
@@ -164,7 +172,7 @@ def minigpt_saved_by_layer(shape: ModelShape, batch_size: int, seq_len: int, reg
     r = rank or 0
     N, C, F, h, e = batch_size * seq_len, shape.d_model, shape.d_ff, shape.n_head, act_bytes
     s = stream_bytes or act_bytes
-    native = e == 2 and native_attention.takes_bf16_run(seq_len)  # minigpt.native_attention keeps no output
+    native = bf16_compute_attention(act_bytes, stream_bytes, seq_len)  # keeps no output
     linears = {lin.path: lin for lin in shape.linears}
     embed: Counter[str] = Counter()
     head: Counter[str] = Counter()

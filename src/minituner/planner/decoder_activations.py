@@ -68,12 +68,12 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable
 
-from minigpt import native_attention
 from minigpt.decoder import cpu_flash_takes_gqa
 from minigpt.errors import InputError
 
 from .activations import EXACT_FAMILIES as MINIGPT_FAMILIES
-from .activations import FP32, INDEX_BYTES, SavedByLayer, loss_saved, lora_paths, lora_saved, minigpt_saved_by_layer
+from .activations import (FP32, INDEX_BYTES, SavedByLayer, bf16_compute_attention, loss_saved, lora_paths, lora_saved,
+                          minigpt_saved_by_layer)
 from .counts import ALL_LINEAR
 from .shapes import ModelShape
 
@@ -107,7 +107,7 @@ def decoder_saved_by_layer(shape: ModelShape, batch_size: int, seq_len: int, reg
     s = stream_bytes or act_bytes
     linears = {lin.path: lin for lin in shape.linears}
     A = shape.n_head * shape.head_dim  # attention width: q (and k/v repeated to h heads without enable_gqa)
-    native = e == 2 and native_attention.takes_bf16_run(T)  # minigpt.native_attention: no mask, k/v at kv heads
+    native = bf16_compute_attention(e, stream_bytes, T)  # minigpt.native_attention: no mask, k/v at kv heads
     KV = (shape.n_kv_head if native or cpu_flash_takes_gqa() else shape.n_head) * shape.head_dim  # k, v as kept
     embed: Counter[str] = Counter()
     head: Counter[str] = Counter()

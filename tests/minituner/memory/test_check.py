@@ -79,6 +79,9 @@ def test_bf16_terms_follow_the_dataflow():
     native = native_attention.takes_bf16_run(8)
     assert 2 * bf16.get("attention output", 0) == (0 if native else fp32["attention output"])
     assert 2 * bf16["linear input"] == fp32["linear input"] + (fp32["attention output"] if native else 0)
+    # a plain 16-bit plan (MemoryConfig(dtype="fp16"), no fp32 stream) is not that path: SDPA keeps the output
+    plain = minigpt_saved_by_layer(shape, 2, 8, "lora", r, act_bytes=2).terms()
+    assert 2 * plain["attention output"] == fp32["attention output"]
     assert "LoRA factor copies" not in fp32  # fp32 LoRA saves its factors themselves: parameters
     assert bf16["LoRA factor copies"] == 2 * r * (4 * (16 + 16) + 2 * (16 + 64)) * 2  # layers x r(in + out) x bf16
     ckpt = minigpt_saved_by_layer(shape, 2, 8, "lora", r, grad_checkpoint=True, **PRECISION_WIDTHS["bf16"])
