@@ -20,8 +20,8 @@ layer's input (and the rotary cos/sin it is called with) and the backward recomp
 Generation passes a ``minigpt.kv_cache.KVCache`` (``model(ids, cache=cache)``): each layer stores its keys
 and values (after RoPE, at their num_key_value_heads), and the next call's tokens continue at the positions stored.
 
-Attention in bf16 on CPU (training and plain forwards, no cache, no attention dropout, up to 1,024 tokens)
-is ``minigpt.native_attention``: bf16 GEMMs around a C softmax, each K/V head's query heads stacked as rows, so k
+Attention in bf16 on CPU (as many keys as queries: training, plain forwards and generation's first call; no
+attention dropout; up to 1,024 tokens) is ``minigpt.native_attention``: bf16 GEMMs around a C softmax, each K/V head's query heads stacked as rows, so k
 and v stay at their kv heads there too. Otherwise:
 grouped-query attention on CPU hands the kv heads to ``F.scaled_dot_product_attention(..., enable_gqa=True)``
 where PyTorch's fused CPU kernel takes them (``cpu_flash_takes_gqa``, asked once: torch 2.9 on): the kernel

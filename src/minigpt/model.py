@@ -8,8 +8,9 @@ result, and a base folder's config.json stays the same): ``model.grad_checkpoint
 block under ``torch.utils.checkpoint`` (non-reentrant) while training, so the forward keeps only each
 block's input and the backward recomputes the block before differentiating it.
 
-Attention is ``F.scaled_dot_product_attention`` (causal), except in bf16 on CPU without attention dropout or a KV
-cache, where ``minigpt.native_attention`` computes the same with bf16 GEMMs around a C softmax (faster there).
+Attention is ``F.scaled_dot_product_attention`` (causal), except in bf16 on CPU with as many keys as queries (no
+KV cache before them) and no attention dropout, where ``minigpt.native_attention`` computes the same with bf16
+GEMMs around a C softmax (faster there).
 """
 from __future__ import annotations
 

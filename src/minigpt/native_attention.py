@@ -27,10 +27,11 @@ so the transient memory stays small (and S stays in cache between the GEMM that 
 reads it); sequences over ``MAX_TOKENS`` are left to the fused kernel, whose memory does not grow with T² and
 which skips the masked half (there the two take the same time).
 
-exp and the bf16 rounding are ``minikernels.bf16_exp``'s. A row whose scores hold a NaN or an inf gives NaN
-(as softmax does for NaN; an inf score is NaN there too, inf - inf). Used only where the C was built with
-AVX-512 (``attn_vectorized``); elsewhere, and for fp32, fp16, CUDA, dropout and the KV cache of generation, the
-models call ``F.scaled_dot_product_attention``.
+exp and the bf16 rounding are ``minikernels.bf16_exp``'s. A row whose visible scores hold a NaN or an inf gives
+NaN (as softmax does for NaN; an inf score is NaN there too, inf - inf). Used only where the C was built with
+AVX-512 (``attn_vectorized``); elsewhere, and for fp32, fp16, CUDA, dropout and generation's steps after the first
+(more keys than queries; its first call, over an empty cache, attends here), the models call
+``F.scaled_dot_product_attention``.
 """
 from __future__ import annotations
 
@@ -69,7 +70,11 @@ static inline void visible(int64_t t, int64_t window, int64_t* lo, int64_t* hi) 
     *lo = window > 0 && t + 1 > window ? t + 1 - window : 0;
 }
 
-static void fill_nan(uint16_t* row, int64_t n) { for (int64_t j = 0; j < n; j++) row[j] = 0x7FC0; }
+/* a row whose scores hold a NaN or an inf: NaN over the keys it sees, 0 elsewhere (no NaN reaches other queries'
+   keys through the backward's products) */
+static void fill_nan(uint16_t* row, int64_t lo, int64_t hi, int64_t T) {
+    for (int64_t j = 0; j < T; j++) row[j] = j >= lo && j < hi ? 0x7FC0 : 0;
+}
 
 /* Rows [r0, r1) of s (bf16 scores, rows `ld` apart, T keys each; row r is query r mod T): overwrite each row
    with P = softmax(s·scale) over its visible keys, 0 elsewhere, in bf16. have_lse = 0: compute each row's
@@ -100,7 +105,7 @@ void attn_softmax(uint16_t* s, int64_t ld, int64_t T, int64_t window, float scal
                 if (!isfinite(x)) bad = 1;
                 if (x > m) m = x;
             }
-            if (bad) { fill_nan(row, T); lse[r] = NAN; continue; }
+            if (bad) { fill_nan(row, lo, hi, T); lse[r] = NAN; continue; }
             /* exp(x - m) once per key into e, summed; then P = e / Σ, rounded to bf16 */
             float e[hi - lo + 16], sum = 0.0f;
             j = lo;
@@ -134,7 +139,7 @@ void attn_softmax(uint16_t* s, int64_t ld, int64_t T, int64_t window, float scal
         }
         /* P = exp(x - lse) from the saved logsumexp (the backward's recomputation) */
         float l = lse[r];
-        if (!isfinite(l)) { fill_nan(row, T); continue; }
+        if (!isfinite(l)) { fill_nan(row, lo, hi, T); continue; }
         memset(row, 0, (size_t)lo * 2);
         int64_t j = lo;
 #ifdef __AVX512F__
@@ -228,13 +233,13 @@ def kernels() -> AttentionKernels | None:
 
 def fits(q: Tensor, k: Tensor, v: Tensor) -> bool:
     """Whether causal_attention takes these: bf16 on CPU, (B, h, T, d) queries over (B, kv, T, d) keys and values
-    (kv dividing h), T at most MAX_TOKENS, and the kernels built."""
+    (kv dividing h), 1 <= T <= MAX_TOKENS, and the kernels built."""
     if not (q.dtype == k.dtype == v.dtype == torch.bfloat16 and q.device.type == "cpu" and q.dim() == 4):
         return False
-    B, h, T, _ = q.shape
-    if k.shape != v.shape or k.dim() != 4 or k.shape[0] != B or k.shape[2] != T or h % k.shape[1]:
+    B, h, T, d = q.shape
+    if k.shape != v.shape or k.dim() != 4 or k.shape[0] != B or k.shape[2] != T or k.shape[3] != d or h % k.shape[1]:
         return False
-    return T <= MAX_TOKENS and kernels() is not None
+    return 1 <= T <= MAX_TOKENS and kernels() is not None
 
 
 def takes_bf16_run(seq_len: int) -> bool:
@@ -280,6 +285,7 @@ class _CausalAttention(torch.autograd.Function):
         return y
 
     @staticmethod
+    @torch.autograd.function.once_differentiable  # the kernels write in place, unseen by autograd
     def backward(ctx, dy: Tensor):
         q, k, v, lse = ctx.saved_tensors
         lib = kernels()

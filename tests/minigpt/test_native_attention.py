@@ -124,10 +124,25 @@ def test_layouts_and_chunks_change_nothing(monkeypatch):
 
 @needs_kernels
 def test_a_nan_in_a_query_makes_its_rows_nan_and_no_other():
-    (q, k, v), _ = _inputs(1, 2, 2, 20, 16)
+    """The NaN stays with its query's row: its output, its q gradient, and the v gradient of the keys it sees (the k
+    gradient of every key meets the NaN query in dSᵀ·q's sum, where 0·NaN is NaN, as in any GEMM)."""
+    (q, k, v), dy = _inputs(1, 2, 2, 20, 16)
     q[0, 1, 7, 3] = float("nan")
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
     y = native_attention.causal_attention(q, k, v)
     assert torch.isnan(y[0, 1, 7]).all() and not torch.isnan(y[0, 0]).any() and not torch.isnan(y[0, 1, 8:]).any()
+    y.backward(dy)
+    assert torch.isnan(q.grad[0, 1, 7]).all() and not torch.isnan(q.grad[0, 1, 8:]).any()
+    assert not torch.isnan(v.grad[0, 1, 8:]).any() and not torch.isnan(k.grad[0, 0]).any()  # keys it cannot see
+
+
+@needs_kernels
+def test_the_backward_is_once_differentiable():
+    (q, k, v), dy = _inputs(1, 2, 2, 8, 16)
+    q.requires_grad_()
+    (g,) = torch.autograd.grad(native_attention.causal_attention(q, k, v), q, dy.requires_grad_(), create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable|twice"):
+        g.sum().backward()
 
 
 def test_fits_only_bf16_cpu_self_attention_within_its_length(monkeypatch):
@@ -135,8 +150,10 @@ def test_fits_only_bf16_cpu_self_attention_within_its_length(monkeypatch):
     if kernels is not None:
         assert native_attention.fits(q, k, v)
     assert not native_attention.fits(q.float(), k.float(), v.float())
-    assert not native_attention.fits(q, k[:, :, :4], v[:, :, :4])  # a KV cache: more keys than queries
+    assert not native_attention.fits(q[:, :, :4], k, v)  # generation after its first call: more keys than queries
     assert not native_attention.fits(q[:, :3], k, v)  # 3 query heads over 2 K/V heads
+    assert not native_attention.fits(q[..., :8], k, v)  # head widths that differ
+    assert not native_attention.fits(q[:, :, :0], k[:, :, :0], v[:, :, :0])  # no tokens: SDPA's empty result
     long = torch.zeros(1, 1, native_attention.MAX_TOKENS + 1, 8, dtype=torch.bfloat16)
     assert not native_attention.fits(long, long, long)
     monkeypatch.setenv("MINIQUANT_NATIVE", "0")

@@ -309,15 +309,16 @@ class CheckResult:
         return {"predicted": predicted, "measured": measured, "error": error, "details": details}
 
 
-def predict(cfg: GPTConfig | DecoderConfig, check: CheckConfig, name: str = "model"
+def predict(cfg: GPTConfig | DecoderConfig, check: CheckConfig, name: str = "model", on_cpu: bool = True
             ) -> tuple[dict[str, int], dict[str, int], str, dict[str, int]]:
     """The planner's buckets and peak for this run (exact activations), the two activation estimates, the
     predicted peak phase and every phase's bytes. fp32: every bucket fp32. bf16: the frozen base in bf16
     (the planner's dtype bf16) but its norms fp32, the LoRA masters, their grads and Adam fp32; activations
-    and the peak at bf16 compute's widths (``PRECISION_WIDTHS["bf16"]``)."""
+    and the peak at bf16 compute's widths (``PRECISION_WIDTHS["bf16"]``). on_cpu False: a CUDA run (attention
+    through SDPA, never ``minigpt.native_attention``)."""
     shape = model_shape(cfg, name)
     regime = Regime("full") if check.regime == "full" else Regime(check.regime, check.rank)
-    widths = PRECISION_WIDTHS[check.precision]
+    widths = {**PRECISION_WIDTHS[check.precision], "on_cpu": on_cpu}
     mem = MemoryConfig(batch_size=check.batch_size, seq_len=check.seq_len, full_precision="fp32",
                        activations="exact", dtype="fp32", grad_checkpoint=check.grad_checkpoint)
     b = regime_bytes(shape, regime, check.targets, mem)
@@ -396,7 +397,7 @@ def memory_check(build: Callable[[], nn.Module], check: CheckConfig, device: tor
     phases = {k: v - own for k, v in meter.phases.items()}
     measured = {**state_bytes(model, opt), "grads": grads, "activations": activations, "peak": max(phases.values()),
                 "baseline": own - meter.base, "peak_raw": max(meter.phases.values()) - meter.base}
-    predicted, estimates, phase, predicted_phases = predict(model.config, check, name)
+    predicted, estimates, phase, predicted_phases = predict(model.config, check, name, on_cpu=device.type == "cpu")
     exact = "decoder_activations.py" if isinstance(model.config, DecoderConfig) else "activations.py"
     note = (f"exact model (planner/{exact})" if check.precision == "fp32"
             else f"exact model (planner/{exact}) at bf16 compute's widths (bf16 from each norm to the residual add, "

@@ -71,12 +71,12 @@ FP32 = 4  # logsumexp, log-softmax output, nll_loss's total_weight
 PRECISION_WIDTHS = {"fp32": {"act_bytes": 4}, "bf16": {"act_bytes": 2, "stream_bytes": 4, "lora_copy_bytes": 2}}
 
 
-def bf16_compute_attention(act_bytes: int, stream_bytes: int | None, seq_len: int) -> bool:
+def bf16_compute_attention(act_bytes: int, stream_bytes: int | None, seq_len: int, on_cpu: bool = True) -> bool:
     """Whether attention runs as ``minigpt.native_attention`` in the run these widths describe: minituner.precision's
     bf16 compute (a bf16 block, e = 2, beside the fp32 stream, s = 4) on a CPU where its kernels are built, at most
-    its MAX_TOKENS tokens. A plain 16-bit plan (s = e = 2: MemoryConfig(dtype="fp16"/"bf16")) keeps SDPA's terms;
-    a bf16 run on CUDA attends through SDPA too, where o_proj does not train that is N·h·d·e a layer above this."""
-    return act_bytes == 2 and stream_bytes == 4 and native_attention.takes_bf16_run(seq_len)
+    its MAX_TOKENS tokens. A plain 16-bit plan (s = e = 2: MemoryConfig(dtype="fp16"/"bf16")) and a run on CUDA
+    (on_cpu False) keep SDPA's terms."""
+    return on_cpu and act_bytes == 2 and stream_bytes == 4 and native_attention.takes_bf16_run(seq_len)
 QKV = ("attn.q_proj", "attn.k_proj", "attn.v_proj")
 BLOCK_LINEARS = (*QKV, "attn.o_proj", "mlp.fc1", "mlp.fc2")
 EXACT_FAMILIES = ("minigpt", "gpt2")  # GPT-2 as minituner trains it: imported into MiniGPT (as_minigpt)
@@ -157,7 +157,7 @@ def check_exact(shape: ModelShape, regime: str) -> None:
 def minigpt_saved_by_layer(shape: ModelShape, batch_size: int, seq_len: int, regime: str = "full",
                            rank: int | None = None, targets: str | Iterable[str] = ALL_LINEAR,
                            act_bytes: int = 4, grad_checkpoint: bool = False, *, stream_bytes: int | None = None,
-                           lora_copy_bytes: int = 0) -> SavedByLayer:
+                           lora_copy_bytes: int = 0, on_cpu: bool = True) -> SavedByLayer:
     """Bytes saved for backward by one MiniGPT training forward, per term and layer (see the module docstring).
 
     act_bytes is e, stream_bytes s (None: e), lora_copy_bytes c. With ``grad_checkpoint`` each block keeps
@@ -172,7 +172,7 @@ def minigpt_saved_by_layer(shape: ModelShape, batch_size: int, seq_len: int, reg
     r = rank or 0
     N, C, F, h, e = batch_size * seq_len, shape.d_model, shape.d_ff, shape.n_head, act_bytes
     s = stream_bytes or act_bytes
-    native = bf16_compute_attention(act_bytes, stream_bytes, seq_len)  # keeps no output
+    native = bf16_compute_attention(act_bytes, stream_bytes, seq_len, on_cpu)  # keeps no output
     linears = {lin.path: lin for lin in shape.linears}
     embed: Counter[str] = Counter()
     head: Counter[str] = Counter()

@@ -96,9 +96,9 @@ def check_decoder(shape: ModelShape, regime: str) -> None:
 def decoder_saved_by_layer(shape: ModelShape, batch_size: int, seq_len: int, regime: str = "full",
                            rank: int | None = None, targets: str | Iterable[str] = ALL_LINEAR,
                            act_bytes: int = 4, grad_checkpoint: bool = False, *, stream_bytes: int | None = None,
-                           lora_copy_bytes: int = 0) -> SavedByLayer:
+                           lora_copy_bytes: int = 0, on_cpu: bool = True) -> SavedByLayer:
     """Bytes saved for backward by one Decoder training forward, per term and layer (see the module docstring):
-    act_bytes is e, stream_bytes s (None: e), lora_copy_bytes c."""
+    act_bytes is e, stream_bytes s (None: e), lora_copy_bytes c; on_cpu False: a CUDA run (SDPA, k/v repeated)."""
     check_decoder(shape, regime)
     full = regime == "full"
     lora = frozenset() if full else lora_paths(shape, targets)
@@ -107,8 +107,9 @@ def decoder_saved_by_layer(shape: ModelShape, batch_size: int, seq_len: int, reg
     s = stream_bytes or act_bytes
     linears = {lin.path: lin for lin in shape.linears}
     A = shape.n_head * shape.head_dim  # attention width: q (and k/v repeated to h heads without enable_gqa)
-    native = bf16_compute_attention(e, stream_bytes, T)  # minigpt.native_attention: no mask, k/v at kv heads
-    KV = (shape.n_kv_head if native or cpu_flash_takes_gqa() else shape.n_head) * shape.head_dim  # k, v as kept
+    native = bf16_compute_attention(e, stream_bytes, T, on_cpu)  # minigpt.native_attention: no mask, kv heads
+    grouped = native or (on_cpu and cpu_flash_takes_gqa())  # k, v kept at their kv heads (else repeated to h)
+    KV = (shape.n_kv_head if grouped else shape.n_head) * shape.head_dim  # k, v as attention keeps them
     embed: Counter[str] = Counter()
     head: Counter[str] = Counter()
     blocks: list[dict[str, int]] = []
@@ -182,17 +183,17 @@ def decoder_saved_by_layer(shape: ModelShape, batch_size: int, seq_len: int, reg
 
 def saved_by_layer(shape: ModelShape, batch_size: int, seq_len: int, regime: str = "full", rank: int | None = None,
                    targets: str | Iterable[str] = ALL_LINEAR, act_bytes: int = 4, grad_checkpoint: bool = False, *,
-                   stream_bytes: int | None = None, lora_copy_bytes: int = 0) -> SavedByLayer:
+                   stream_bytes: int | None = None, lora_copy_bytes: int = 0, on_cpu: bool = True) -> SavedByLayer:
     """The exact model of this shape's family: MiniGPT (and GPT-2 imported into it) or the llama family."""
     fn = decoder_saved_by_layer if shape.family in LLAMA_FAMILIES else minigpt_saved_by_layer
     return fn(shape, batch_size, seq_len, regime, rank, targets, act_bytes, grad_checkpoint,
-              stream_bytes=stream_bytes, lora_copy_bytes=lora_copy_bytes)
+              stream_bytes=stream_bytes, lora_copy_bytes=lora_copy_bytes, on_cpu=on_cpu)
 
 
 def exact_activation_bytes(shape: ModelShape, batch_size: int, seq_len: int, regime: str = "full",
                            rank: int | None = None, targets: str | Iterable[str] = ALL_LINEAR, act_bytes: int = 4,
                            grad_checkpoint: bool = False, *, stream_bytes: int | None = None,
-                           lora_copy_bytes: int = 0) -> int:
+                           lora_copy_bytes: int = 0, on_cpu: bool = True) -> int:
     """Total bytes saved for backward by one training forward of this shape (any family with an exact model)."""
     return saved_by_layer(shape, batch_size, seq_len, regime, rank, targets, act_bytes, grad_checkpoint,
-                          stream_bytes=stream_bytes, lora_copy_bytes=lora_copy_bytes).total()
+                          stream_bytes=stream_bytes, lora_copy_bytes=lora_copy_bytes, on_cpu=on_cpu).total()

@@ -88,7 +88,7 @@ class Peak:
 def minigpt_phases(shape: ModelShape, regime: str, rank: int | None, targets: str | Iterable[str],
                    batch_size: int, seq_len: int, act_bytes: int, grad_checkpoint: bool,
                    weights: int, grads: int, optimizer: int, grad_bytes: int, *, stream_bytes: int | None = None,
-                   lora_copy_bytes: int = 0) -> dict[str, dict[str, int]]:
+                   lora_copy_bytes: int = 0, on_cpu: bool = True) -> dict[str, dict[str, int]]:
     """Live bytes per term at the worst moment of each phase of one MiniGPT (or GPT-2) training step."""
     shape, targets = as_minigpt(shape, targets)  # GPT-2 trains as the MiniGPT it imports into
     N, C, F = batch_size * seq_len, shape.d_model, shape.d_ff
@@ -97,13 +97,13 @@ def minigpt_phases(shape: ModelShape, regime: str, rank: int | None, targets: st
     block_grads = N * C * (stream_bytes or act_bytes) + N * F * act_bytes
     return step_phases(shape, regime, rank, targets, batch_size, seq_len, act_bytes, grad_checkpoint, weights, grads,
                        optimizer, grad_bytes, minigpt_saved_by_layer, block_grads, stream_bytes=stream_bytes,
-                       lora_copy_bytes=lora_copy_bytes)
+                       lora_copy_bytes=lora_copy_bytes, on_cpu=on_cpu)
 
 
 def llama_phases(shape: ModelShape, regime: str, rank: int | None, targets: str | Iterable[str],
                  batch_size: int, seq_len: int, act_bytes: int, grad_checkpoint: bool,
                  weights: int, grads: int, optimizer: int, grad_bytes: int, *, stream_bytes: int | None = None,
-                 lora_copy_bytes: int = 0) -> dict[str, dict[str, int]]:
+                 lora_copy_bytes: int = 0, on_cpu: bool = True) -> dict[str, dict[str, int]]:
     """Live bytes per term at the worst moment of each phase of one llama / mistral / qwen2 (Decoder) step."""
     N, C, F = batch_size * seq_len, shape.d_model, shape.d_ff
     down_saved = regime == "full" or "mlp.down_proj" in lora_paths(shape, targets)
@@ -114,7 +114,7 @@ def llama_phases(shape: ModelShape, regime: str, rank: int | None, targets: str 
     block_grads = N * C * (stream_bytes or act_bytes) + mlp * act_bytes
     return step_phases(shape, regime, rank, targets, batch_size, seq_len, act_bytes, grad_checkpoint, weights, grads,
                        optimizer, grad_bytes, decoder_saved_by_layer, block_grads, stream_bytes=stream_bytes,
-                       lora_copy_bytes=lora_copy_bytes)
+                       lora_copy_bytes=lora_copy_bytes, on_cpu=on_cpu)
 
 
 def head_gradients(tokens: int, d_model: int, vocab: int, act_bytes: int) -> dict[str, int]:
@@ -137,9 +137,9 @@ def step_phases(shape: ModelShape, regime: str, rank: int | None, targets: str |
                 batch_size: int, seq_len: int, act_bytes: int, grad_checkpoint: bool,
                 weights: int, grads: int, optimizer: int, grad_bytes: int,
                 saved_by_layer: Callable[..., SavedByLayer], block_grads: int, *, stream_bytes: int | None = None,
-                lora_copy_bytes: int = 0) -> dict[str, dict[str, int]]:
+                lora_copy_bytes: int = 0, on_cpu: bool = True) -> dict[str, dict[str, int]]:
     """The phases of a step for a family's saved-tensor model and its last block's backward gradients (bytes)."""
-    widths = {"stream_bytes": stream_bytes, "lora_copy_bytes": lora_copy_bytes}
+    widths = {"stream_bytes": stream_bytes, "lora_copy_bytes": lora_copy_bytes, "on_cpu": on_cpu}
     saved = saved_by_layer(shape, batch_size, seq_len, regime, rank, targets, act_bytes, grad_checkpoint, **widths)
     plain = saved_by_layer(shape, batch_size, seq_len, regime, rank, targets, act_bytes, **widths) \
         if grad_checkpoint else saved
@@ -209,13 +209,14 @@ def has_peak_model(shape: ModelShape) -> bool:
 def step_peak(shape: ModelShape, regime: str, rank: int | None = None, targets: str | Iterable[str] = ALL_LINEAR,
               batch_size: int = 16, seq_len: int = 32, act_bytes: int = 4, grad_checkpoint: bool = False, *,
               weights: int, grads: int, optimizer: int, grad_bytes: int = 4, stream_bytes: int | None = None,
-              lora_copy_bytes: int = 0) -> Peak:
+              lora_copy_bytes: int = 0, on_cpu: bool = True) -> Peak:
     """The phase where a training step peaks and what is alive there (``PEAK_MODELS[shape.family]``).
 
     act_bytes, stream_bytes and lora_copy_bytes are the exact activation model's widths (e, s, c of
-    planner/activations.py); ``PRECISION_WIDTHS[precision]`` holds them for an fp32 or a bf16 run."""
+    planner/activations.py); ``PRECISION_WIDTHS[precision]`` holds them for an fp32 or a bf16 run. on_cpu False:
+    a CUDA run, whose attention is SDPA's (planner/activations.py's bf16_compute_attention)."""
     phases = PEAK_MODELS[shape.family](shape, regime, rank, targets, batch_size, seq_len, act_bytes, grad_checkpoint,
                                        weights, grads, optimizer, grad_bytes, stream_bytes=stream_bytes,
-                                       lora_copy_bytes=lora_copy_bytes)
+                                       lora_copy_bytes=lora_copy_bytes, on_cpu=on_cpu)
     worst = max(phases, key=lambda k: sum(phases[k].values()))
     return Peak(worst, phases)

@@ -82,6 +82,8 @@ def test_bf16_terms_follow_the_dataflow():
     # a plain 16-bit plan (MemoryConfig(dtype="fp16"), no fp32 stream) is not that path: SDPA keeps the output
     plain = minigpt_saved_by_layer(shape, 2, 8, "lora", r, act_bytes=2).terms()
     assert 2 * plain["attention output"] == fp32["attention output"]
+    cuda = minigpt_saved_by_layer(shape, 2, 8, "lora", r, on_cpu=False, **PRECISION_WIDTHS["bf16"]).terms()
+    assert 2 * cuda["attention output"] == fp32["attention output"]  # a CUDA run attends through SDPA
     assert "LoRA factor copies" not in fp32  # fp32 LoRA saves its factors themselves: parameters
     assert bf16["LoRA factor copies"] == 2 * r * (4 * (16 + 16) + 2 * (16 + 64)) * 2  # layers x r(in + out) x bf16
     ckpt = minigpt_saved_by_layer(shape, 2, 8, "lora", r, grad_checkpoint=True, **PRECISION_WIDTHS["bf16"])

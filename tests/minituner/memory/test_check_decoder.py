@@ -102,6 +102,9 @@ def test_bf16_terms_follow_the_dataflow():
     assert low.blocks[1]["rmsnorm rstd"] == 2 * N * 4
     # the window's bf16 mask, unless minigpt.native_attention runs (it applies the window by index)
     assert low.blocks[1].get("attention mask", 0) == (0 if native_attention.takes_bf16_run(8) else 8 * 8 * 2)
+    # a CUDA run attends through SDPA: the mask kept, and k, v repeated to the 4 query heads first
+    cuda = decoder_saved_by_layer(shape, 3, 8, "lora", 2, on_cpu=False, **bf16)
+    assert cuda.blocks[1]["attention mask"] == 8 * 8 * 2 and cuda.blocks[1]["attention q, k, v"] == N * 12 * 16 * 2
     assert 2 * low.blocks[1]["attention q, k, v"] == fp32.blocks[1]["attention q, k, v"]
     # r x (in + out) x bf16 over q (32 -> 64), k and v (32 -> 16), o (64 -> 32), gate and up (32 -> 48), down
     assert low.blocks[0]["LoRA factor copies"] == 2 * (96 + 48 + 48 + 96 + 80 + 80 + 80) * 2
