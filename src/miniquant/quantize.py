@@ -15,7 +15,8 @@ it; the bias (if any) is a frozen float buffer. Buffer names (they are the state
 The scheme and the original weight dtype are constructor arguments, not state: build the module with
 `QuantizedLinear(in, out, scheme, bias=..., weight_dtype=...)` and `load_state_dict` into it.
 
-forward(x) dequantizes the weight to x's dtype, computes x @ W^T + b and drops W. Its backward
+forward(x) dequantizes the weight to x's dtype, computes x @ W^T + b (fp32 on CPU through
+minikernels.fp32_gemm: oneDNN on AMD CPUs) and drops W. Its backward
 dequantizes W again to return the gradient for x only: nothing dequantized is kept for backward
 (only the quantized buffers are saved, which costs no memory and catches in-place changes).
 NF4 weights are dequantized into a workspace reused by every layer (one buffer per thread, device and
@@ -32,6 +33,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from minikernels import fp32_gemm
 
 from .errors import QuantizationError
 from .int_quant import IntQuantized, dequantize_symmetric_per_group, quantize_symmetric_per_group
@@ -122,7 +125,7 @@ class DequantLinearFunction(torch.autograd.Function):
         w = layer.dequantize_from(qtensors, x.dtype, transient=True)  # (out, in), in the shared workspace
         ctx.layer, ctx.dtype = layer, x.dtype
         ctx.save_for_backward(*qtensors)  # the quantized buffers only: no extra memory
-        return F.linear(x, w, None if bias is None else bias.to(x.dtype))  # (N, in) -> (N, out)
+        return fp32_gemm.product(x, w, None if bias is None else bias.to(x.dtype))  # (N, in) -> (N, out)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -131,7 +134,7 @@ class DequantLinearFunction(torch.autograd.Function):
         grad_x = None
         if ctx.needs_input_grad[0]:
             w = ctx.layer.dequantize_from(qtensors, ctx.dtype, transient=True)  # (out, in), recomputed
-            grad_x = grad_out @ w  # (N, out) @ (out, in) -> (N, in)
+            grad_x = fp32_gemm.input_grad(grad_out, w)  # (N, out) @ (out, in) -> (N, in)
         return (grad_x, None, None) + (None,) * len(qtensors)
 
 

@@ -36,7 +36,7 @@ from miniquant import DEFAULT_QUANT_SCHEME, QuantizedLinear
 from .adapter_io import load_adapter
 from .lora import ALL_LINEAR, LoRAConfig, apply_lora, find_targets, lora_modules
 from .memory.heap import trim_heap_in_forward
-from .precision import use_bf16_compute
+from .precision import use_bf16_compute, use_fp32_frozen_products
 from .qlora import (COMPUTE_DTYPES, add_finite_guards, cast_float_tensors, check_qlora, check_scheme,
                     default_compute_dtype, quantize_linears)
 
@@ -152,6 +152,8 @@ def _adapt(base: nn.Module, method: str, lora: LoRAConfig, paths: list[str], qua
         apply_lora(base, targeted, adapter_name)  # fresh factors: float32, on the base layer's device
     if precision == "bf16":
         use_bf16_compute(base)  # the frozen base in bf16, the LoRA masters fp32 (checked by _check above)
+    else:
+        use_fp32_frozen_products(base)  # frozen fp32 Linears through minikernels.fp32_gemm (oneDNN on AMD)
     if method == "qlora" and guards:
         add_finite_guards(base)
     check_qlora(base)  # the trainable set is exactly the active LoRA factors

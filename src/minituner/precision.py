@@ -30,6 +30,10 @@ the dtype RoPE is applied in; the residual stream stays fp32):
   and hands back a bf16 gradient, so no (N, V) tensor is ever fp32. AdamW holds fp32 state for the fp32
   masters.
 
+In fp32 (``use_fp32_frozen_products``, what ``build_for_training`` does for LoRA and QLoRA in fp32), a frozen fp32
+``nn.Linear`` becomes a ``FrozenLinear``: the same Parameters, its products through ``minikernels.fp32_gemm``
+(oneDNN on CPUs where PyTorch's MKL takes slow kernels; ``F.linear`` elsewhere).
+
 Full fine-tuning is refused: bf16 compute is defined for a frozen base (every trainable parameter a LoRA
 factor); full fine-tuning trains in fp32. The same path runs on CUDA (cuBLAS bf16 products).
 """
@@ -45,6 +49,7 @@ from minigpt.bf16_support import Bf16Support
 from minigpt.decoder import RMSNorm
 from minigpt.device import PRECISIONS, check_precision
 from minigpt.errors import InputError
+from minikernels import fp32_gemm
 from miniquant import QuantizedLinear
 
 from .lora import LoRALinear, lora_modules
@@ -61,6 +66,13 @@ class Bf16Linear(nn.Linear):
         w = self.weight
         y = F.linear(x.to(w.dtype), w, self.bias)  # (..., out), computed in w.dtype (a no-op cast when x is)
         return y.to(x.dtype)
+
+
+class FrozenLinear(nn.Linear):
+    """A frozen fp32 Linear whose products take minikernels.fp32_gemm (oneDNN on CPUs where MKL is slow)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return fp32_gemm.linear(x, self.weight, self.bias)  # (..., out); F.linear off fp32 CPU
 
 
 class Bf16Embedding(nn.Embedding):
@@ -102,6 +114,15 @@ def _bf16_linear(m: nn.Linear, dtype: torch.dtype, cache: dict[int, nn.Parameter
     return layer
 
 
+def _frozen_linear(m: nn.Linear) -> FrozenLinear:
+    layer = FrozenLinear.__new__(FrozenLinear)
+    nn.Module.__init__(layer)
+    layer.in_features, layer.out_features = m.in_features, m.out_features
+    layer.weight, layer.bias = m.weight, m.bias  # the same Parameters: ties stay ties, nothing is copied
+    layer.train(m.training)
+    return layer
+
+
 def _bf16_embedding(m: nn.Embedding, dtype: torch.dtype, output_dtype: torch.dtype,
                     cache: dict[int, nn.Parameter]) -> Bf16Embedding:
     layer = Bf16Embedding.__new__(Bf16Embedding)
@@ -124,7 +145,7 @@ def _non_fp32_tensors(model: nn.Module) -> list[str]:
     """Float parameters and buffers that are not fp32, outside the modules use_bf16_compute made low-precision."""
     out = []
     for path, m in model.named_modules():
-        if isinstance(m, (Bf16Linear, Bf16Embedding, QuantizedLinear)) or type(m) in (nn.Linear, nn.Embedding):
+        if isinstance(m, (Bf16Linear, Bf16Embedding, QuantizedLinear)) or type(m) in (nn.Linear, FrozenLinear, nn.Embedding):
             continue  # low precision by design, or about to be stored in it (a 16-bit checkpoint's weights)
         for name, t in [*m.named_parameters(recurse=False), *m.named_buffers(recurse=False)]:
             if t is not None and t.is_floating_point() and t.dtype != torch.float32:
@@ -141,6 +162,26 @@ def check_frozen_base(model: nn.Module) -> None:
         more = f" and {len(trainable) - 3} more" if len(trainable) > 3 else ""
         raise InputError(f"bf16 compute needs a frozen base, but {', '.join(trainable[:3])}{more} would train: "
                          "full fine-tuning trains in fp32 (--precision fp32)")
+
+
+def _swap(model: nn.Module, replacements: list[tuple[str, nn.Module]]) -> None:
+    for path, new in replacements:
+        parent, _, leaf = path.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, leaf, new)
+
+
+def use_fp32_frozen_products(model: nn.Module) -> nn.Module:
+    """Make every frozen fp32 nn.Linear a FrozenLinear (its products through minikernels.fp32_gemm); in place.
+
+    The weights are not touched or copied, only the module's class: on a CPU where oneDNN is not chosen, and
+    off CPU, a FrozenLinear computes exactly as nn.Linear. Returns the model. Idempotent.
+    """
+    lora_factors = _factor_modules(model)
+    frozen = lambda m: not m.weight.requires_grad and (m.bias is None or not m.bias.requires_grad)  # noqa: E731
+    _swap(model, [(path, _frozen_linear(m)) for path, m in model.named_modules()
+                  if type(m) is nn.Linear and id(m) not in lora_factors and frozen(m)
+                  and m.weight.dtype == torch.float32])
+    return model
 
 
 @torch.no_grad()
@@ -173,7 +214,7 @@ def use_bf16_compute(model: nn.Module, dtype: torch.dtype = BF16) -> nn.Module:
             m.compute_dtype = dtype
             if m.bias is not None:
                 m.bias = m.bias.to(dtype)  # a buffer: stored once in dtype, not cast per call
-        elif type(m) is nn.Linear:
+        elif type(m) in (nn.Linear, FrozenLinear):
             replacements.append((path, _bf16_linear(m, dtype, cache)))
         elif type(m) is nn.Embedding:
             replacements.append((path, _bf16_embedding(m, dtype, output_dtype, cache)))
@@ -181,9 +222,7 @@ def use_bf16_compute(model: nn.Module, dtype: torch.dtype = BF16) -> nn.Module:
             _hand_out_bf16(m, dtype)
     if hasattr(model, "compute_dtype"):  # a Decoder: RoPE applied in the products' dtype
         model.compute_dtype = dtype
-    for path, new in replacements:
-        parent, _, leaf = path.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, leaf, new)
+    _swap(model, replacements)
     return model
 
 

@@ -4,6 +4,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from minikernels.fp32_gemm import linear
 from miniquant import QuantizationError, QuantizedLinear, dequantize_nf4, nf4, quantize_nf4
 from miniquant import quantize as qmod
 
@@ -44,7 +45,7 @@ def test_layers_share_one_workspace_and_gradients_stay_right():
     (y * torch.arange(64.0)).sum().backward()
     w1, w2 = q1.dequantize(), q2.dequantize()  # fresh tensors, not the workspace
     x_ref = x.detach().clone().requires_grad_(True)
-    y_ref = F.linear(F.gelu(F.linear(x_ref, w1, q1.bias)), w2, q2.bias)
+    y_ref = linear(F.gelu(linear(x_ref, w1, q1.bias)), w2, q2.bias)  # the same product library (fp32_gemm)
     (y_ref * torch.arange(64.0)).sum().backward()
     assert torch.equal(y, y_ref) and torch.equal(x.grad, x_ref.grad)
     assert qmod.workspace_bytes() == 64 * 128 * 4  # one float32 buffer, as large as the largest layer

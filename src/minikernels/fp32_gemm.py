@@ -1,0 +1,117 @@
+"""fp32 products with a frozen weight on CPU, through oneDNN where PyTorch's default library is slow.
+
+    y = linear(x, weight, bias)   # x·Wᵀ + b; autograd returns the gradient for x only (the weight is frozen)
+
+PyTorch's CPU wheels compute an fp32 ``mm`` with MKL's sgemm. MKL picks its code by the CPU's vendor, and on
+a CPU not made by Intel it runs its AVX2 kernels even where the CPU has AVX-512. oneDNN, which PyTorch ships
+too (it runs the bf16 products), picks its kernels by the instruction sets the CPU reports. On the AMD EPYC
+of benchmarks/RESULTS.md (AVX-512, 2 cores), forward products at Llama-1B shapes and 512 tokens ran at about
+200 GFLOP/s through ``F.linear`` and about 460 through oneDNN, and the input gradient likewise; at MiniGPT's
+sizes (64-wide) the two take the same time. ``bench_real_models`` measures both in every run.
+
+The arithmetic is the same: IEEE fp32 multiply-adds (oneDNN converts to bf16 only when PyTorch's fp32
+precision setting allows it, which it does not by default). The results differ from MKL's in rounding only,
+by the order of the sums (a few units in the 6th significant digit at 2,048-long dot products).
+
+Which library: ``backend()``. On x86 CPUs of other vendors (AMD, Hygon) oneDNN, elsewhere PyTorch's own
+(``F.linear``: MKL on Intel, where it takes its AVX-512 kernels). ``MINIKERNELS_FP32_GEMM=onednn`` or ``=aten``
+forces one. Only fp32 on CPU with a frozen weight takes oneDNN; everything else (a trainable weight, bf16,
+CUDA) is ``F.linear`` as before.
+"""
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+BACKEND_ENV = "MINIKERNELS_FP32_GEMM"  # "onednn" or "aten" forces the library; unset or "auto": by vendor
+BACKENDS = ("onednn", "aten")
+ONEDNN_VENDORS = ("AuthenticAMD", "HygonGenuine")  # x86 vendors for which MKL takes its AVX2 path
+CPUINFO = Path("/proc/cpuinfo")
+
+
+def cpu_vendor(cpuinfo: str) -> str:
+    """The vendor_id of the first CPU in a /proc/cpuinfo text ('' when it names none, e.g. on Arm)."""
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "vendor_id":
+            return value.strip()
+    return ""
+
+
+def choose_backend(vendor: str, forced: str | None, onednn_available: bool) -> str:
+    """The library for fp32 frozen products: `forced` when set (and oneDNN is there), else by vendor."""
+    if forced not in (None, "", "auto", *BACKENDS):
+        raise ValueError(f"{BACKEND_ENV} must be one of auto, {', '.join(BACKENDS)}, got {forced!r}")
+    if not onednn_available:
+        return "aten"
+    if forced in BACKENDS:
+        return forced
+    return "onednn" if vendor in ONEDNN_VENDORS else "aten"
+
+
+def _onednn_available() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+@lru_cache(maxsize=None)
+def backend() -> str:
+    """'onednn' or 'aten': the library this machine's fp32 frozen products take (see the module docstring)."""
+    try:
+        vendor = cpu_vendor(CPUINFO.read_text())
+    except OSError:
+        vendor = ""
+    return choose_backend(vendor, os.environ.get(BACKEND_ENV), _onednn_available())
+
+
+def _takes_onednn(x: Tensor, weight: Tensor) -> bool:
+    return (x.dtype == weight.dtype == torch.float32 and x.device.type == weight.device.type == "cpu"
+            and x.layout == weight.layout == torch.strided and backend() == "onednn")
+
+
+def _product(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """x·weightᵀ + bias through oneDNN; weight (out, in), x (..., in) -> (..., out)."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+class _FrozenLinear(torch.autograd.Function):
+    """y = x·Wᵀ + b through oneDNN; backward: grad_x = grad_y·W (the weight and bias are frozen)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        ctx.save_for_backward(weight)  # what autograd keeps for F.linear with a frozen weight: no new memory
+        return _product(x, weight, bias)  # (..., out)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_y: Tensor):
+        (weight,) = ctx.saved_tensors
+        return input_grad(grad_y, weight), None, None
+
+
+def input_grad(grad_y: Tensor, weight: Tensor) -> Tensor:
+    """grad_y·W, the gradient of x·Wᵀ for x: (..., out) -> (..., in)."""
+    if not _takes_onednn(grad_y, weight):
+        return grad_y @ weight
+    return _product(grad_y, weight.t(), None)  # Wᵀ as a view: oneDNN reads (in, out) weights at full speed
+
+
+def product(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """x·Wᵀ + b with no autograd of its own (for a caller's autograd Function, e.g. a dequantized weight)."""
+    if not _takes_onednn(x, weight):
+        return F.linear(x, weight, bias)
+    return _product(x, weight, None if bias is None else bias.to(x.dtype))
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """F.linear, with fp32 CPU products through oneDNN when `weight` (and `bias`) are frozen (see above)."""
+    trainable = weight.requires_grad or (bias is not None and bias.requires_grad)
+    if trainable or not _takes_onednn(x, weight):
+        return F.linear(x, weight, bias)
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _FrozenLinear.apply(x, weight, bias)
+    return _product(x, weight, bias)

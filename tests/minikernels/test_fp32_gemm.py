@@ -1,0 +1,98 @@
+"""minikernels.fp32_gemm: the library choice, and products equal to F.linear's within fp32 rounding."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from minikernels import fp32_gemm
+from minikernels.fp32_gemm import choose_backend, cpu_vendor, input_grad, linear, product
+
+ONEDNN = fp32_gemm._onednn_available()
+
+
+def test_vendor_is_read_from_cpuinfo():
+    assert cpu_vendor("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\n") == "AuthenticAMD"
+    assert cpu_vendor("processor : 0\nFeatures : fp asimd bf16\n") == ""  # Arm names no vendor_id
+
+
+@pytest.mark.parametrize("vendor, forced, available, expected", [
+    ("AuthenticAMD", None, True, "onednn"),
+    ("HygonGenuine", "auto", True, "onednn"),
+    ("GenuineIntel", None, True, "aten"),  # MKL takes its AVX-512 kernels on Intel
+    ("", None, True, "aten"),
+    ("GenuineIntel", "onednn", True, "onednn"),
+    ("AuthenticAMD", "aten", True, "aten"),
+    ("AuthenticAMD", "onednn", False, "aten"),  # a build without oneDNN
+])
+def test_backend_choice(vendor, forced, available, expected):
+    assert choose_backend(vendor, forced, available) == expected
+
+
+def test_a_bad_forced_backend_is_named():
+    with pytest.raises(ValueError, match="MINIKERNELS_FP32_GEMM.*'mkl'"):
+        choose_backend("AuthenticAMD", "mkl", True)
+
+
+@pytest.fixture(params=["onednn", "aten"])
+def backend(request, monkeypatch):
+    if request.param == "onednn" and not ONEDNN:
+        pytest.skip("this PyTorch has no oneDNN linear")
+    monkeypatch.setattr(fp32_gemm, "backend", lambda: request.param)
+    return request.param
+
+
+def _close(a, b, scale):
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * scale)
+
+
+@pytest.mark.parametrize("shape", [(7, 48), (2, 5, 48)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear_and_its_input_gradient_equal_f_linear(backend, shape, with_bias):
+    torch.manual_seed(0)
+    w = torch.randn(80, 48)
+    b = torch.randn(80) if with_bias else None
+    x = torch.randn(*shape, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_(True)
+    g = torch.randn(*shape[:-1], 80)
+    y, y_ref = linear(x, w, b), F.linear(x_ref, w, b)
+    y.backward(g)
+    y_ref.backward(g)
+    _close(y, y_ref, 10)
+    _close(x.grad, x_ref.grad, 10)
+    _close(product(x.detach(), w, b), y_ref.detach(), 10)
+    _close(input_grad(g, w), x_ref.grad, 10)
+
+
+def test_non_contiguous_inputs(backend):
+    torch.manual_seed(1)
+    w = torch.randn(32, 64)
+    x = torch.randn(64, 24).t()  # (24, 64), transposed strides
+    _close(linear(x, w), F.linear(x, w), 10)
+    x = torch.randn(24, 128)[:, ::2]  # every other column
+    _close(linear(x, w), F.linear(x, w), 10)
+
+
+def test_trainable_weights_and_other_dtypes_take_f_linear(backend):
+    torch.manual_seed(2)
+    w = torch.randn(16, 8, requires_grad=True)
+    x = torch.randn(4, 8, requires_grad=True)
+    linear(x, w).sum().backward()
+    assert w.grad is not None  # a trainable weight gets its gradient (autograd's own linear)
+    xb, wb = torch.randn(4, 8, dtype=torch.bfloat16), torch.randn(16, 8, dtype=torch.bfloat16)
+    assert torch.equal(linear(xb, wb), F.linear(xb, wb))  # bf16: F.linear itself
+
+
+def test_frozen_product_keeps_only_the_weight_for_backward(backend):
+    """As F.linear does for a frozen weight: the weight is kept (no new memory), the input is not."""
+    torch.manual_seed(3)
+    w, x = torch.randn(16, 8), torch.randn(4, 8, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        linear(x, w)
+    assert [t.data_ptr() for t in saved] == [w.data_ptr()]
+
+
+def test_no_graph_without_a_gradient_to_compute(backend):
+    w, x = torch.randn(16, 8), torch.randn(4, 8)
+    assert linear(x, w).grad_fn is None
+    with torch.no_grad():
+        assert linear(x.requires_grad_(True), w).grad_fn is None
