@@ -7,7 +7,7 @@ a CPU not made by Intel it runs its AVX2 kernels even where the CPU has AVX-512.
 too (it runs the bf16 products), picks its kernels by the instruction sets the CPU reports. On the AMD EPYC
 of benchmarks/RESULTS.md (AVX-512, 2 cores), forward products at Llama-1B shapes and 512 tokens ran at about
 200 GFLOP/s through ``F.linear`` and about 460 through oneDNN, and the input gradient likewise; at MiniGPT's
-sizes (64-wide) the two take the same time. ``bench_real_models`` measures both in every run.
+sizes (64-wide) the two take the same time.
 
 The arithmetic is the same: IEEE fp32 multiply-adds (oneDNN converts to bf16 only when PyTorch's fp32
 precision setting allows it, which it does not by default). The results differ from MKL's in rounding only,

@@ -104,23 +104,23 @@ def _frozen_copy(param: nn.Parameter, dtype: torch.dtype, cache: dict[int, nn.Pa
     return cache[id(param)]
 
 
-def _bf16_linear(m: nn.Linear, dtype: torch.dtype, cache: dict[int, nn.Parameter]) -> Bf16Linear:
-    layer = Bf16Linear.__new__(Bf16Linear)
+def _linear_as(cls: type[nn.Linear], m: nn.Linear, weight: nn.Parameter, bias: nn.Parameter | None) -> nn.Linear:
+    """A `cls` in m's place holding the given weight and bias (no fresh initialisation)."""
+    layer = cls.__new__(cls)
     nn.Module.__init__(layer)
     layer.in_features, layer.out_features = m.in_features, m.out_features
-    layer.weight = _frozen_copy(m.weight, dtype, cache)
-    layer.bias = None if m.bias is None else _frozen_copy(m.bias, dtype, cache)
+    layer.weight, layer.bias = weight, bias
     layer.train(m.training)
     return layer
+
+
+def _bf16_linear(m: nn.Linear, dtype: torch.dtype, cache: dict[int, nn.Parameter]) -> Bf16Linear:
+    bias = None if m.bias is None else _frozen_copy(m.bias, dtype, cache)
+    return _linear_as(Bf16Linear, m, _frozen_copy(m.weight, dtype, cache), bias)
 
 
 def _frozen_linear(m: nn.Linear) -> FrozenLinear:
-    layer = FrozenLinear.__new__(FrozenLinear)
-    nn.Module.__init__(layer)
-    layer.in_features, layer.out_features = m.in_features, m.out_features
-    layer.weight, layer.bias = m.weight, m.bias  # the same Parameters: ties stay ties, nothing is copied
-    layer.train(m.training)
-    return layer
+    return _linear_as(FrozenLinear, m, m.weight, m.bias)  # the same Parameters: ties stay ties, nothing copied
 
 
 def _bf16_embedding(m: nn.Embedding, dtype: torch.dtype, output_dtype: torch.dtype,
