@@ -221,6 +221,7 @@ def products_fn(calls: Counter) -> Callable[[], None]:
 PROFILE_GROUPS = {  # profiler op name -> group, for "what the rest of the step is"
     "aten::mm": "matrix products", "aten::addmm": "matrix products", "aten::addmm_": "matrix products",
     "aten::bmm": "matrix products", "aten::baddbmm": "matrix products",
+    "mkldnn::_linear_pointwise": "matrix products",  # the fp32 rows' frozen products (minikernels.fp32_gemm)
     "aten::_scaled_dot_product_flash_attention_for_cpu": "attention kernel",
     "aten::_scaled_dot_product_flash_attention_for_cpu_backward": "attention kernel",
     # minigpt.native_attention: its GEMMs are aten::bmm (matrix products); its own time is the C softmax kernels

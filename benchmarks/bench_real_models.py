@@ -41,7 +41,8 @@ if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
 from report import Goal, Section  # noqa: E402
-from timing import MIB, cpu_summary, current_rss_mib, peak_rss_mib, reset_peak_rss  # noqa: E402
+from timing import (MIB, cpu_summary, current_rss_mib, fp32_product_libraries, peak_rss_mib,  # noqa: E402
+                    reset_peak_rss)
 
 RANK, ALPHA = 16, 32.0
 BATCH, SEQ = 1, 512
@@ -550,9 +551,11 @@ def section(results: dict[str, list[dict]], planner: dict, written: dict, plan: 
                     f"({len(r['step_times'])} vs {len(t['step_times'])} timed steps after one untimed"
                     + (", the two processes' steps alternating" if r.get("paced") and t.get("paced") else "")
                     + f"); load average {r['loadavg_at_start']:.1f} / {t['loadavg_at_start']:.1f} when each started. "
-                    + f"Both run the same {DTYPES[dtype]} products on NF4 weights dequantized per call, which take "
-                    "most of the step at this shape (the bf16 section times the products of the step alone), so a "
-                    "lead of 20% needs fewer or cheaper products, not less overhead"))
+                    + f"Both run {DTYPES[dtype]} products of the same shapes on NF4 weights dequantized per call, "
+                    "which take most of the step at this shape (the bf16 section times the products of the step "
+                    "alone), so a lead of 20% needs fewer or cheaper products, not less overhead"
+                    + ". The products: " + (fp32_product_libraries() if dtype == "float32"
+                                            else "both through oneDNN, PyTorch's bf16 products on CPU")))
     for shape in results:
         base = ok((shape, "ours", "bfloat16")) or ok((shape, "ours", "float32"))
         plain, mm = ok((shape, "ours_no_trims", "bfloat16")), ok((shape, "ours_mmap", "bfloat16"))

@@ -31,8 +31,8 @@ import torch.nn.functional as F  # noqa: E402
 from minigpt.model import GPTConfig, MiniGPT  # noqa: E402
 from minigpt.train import lm_loss  # noqa: E402
 from report import Goal, Section  # noqa: E402
-from timing import (MIB, current_rss_mib, fmt_ratio, fmt_seconds, peak_rss_mib, reset_peak_rss,  # noqa: E402
-                    wait_for_quiet)
+from timing import (MIB, current_rss_mib, fmt_ratio, fmt_seconds, fp32_product_libraries, peak_rss_mib,  # noqa: E402
+                    reset_peak_rss, wait_for_quiet)
 
 STACK = GPTConfig(vocab_size=4096, block_size=128, n_layer=8, n_head=8, d_model=512)
 BATCH = 8
@@ -141,7 +141,9 @@ def _dequantize_all_seconds(model: nn.Module, config: str) -> float | None:
     return statistics.median(times)
 
 
-GEMM_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")  # addmm_ (LoRA's thin update) not counted
+# addmm_ (LoRA's thin update) not counted; mkldnn::_linear_pointwise is minikernels.fp32_gemm's oneDNN product
+GEMM_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "mkldnn::_linear_pointwise")
+
 
 
 def _gemm_share(step) -> tuple[float, float]:
@@ -261,7 +263,8 @@ def run(quick: bool = False) -> Section:
     budget = QLORA_VS_PEFT_BNB_GOAL * med["peft_bnb_qlora"] - med["qlora"] * share["qlora"]
     section.goals.append(Goal(
         "QLoRA step: ours / PEFT + bitsandbytes", med["qlora"] / med["peft_bnb_qlora"], QLORA_VS_PEFT_BNB_GOAL, False,
-        f"both run the same float32 products on dequantized weights: matrix products take {share['qlora']:.0%} of "
+        f"both run float32 products of the same shapes on dequantized weights, {fp32_product_libraries()}. Matrix "
+        f"products take {share['qlora']:.0%} of "
         f"our step and {share['peft_bnb_qlora']:.0%} of theirs (one profiled step each). The goal allows "
         f"{fmt_seconds(budget)} for everything else in ours; it spends {fmt_seconds(rest['qlora'])} (PEFT + "
         f"bitsandbytes: {fmt_seconds(rest['peft_bnb_qlora'])}), much of it the model's own attention, norms, GELU, "

@@ -192,3 +192,11 @@ def wait_for_quiet(max_wait_s: float, threshold: float = 20.0, log=print) -> tup
         time.sleep(10)
         busy = busy_percent()
     return busy, time.perf_counter() - t0
+
+
+def fp32_product_libraries() -> str:
+    """Which library computes each side's fp32 products on this machine (minikernels.fp32_gemm chooses ours)."""
+    from minikernels import fp32_gemm
+
+    ours = "oneDNN" if fp32_gemm.backend() == "onednn" else "PyTorch's F.linear"
+    return f"ours through {ours}, which minikernels.fp32_gemm chose for this CPU, theirs through PyTorch's F.linear"
