@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -31,8 +32,8 @@ import torch.nn.functional as F  # noqa: E402
 from minigpt.model import GPTConfig, MiniGPT  # noqa: E402
 from minigpt.train import lm_loss  # noqa: E402
 from report import Goal, Section  # noqa: E402
-from timing import (MIB, current_rss_mib, fmt_ratio, fmt_seconds, fp32_product_libraries, peak_rss_mib,  # noqa: E402
-                    reset_peak_rss, wait_for_quiet)
+from timing import (MIB, current_rss_mib, fmt_ratio, fmt_seconds, fp32_product_libraries, our_fp32_library,  # noqa: E402
+                    peak_rss_mib, reset_peak_rss, wait_for_quiet)
 
 STACK = GPTConfig(vocab_size=4096, block_size=128, n_layer=8, n_head=8, d_model=512)
 BATCH = 8
@@ -46,6 +47,7 @@ WAIT_PER_CONFIG_S = 60.0  # before each subprocess, wait up to this long for oth
 # name -> label, in the order of the table (and of the first round)
 CONFIGS = {
     "full": "ours, full fine-tuning",
+    "full_aten": "informational: ours, full fine-tuning, fp32 products through PyTorch's F.linear (MINIKERNELS_FP32_GEMM=aten)",
     "lora": "ours, LoRA fp32",
     "qlora": "ours, QLoRA (NF4 base, wrap_minigpt_qlora)",
     "qlora_noguard": "ours, QLoRA without finite-output guards",
@@ -83,8 +85,8 @@ def build(config: str) -> tuple[nn.Module, dict]:
     torch.manual_seed(0)
     model = MiniGPT(STACK)
     facts: dict = {}
-    if config in ("full", "lora"):  # ours as every command builds them (heap trims on CPU included)
-        build_for_training(model, config, LoRAConfig(r=RANK, alpha=ALPHA, target_modules=TARGETS), device="cpu",
+    if config in ("full", "full_aten", "lora"):  # ours as every command builds them (heap trims on CPU included)
+        build_for_training(model, config.removesuffix("_aten"), LoRAConfig(r=RANK, alpha=ALPHA, target_modules=TARGETS), device="cpu",
                            compute_dtype=torch.float32)
     elif config in ("qlora", "qlora_noguard", "qlora_bf16"):
         from minituner.build import wrap_minigpt_qlora
@@ -213,7 +215,8 @@ def measure(config: str, warmup: int, steps: int) -> dict:
 def _run_config(config: str, warmup: int, steps: int) -> dict:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--config", config, "--warmup", str(warmup),
            "--steps", str(steps)]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    env = {**os.environ, "MINIKERNELS_FP32_GEMM": "aten"} if config.endswith("_aten") else None  # fp32_gemm's override
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env=env)
     if out.returncode != 0:
         raise RuntimeError(f"{config} failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -280,6 +283,9 @@ def run(quick: bool = False) -> Section:
     ))
     same = results["peft_bnb_qlora"][0].get("nf4_bytes_equal_ours")
     section.notes += [
+        f"full fine-tuning with its fp32 products and their gradients through {our_fp32_library()} "
+        f"(minikernels.fp32_gemm's choice for this CPU) / through PyTorch's F.linear: "
+        f"{med['full'] / med['full_aten']:.2f}× the step time",
         f"bitsandbytes Linear4bit is built with compress_statistics=False (no double quantization), like ours; its "
         f"packed NF4 bytes equal ours for every layer: {'yes' if same else 'no'}",
         "our QLoRA keeps nothing dequantized for backward (it dequantizes again there) and computes no gradient for "

@@ -194,9 +194,14 @@ def wait_for_quiet(max_wait_s: float, threshold: float = 20.0, log=print) -> tup
     return busy, time.perf_counter() - t0
 
 
-def fp32_product_libraries() -> str:
-    """Which library computes each side's fp32 products on this machine (minikernels.fp32_gemm chooses ours)."""
+def our_fp32_library() -> str:
+    """The library minikernels.fp32_gemm chose for our fp32 products on this machine."""
     from minikernels import fp32_gemm
 
-    ours = "oneDNN" if fp32_gemm.backend() == "onednn" else "PyTorch's F.linear"
-    return f"ours through {ours}, which minikernels.fp32_gemm chose for this CPU, theirs through PyTorch's F.linear"
+    return "oneDNN" if fp32_gemm.backend() == "onednn" else "PyTorch's F.linear"
+
+
+def fp32_product_libraries() -> str:
+    """Which library computes each side's fp32 products on this machine (minikernels.fp32_gemm chooses ours)."""
+    return (f"ours through {our_fp32_library()}, which minikernels.fp32_gemm chose for this CPU, theirs through "
+            "PyTorch's F.linear")

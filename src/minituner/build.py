@@ -36,7 +36,7 @@ from miniquant import DEFAULT_QUANT_SCHEME, QuantizedLinear
 from .adapter_io import load_adapter
 from .lora import ALL_LINEAR, LoRAConfig, apply_lora, find_targets, lora_modules
 from .memory.heap import trim_heap_in_forward
-from .precision import use_bf16_compute, use_fp32_frozen_products
+from .precision import use_bf16_compute, use_fp32_products
 from .qlora import (COMPUTE_DTYPES, add_finite_guards, cast_float_tensors, check_qlora, check_scheme,
                     default_compute_dtype, quantize_linears)
 
@@ -129,6 +129,7 @@ def build_for_training(base: nn.Module, method: str = "lora", lora: LoRAConfig |
     base.to(dev)
     if method == "full":
         base.requires_grad_(True)
+        use_fp32_products(base)  # fp32 Linears, their gradients too, through minikernels.fp32_gemm (oneDNN on AMD)
     else:
         _adapt(base, method, lora, paths, quant_scheme, dtype, precision, adapter_name, init_adapter, guards)
     if dev.type == "cpu" and heap_trims:  # last: bf16, quantization or LoRA may have replaced the head
@@ -153,7 +154,7 @@ def _adapt(base: nn.Module, method: str, lora: LoRAConfig, paths: list[str], qua
     if precision == "bf16":
         use_bf16_compute(base)  # the frozen base in bf16, the LoRA masters fp32 (checked by _check above)
     else:
-        use_fp32_frozen_products(base)  # frozen fp32 Linears through minikernels.fp32_gemm (oneDNN on AMD)
+        use_fp32_products(base)  # the frozen fp32 Linears through minikernels.fp32_gemm (oneDNN on AMD)
     if method == "qlora" and guards:
         add_finite_guards(base)
     check_qlora(base)  # the trainable set is exactly the active LoRA factors

@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 
 from .lora import lora_modules
-from .precision import use_fp32_frozen_products
+from .precision import use_fp32_products
 
 
 @torch.no_grad()
@@ -37,5 +37,5 @@ def bnb_nf4_max_logit_diff(lora_model: nn.Module, x: torch.Tensor, ours: torch.T
         w = m.base_layer.weight
         packed, state = bnb.quantize_4bit(w, blocksize=blocksize, quant_type="nf4")
         w.copy_(bnb.dequantize_4bit(packed, state))  # MiniGPT's rows are whole blocks: its native kernel is right
-    use_fp32_frozen_products(lora_model)  # the products through the same library as our QLoRA model's (fp32_gemm)
+    use_fp32_products(lora_model)  # the products through the same library as our QLoRA model's (fp32_gemm)
     return float((lora_model(x) - ours).abs().max())

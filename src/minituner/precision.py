@@ -30,9 +30,10 @@ the dtype RoPE is applied in; the residual stream stays fp32):
   and hands back a bf16 gradient, so no (N, V) tensor is ever fp32. AdamW holds fp32 state for the fp32
   masters.
 
-In fp32 (``use_fp32_frozen_products``, what ``build_for_training`` does for LoRA and QLoRA in fp32), a frozen fp32
-``nn.Linear`` becomes a ``FrozenLinear``: the same Parameters, its products through ``minikernels.fp32_gemm``
-(oneDNN on CPUs where PyTorch's MKL takes slow kernels; ``F.linear`` elsewhere).
+In fp32 (``use_fp32_products``, what ``build_for_training`` does for every method in fp32), an fp32
+``nn.Linear`` other than a LoRA factor (the frozen base of LoRA and QLoRA, every Linear of a full fine-tune)
+becomes an ``Fp32Linear``: the same Parameters, its products and their gradients through
+``minikernels.fp32_gemm`` (oneDNN on CPUs where PyTorch's MKL takes slow kernels; ``F.linear`` elsewhere).
 
 Full fine-tuning is refused: bf16 compute is defined for a frozen base (every trainable parameter a LoRA
 factor); full fine-tuning trains in fp32. The same path runs on CUDA (cuBLAS bf16 products).
@@ -68,8 +69,9 @@ class Bf16Linear(nn.Linear):
         return y.to(x.dtype)
 
 
-class FrozenLinear(nn.Linear):
-    """A frozen fp32 Linear whose products take minikernels.fp32_gemm (oneDNN on CPUs where MKL is slow)."""
+class Fp32Linear(nn.Linear):
+    """An fp32 Linear, frozen or trainable, whose products take minikernels.fp32_gemm (oneDNN on CPUs where MKL
+    is slow; F.linear elsewhere)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return fp32_gemm.linear(x, self.weight, self.bias)  # (..., out); F.linear off fp32 CPU
@@ -119,8 +121,8 @@ def _bf16_linear(m: nn.Linear, dtype: torch.dtype, cache: dict[int, nn.Parameter
     return _linear_as(Bf16Linear, m, _frozen_copy(m.weight, dtype, cache), bias)
 
 
-def _frozen_linear(m: nn.Linear) -> FrozenLinear:
-    return _linear_as(FrozenLinear, m, m.weight, m.bias)  # the same Parameters: ties stay ties, nothing copied
+def _fp32_linear(m: nn.Linear) -> Fp32Linear:
+    return _linear_as(Fp32Linear, m, m.weight, m.bias)  # the same Parameters: ties stay ties, nothing copied
 
 
 def _bf16_embedding(m: nn.Embedding, dtype: torch.dtype, output_dtype: torch.dtype,
@@ -145,7 +147,7 @@ def _non_fp32_tensors(model: nn.Module) -> list[str]:
     """Float parameters and buffers that are not fp32, outside the modules use_bf16_compute made low-precision."""
     out = []
     for path, m in model.named_modules():
-        if isinstance(m, (Bf16Linear, Bf16Embedding, QuantizedLinear)) or type(m) in (nn.Linear, FrozenLinear, nn.Embedding):
+        if isinstance(m, (Bf16Linear, Bf16Embedding, QuantizedLinear)) or type(m) in (nn.Linear, Fp32Linear, nn.Embedding):
             continue  # low precision by design, or about to be stored in it (a 16-bit checkpoint's weights)
         for name, t in [*m.named_parameters(recurse=False), *m.named_buffers(recurse=False)]:
             if t is not None and t.is_floating_point() and t.dtype != torch.float32:
@@ -170,17 +172,16 @@ def _swap(model: nn.Module, replacements: list[tuple[str, nn.Module]]) -> None:
         setattr(model.get_submodule(parent) if parent else model, leaf, new)
 
 
-def use_fp32_frozen_products(model: nn.Module) -> nn.Module:
-    """Make every frozen fp32 nn.Linear a FrozenLinear (its products through minikernels.fp32_gemm); in place.
+def use_fp32_products(model: nn.Module) -> nn.Module:
+    """Make every fp32 nn.Linear but the LoRA factors an Fp32Linear (its products, and the gradients autograd asks
+    for, through minikernels.fp32_gemm); in place.
 
     The weights are not touched or copied, only the module's class: on a CPU where oneDNN is not chosen, and
-    off CPU, a FrozenLinear computes exactly as nn.Linear. Returns the model. Idempotent.
+    off CPU, an Fp32Linear computes exactly as nn.Linear. Returns the model. Idempotent.
     """
-    lora_factors = _factor_modules(model)
-    frozen = lambda m: not m.weight.requires_grad and (m.bias is None or not m.bias.requires_grad)  # noqa: E731
-    _swap(model, [(path, _frozen_linear(m)) for path, m in model.named_modules()
-                  if type(m) is nn.Linear and id(m) not in lora_factors and frozen(m)
-                  and m.weight.dtype == torch.float32])
+    lora_factors = _factor_modules(model)  # thin products: left to F.linear
+    _swap(model, [(path, _fp32_linear(m)) for path, m in model.named_modules()
+                  if type(m) is nn.Linear and id(m) not in lora_factors and m.weight.dtype == torch.float32])
     return model
 
 
@@ -214,7 +215,7 @@ def use_bf16_compute(model: nn.Module, dtype: torch.dtype = BF16) -> nn.Module:
             m.compute_dtype = dtype
             if m.bias is not None:
                 m.bias = m.bias.to(dtype)  # a buffer: stored once in dtype, not cast per call
-        elif type(m) in (nn.Linear, FrozenLinear):
+        elif type(m) in (nn.Linear, Fp32Linear):
             replacements.append((path, _bf16_linear(m, dtype, cache)))
         elif type(m) is nn.Embedding:
             replacements.append((path, _bf16_embedding(m, dtype, output_dtype, cache)))

@@ -71,12 +71,43 @@ def test_non_contiguous_inputs(backend):
     _close(linear(x, w), F.linear(x, w), 10)
 
 
-def test_trainable_weights_and_other_dtypes_take_f_linear(backend):
+@pytest.mark.parametrize("shape", [(7, 48), (2, 5, 48)])
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("x_needs_grad", [True, False])
+def test_trainable_weight_and_bias_gradients_equal_f_linear(backend, shape, with_bias, x_needs_grad):
+    """Full fine-tuning: the weight's and the bias' gradients as F.linear's autograd gives them."""
     torch.manual_seed(2)
+    w = torch.randn(80, 48, requires_grad=True)
+    b = torch.randn(80, requires_grad=True) if with_bias else None
+    x = torch.randn(*shape, requires_grad=x_needs_grad)
+    g = torch.randn(*shape[:-1], 80)
+    linear(x, w, b).backward(g)
+    grads = [w.grad, None if b is None else b.grad, x.grad]
+    w.grad = x.grad = None
+    if b is not None:
+        b.grad = None
+    F.linear(x, w, b).backward(g)
+    for got, ref in zip(grads, [w.grad, None if b is None else b.grad, x.grad]):
+        assert (got is None) == (ref is None)
+        if ref is not None:
+            _close(got, ref, 10)
+
+
+def test_a_trainable_product_keeps_what_f_linear_keeps(backend):
+    """x for the weight's gradient, the weight for x's: references to the same storage F.linear keeps."""
+    torch.manual_seed(3)
     w = torch.randn(16, 8, requires_grad=True)
-    x = torch.randn(4, 8, requires_grad=True)
-    linear(x, w).sum().backward()
-    assert w.grad is not None  # a trainable weight gets its gradient (autograd's own linear)
+    for x in (torch.randn(4, 8), torch.randn(4, 8, requires_grad=True), torch.randn(2, 3, 8, requires_grad=True)):
+        kept = {}
+        for name, fn in (("ours", linear), ("F.linear", F.linear)):
+            saved = []
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+                fn(x, w)
+            kept[name] = sorted(t.untyped_storage().data_ptr() for t in saved)
+        assert kept["ours"] == kept["F.linear"]
+
+
+def test_other_dtypes_take_f_linear(backend):
     xb, wb = torch.randn(4, 8, dtype=torch.bfloat16), torch.randn(16, 8, dtype=torch.bfloat16)
     assert torch.equal(linear(xb, wb), F.linear(xb, wb))  # bf16: F.linear itself
 

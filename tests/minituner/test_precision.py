@@ -11,8 +11,8 @@ from minigpt.model import GPTConfig, MiniGPT
 from miniquant import QuantizedLinear
 from minituner.lora import LoRAConfig, apply_lora, lora_modules
 from minikernels import fp32_gemm
-from minituner.precision import (Bf16Embedding, Bf16Linear, FrozenLinear, compute_dtypes, use_bf16_compute,
-                                  use_fp32_frozen_products)
+from minituner.precision import (Bf16Embedding, Bf16Linear, Fp32Linear, compute_dtypes, use_bf16_compute,
+                                  use_fp32_products)
 from minituner.build import wrap_minigpt_qlora
 
 CFG = dict(vocab_size=37, block_size=16, n_layer=2, n_head=2, d_model=32)
@@ -261,21 +261,21 @@ def test_apply_precision_checks_the_cpu_then_converts():
 
 
 @pytest.mark.parametrize("backend", ["onednn", "aten"])
-def test_fp32_frozen_products_swap_only_frozen_linears_and_keep_the_numbers(backend, monkeypatch):
+def test_fp32_products_swap_the_linears_but_the_factors_and_keep_the_numbers(backend, monkeypatch):
     monkeypatch.setattr(fp32_gemm, "backend", lambda: backend)
     model = _model("lora", targets="q_proj,fc1")
-    model.blocks[1].mlp.fc2.weight.requires_grad_(True)  # a trainable Linear stays an nn.Linear
+    model.blocks[1].mlp.fc2.weight.requires_grad_(True)  # a trainable Linear: its weight's gradient too
     reference = copy.deepcopy(model)
     params = {n: p for n, p in model.named_parameters()}
-    assert use_fp32_frozen_products(model) is model
+    assert use_fp32_products(model) is model
     assert {n: p for n, p in model.named_parameters()} == params  # the same Parameter objects: nothing copied
-    assert type(model.lm_head) is FrozenLinear and model.lm_head.weight is model.wte.weight  # still tied
-    assert type(model.blocks[0].attn.k_proj) is FrozenLinear and type(model.blocks[1].mlp.fc2) is nn.Linear
+    assert type(model.lm_head) is Fp32Linear and model.lm_head.weight is model.wte.weight  # still tied
+    assert type(model.blocks[0].attn.k_proj) is Fp32Linear and type(model.blocks[1].mlp.fc2) is Fp32Linear
     for m in lora_modules(model).values():
-        assert type(m.base_layer) is FrozenLinear
+        assert type(m.base_layer) is Fp32Linear
         assert all(type(f) is nn.Linear for d in (m.lora_A, m.lora_B) for f in d.values())  # the factors
     modules = dict(model.named_modules())
-    use_fp32_frozen_products(model)  # idempotent
+    use_fp32_products(model)  # idempotent
     assert all(a is b for a, b in zip(modules.values(), dict(model.named_modules()).values()))
     x, y = _batch()
     loss, ref_loss = _loss(model, x, y), _loss(reference, x, y)
@@ -284,3 +284,26 @@ def test_fp32_frozen_products_swap_only_frozen_linears_and_keep_the_numbers(back
     torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=0)
     for name, g in _grads(reference).items():
         torch.testing.assert_close(_grads(model)[name], g, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", ["onednn", "aten"])
+def test_a_full_fine_tune_trains_through_fp32_products_with_the_same_gradients(backend, monkeypatch):
+    """build_for_training(..., "full") swaps every Linear (the tied head too); each gradient is F.linear's."""
+    from minituner.build import build_for_training
+
+    monkeypatch.setattr(fp32_gemm, "backend", lambda: backend)
+    torch.manual_seed(0)
+    reference = MiniGPT(GPTConfig(**CFG))
+    model = build_for_training(copy.deepcopy(reference), "full", device="cpu")
+    assert not [n for n, m in model.named_modules() if type(m) is nn.Linear]
+    assert model.lm_head.weight is model.wte.weight  # still tied
+    reference.requires_grad_(True)
+    x, y = _batch()
+    loss, ref_loss = _loss(model, x, y), _loss(reference, x, y)
+    loss.backward()
+    ref_loss.backward()
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=0)
+    grads, ref_grads = _grads(model), _grads(reference)
+    assert grads.keys() == ref_grads.keys()
+    for name, g in ref_grads.items():
+        torch.testing.assert_close(grads[name], g, rtol=1e-4, atol=1e-6)

@@ -10,7 +10,7 @@ from minigpt.train import TrainConfig, lm_loss, train
 from miniquant import QuantizationError, QuantizedLinear
 from minituner.adapter_io import load_adapter, save_adapter
 from minituner.lora import LoRALinear, apply_lora, lora_modules, lora_state_dict
-from minituner.precision import FrozenLinear
+from minituner.precision import Fp32Linear
 from minituner.planner import lora_trainable_params, minigpt_shape, nf4_weight_bytes, quantized_params, total_params
 from minituner.build import training_device, wrap_minigpt_qlora
 from minituner.qlora import (check_qlora, compare_logits, param_summary, print_trainable_parameters, quantize_linears,
@@ -47,9 +47,9 @@ def test_trainable_set_is_exactly_the_lora_factors(targets):
         assert not list(m.base_layer.parameters())  # buffers only
         for factor in (m.lora_A["default"], m.lora_B["default"]):  # LoRA is never quantized
             assert type(factor) is nn.Linear and factor.weight.dtype == torch.float32
-    # only the targets are quantized; the other block Linears stay float (FrozenLinear: fp32 through fp32_gemm)
+    # only the targets are quantized; the other block Linears stay float (Fp32Linear: fp32 through fp32_gemm)
     assert set(quantized_modules(model)) == {f"{p}.base_layer" for p in lora_modules(model)}
-    floats = [n for n, m in model.named_modules() if type(m) is FrozenLinear and n != "lm_head"]
+    floats = [n for n, m in model.named_modules() if type(m) is Fp32Linear and n != "lm_head"]
     assert len(floats) == CFG.n_layer * len(BLOCK_LINEARS) - len(lora_modules(model))
 
 

@@ -15,7 +15,7 @@ from minituner.adapter_io import ADAPTER_FILE, load_adapter
 from minituner.cli import main
 from minituner.finetune import FinetuneConfig, finetune
 from minituner.lora import LoRAConfig, lora_modules, lora_state_dict
-from minituner.precision import FrozenLinear
+from minituner.precision import Fp32Linear
 from minituner.build import wrap_minigpt_qlora
 
 
@@ -46,7 +46,7 @@ def test_finetune_with_quant_scheme_trains_lora_on_an_nf4_base(base, tmp_path):
     res = finetune(base, tmp_path / "run", cfg, progress=False, log=lambda *_: None)
     mods = lora_modules(res.model)
     assert len(mods) == 4 and all(type(m.base_layer) is QuantizedLinear for m in mods.values())
-    assert type(res.model.blocks[0].attn.k_proj) is FrozenLinear  # not a target: stays float (fp32_gemm's products)
+    assert type(res.model.blocks[0].attn.k_proj) is Fp32Linear  # not a target: stays float (fp32_gemm's products)
     assert res.summary["params_trainable"] == sum(t.numel() for t in lora_state_dict(res.model).values())
     manifest = json.loads((tmp_path / "run" / "manifest.json").read_text())
     assert manifest["config"]["quant_scheme"] == "nf4_per_group_64"
