@@ -18,9 +18,14 @@ Which library: ``backend()``. On x86 CPUs of other vendors (AMD, Hygon) oneDNN, 
 forces one. Only fp32 on CPU takes oneDNN; everything else (bf16, CUDA) is ``F.linear`` as before.
 
 Gradients, each one product: for x, grad_y·W (W read transposed, as a view); for a trainable W (full
-fine-tuning), grad_yᵀ·x over all tokens (both operands transposed views; 1.7-1.9× faster than MKL's at
-GPT-2 and Llama-1B shapes on that machine); for a trainable bias, the sum of grad_y over the tokens. Autograd
-keeps what it keeps for F.linear: x when W trains, W when x needs a gradient; nothing is copied.
+fine-tuning), grad_yᵀ·x over all tokens; for a trainable bias, the sum of grad_y over the tokens. oneDNN reads
+its first operand with the summed dimension innermost, so for the weight's gradient it copies grad_yᵀ
+(tokens·out·4 bytes, 1.6-1.9× faster than MKL's product all the same at GPT-2 and Llama-1B shapes on that
+machine); above WEIGHT_GRAD_COPY_BYTES (a wide head's gradient) the weight's gradient is ``torch.mm``'s, which
+reads the transposed view as it is, so no step holds a large copy the memory planner does not count. Autograd
+keeps what it keeps for F.linear: x when W trains, W when x needs a gradient. Like the frozen path before it,
+the Function is differentiable once (no ``create_graph`` through it; ``MINIKERNELS_FP32_GEMM=aten`` gives
+F.linear back); under CPU autocast, and for an empty batch, ``F.linear`` runs.
 """
 from __future__ import annotations
 
@@ -36,6 +41,7 @@ BACKEND_ENV = "MINIKERNELS_FP32_GEMM"  # "onednn" or "aten" forces the library; 
 BACKENDS = ("onednn", "aten")
 ONEDNN_VENDORS = ("AuthenticAMD", "HygonGenuine")  # x86 vendors for which MKL takes its AVX2 path
 CPUINFO = Path("/proc/cpuinfo")
+WEIGHT_GRAD_COPY_BYTES = 16 << 20  # oneDNN's copy of grad_yᵀ for a weight's gradient stays below this, else torch.mm
 
 
 def cpu_vendor(cpuinfo: str) -> str:
@@ -74,7 +80,8 @@ def backend() -> str:
 
 def _takes_onednn(x: Tensor, weight: Tensor) -> bool:
     return (x.dtype == weight.dtype == torch.float32 and x.device.type == weight.device.type == "cpu"
-            and x.layout == weight.layout == torch.strided and backend() == "onednn")
+            and x.layout == weight.layout == torch.strided and x.numel() > 0 and backend() == "onednn"
+            and not torch.is_autocast_enabled("cpu"))  # autocast would run F.linear in bf16: leave it that
 
 
 def _product(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
@@ -102,7 +109,7 @@ class _Linear(torch.autograd.Function):
         if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
             g = grad_y.reshape(-1, grad_y.shape[-1])  # (N, out)
             if ctx.needs_input_grad[1]:
-                grad_w = _product(g.t(), x.reshape(-1, x.shape[-1]).t(), None)  # (out, N)·(N, in) -> (out, in)
+                grad_w = weight_grad(g, x.reshape(-1, x.shape[-1]))  # (out, N)·(N, in) -> (out, in)
             if ctx.needs_input_grad[2]:
                 grad_b = g.sum(0)  # (out,)
         return grad_x, grad_w, grad_b
@@ -113,6 +120,13 @@ def input_grad(grad_y: Tensor, weight: Tensor) -> Tensor:
     if not _takes_onednn(grad_y, weight):
         return grad_y @ weight
     return _product(grad_y, weight.t(), None)  # Wᵀ as a view: oneDNN reads (in, out) weights at full speed
+
+
+def weight_grad(grad_y: Tensor, x: Tensor) -> Tensor:
+    """grad_yᵀ·x, the gradient of x·Wᵀ for W: (N, out), (N, in) -> (out, in); see WEIGHT_GRAD_COPY_BYTES."""
+    if not _takes_onednn(x, grad_y) or grad_y.numel() * grad_y.element_size() > WEIGHT_GRAD_COPY_BYTES:
+        return grad_y.t() @ x
+    return _product(grad_y.t(), x.t(), None)  # oneDNN copies grad_yᵀ (bounded above)
 
 
 def product(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:

@@ -52,7 +52,7 @@ def quantized_modules(model: nn.Module) -> dict[str, QuantizedLinear]:
 def quantize_linears(model: nn.Module, paths: list[str], scheme: str = DEFAULT_QUANT_SCHEME) -> dict[str, QuantizedLinear]:
     """Replace the nn.Linear at each path by a QuantizedLinear of `scheme`, in place; return them by path."""
     for p in paths:  # check everything before changing anything
-        if not isinstance(model.get_submodule(p), nn.Linear):  # nn.Linear or a frozen subclass of ours
+        if not isinstance(model.get_submodule(p), nn.Linear):  # nn.Linear or a subclass (precision.Fp32Linear)
             raise InputError(f"{p} is a {type(model.get_submodule(p)).__name__}, not a float nn.Linear to quantize")
     out = {}
     for p in paths:

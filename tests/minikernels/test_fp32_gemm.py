@@ -74,8 +74,11 @@ def test_non_contiguous_inputs(backend):
 @pytest.mark.parametrize("shape", [(7, 48), (2, 5, 48)])
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("x_needs_grad", [True, False])
-def test_trainable_weight_and_bias_gradients_equal_f_linear(backend, shape, with_bias, x_needs_grad):
+@pytest.mark.parametrize("copy_bound", [fp32_gemm.WEIGHT_GRAD_COPY_BYTES, 0], ids=["oneDNN", "past the copy bound"])
+def test_trainable_weight_and_bias_gradients_equal_f_linear(backend, shape, with_bias, x_needs_grad, copy_bound,
+                                                            monkeypatch):
     """Full fine-tuning: the weight's and the bias' gradients as F.linear's autograd gives them."""
+    monkeypatch.setattr(fp32_gemm, "WEIGHT_GRAD_COPY_BYTES", copy_bound)
     torch.manual_seed(2)
     w = torch.randn(80, 48, requires_grad=True)
     b = torch.randn(80, requires_grad=True) if with_bias else None
@@ -112,6 +115,18 @@ def test_other_dtypes_take_f_linear(backend):
     assert torch.equal(linear(xb, wb), F.linear(xb, wb))  # bf16: F.linear itself
 
 
+def test_autocast_and_an_empty_batch_behave_as_f_linear(backend):
+    w, b = torch.randn(16, 8, requires_grad=True), torch.randn(16, requires_grad=True)
+    x = torch.randn(4, 8)
+    with torch.autocast("cpu", torch.bfloat16):
+        assert linear(x, w, b).dtype == F.linear(x, w, b).dtype == torch.bfloat16  # autocast's bf16, as nn.Linear
+    empty = torch.randn(0, 8, requires_grad=True)
+    y = linear(empty, w, b)
+    assert y.shape == (0, 16)
+    y.sum().backward()
+    assert empty.grad.shape == (0, 8) and torch.equal(w.grad, torch.zeros_like(w))
+
+
 def test_frozen_product_keeps_only_the_weight_for_backward(backend):
     """As F.linear does for a frozen weight: the weight is kept (no new memory), the input is not."""
     torch.manual_seed(3)
@@ -127,3 +142,17 @@ def test_no_graph_without_a_gradient_to_compute(backend):
     assert linear(x, w).grad_fn is None
     with torch.no_grad():
         assert linear(x.requires_grad_(True), w).grad_fn is None
+
+
+def test_a_weight_gradient_past_the_copy_bound_takes_torch_mm(backend, monkeypatch):
+    """oneDNN copies grad_yᵀ for a weight's gradient: a grad_y over WEIGHT_GRAD_COPY_BYTES goes to torch.mm."""
+    calls = []
+    real = fp32_gemm._product
+    monkeypatch.setattr(fp32_gemm, "_product", lambda *a: calls.append(a[0].shape) or real(*a))
+    g, x = torch.randn(6, 16), torch.randn(6, 8)
+    monkeypatch.setattr(fp32_gemm, "WEIGHT_GRAD_COPY_BYTES", g.numel() * 4)
+    _close(fp32_gemm.weight_grad(g, x), g.t() @ x, 10)
+    assert calls == ([(16, 6)] if backend == "onednn" else [])
+    monkeypatch.setattr(fp32_gemm, "WEIGHT_GRAD_COPY_BYTES", g.numel() * 4 - 1)
+    _close(fp32_gemm.weight_grad(g, x), g.t() @ x, 10)
+    assert len(calls) == (1 if backend == "onednn" else 0)
