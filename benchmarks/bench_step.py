@@ -283,8 +283,9 @@ def run(quick: bool = False) -> Section:
     ))
     same = results["peft_bnb_qlora"][0].get("nf4_bytes_equal_ours")
     section.notes += [
-        f"full fine-tuning with its fp32 products and their gradients through {our_fp32_library()} "
-        f"(minikernels.fp32_gemm's choice for this CPU) / through PyTorch's F.linear: "
+        f"full fine-tuning with its fp32 products and input gradients through {our_fp32_library()} "
+        f"(minikernels.fp32_gemm's choice for this CPU) / through PyTorch's F.linear (the weights' gradients by "
+        f"torch.mm in both): "
         f"{med['full'] / med['full_aten']:.2f}× the step time",
         f"bitsandbytes Linear4bit is built with compress_statistics=False (no double quantization), like ours; its "
         f"packed NF4 bytes equal ours for every layer: {'yes' if same else 'no'}",

@@ -17,15 +17,14 @@ Which library: ``backend()``. On x86 CPUs of other vendors (AMD, Hygon) oneDNN, 
 (``F.linear``: MKL on Intel, where it takes its AVX-512 kernels). ``MINIKERNELS_FP32_GEMM=onednn`` or ``=aten``
 forces one. Only fp32 on CPU takes oneDNN; everything else (bf16, CUDA) is ``F.linear`` as before.
 
-Gradients, each one product: for x, grad_y·W (W read transposed, as a view); for a trainable W (full
-fine-tuning), grad_yᵀ·x over all tokens; for a trainable bias, the sum of grad_y over the tokens. oneDNN reads
-its first operand with the summed dimension innermost, so for the weight's gradient it copies grad_yᵀ
-(tokens·out·4 bytes, 1.6-1.9× faster than MKL's product all the same at GPT-2 and Llama-1B shapes on that
-machine); above WEIGHT_GRAD_COPY_BYTES (a wide head's gradient) the weight's gradient is ``torch.mm``'s, which
-reads the transposed view as it is, so no step holds a large copy the memory planner does not count. Autograd
-keeps what it keeps for F.linear: x when W trains, W when x needs a gradient. Like the frozen path before it,
-the Function is differentiable once (no ``create_graph`` through it; ``MINIKERNELS_FP32_GEMM=aten`` gives
-F.linear back); under CPU autocast, and for an empty batch, ``F.linear`` runs.
+Gradients, each one product: for x, grad_y·W through oneDNN (W read transposed, as a view); for a trainable W
+(full fine-tuning), grad_yᵀ·x by ``torch.mm``, which reads the transposed grad_y as it is: oneDNN would first
+copy grad_yᵀ (tokens·out·4 bytes that ``minituner.planner`` does not count; with that copy a full fine-tuning
+step of the bench's GPT-shaped stack took 0.57× F.linear's time, without it 0.70×, measured side by side); for
+a trainable bias, the sum of grad_y over the tokens. Autograd keeps what it keeps for F.linear: x when W
+trains, W when x needs a gradient. Like the frozen path before it, the Function is differentiable once (no
+``create_graph`` through it; ``MINIKERNELS_FP32_GEMM=aten`` gives F.linear back); under CPU autocast, and for an
+empty batch, ``F.linear`` runs.
 """
 from __future__ import annotations
 
@@ -41,7 +40,6 @@ BACKEND_ENV = "MINIKERNELS_FP32_GEMM"  # "onednn" or "aten" forces the library; 
 BACKENDS = ("onednn", "aten")
 ONEDNN_VENDORS = ("AuthenticAMD", "HygonGenuine")  # x86 vendors for which MKL takes its AVX2 path
 CPUINFO = Path("/proc/cpuinfo")
-WEIGHT_GRAD_COPY_BYTES = 16 << 20  # oneDNN's copy of grad_yᵀ for a weight's gradient stays below this, else torch.mm
 
 
 def cpu_vendor(cpuinfo: str) -> str:
@@ -123,10 +121,8 @@ def input_grad(grad_y: Tensor, weight: Tensor) -> Tensor:
 
 
 def weight_grad(grad_y: Tensor, x: Tensor) -> Tensor:
-    """grad_yᵀ·x, the gradient of x·Wᵀ for W: (N, out), (N, in) -> (out, in); see WEIGHT_GRAD_COPY_BYTES."""
-    if not _takes_onednn(x, grad_y) or grad_y.numel() * grad_y.element_size() > WEIGHT_GRAD_COPY_BYTES:
-        return grad_y.t() @ x
-    return _product(grad_y.t(), x.t(), None)  # oneDNN copies grad_yᵀ (bounded above)
+    """grad_yᵀ·x, the gradient of x·Wᵀ for W: (N, out), (N, in) -> (out, in); torch.mm, no copy (see above)."""
+    return grad_y.t() @ x
 
 
 def product(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
