@@ -168,10 +168,24 @@ def rope_inv_freq(cfg: DecoderConfig) -> torch.Tensor:
     return torch.where(medium, blended, scaled)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """(x1, x2) -> (-x2, x1) over the last dimension's halves: the layout Hugging Face checkpoints use."""
+def swap_halves(x: torch.Tensor) -> torch.Tensor:
+    """(x1, x2) -> (x2, x1) over the last dimension's halves (Hugging Face's rotate_half, (-x2, x1), without
+    its minus sign: the half-split layout their checkpoints use)."""
     x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+    return torch.cat((x2, x1), dim=-1)
+
+
+def signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    """sin (..., d) with its first half negated: ``rotate_half(q) * sin == swap_halves(q) * signed_sin(sin)``
+    exactly (a sign flip rounds the same), so the minus that every layer would apply to q and k (and to their
+    gradients) is applied once, to the (T, d) table."""
+    s1, s2 = sin.chunk(2, dim=-1)
+    return torch.cat((-s1, s2), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """Rotary positions on x (B, heads, T, d): x·cos + rotate_half(x)·sin, the sine given as signed_sin(sin)."""
+    return x * cos + swap_halves(x) * sin_signed
 
 
 class RMSNorm(nn.Module):
@@ -214,9 +228,9 @@ class Attention(nn.Module):
         k = self.k_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, kv, T, hd)
         v = self.v_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, kv, T, hd)
         if rope is not None:
-            cos, sin = rope  # (T, hd) each
-            q = q * cos + rotate_half(q) * sin
-            k = k * cos + rotate_half(k) * sin
+            cos, sin_signed = rope  # (T, hd) each; the sine with its first half negated (signed_sin)
+            q = apply_rope(q, cos, sin_signed)
+            k = apply_rope(k, cos, sin_signed)
         start = 0
         if kv is not None:  # generation: the tokens before these are stored (minigpt.kv_cache)
             start = kv.cache.length
@@ -347,7 +361,8 @@ class Decoder(nn.Module):
         if self.config.positions == "learned":
             x = x + m.embed_positions(torch.arange(start, start + T, device=idx.device))  # (B, T, C)
         else:
-            rope = self.rope(T, idx.device, self.compute_dtype or x.dtype, start)
+            cos, sin = self.rope(T, idx.device, self.compute_dtype or x.dtype, start)
+            rope = cos, signed_sin(sin)  # what every layer's apply_rope takes
         recompute = self.grad_checkpoint and self.training and torch.is_grad_enabled() and cache is None
         for i, layer in enumerate(m.layers):
             if recompute:

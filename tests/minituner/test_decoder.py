@@ -9,7 +9,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 
-from minigpt.decoder import Decoder, DecoderConfig, rope_inv_freq  # noqa: E402
+from minigpt.decoder import Decoder, DecoderConfig, apply_rope, rope_inv_freq, signed_sin  # noqa: E402
 from minigpt.errors import InputError  # noqa: E402
 from minigpt.model import GPTConfig, MiniGPT  # noqa: E402
 from minituner.hf_config import decoder_config_from_hf  # noqa: E402
@@ -81,6 +81,26 @@ def test_llama3_frequencies_equal_transformers(hf_folder, hf_ref):
     theirs = hf_ref(folder).model.rotary_emb.inv_freq
     assert torch.allclose(ours, theirs, rtol=1e-6, atol=0)
     assert not torch.allclose(ours, rope_inv_freq(DecoderConfig(head_dim=12, rope_theta=500000.0)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_with_the_sign_on_the_table_is_transformers_rope_bit_for_bit(dtype):
+    """apply_rope(x, cos, signed_sin(sin)) equals transformers' x·cos + rotate_half(x)·sin exactly, and so do the
+    gradients that reach x."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+    model = Decoder(DecoderConfig(n_head=4, n_kv_head=2, d_model=64))
+    cos, sin = model.rope(16, torch.device("cpu"), dtype, start=3)
+    g = torch.Generator().manual_seed(0)
+    q, k, grad_q, grad_k = (torch.randn(2, h, 16, 16, generator=g).to(dtype) for h in (4, 2, 4, 2))
+    q1, k1 = q.clone().requires_grad_(), k.clone().requires_grad_()
+    q2, k2 = q.clone().requires_grad_(), k.clone().requires_grad_()
+    ours = apply_rope(q1, cos, signed_sin(sin)), apply_rope(k1, cos, signed_sin(sin))
+    theirs = apply_rotary_pos_emb(q2, k2, cos[None], sin[None])
+    for a, b in zip(ours, theirs):
+        assert a.dtype == dtype and torch.equal(a, b)
+    torch.autograd.backward(ours, (grad_q, grad_k))
+    torch.autograd.backward(theirs, (grad_q, grad_k))
+    assert torch.equal(q1.grad, q2.grad) and torch.equal(k1.grad, k2.grad)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -18,8 +18,8 @@ the LoRA factors (``lora_copy_bytes``: 0, or 2 under bf16 compute), the terms ar
   have no embedding).
 - ``rotary cos/sin`` 2·T·d·e, once for the whole model: ``Decoder.rope`` builds cos and sin (T, d) once
   per forward, in the dtype q and k are in (``Decoder.compute_dtype``), and every layer's ``q * cos`` and
-  ``rotate_half(q) * sin`` (and k's) save the same two tensors, whenever q or k needs grad (rotate_half's
-  chunk, neg and cat save nothing).
+  ``swap_halves(q) * signed_sin(sin)`` (and k's) save the same two tensors, whenever q or k needs grad
+  (swap_halves' chunk and cat save nothing).
 - ``rmsnorm input`` N·C·s and ``rmsnorm rstd`` N·s, for input_layernorm, post_attention_layernorm (each
   layer) and the final norm, when the norm's input needs grad (``x.pow(2)`` and ``x * rsqrt(...)`` keep
   x, rsqrt keeps its output; x.float() is a no-op on the fp32 stream); ``rmsnorm normalized input`` N·C·s
