@@ -17,8 +17,10 @@ the dtype RoPE is applied in; the residual stream stays fp32):
 - a ``LoRALinear`` runs the base and the LoRA path in bf16 (the fp32 masters A and B are cast per call:
   r × in values, and autograd returns their gradients in fp32) and returns its input's dtype;
 - norms (LayerNorm, RMSNorm) compute in fp32 on the fp32 residual stream and hand their output to the
-  products that follow in bf16: one cast per norm (a forward hook, ``_hand_out_bf16``), shared by q/k/v
-  or gate/up, where each product casting its own input would cast the same tensor three times;
+  products that follow in bf16: one cast per norm, shared by q/k/v or gate/up, where each product casting its
+  own input would cast the same tensor three times. The decoder's RMSNorm becomes a ``Bf16OutRMSNorm`` (the
+  same weight), whose norm and cast are one pass of C each way on CPU (``minigpt.native_norm``); any other
+  norm gets a forward hook that casts (``_hand_out_bf16``);
 - so the block between a norm and the residual add is bf16 end to end: q, k, v and attention (on CPU
   ``minigpt.native_attention``: q·kᵀ and P·v as bf16 GEMMs, the softmax and its gradient computed in fp32 in C,
   the probabilities rounded to bf16 for the product with v; elsewhere, and past its 1,024 tokens,
@@ -46,6 +48,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from minigpt import native_norm
 from minigpt.bf16_support import Bf16Support
 from minigpt.decoder import RMSNorm
 from minigpt.device import PRECISIONS, check_precision
@@ -84,6 +87,27 @@ class Bf16Embedding(nn.Embedding):
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return super().forward(idx).to(self.output_dtype)  # (..., C)
+
+
+class Bf16OutRMSNorm(RMSNorm):
+    """The decoder's RMSNorm computing in fp32 on the stream and handing out `_output_dtype` (bf16): one pass of C
+    each way (``minigpt.native_norm``) where it takes the input, else RMSNorm's PyTorch ops and one cast."""
+
+    _output_dtype: torch.dtype = BF16
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._output_dtype == BF16 and native_norm.fits(x, self.weight):
+            return native_norm.rms_norm_bf16(x, self.weight, self.eps)  # (..., C) bf16
+        return super().forward(x).to(self._output_dtype)
+
+
+def _bf16_out_rmsnorm(m: RMSNorm, dtype: torch.dtype) -> Bf16OutRMSNorm:
+    """A Bf16OutRMSNorm in m's place holding m's weight (the same Parameter) and eps."""
+    norm = Bf16OutRMSNorm.__new__(Bf16OutRMSNorm)
+    nn.Module.__init__(norm)
+    norm.weight, norm.eps, norm._output_dtype = m.weight, m.eps, dtype
+    norm.train(m.training)
+    return norm
 
 
 def _cast_output(dtype: torch.dtype, module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
@@ -219,6 +243,8 @@ def use_bf16_compute(model: nn.Module, dtype: torch.dtype = BF16) -> nn.Module:
             replacements.append((path, _bf16_linear(m, dtype, cache)))
         elif type(m) is nn.Embedding:
             replacements.append((path, _bf16_embedding(m, dtype, output_dtype, cache)))
+        elif type(m) is RMSNorm:
+            replacements.append((path, _bf16_out_rmsnorm(m, dtype)))
         elif isinstance(m, NORMS):
             _hand_out_bf16(m, dtype)
     if hasattr(model, "compute_dtype"):  # a Decoder: RoPE applied in the products' dtype

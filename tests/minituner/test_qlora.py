@@ -137,6 +137,25 @@ def test_guards_name_the_path_that_went_non_finite():
         model(x)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_guard_passes_finite_outputs_whose_sum_overflows_and_stops_nan_and_inf(dtype):
+    """The guard sums the output once (bf16 in its own dtype, fp16 in fp32); a sum that overflows while every
+    value is finite passes, a single NaN or inf stops the forward."""
+    from minituner.qlora import _guard
+    layer = LoRALinear(nn.Linear(4, 4, dtype=dtype), r=2, alpha=4.0)
+    x = torch.ones(2, 4, dtype=dtype)
+    big = torch.full((64, 4), torch.finfo(dtype).max / 2, dtype=dtype)
+    assert torch.isfinite(big).all()
+    if dtype != torch.float16:  # the sum the guard takes overflows: the second look decides
+        assert not torch.isfinite(big.sum())
+    _guard("l", layer, (x,), big)  # finite values: no error
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        y = torch.zeros(2, 4, dtype=dtype)
+        y[1, 3] = bad
+        with pytest.raises(FloatingPointError, match="l: non-finite output"):
+            _guard("l", layer, (x,), y)
+
+
 def test_compute_dtype_casts_the_float_parts_but_not_the_quantized_weights_or_lora():
     ref, model = qlora(r=4), qlora(r=4, compute_dtype=torch.bfloat16)
     assert model.wte.weight.dtype == model.blocks[0].ln_1.weight.dtype == torch.bfloat16

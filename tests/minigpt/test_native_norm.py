@@ -1,0 +1,102 @@
+"""minigpt.native_norm: the RMSNorm-to-bf16 kernels against the decoder's RMSNorm (PyTorch ops) on the same values."""
+import pytest
+import torch
+
+from minigpt import native_norm
+from minigpt.decoder import RMSNorm
+
+kernels = native_norm.kernels()
+needs_kernels = pytest.mark.skipif(kernels is None, reason="no C compiler or no AVX-512: the norm kernels are not used")
+
+
+def _inputs(shape, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(*shape, generator=g) * 3.0
+    weight = 1.0 + 0.1 * torch.randn(shape[-1], generator=g)
+    grad_y = torch.randn(*shape, generator=g).to(torch.bfloat16)
+    return x, weight, grad_y
+
+
+def _reference(x, weight, grad_y, eps):
+    """RMSNorm's PyTorch ops and the cast to bf16, forward and backward."""
+    norm = RMSNorm(x.shape[-1], eps)
+    norm.weight = torch.nn.Parameter(weight.clone(), requires_grad=False)
+    xr = x.clone().requires_grad_()
+    y = norm(xr).to(torch.bfloat16)
+    y.backward(grad_y)
+    return y, xr.grad
+
+
+@needs_kernels
+@pytest.mark.parametrize("shape", [(1, 5, 16), (2, 7, 17), (3, 64), (1, 33, 2048), (4, 1)])  # each 16-lane tail
+def test_forward_and_gradient_match_the_pytorch_ops(shape):
+    x, weight, grad_y = _inputs(shape, seed=shape[-1])
+    assert native_norm.fits(x, weight)
+    xr = x.clone().requires_grad_()
+    y = native_norm.rms_norm_bf16(xr, weight, 1e-5)
+    y.backward(grad_y)
+    y_ref, grad_ref = _reference(x, weight, grad_y, 1e-5)
+    assert y.dtype == torch.bfloat16 and y.shape == x.shape
+    # the same fp32 value up to the order of the sum of squares: at most one bf16 unit apart, almost always equal
+    ulps = (y.view(torch.int16).int() - y_ref.view(torch.int16).int()).abs()
+    assert ulps.max() <= 1 and (ulps == 0).float().mean() > 0.99
+    assert xr.grad.dtype == torch.float32
+    torch.testing.assert_close(xr.grad, grad_ref, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernels
+def test_a_row_with_nan_or_inf_is_nan_there_only():
+    x, weight, grad_y = _inputs((3, 32))
+    x[1, 4] = float("nan")
+    x[2, 0] = float("inf")
+    y = native_norm.rms_norm_bf16(x, weight, 1e-6)
+    y_ref, _ = _reference(x, weight, grad_y, 1e-6)
+    assert torch.equal(y[0], y_ref[0])
+    assert y[1].isnan().all() and y_ref[1].isnan().all()
+    assert torch.equal(y[2].isnan(), y_ref[2].isnan())
+
+
+def test_what_it_does_not_take():
+    x, weight, _ = _inputs((2, 8))
+    assert not native_norm.fits(x.to(torch.bfloat16), weight)  # the stream is fp32
+    assert not native_norm.fits(x.t(), torch.ones(2))  # not contiguous
+    assert not native_norm.fits(x, weight.clone().requires_grad_())  # a weight that trains
+    assert not native_norm.fits(x, torch.ones(4))  # a weight of another width
+
+
+@needs_kernels
+def test_it_saves_what_the_pytorch_ops_save():
+    """The stream tensor itself and one fp32 rstd per row (planner: rmsnorm input, rmsnorm rstd)."""
+    x, weight, _ = _inputs((2, 6, 32))
+    xr = x.clone().requires_grad_()
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        native_norm.rms_norm_bf16(xr, weight, 1e-6)
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in saved if t is not weight}
+    assert storages == {xr.untyped_storage().data_ptr(): xr.nbytes,
+                        next(p for p in storages if p != xr.untyped_storage().data_ptr()): 12 * 4}
+
+
+def test_without_kernels_it_is_not_taken(monkeypatch):
+    monkeypatch.setenv("MINIQUANT_NATIVE", "0")
+    x, weight, _ = _inputs((2, 8))
+    assert native_norm.kernels() is None and not native_norm.fits(x, weight)
+
+
+def test_a_build_without_avx512_is_not_used(tmp_path, monkeypatch):
+    """Without AVX-512 the row sums are one sequential chain in plain C: not used (PyTorch's ops run)."""
+    import ctypes
+
+    from minikernels.build import build_library, find_compiler
+
+    compiler = find_compiler()
+    if compiler is None:
+        pytest.skip("no C compiler")
+    monkeypatch.setenv("MINIQUANT_CACHE", str(tmp_path))
+    try:
+        path = build_library("bf16_norm_plain", native_norm._SOURCE, native_norm.CFLAGS + ["-mno-avx512f"], compiler,
+                             native_norm.LIBS)
+    except RuntimeError as e:  # a compiler that does not know the flag (not x86)
+        pytest.skip(f"cannot build without AVX-512 here: {e}")
+    lib = ctypes.CDLL(str(path))
+    assert lib.norm_vectorized() == 0 and native_norm._usable(lib) is None
