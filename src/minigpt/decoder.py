@@ -40,7 +40,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from . import native_attention
+from . import native_attention, native_swiglu
 from .errors import InputError, check_known_fields
 from .kv_cache import KVCache, LayerKV, attention_mask
 from .sampling import generate
@@ -266,10 +266,17 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(cfg.d_model, cfg.d_ff, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.d_ff, cfg.d_model, bias=cfg.mlp_bias)
         self.act = ACTIVATIONS[cfg.activation]
+        self.silu = cfg.activation == "silu"
         self.gated = cfg.mlp == "swiglu"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.act(self.gate_proj(x)) * self.up_proj(x) if self.gated else self.act(self.up_proj(x))  # (B, T, ff)
+        if not self.gated:
+            return self.down_proj(self.act(self.up_proj(x)))  # (B, T, C)
+        gate, up = self.gate_proj(x), self.up_proj(x)  # (B, T, ff) each
+        if native_swiglu.fits(gate, up):  # bf16 on CPU: one pass of C each way (silu), keeping gate and up
+            h = native_swiglu.swiglu(gate, up, None if self.silu else self.act)
+        else:
+            h = self.act(gate) * up  # (B, T, ff)
         return self.down_proj(h)  # (B, T, C)
 
 

@@ -57,7 +57,7 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from minigpt import native_attention
+from minigpt import native_attention, native_swiglu
 from minigpt.errors import InputError
 from minigpt.model import GPTConfig
 
@@ -77,6 +77,14 @@ def bf16_compute_attention(act_bytes: int, stream_bytes: int | None, seq_len: in
     its MAX_TOKENS tokens. A plain 16-bit plan (s = e = 2: MemoryConfig(dtype="fp16"/"bf16")) and a run on CUDA
     (on_cpu False) keep SDPA's terms."""
     return on_cpu and act_bytes == 2 and stream_bytes == 4 and native_attention.takes_bf16_run(seq_len)
+
+
+def bf16_compute_swiglu(act_bytes: int, stream_bytes: int | None, on_cpu: bool = True) -> bool:
+    """Whether the llama family's SwiGLU gate runs as ``minigpt.native_swiglu`` in the run these widths describe:
+    minituner.precision's bf16 compute (e = 2 beside s = 4) on a CPU where its kernels are built."""
+    return on_cpu and act_bytes == 2 and stream_bytes == 4 and native_swiglu.takes_bf16_run()
+
+
 QKV = ("attn.q_proj", "attn.k_proj", "attn.v_proj")
 BLOCK_LINEARS = (*QKV, "attn.o_proj", "mlp.fc1", "mlp.fc2")
 EXACT_FAMILIES = ("minigpt", "gpt2")  # GPT-2 as minituner trains it: imported into MiniGPT (as_minigpt)

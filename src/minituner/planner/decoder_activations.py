@@ -50,7 +50,9 @@ the LoRA factors (``lora_copy_bytes``: 0, or 2 under bf16 compute), the terms ar
   (not under ``minigpt.native_attention``, which applies the window by index).
 - ``silu input`` N·F·e (gate_proj's output), ``silu output`` N·F·e and ``up output`` N·F·e: SwiGLU's
   ``act(gate) * up`` keeps each factor for the other's gradient (act(gate) when up needs grad, up when
-  gate does); any ``hidden_act`` of the Decoder keeps its input.
+  gate does); any ``hidden_act`` of the Decoder keeps its input. Under bf16 compute on a CPU where
+  ``minigpt.native_swiglu`` runs (its kernels built), the gate is one Function that keeps gate's output when
+  either input needs grad and up's when gate does, and recomputes act(gate): no ``silu output``.
 - the loss's terms (``log-softmax output`` N·V·4 from fp32 logits, or ``logits kept by the loss`` N·V·e and
   ``loss logsumexp`` N·4 from narrower ones; ``targets`` N·8, ``loss total_weight`` 4): as MiniGPT's.
 
@@ -72,8 +74,8 @@ from minigpt.decoder import cpu_flash_takes_gqa
 from minigpt.errors import InputError
 
 from .activations import EXACT_FAMILIES as MINIGPT_FAMILIES
-from .activations import (FP32, INDEX_BYTES, SavedByLayer, bf16_compute_attention, loss_saved, lora_paths, lora_saved,
-                          minigpt_saved_by_layer)
+from .activations import (FP32, INDEX_BYTES, SavedByLayer, bf16_compute_attention, bf16_compute_swiglu, loss_saved,
+                          lora_paths, lora_saved, minigpt_saved_by_layer)
 from .counts import ALL_LINEAR
 from .shapes import ModelShape
 
@@ -108,6 +110,7 @@ def decoder_saved_by_layer(shape: ModelShape, batch_size: int, seq_len: int, reg
     linears = {lin.path: lin for lin in shape.linears}
     A = shape.n_head * shape.head_dim  # attention width: q (and k/v repeated to h heads without enable_gqa)
     native = bf16_compute_attention(e, stream_bytes, T, on_cpu)  # minigpt.native_attention: no mask, kv heads
+    fused_gate = bf16_compute_swiglu(e, stream_bytes, on_cpu)  # minigpt.native_swiglu: act(gate) not kept
     grouped = native or (on_cpu and cpu_flash_takes_gqa())  # k, v kept at their kv heads (else repeated to h)
     KV = (shape.n_kv_head if grouped else shape.n_head) * shape.head_dim  # k, v as attention keeps them
     embed: Counter[str] = Counter()
@@ -162,10 +165,11 @@ def decoder_saved_by_layer(shape: ModelShape, batch_size: int, seq_len: int, reg
         for p in GATE_UP:
             lora_out(terms, p)
         gate_hot, up_hot = (x_hot or trains(p) for p in GATE_UP)
-        if gate_hot:
+        if gate_hot or (up_hot and fused_gate):
             terms["silu input"] += N * F * e
+        if gate_hot:
             terms["up output"] += N * F * e
-        if up_hot:
+        if up_hot and not fused_gate:
             terms["silu output"] += N * F * e
         if trains("mlp.down_proj"):
             terms["linear input"] += N * F * e  # the SwiGLU product

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from minigpt import native_attention
+from minigpt import native_attention, native_norm, native_swiglu
 from minigpt.decoder import Decoder, DecoderConfig, cpu_flash_takes_gqa
 from minigpt.io import write_json
 from minituner.cli import main
@@ -54,15 +54,17 @@ def test_buckets_are_exact(name, grad_checkpoint):
 
 @pytest.mark.parametrize("name", CONFIGS)
 @pytest.mark.parametrize("grad_checkpoint", [False, True])
-@pytest.mark.parametrize("native", [True, False], ids=["native attention", "SDPA"])
+@pytest.mark.parametrize("native", [True, False], ids=["native kernels", "PyTorch ops"])
 def test_bf16_buckets_are_exact(name, grad_checkpoint, native, monkeypatch):
     """--precision bf16 (bf16 block between fp32 norms and stream, bf16 RoPE and mask, the LoRA masters' bf16
     copies; a bf16 base beside fp32 norms and masters): byte for byte too, through minigpt.native_attention and
-    through SDPA (the kernels switched off, as on a CPU without a compiler). Slow bf16 allowed for CI CPUs."""
+    minigpt.native_swiglu and minigpt.native_norm, and through SDPA and PyTorch ops (the kernels switched off, as
+    on a CPU without a compiler). Slow bf16 allowed for CI CPUs."""
     if native and native_attention.kernels() is None:
         pytest.skip("minigpt.native_attention is not built here (no compiler or no AVX-512)")
-    if not native:
-        monkeypatch.setattr(native_attention, "kernels", lambda: None)
+    if not native:  # every bf16 kernel of minigpt off
+        for module in (native_attention, native_swiglu, native_norm):
+            monkeypatch.setattr(module, "kernels", lambda: None)
     cfg = decoder(name)
     for regime, targets in [case for case in CASES if case[0] != "full"]:  # bf16 compute needs a frozen base
         check = CheckConfig(regime=regime, targets=targets, rank=2, batch_size=3, seq_len=8, precision="bf16",
@@ -106,6 +108,10 @@ def test_bf16_terms_follow_the_dataflow():
     cuda = decoder_saved_by_layer(shape, 3, 8, "lora", 2, on_cpu=False, **bf16)
     assert cuda.blocks[1]["attention mask"] == 8 * 8 * 2 and cuda.blocks[1]["attention q, k, v"] == N * 12 * 16 * 2
     assert 2 * low.blocks[1]["attention q, k, v"] == fp32.blocks[1]["attention q, k, v"]
+    # SwiGLU: gate's and up's outputs (48 wide); act(gate) too unless minigpt.native_swiglu recomputes it
+    assert low.blocks[1]["silu input"] == low.blocks[1]["up output"] == N * 48 * 2
+    assert low.blocks[1].get("silu output", 0) == (0 if native_swiglu.takes_bf16_run() else N * 48 * 2)
+    assert cuda.blocks[1]["silu output"] == fp32.blocks[1]["silu output"] // 2 == N * 48 * 2
     # r x (in + out) x bf16 over q (32 -> 64), k and v (32 -> 16), o (64 -> 32), gate and up (32 -> 48), down
     assert low.blocks[0]["LoRA factor copies"] == 2 * (96 + 48 + 48 + 96 + 80 + 80 + 80) * 2
     assert "LoRA factor copies" not in fp32.blocks[0]  # fp32 LoRA saves its factors themselves: parameters

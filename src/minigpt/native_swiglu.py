@@ -1,0 +1,210 @@
+"""SwiGLU's gate for bf16 on CPU, ``act(gate) * up``: one pass of C forward and one backward.
+
+    if fits(gate, up):                          # bf16 on CPU, same shape, contiguous
+        h = swiglu(gate, up, "silu")            # act(gate) * up, rounded as PyTorch's two bf16 ops round it
+
+As PyTorch ops, ``F.silu(gate) * up`` is two passes over (tokens × intermediate_size) forward and three
+backward (the two products' gradients and silu's), and autograd keeps three tensors: gate, act(gate) and up.
+Here, with silu (the activation of the llama, mistral and qwen2 checkpoints), each direction is one pass of C,
+and the Function keeps gate (when either input needs a gradient) and up (when gate does); act(gate) is
+recomputed in the backward. ``minituner.planner`` counts those two terms under bf16 compute on CPU.
+
+What silu computes, per value in fp32: s = bf16(g·σ(g)), σ(g) = 1 / (1 + e^-g) (from e^-|g|, so the exp never
+overflows), h = bf16(s · u), as ``F.silu(g) * u`` rounds it in bf16. Backward: du = bf16(dh · s),
+dg = bf16(bf16(dh · u) · σ(g)·(1 + g·(1 - σ(g)))), silu's gradient as PyTorch writes it. exp is
+``minikernels.bf16_exp``'s (Cephes' expf), so a value may differ from PyTorch's by one bf16 unit, rarely.
+NaN and ±inf give PyTorch's results. Another activation (GELU's) runs as PyTorch ops inside the same Function,
+keeping the same two tensors. Used only where the C was built with AVX-512 (``swiglu_vectorized``); elsewhere,
+and for fp32, fp16 and CUDA, the decoder runs ``act(gate) * up`` as PyTorch ops.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+from functools import lru_cache
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from minikernels.bf16_exp import BF16_EXP_C
+from minikernels.build import NATIVE_ENV, ThreadSplit, load_library
+
+CFLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-ffp-contract=off", "-fno-fast-math", "-std=gnu11"]
+LIBS = ["-lm"]
+MIN_VALUES_PER_THREAD = 1 << 16  # fewer values stay on the calling thread (handing work over costs ~50 µs)
+CHUNK_VALUES = 1 << 17  # threads take values in chunks of this many
+
+_SOURCE = BF16_EXP_C + r"""
+int swiglu_vectorized(void) {
+#ifdef __AVX512F__
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* σ(x) = 1 / (1 + e^-x) from e^-|x| (never overflows); NaN stays NaN */
+static inline float sigmoid1(float x) {
+    if (x != x) return x;
+    float e = exp_nonpos(-fabsf(x));
+    float p = 1.0f / (1.0f + e);
+    return x >= 0.0f ? p : e * p;
+}
+
+#ifdef __AVX512F__
+static inline __m512 sigmoid16(__m512 x) {
+    __m512 a = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(x));   /* -|x|; NaN stays NaN */
+    __m512 e = exp16(a);
+    __m512 p = _mm512_div_ps(_mm512_set1_ps(1.0f), _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+    __mmask16 neg = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ);
+    return _mm512_mask_mul_ps(p, neg, e, p);
+}
+
+/* bf16 rounding of 16 fp32 lanes (nearest even; NaN -> 0x7FC0), kept in fp32: what a bf16 op's result reads as */
+static inline __m512 round16(__m512 v) {
+    __m512i u = _mm512_castps_si512(v);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_and_si512(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb),
+                                 _mm512_set1_epi32((int)0xFFFF0000u));
+    __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7FC00000));
+    return _mm512_castsi512_ps(r);
+}
+#endif
+
+/* values [i0, i1): h = bf16(bf16(g·σ(g)) · u) */
+void swiglu_forward(const uint16_t* g, const uint16_t* u, int64_t i0, int64_t i1, uint16_t* h) {
+    int64_t i = i0;
+#ifdef __AVX512F__
+    for (; i + 16 <= i1; i += 16) {
+        __m512 x = load16(g + i);
+        __m512 s = round16(_mm512_mul_ps(x, sigmoid16(x)));
+        store16(h + i, _mm512_mul_ps(s, load16(u + i)));
+    }
+#endif
+    for (; i < i1; i++) {
+        float x = f32_from_bf16(g[i]);
+        float s = f32_from_bf16(bf16_from_f32(x * sigmoid1(x)));
+        h[i] = bf16_from_f32(s * f32_from_bf16(u[i]));
+    }
+}
+
+/* values [i0, i1): du = bf16(dh · s) (du may be NULL), dg = bf16(bf16(dh · u) · σ·(1 + g·(1 - σ))) (dg may be NULL) */
+void swiglu_backward(const uint16_t* dh, const uint16_t* g, const uint16_t* u, int64_t i0, int64_t i1,
+                     uint16_t* dg, uint16_t* du) {
+    int64_t i = i0;
+#ifdef __AVX512F__
+    __m512 one = _mm512_set1_ps(1.0f);
+    for (; i + 16 <= i1; i += 16) {
+        __m512 x = load16(g + i), d = load16(dh + i);
+        __m512 sg = sigmoid16(x);
+        if (du) store16(du + i, _mm512_mul_ps(d, round16(_mm512_mul_ps(x, sg))));
+        if (dg) {
+            __m512 ds = round16(_mm512_mul_ps(d, load16(u + i)));
+            __m512 slope = _mm512_mul_ps(sg, _mm512_add_ps(one, _mm512_mul_ps(x, _mm512_sub_ps(one, sg))));
+            store16(dg + i, _mm512_mul_ps(ds, slope));
+        }
+    }
+#endif
+    for (; i < i1; i++) {
+        float x = f32_from_bf16(g[i]), d = f32_from_bf16(dh[i]);
+        float sg = sigmoid1(x);
+        if (du) du[i] = bf16_from_f32(d * f32_from_bf16(bf16_from_f32(x * sg)));
+        if (dg) {
+            float ds = f32_from_bf16(bf16_from_f32(d * f32_from_bf16(u[i])));
+            dg[i] = bf16_from_f32(ds * (sg * (1.0f + x * (1.0f - sg))));
+        }
+    }
+}
+"""
+
+
+class SwiGLUKernels:
+    """The compiled kernels, values split across threads."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        self._forward = lib.swiglu_forward
+        self._forward.argtypes = [ptr, ptr, i64, i64, ptr]
+        self._forward.restype = None
+        self._backward = lib.swiglu_backward
+        self._backward.argtypes = [ptr, ptr, ptr, i64, i64, ptr, ptr]
+        self._backward.restype = None
+        self._threads = ThreadSplit("minigpt-swiglu")
+
+    def forward(self, g: Tensor, u: Tensor) -> Tensor:
+        """silu(g) * u for contiguous bf16 g, u of one shape."""
+        h = torch.empty_like(g)
+        args = (g.data_ptr(), u.data_ptr())
+        self._threads.run(g.numel(), 1, lambda i0, i1: self._forward(*args, i0, i1, h.data_ptr()),
+                          MIN_VALUES_PER_THREAD, CHUNK_VALUES)
+        return h
+
+    def backward(self, dh: Tensor, g: Tensor, u: Tensor | None, need_g: bool, need_u: bool
+                 ) -> tuple[Tensor | None, Tensor | None]:
+        """(dg, du) for contiguous bf16 dh, g, u (u needed only for dg); None where not asked for."""
+        dg = torch.empty_like(g) if need_g else None
+        du = torch.empty_like(g) if need_u else None
+        args = (dh.data_ptr(), g.data_ptr(), u.data_ptr() if u is not None else None)
+        outs = (dg.data_ptr() if dg is not None else None, du.data_ptr() if du is not None else None)
+        self._threads.run(g.numel(), 1, lambda i0, i1: self._backward(*args, i0, i1, *outs),
+                          MIN_VALUES_PER_THREAD, CHUNK_VALUES)
+        return dg, du
+
+
+@lru_cache(maxsize=None)
+def _load() -> SwiGLUKernels | None:
+    return _usable(load_library("bf16_swiglu", _SOURCE, CFLAGS, "minigpt's native SwiGLU kernels", LIBS))
+
+
+def _usable(lib: ctypes.CDLL | None) -> SwiGLUKernels | None:
+    """The kernels of a built library, or None when there is none or it was built without AVX-512."""
+    return None if lib is None or not lib.swiglu_vectorized() else SwiGLUKernels(lib)
+
+
+def kernels() -> SwiGLUKernels | None:
+    """The native SwiGLU kernels, built on first use; None when disabled (MINIQUANT_NATIVE=0) or unavailable."""
+    return None if os.environ.get(NATIVE_ENV, "1") == "0" else _load()
+
+
+def takes_bf16_run() -> bool:
+    """Whether a bf16 CPU training run's SwiGLU runs here (what minituner.planner counts)."""
+    return kernels() is not None
+
+
+def fits(g: Tensor, u: Tensor) -> bool:
+    """Whether swiglu takes these: bf16 on CPU, one shape, both contiguous, and the kernels built."""
+    return (g.dtype == u.dtype == torch.bfloat16 and g.device.type == u.device.type == "cpu" and g.shape == u.shape
+            and g.is_contiguous() and u.is_contiguous() and kernels() is not None)
+
+
+class _SwiGLU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, g: Tensor, u: Tensor, act: Callable[[Tensor], Tensor] | None) -> Tensor:
+        need_g, need_u = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        h = kernels().forward(g, u) if act is None else act(g) * u
+        ctx.save_for_backward(g if need_g or need_u else None, u if need_g else None)
+        ctx.act = act
+        return h
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dh: Tensor):
+        g, u = ctx.saved_tensors
+        need_g, need_u = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        dh = dh.to(torch.bfloat16).contiguous()
+        if ctx.act is None:
+            dg, du = kernels().backward(dh, g, u, need_g, need_u)
+            return dg, du, None
+        with torch.enable_grad():  # another activation: act(gate) again, and its gradient by autograd
+            x = g.detach().requires_grad_(need_g)
+            a = ctx.act(x)
+        du = dh * a.detach() if need_u else None
+        dg = torch.autograd.grad(a, x, dh * u)[0] if need_g else None
+        return dg, du, None
+
+
+def swiglu(g: Tensor, u: Tensor, act: Callable[[Tensor], Tensor] | None = None) -> Tensor:
+    """act(g) * u for bf16 on CPU (``fits``): act None is silu, in C; another activation runs as PyTorch ops."""
+    return _SwiGLU.apply(g, u, act)

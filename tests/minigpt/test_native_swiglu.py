@@ -1,0 +1,104 @@
+"""minigpt.native_swiglu: SwiGLU's gate in C against PyTorch's bf16 ops (F.silu(gate) * up) on the same values."""
+import ctypes
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from minigpt import native_swiglu
+
+kernels = native_swiglu.kernels()
+needs_kernels = pytest.mark.skipif(kernels is None, reason="no C compiler or no AVX-512: the kernels are not used")
+
+
+def _inputs(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    gate, up, dh = ((torch.randn(n, generator=g) * s).to(torch.bfloat16) for s in (4.0, 2.0, 1.0))
+    return gate, up, dh
+
+
+def _ulps(a, b):
+    return (a.view(torch.int16).int() - b.view(torch.int16).int()).abs()
+
+
+def _reference(gate, up, dh, act=F.silu):
+    g, u = gate.clone().requires_grad_(), up.clone().requires_grad_()
+    h = act(g) * u
+    h.backward(dh)
+    return h, g.grad, u.grad
+
+
+@needs_kernels
+@pytest.mark.parametrize("n", [1, 15, 16, 17, 1000, 70_001])  # every 16-lane tail, and a call split on threads
+def test_values_and_gradients_match_pytorch_bf16_ops(n):
+    gate, up, dh = _inputs(n, seed=n)
+    g, u = gate.clone().requires_grad_(), up.clone().requires_grad_()
+    h = native_swiglu.swiglu(g, u)
+    h.backward(dh)
+    ref = _reference(gate, up, dh)
+    for ours, theirs in zip((h, g.grad, u.grad), ref):
+        assert ours.dtype == torch.bfloat16 and ours.shape == theirs.shape
+        ulps = _ulps(ours, theirs)  # the same roundings; exp's last fp32 bit may move one bf16 unit, rarely
+        assert ulps.max() <= 1 and (ulps == 0).float().mean() > 0.99
+
+
+@needs_kernels
+def test_nan_and_inf_as_pytorch():
+    gate = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, 100.0, -100.0] * 3, dtype=torch.bfloat16)
+    up = torch.ones_like(gate)
+    dh = torch.ones_like(gate)
+    g, u = gate.clone().requires_grad_(), up.clone().requires_grad_()
+    h = native_swiglu.swiglu(g, u)
+    h.backward(dh)
+    for ours, theirs in zip((h, g.grad, u.grad), _reference(gate, up, dh)):
+        assert torch.equal(ours.isnan(), theirs.isnan())
+        assert torch.equal(ours[~ours.isnan()], theirs[~theirs.isnan()])
+
+
+@needs_kernels
+@pytest.mark.parametrize("needs", [(True, True), (True, False), (False, True)])
+def test_it_keeps_gate_and_up_only_as_needed(needs):
+    """gate when either input needs a gradient, up when gate does; never act(gate) (minituner.planner)."""
+    gate, up, dh = _inputs(64)
+    g, u = gate.clone().requires_grad_(needs[0]), up.clone().requires_grad_(needs[1])
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        h = native_swiglu.swiglu(g, u)
+    kept = sorted(t.data_ptr() for t in saved if t is not None)
+    assert kept == sorted([g.data_ptr(), u.data_ptr()] if needs[0] else [g.data_ptr()])
+    h.backward(dh)
+    assert (g.grad is None) != needs[0] and (u.grad is None) != needs[1]
+
+
+@needs_kernels
+def test_another_activation_runs_as_pytorch_ops_keeping_the_same_tensors():
+    gate, up, dh = _inputs(100)
+    act = lambda x: F.gelu(x, approximate="tanh")  # noqa: E731
+    g, u = gate.clone().requires_grad_(), up.clone().requires_grad_()
+    h = native_swiglu.swiglu(g, u, act)
+    h.backward(dh)
+    for ours, theirs in zip((h, g.grad, u.grad), _reference(gate, up, dh, act)):
+        assert torch.equal(ours, theirs)
+
+
+def test_what_it_does_not_take():
+    gate, up, _ = _inputs(32)
+    assert not native_swiglu.fits(gate.float(), up.float())
+    assert not native_swiglu.fits(gate, up[:16])
+    assert not native_swiglu.fits(gate.view(4, 8).t(), up.view(4, 8).t())
+
+
+def test_a_build_without_avx512_is_not_used(tmp_path, monkeypatch):
+    from minikernels.build import build_library, find_compiler
+
+    compiler = find_compiler()
+    if compiler is None:
+        pytest.skip("no C compiler")
+    monkeypatch.setenv("MINIQUANT_CACHE", str(tmp_path))
+    try:
+        path = build_library("bf16_swiglu_plain", native_swiglu._SOURCE, native_swiglu.CFLAGS + ["-mno-avx512f"],
+                             compiler, native_swiglu.LIBS)
+    except RuntimeError as e:  # a compiler that does not know the flag (not x86)
+        pytest.skip(f"cannot build without AVX-512 here: {e}")
+    lib = ctypes.CDLL(str(path))
+    assert lib.swiglu_vectorized() == 0 and native_swiglu._usable(lib) is None
