@@ -38,8 +38,10 @@ def test_values_and_gradients_match_pytorch_bf16_ops(n):
     ref = _reference(gate, up, dh)
     for ours, theirs in zip((h, g.grad, u.grad), ref):
         assert ours.dtype == torch.bfloat16 and ours.shape == theirs.shape
-        ulps = _ulps(ours, theirs)  # the same roundings; exp's last fp32 bit may move one bf16 unit, rarely
-        assert ulps.max() <= 1 and (ulps == 0).float().mean() > 0.99
+        # the same roundings of values within ~2e-6 of PyTorch's: act(gate) rounds to the neighbouring bf16 now and
+        # then, and the product after it moves by a unit or two
+        ulps = _ulps(ours, theirs)
+        assert ulps.max() <= 2 and int((ulps != 0).sum()) <= max(1, n // 100)
 
 
 @needs_kernels
