@@ -28,10 +28,9 @@ the dtype RoPE is applied in; the residual stream stays fp32):
   transformers does for a bf16 model), GELU / SwiGLU, and the projections back; ``x + f(x)`` adds the bf16
   output into the fp32 stream (type promotion: fp32 result, no separate cast);
 - a frozen head computes in bf16 and returns bf16 logits (it reads the final norm's bf16 output), as a
-  transformers model in bf16 does, written on CPU into a fresh tensor backed by huge pages when they take 32 MiB
-  or more (``minikernels.large_output``: no 4 KiB page faults on every step); the loss
-  (``minigpt.cross_entropy``) computes in fp32 a few rows at a time and hands back a bf16 gradient, so no (N, V)
-  tensor is ever fp32. AdamW holds fp32 state for the fp32 masters.
+  transformers model in bf16 does; the loss (``minigpt.cross_entropy``) computes in fp32 a few rows at a time
+  and hands back a bf16 gradient, so no (N, V) tensor is ever fp32. AdamW holds fp32 state for the fp32
+  masters.
 
 In fp32 (``use_fp32_products``, what ``build_for_training`` does for every method in fp32), an fp32
 ``nn.Linear`` other than a LoRA factor (the frozen base of LoRA and QLoRA, every Linear of a full fine-tune)
@@ -54,7 +53,7 @@ from minigpt.bf16_support import Bf16Support
 from minigpt.decoder import RMSNorm
 from minigpt.device import PRECISIONS, check_precision
 from minigpt.errors import InputError
-from minikernels import fp32_gemm, large_output
+from minikernels import fp32_gemm
 from miniquant import QuantizedLinear
 
 from .lora import LoRALinear, lora_modules
@@ -69,8 +68,7 @@ class Bf16Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
-        # (..., out), computed in w.dtype (a no-op cast when x is); a head's large logits land in huge pages
-        y = large_output.frozen_linear(x.to(w.dtype), w, self.bias)
+        y = F.linear(x.to(w.dtype), w, self.bias)  # (..., out), computed in w.dtype (a no-op cast when x is)
         return y.to(x.dtype)
 
 
