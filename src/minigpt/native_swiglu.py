@@ -14,8 +14,9 @@ overflows), h = bf16(s · u), as ``F.silu(g) * u`` rounds it in bf16. Backward: 
 dg = bf16(bf16(dh · u) · σ(g)·(1 + g·(1 - σ(g)))), silu's gradient as PyTorch writes it. σ comes from a short
 exp (a degree-5 polynomial with fused multiply-adds, about 2e-6 relative; a bf16 unit is 4e-3) and a refined
 reciprocal, so σ(g) is within a few fp32 units of PyTorch's; after rounding to bf16 about 0.2% of values land
-one unit away (two, where a rounded silu(g) then multiplies). On AVX-512 CPUs with bf16 instructions the
-roundings are ``vcvtneps2bf16``.
+one unit away (two, where a rounded silu(g) then multiplies). Roundings are PyTorch's (nearest even, denormals
+kept, NaN as 0x7FC0); on CPUs with AVX-512 bf16 instructions a stored value is rounded by ``vcvtneps2bf16``,
+except in a group of 16 holding a NaN or a denormal, which that instruction would write otherwise.
 NaN and ±inf give PyTorch's results. Another activation (GELU's) runs as PyTorch ops inside the same Function,
 keeping the same two tensors. Used only where the C was built with AVX-512 (``swiglu_vectorized``); elsewhere,
 and for fp32, fp16 and CUDA, the decoder runs ``act(gate) * up`` as PyTorch ops.
@@ -82,21 +83,28 @@ static inline __m512 sigmoid16(__m512 x) {
     return _mm512_mask_mul_ps(p, neg, e, p);
 }
 
-/* 16 fp32 lanes rounded to bf16 (nearest even), and the same rounding kept in fp32 */
-#ifdef __AVX512BF16__
-static inline __m256i bf16_bits(__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); }
-#else
-static inline __m256i bf16_bits(__m512 v) {
+/* bf16 rounding of 16 fp32 lanes, nearest even, as PyTorch rounds (denormals kept; NaN -> 0x7FC0): the rounded
+   value kept in fp32 lanes (round16), or stored as bf16 (put16) */
+static inline __m512i rounded_bits(__m512 v) {
     __m512i u = _mm512_castps_si512(v);
     __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb), 16);
-    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
-    return _mm512_cvtepi32_epi16(r);
+    __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb);
+    return _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC00000));
 }
-#endif
-static inline void put16(uint16_t* out, __m512 v) { _mm256_storeu_si256((__m256i*)out, bf16_bits(v)); }
 static inline __m512 round16(__m512 v) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16_bits(v)), 16));
+    return _mm512_castsi512_ps(_mm512_and_si512(rounded_bits(v), _mm512_set1_epi32((int)0xFFFF0000u)));
+}
+static inline void put16(uint16_t* out, __m512 v) {
+#ifdef __AVX512BF16__
+    /* one instruction, unless a lane is a NaN or a nonzero denormal, which vcvtneps2bf16 would give other bits */
+    __mmask16 odd = _mm512_cmp_ps_mask(_mm512_abs_ps(v), _mm512_set1_ps(1.17549435e-38f), _CMP_NGE_UQ)
+                  & _mm512_cmp_ps_mask(v, _mm512_setzero_ps(), _CMP_NEQ_UQ);
+    if (!odd) {
+        _mm256_storeu_si256((__m256i*)out, (__m256i)_mm512_cvtneps_pbh(v));
+        return;
+    }
+#endif
+    _mm256_storeu_si256((__m256i*)out, _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded_bits(v), 16)));
 }
 #endif
 

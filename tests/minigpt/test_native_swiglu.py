@@ -58,6 +58,16 @@ def test_nan_and_inf_as_pytorch():
 
 
 @needs_kernels
+def test_denormal_results_keep_pytorchs_bits():
+    """bf16 denormals are rounded as PyTorch rounds them, not flushed to zero (vcvtneps2bf16 would flush them)."""
+    gate = torch.full((64,), 2.0, dtype=torch.bfloat16)
+    up = (torch.rand(64, generator=torch.Generator().manual_seed(0)) * 5e-39).to(torch.bfloat16)
+    ours, theirs = native_swiglu.swiglu(gate, up), F.silu(gate) * up
+    assert (theirs != 0).all() and theirs.abs().max() < torch.finfo(torch.bfloat16).tiny
+    assert torch.equal(ours.view(torch.int16), theirs.view(torch.int16))
+
+
+@needs_kernels
 @pytest.mark.parametrize("needs", [(True, True), (True, False), (False, True)])
 def test_it_keeps_gate_and_up_only_as_needed(needs):
     """gate when either input needs a gradient, up when gate does; never act(gate) (minituner.planner)."""
