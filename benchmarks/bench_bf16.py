@@ -227,6 +227,11 @@ PROFILE_GROUPS = {  # profiler op name -> group, for "what the rest of the step 
     # minigpt.native_attention: its GEMMs are aten::bmm (matrix products); its own time is the C softmax kernels
     "_CausalAttention": "attention kernel", "_CausalAttentionBackward": "attention kernel",
     "aten::copy_": "dtype casts and copies",
+    # miniquant's Function around each NF4 product: its own time is the C dequantization into the workspace
+    "DequantLinearFunction": "NF4 dequantization", "DequantLinearFunctionBackward": "NF4 dequantization",
+    # the llama family's RMSNorm (with its bf16 hand-out) and SwiGLU gate in C (minigpt.native_norm, native_swiglu)
+    "_RMSNormBf16": "C norm and SwiGLU", "_RMSNormBf16Backward": "C norm and SwiGLU",
+    "_SwiGLU": "C norm and SwiGLU", "_SwiGLUBackward": "C norm and SwiGLU",
 }
 
 
@@ -323,7 +328,8 @@ def _run(shape: str, warmup: int, repeats: int) -> dict:
     return {**json.loads(out.stdout.strip().splitlines()[-1]), "wall_s": wall}
 
 
-GROUPS = ("matrix products", "attention kernel", "dtype casts and copies", "other")
+GROUPS = ("matrix products", "attention kernel", "NF4 dequantization", "C norm and SwiGLU", "dtype casts and copies",
+          "other")
 
 
 def run(quick: bool = False, wait_s: float | None = None) -> list[Section]:
@@ -362,7 +368,8 @@ def run_shape(shape: str, quick: bool = False, wait_s: float | None = None) -> S
         "inputs of the same shapes and strides. 'profiled share': self CPU time by group in one profiled step "
         f"(profiler overhead included). CPU bf16 units: {support.reason}. Machine CPU use before the run: {busy:.0f}%.",
         ["configuration", "median step", "fastest step", "vs ours QLoRA bf16",
-         "matrix products / attention / casts / other (profiled share)", "loss step 0 → last"],
+         "matrix products / attention / NF4 dequantization / C norm and SwiGLU / casts / other (profiled share)",
+         "loss step 0 → last"],
     )
     for config, label in CONFIGS.items():
         groups = res["groups"][config]
@@ -372,7 +379,8 @@ def run_shape(shape: str, quick: bool = False, wait_s: float | None = None) -> S
         section.rows.append([label, fmt_seconds(t[config]), fmt_seconds(res["timings"][config][1]),
                              fmt_ratio(t[config] / t["qlora_bf16"]), shares, f"{first:.4f} → {last:.4f}"])
     section.rows.append(["floor: the matrix products of ours QLoRA bf16, replayed alone", fmt_seconds(floor),
-                         fmt_seconds(res["timings"]["floor"][1]), fmt_ratio(floor / t["qlora_bf16"]), "100% / – / – / –",
+                         fmt_seconds(res["timings"]["floor"][1]), fmt_ratio(floor / t["qlora_bf16"]),
+                         " / ".join(["100%"] + ["–"] * (len(GROUPS) - 1)),
                          ""])
     peft_best = min(PEFT_BF16, key=lambda c: t[c])
     q = res["groups"]["qlora_bf16"]
@@ -395,10 +403,14 @@ def run_shape(shape: str, quick: bool = False, wait_s: float | None = None) -> S
              f"{not_here}the rest, {fmt_seconds(rest)} a step, is outside the products: in one profiled step attention "
              f"outside its GEMMs (minigpt.native_attention's C softmax and softmax gradient, the copies that group "
              f"heads) took "
-             f"{fmt_seconds(q.get('attention kernel', 0.0))}, dtype casts (each norm's bf16 copy, the residual "
-             "adds' bf16 gradients, the LoRA masters' bf16 copies) "
-             f"{fmt_seconds(q.get('dtype casts and copies', 0.0))}, everything else (the MLP activation, norms, loss, "
-             f"embeddings, NF4 dequantization, AdamW, autograd) {fmt_seconds(q.get('other', 0.0))}",
+             f"{fmt_seconds(q.get('attention kernel', 0.0))}, NF4 dequantization (C, into the workspace, twice per "
+             f"weight) {fmt_seconds(q.get('NF4 dequantization', 0.0))}, "
+             + (f"the C RMSNorm and SwiGLU kernels {fmt_seconds(q['C norm and SwiGLU'])}, "
+                if q.get("C norm and SwiGLU") else "")
+             + "dtype casts and copies (a LayerNorm's bf16 copy, the residual adds' fp32 copies of bf16 outputs and "
+             "their bf16 gradients, the LoRA masters' bf16 copies, a bias broadcast before its product) "
+             f"{fmt_seconds(q.get('dtype casts and copies', 0.0))}, everything else (GELU, LayerNorm, RoPE, the loss, "
+             f"embeddings, AdamW, autograd) {fmt_seconds(q.get('other', 0.0))}",
              measurable=support.fast),
         Goal(f"bf16 step ({shape}): ours QLoRA / ours LoRA", t["qlora_bf16"] / t["lora_bf16"], VS_LORA_GOAL, False,
              f"{not_here}two NF4 dequantizations of every base weight per step, into one reused bf16 workspace, and "
