@@ -83,16 +83,15 @@ static inline __m512 sigmoid16(__m512 x) {
     return _mm512_mask_mul_ps(p, neg, e, p);
 }
 
-/* bf16 rounding of 16 fp32 lanes, nearest even, as PyTorch rounds (denormals kept; NaN -> 0x7FC0): the rounded
-   value kept in fp32 lanes (round16), or stored as bf16 (put16) */
-static inline __m512i rounded_bits(__m512 v) {
+/* bf16 rounding of 16 fp32 lanes, nearest even, as PyTorch rounds (denormals kept; NaN -> 0x7FC0), the rounded
+   value kept in fp32 lanes (round16: bf16_exp's store16 without the narrowing store); put16 stores it */
+static inline __m512 round16(__m512 v) {
     __m512i u = _mm512_castps_si512(v);
     __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb);
-    return _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC00000));
-}
-static inline __m512 round16(__m512 v) {
-    return _mm512_castsi512_ps(_mm512_and_si512(rounded_bits(v), _mm512_set1_epi32((int)0xFFFF0000u)));
+    __m512i r = _mm512_and_si512(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb),
+                                 _mm512_set1_epi32((int)0xFFFF0000u));
+    return _mm512_castsi512_ps(_mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q),
+                                                     _mm512_set1_epi32(0x7FC00000)));
 }
 static inline void put16(uint16_t* out, __m512 v) {
 #ifdef __AVX512BF16__
@@ -104,7 +103,7 @@ static inline void put16(uint16_t* out, __m512 v) {
         return;
     }
 #endif
-    _mm256_storeu_si256((__m256i*)out, _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded_bits(v), 16)));
+    store16(out, v);  /* minikernels.bf16_exp's rounding: the same bits */
 }
 #endif
 
