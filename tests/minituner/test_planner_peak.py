@@ -1,13 +1,21 @@
 """The planner's step peak (planner/peak.py): its terms on tiny configs, and the phase it picks."""
 from __future__ import annotations
 
+import pytest
+
+from minigpt.bf16_support import Bf16Support
 from minigpt.cross_entropy import chunk_rows
 from minigpt.model import GPTConfig
 from minituner.planner import MemoryConfig, Regime, minigpt_shape, preset_shape, regime_bytes
+from minituner.planner import activations
+from minituner.hf_config import decoder_config_from_hf
 from minituner.planner.activations import PRECISION_WIDTHS, minigpt_activation_bytes, minigpt_saved_by_layer
+from minituner.planner.hf import decoder_shape
 from minituner.planner.peak import PEAK_MODELS, has_peak_model, largest_trainable, step_peak
 
 TINY = dict(vocab_size=40, block_size=16, n_layer=2, n_head=2, d_model=16)
+TINY_LLAMA = {"model_type": "llama", "vocab_size": 40, "hidden_size": 16, "intermediate_size": 48, "num_hidden_layers": 2,
+              "num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": 16}
 B, T = 2, 8
 N = B * T
 
@@ -103,7 +111,18 @@ def test_half_logits_are_never_fp32_in_the_loss():
     assert peak.phases["backward: loss"]["loss chunk (fp32 softmax)"] == rows * V * 4
 
 
-def test_bf16_compute_terms_are_in_their_dtypes():
+def cpu_bf16_units(monkeypatch, present: bool) -> None:
+    """The planner's view of this CPU: with bf16 units (avx512_bf16) or without (bf16 only under --allow-slow-bf16)."""
+    found = Bf16Support(True, ("avx512_bf16",), "mocked") if present else Bf16Support(False, (), "mocked")
+    monkeypatch.setattr(activations, "bf16_support", lambda device="cpu": found)
+
+
+@pytest.fixture
+def bf16_units(monkeypatch):
+    cpu_bf16_units(monkeypatch, True)
+
+
+def test_bf16_compute_terms_are_in_their_dtypes(bf16_units):
     """bf16 compute: bf16 logits kept by the loss and their bf16 gradient, the residual stream's gradient fp32 and
     the MLP's bf16, the dequantization workspace in bf16; A at bf16's widths."""
     shape = minigpt_shape(GPTConfig(**TINY))
@@ -121,6 +140,33 @@ def test_bf16_compute_terms_are_in_their_dtypes():
     block = peak.phases["backward: last block"]
     assert block["residual and MLP gradients"] == N * C * 4 + N * F * 2
     assert block["NF4 dequantization workspace"] == 16 * 64 * 2
+
+
+@pytest.mark.parametrize("family", ["minigpt", "llama"])
+def test_bf16_without_units_counts_the_fallback_products_fp32_buffer(monkeypatch, family):
+    """On a CPU without bf16 units PyTorch's bf16 product for LoRA's input gradient (N, in) computes into an fp32
+    buffer of its output's size: the last block's backward holds the widest target's gradient and that buffer
+    beside the residual gradient, when that moment is the larger; with units, the block's usual terms."""
+    shape = minigpt_shape(GPTConfig(**TINY)) if family == "minigpt" else decoder_shape(decoder_config_from_hf(TINY_LLAMA))
+    b = buckets(shape, Regime("lora", 4))
+    widths = PRECISION_WIDTHS["bf16"]
+
+    def block(present):
+        cpu_bf16_units(monkeypatch, present)
+        return step_peak(shape, "lora", 4, "all-linear", B, T, weights=b.weights, grads=b.grads, optimizer=b.optimizer,
+                         **widths).phases["backward: last block"]
+
+    with_units, without = block(True), block(False)
+    widest = max(lin.in_features for lin in shape.linears if "lm_head" not in lin.path)  # fc2's / down_proj's: d_ff
+    assert widest == shape.d_ff
+    assert "its product's fp32 buffer (no bf16 units)" not in with_units
+    assert without["its product's fp32 buffer (no bf16 units)"] == N * widest * 4
+    assert without["widest LoRA input gradient"] == N * widest * 2
+    assert without["residual gradient"] == N * shape.d_model * 4
+    assert "residual and MLP gradients" not in without
+    assert sum(without.values()) > sum(with_units.values())
+    fp32 = step_peak(shape, "lora", 4, "all-linear", B, T, weights=b.weights, grads=b.grads, optimizer=b.optimizer)
+    assert "its product's fp32 buffer (no bf16 units)" not in fp32.phases["backward: last block"]  # fp32: no fallback
 
 
 def test_gpt2_shape_is_planned_as_the_minigpt_it_imports_into(tmp_path):

@@ -58,6 +58,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from minigpt import native_attention, native_swiglu
+from minigpt.bf16_support import bf16_support
 from minigpt.errors import InputError
 from minigpt.model import GPTConfig
 
@@ -83,6 +84,14 @@ def bf16_compute_swiglu(act_bytes: int, stream_bytes: int | None, on_cpu: bool =
     """Whether the llama family's SwiGLU gate runs as ``minigpt.native_swiglu`` in the run these widths describe:
     minituner.precision's bf16 compute (e = 2 beside s = 4) on a CPU where its kernels are built."""
     return on_cpu and act_bytes == 2 and stream_bytes == 4 and native_swiglu.takes_bf16_run()
+
+
+def bf16_gemm_fallback(act_bytes: int, stream_bytes: int | None, on_cpu: bool = True) -> bool:
+    """Whether the run these widths describe (minituner.precision's bf16 compute, e = 2 beside s = 4) multiplies
+    bf16 on a CPU without bf16 units (``--allow-slow-bf16``). There PyTorch's bf16 products take a fallback that,
+    for a transposed left operand, computes into an fp32 buffer the size of the output (M·N·4 bytes, measured);
+    planner/peak.py counts the largest such buffer of a step."""
+    return on_cpu and act_bytes == 2 and stream_bytes == 4 and not bf16_support("cpu").fast
 
 
 QKV = ("attn.q_proj", "attn.k_proj", "attn.v_proj")

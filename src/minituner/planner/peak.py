@@ -39,6 +39,10 @@ chunk at all: there the chunk terms below are an upper bound, about 4 MiB over a
   block's factors) + A minus what the head saved + the block's gradients (the residual stream's N·C·s,
   fp32 under bf16 compute, and the MLP's N·F·e) + with gradient checkpointing the block's recomputed
   saved tensors.
+  On a CPU without bf16 units (bf16 under ``--allow-slow-bf16``) LoRA's input gradient (N, in), a product
+  whose left operand is transposed, goes through PyTorch's fallback GEMM and its fp32 output buffer
+  (``activations.bf16_gemm_fallback``): for the block's widest target the moment of that product, the
+  residual stream's gradient + N·in·(e + 4) with the target's saved input still alive, when it is the larger.
 - forward, last block (gradient checkpointing only): W + O + G + A minus the head's + what the block would
   save, alive until it returns (without checkpointing this moment is below the loss's).
 - backward, embeddings (full FT): W + O + G + the embedding's dense gradient V·C·4, twice when tied
@@ -62,7 +66,8 @@ from dataclasses import dataclass
 
 from minigpt.cross_entropy import chunk_rows
 
-from .activations import FP32, LOSS_KEPT, SavedByLayer, as_minigpt, lora_paths, minigpt_saved_by_layer
+from .activations import (FP32, LOSS_KEPT, SavedByLayer, as_minigpt, bf16_gemm_fallback, lora_paths,
+                          minigpt_saved_by_layer)
 from .decoder_activations import decoder_saved_by_layer
 from .counts import ALL_LINEAR, resolve_targets, total_params
 from .shapes import ModelShape
@@ -170,6 +175,13 @@ def step_phases(shape: ModelShape, regime: str, rank: int | None, targets: str |
         so_far = sum((rank or 0) * (lin.in_features + lin.out_features) for lin in lins) * grad_bytes
     block = {**base, "grads so far (head, last block)": so_far, "activations (head's freed)": A - head_saved,
              "residual and MLP gradients": block_grads}
+    if not full and bf16_gemm_fallback(e, stream_bytes, on_cpu):  # a moment of its own, if it is the larger
+        widest = N * max(lin.in_features for lin in lins)  # the LoRA input gradient grad_a·A (N, in), aᵀ-major
+        residual = N * C * (stream_bytes or e)
+        if residual + widest * (e + FP32) > block_grads:
+            del block["residual and MLP gradients"]
+            block.update({"residual gradient": residual, "widest LoRA input gradient": widest * e,
+                          "its product's fp32 buffer (no bf16 units)": widest * FP32})
     if grad_checkpoint:
         block["recomputed block's saved tensors"] = sum(plain.blocks[-1].values())
         # inside the last block's forward: what it would save is alive until it returns
