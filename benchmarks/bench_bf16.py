@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import subprocess
 import sys
 import time
@@ -129,6 +130,7 @@ CONFIGS = {
     "peft_bnb_bf16_base_our_attention": "informational: the row above with our attention (minigpt.native_attention) "
                                         "instead of SDPA",
 }
+FP32_CONFIGS = ("lora_fp32", "qlora_fp32", "peft_bnb_fp32")  # all a CPU without bf16 units runs (see measure)
 PEFT_BF16 = ("peft_bnb_bf16", "peft_bnb_bf16_base")  # its best CPU setting is the faster of the two
 PEFT_SETTING = {"peft_bnb_bf16": "the model in fp32", "peft_bnb_bf16_base": "the model in bf16"}
 # the PEFT rows attend as transformers' models do on CPU, through SDPA (minigpt.native_attention switched off),
@@ -172,9 +174,20 @@ def build(shape: Shape, config: str) -> nn.Module:
 MM_OPS = ("mm", "addmm", "addmm_", "bmm", "baddbmm")
 
 
+def _product_ops() -> dict:
+    """op -> name: aten's products, and oneDNN's linear, which the fp32 rows' frozen products take
+    (minikernels.fp32_gemm)."""
+    ops = {getattr(torch.ops.aten, name).default: name for name in MM_OPS}
+    if hasattr(torch.ops.mkldnn, "_linear_pointwise"):
+        ops[torch.ops.mkldnn._linear_pointwise.default] = "mkldnn_linear"
+    return ops
+
+
 def _spec(a):
     if isinstance(a, torch.Tensor):
         return ("tensor", tuple(a.shape), tuple(a.stride()), str(a.dtype).removeprefix("torch."))
+    if isinstance(a, list):  # hashable; the op takes a tuple for a list
+        return tuple(_spec(x) for x in a)
     return a
 
 
@@ -182,7 +195,7 @@ def record_products(step: Callable[[], object]) -> Counter:
     """Run step() once, counting each distinct matrix product (op, argument layouts) it dispatches."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    ops = {getattr(torch.ops.aten, name).default: name for name in MM_OPS}
+    ops = _product_ops()
     calls: Counter = Counter()
 
     class Record(TorchDispatchMode):
@@ -197,18 +210,73 @@ def record_products(step: Callable[[], object]) -> Counter:
     return calls
 
 
-def _materialize(spec):
+def _materialize(spec, dtype: torch.dtype | None = None):
+    """A random tensor of a recorded layout (in `dtype` instead of the recorded one when given)."""
     if not (isinstance(spec, tuple) and spec and spec[0] == "tensor"):
         return spec
-    _, shape, stride, dtype = spec
+    _, shape, stride, recorded = spec
     storage = 1 + sum((n - 1) * s for n, s in zip(shape, stride)) if all(shape) else 0
-    return (torch.randn(storage) * 0.05).to(getattr(torch, dtype)).as_strided(shape, stride)
+    return (torch.randn(storage) * 0.05).to(dtype or getattr(torch, recorded)).as_strided(shape, stride)
 
 
-def products_fn(calls: Counter) -> Callable[[], None]:
-    """A function that runs every recorded product (each as often as the step did) on random inputs of its layout."""
-    prepared = [(getattr(torch.ops.aten, op).default, [_materialize(a) for a in args],
-                 {k: _materialize(v) for k, v in kwargs}, count) for (op, args, kwargs), count in calls.items()]
+def _replay_op(op: str, dtype: torch.dtype | None):
+    if op == "mkldnn_linear":  # (x, W, bias, "none", [], ""); in another dtype, as F.linear computes it
+        return torch.ops.mkldnn._linear_pointwise.default if dtype is None else (lambda x, w, b, *_: F.linear(x, w, b))
+    return getattr(torch.ops.aten, op).default
+
+
+def product_flops(op: str, args: tuple) -> int:
+    """Multiply-adds × 2 of one recorded product, from its argument layouts."""
+    shapes = [a[1] for a in args if isinstance(a, tuple) and a and a[0] == "tensor"]
+    if op == "mkldnn_linear":  # x (..., in), W (out, in)
+        x, w = shapes[0], shapes[1]
+        return 2 * w[0] * w[1] * (math.prod(x) // x[-1])
+    a, b = shapes[-2], shapes[-1]  # (addmm, baddbmm: the input comes first)
+    return 2 * math.prod(a) * b[-1]
+
+
+BF16_COST_BUDGET_S = 60.0  # bf16 time spent timing products both ways on a CPU without bf16 units
+
+
+def _time_once(op: str, args: tuple, kwargs: tuple, dtype: torch.dtype | None) -> float:
+    fn = _replay_op(op, dtype)
+    inputs, named = [_materialize(a, dtype) for a in args], {k: _materialize(v, dtype) for k, v in kwargs}
+    if dtype is None:  # fp32: one untimed call first; a slow bf16 call is timed as it comes
+        fn(*inputs, **named)
+    t0 = time.perf_counter()
+    fn(*inputs, **named)
+    return time.perf_counter() - t0
+
+
+def bf16_cost(calls: Counter, budget_s: float = BF16_COST_BUDGET_S) -> dict:
+    """What bf16 products cost on this CPU against fp32, without replaying the whole step in bf16 (many minutes
+    where it is slow): the step's distinct products, largest first, each timed once in its recorded fp32 and
+    once in bf16 while `budget_s` of bf16 time lasts (a product the worst ratio so far says would overrun it is
+    left out); sums weighted by how often the step calls each."""
+    keys = sorted(calls, key=lambda k: product_flops(k[0], k[1]) * calls[k], reverse=True)
+    fp32 = bf16 = spent = 0.0
+    covered = flops = 0
+    worst = 1.0  # the largest bf16 / fp32 ratio so far: a product it would take over the budget is skipped
+    for op, args, kwargs in keys:
+        t32 = _time_once(op, args, kwargs, None)
+        if spent > 0 and t32 * worst > budget_s - spent:
+            continue
+        t16 = _time_once(op, args, kwargs, torch.bfloat16)
+        worst = max(worst, t16 / t32)
+        n = calls[(op, args, kwargs)]
+        fp32, bf16, spent = fp32 + n * t32, bf16 + n * t16, spent + t16
+        covered, flops = covered + n, flops + n * product_flops(op, args)
+    total = sum(product_flops(k[0], k[1]) * n for k, n in calls.items())
+    return {"fp32_s": fp32, "bf16_s": bf16, "calls": covered, "of_calls": sum(calls.values()),
+            "flop_share": flops / total}
+
+
+def products_fn(calls: Counter, dtype: torch.dtype | None = None) -> Callable[[], None]:
+    """A function that runs every recorded product (each as often as the step did) on random inputs of its layout,
+    in `dtype` instead of the recorded dtypes when given."""
+    prepared = [(_replay_op(op, dtype), [_materialize(a, dtype) for a in args],
+                 {k: _materialize(v, dtype) for k, v in kwargs}, count)
+                for (op, args, kwargs), count in calls.items()]
 
     def run() -> None:
         for fn, args, kwargs, count in prepared:
@@ -299,13 +367,19 @@ def measure(shape_name: str, warmup: int, repeats: int) -> dict:
         step.forward_backward = forward_backward  # the step without the update, for recording its products
         return step
 
-    steps = {c: make_step(c) for c in CONFIGS}
-    calls = record_products(steps["qlora_bf16"].forward_backward)  # AdamW holds no products; the weights stay
+    # without bf16 units a bf16 step takes many times an fp32 one: only the fp32 rows run, their products
+    # form the floor, and bf16_cost times them in bf16 against fp32, to show what bf16 costs here
+    bf16 = bf16_support("cpu").fast
+    configs = list(CONFIGS) if bf16 else list(FP32_CONFIGS)
+    steps = {c: make_step(c) for c in configs}
+    floor_of = "qlora_bf16" if bf16 else "qlora_fp32"
+    calls = record_products(steps[floor_of].forward_backward)  # AdamW holds no products; the weights stay
     timings = time_interleaved({**steps, "floor": products_fn(calls)}, repeats=repeats, warmup=warmup)
-    profiles = {c: profile_groups(steps[c]) for c in CONFIGS}
+    profiles = {c: profile_groups(steps[c]) for c in configs}
     return {"timings": {c: [t.median_s, t.min_s, t.first_s] for c, t in timings.items()},
-            "rounds": timings["floor"].repeats,
-            "losses": {c: [v[0], v[-1]] for c, v in losses.items()},
+            "rounds": timings["floor"].repeats, "configs": configs, "floor_of": floor_of,
+            "bf16_cost": None if bf16 else bf16_cost(calls),
+            "losses": {c: [v[0], v[-1]] for c, v in losses.items() if v},
             "groups": {c: p[1] for c, p in profiles.items()}, "threads": torch.get_num_threads(),
             "peak_rss_mib": peak_rss_mib(),
             "products": sum(calls.values()),
@@ -345,6 +419,8 @@ def run_shape(shape: str, quick: bool = False, wait_s: float | None = None) -> S
     busy, _ = wait_for_quiet(wait_s, log=log)
     log(f"[bench]   bf16 {shape}: {len(CONFIGS)} configurations and the floor, interleaved (machine busy {busy:.0f}%)")
     res = _run(shape, warmup, repeats)
+    if res["floor_of"] != "qlora_bf16":  # a CPU without bf16 units: the fp32 rows only
+        return fp32_only_section(shape, res, support, busy, warmup)
     t = {c: v[0] for c, v in res["timings"].items()}  # medians
     floor = t["floor"]
     section = Section(
@@ -372,9 +448,7 @@ def run_shape(shape: str, quick: bool = False, wait_s: float | None = None) -> S
          "loss step 0 → last"],
     )
     for config, label in CONFIGS.items():
-        groups = res["groups"][config]
-        total = sum(groups.values())
-        shares = " / ".join(f"{100 * groups.get(g, 0.0) / total:.0f}%" for g in GROUPS)
+        shares = _shares(res["groups"][config])
         first, last = res["losses"][config]
         section.rows.append([label, fmt_seconds(t[config]), fmt_seconds(res["timings"][config][1]),
                              fmt_ratio(t[config] / t["qlora_bf16"]), shares, f"{first:.4f} → {last:.4f}"])
@@ -421,12 +495,74 @@ def run_shape(shape: str, quick: bool = False, wait_s: float | None = None) -> S
         f"bf16 over fp32, same run: ours LoRA {fmt_ratio(t['lora_fp32'] / t['lora_bf16'])} faster, ours QLoRA "
         f"{fmt_ratio(t['qlora_fp32'] / t['qlora_bf16'])}, PEFT + bitsandbytes "
         f"{fmt_ratio(t['peft_bnb_fp32'] / t[peft_best])} (its faster bf16 setting)",
-        f"torch threads: {res['threads']}; the subprocess that built and timed every row took "
-        f"{fmt_seconds(res['wall_s'])}, peak RSS {res['peak_rss_mib'] / 1024:.1f} GiB",
     ]
+    return _closing_notes(section, res, spec)
+
+
+def _closing_notes(section: Section, res: dict, spec: Shape) -> Section:
+    section.notes.append(f"torch threads: {res['threads']}; the subprocess that built and timed every row took "
+                         f"{fmt_seconds(res['wall_s'])}, peak RSS {res['peak_rss_mib'] / 1024:.1f} GiB")
     if spec.note:
         section.notes.append(spec.note)
     return section
+
+
+def _shares(groups: dict[str, float]) -> str:
+    total = sum(groups.values())
+    return " / ".join(f"{100 * groups.get(g, 0.0) / total:.0f}%" for g in GROUPS)
+
+
+def fp32_only_section(shape: str, res: dict, support, busy: float, warmup: int) -> Section:
+    """The section on a CPU without bf16 units: the fp32 rows and their floor, what bf16 products cost here, and
+    the bf16 goals marked not measurable."""
+    spec = SHAPES[shape]
+    t = {c: v[0] for c, v in res["timings"].items()}  # medians
+    floor, cost = t["floor"], res["bf16_cost"]
+    slower = cost["bf16_s"] / cost["fp32_s"]
+    timed = (f"{cost['calls']} of the step's {cost['of_calls']} products ({100 * cost['flop_share']:.0f}% of its "
+             f"FLOPs), the largest first, each distinct one timed once each way: {fmt_seconds(cost['bf16_s'])} in bf16 "
+             f"against {fmt_seconds(cost['fp32_s'])} in fp32, {fmt_ratio(slower)}")
+    section = Section(
+        f"bf16 training step, {shape} shape",
+        f"{spec.describe}; LoRA r = {spec.rank}, alpha {spec.alpha:g} on {', '.join(spec.targets)}; AdamW; loss in "
+        f"fp32. CPU bf16 units: {support.reason}. On such a CPU PyTorch multiplies bf16 through a fallback "
+        f"that runs slower than its fp32 products ({timed}), so `finetune` refuses bf16 here and "
+        "this section runs only the fp32 rows: ours LoRA and QLoRA (`precision=\"fp32\"`) and PEFT + "
+        "bitsandbytes QLoRA with compute_dtype fp32 (our model code with Linear4bit swapped in, attending "
+        f"through SDPA). All rows live in one process and are timed in {res['rounds']} interleaved rounds (each "
+        f"round calls every row once, in rotating order) after {warmup} warm-up round(s). The floor: every matrix "
+        f"product of one QLoRA fp32 step ({res['products']} calls; dtypes {', '.join(res['product_dtypes'])}; "
+        "the frozen products through oneDNN's linear where minikernels.fp32_gemm chose it), recorded with a "
+        "TorchDispatchMode and replayed back to back on random inputs of the same shapes and strides. 'profiled "
+        f"share': self CPU time by group in one profiled step. Machine CPU use before the run: {busy:.0f}%.",
+        ["configuration", "median step", "fastest step", "vs ours QLoRA fp32",
+         "matrix products / attention / NF4 dequantization / C norm and SwiGLU / casts / other (profiled share)",
+         "loss step 0 → last"],
+    )
+    for config in res["configs"]:
+        first, last = res["losses"][config]
+        section.rows.append([CONFIGS[config], fmt_seconds(t[config]), fmt_seconds(res["timings"][config][1]),
+                             fmt_ratio(t[config] / t["qlora_fp32"]), _shares(res["groups"][config]),
+                             f"{first:.4f} → {last:.4f}"])
+    section.rows.append(["floor: the matrix products of ours QLoRA fp32, replayed alone", fmt_seconds(floor),
+                         fmt_seconds(res["timings"]["floor"][1]), fmt_ratio(floor / t["qlora_fp32"]),
+                         " / ".join(["100%"] + ["–"] * (len(GROUPS) - 1)), ""])
+    why = (f"not measurable here: {support.reason}, where the step's bf16 products take "
+           f"{fmt_ratio(slower)} their fp32 time (timed as the intro says), so no bf16 row ran. fp32 beside: ours QLoRA {fmt_seconds(t['qlora_fp32'])}, ours LoRA {fmt_seconds(t['lora_fp32'])}, PEFT + "
+           f"bitsandbytes {fmt_seconds(t['peft_bnb_fp32'])}")
+    section.goals += [
+        Goal(f"bf16 step ({shape}): ours QLoRA / PEFT + bitsandbytes (autocast, its faster setting)", None,
+             VS_PEFT_BNB_GOAL, False, why, measurable=False),
+        Goal(f"bf16 step ({shape}): ours QLoRA / its matrix products alone", None, VS_FLOOR_GOAL, False, why,
+             measurable=False),
+        Goal(f"bf16 step ({shape}): ours QLoRA / ours LoRA", None, VS_LORA_GOAL, False, why, measurable=False),
+    ]
+    section.notes += [
+        f"fp32, same run: ours QLoRA / PEFT + bitsandbytes {fmt_ratio(t['qlora_fp32'] / t['peft_bnb_fp32'])}, ours "
+        f"QLoRA / ours LoRA {fmt_ratio(t['qlora_fp32'] / t['lora_fp32'])}, ours QLoRA / its products alone "
+        f"{fmt_ratio(t['qlora_fp32'] / floor)}",
+    ]
+    return _closing_notes(section, res, spec)
 
 
 def main(argv: list[str] | None = None) -> int:

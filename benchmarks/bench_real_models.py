@@ -40,6 +40,7 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
+from minigpt.bf16_support import bf16_support  # noqa: E402
 from report import Goal, Section  # noqa: E402
 from timing import (MIB, cpu_summary, current_rss_mib, fp32_product_libraries, peak_rss_mib,  # noqa: E402
                     reset_peak_rss)
@@ -72,6 +73,14 @@ PACED_TIMEOUT_S = 4 * 3600  # the whole paced run (as _run_contender's limit for
 # what the allocator's retained heap adds to the peak, and what each remedy costs
 SHAPE_CONTENDERS = {"llama-2-7b": ("ours", "peft_bnb", "ours_no_trims", "ours_mmap")}
 QUICK_PLAN = {"llama-3.2-1b": (("bfloat16",), 1)}
+
+
+def plan_for(bf16_fast: bool, quick: bool = False) -> dict:
+    """PLAN (QUICK_PLAN) for this CPU. Without bf16 units a bf16 step runs many times slower than an fp32 one
+    (PyTorch's fallback products; the bf16 section times one against fp32), so there every shape runs in fp32 instead and
+    the bf16 goal is not measurable."""
+    plan = QUICK_PLAN if quick else PLAN
+    return plan if bf16_fast else {shape: (("float32",), steps) for shape, (_, steps) in plan.items()}
 SHORT = {"llama-3.2-1b": "1B", "llama-2-7b": "7B"}
 
 
@@ -363,7 +372,7 @@ def _fmt_s(s: float) -> str:
 def run(quick: bool = False, plan: dict | None = None, contenders: tuple[str, ...] | None = None) -> Section:
     from real_checkpoints import write_checkpoint
 
-    plan = plan or (QUICK_PLAN if quick else PLAN)
+    plan = plan or plan_for(bf16_support("cpu").fast, quick)
     results: dict[str, list[dict]] = {}
     planner: dict[str, dict] = {}
     written: dict[str, tuple[float, float]] = {}
@@ -556,9 +565,16 @@ def section(results: dict[str, list[dict]], planner: dict, written: dict, plan: 
                     "alone), so a lead of 20% needs fewer or cheaper products, not less overhead"
                     + ". The products: " + (fp32_product_libraries() if dtype == "float32"
                                             else "both through oneDNN, PyTorch's bf16 products on CPU")))
+        if "bfloat16" not in plan[one][0] and not bf16_support("cpu").fast:
+            s.goals.append(Goal(
+                "1B QLoRA step (bf16): ours / PEFT + bitsandbytes", None, STEP_GOAL_1B, False,
+                f"not measurable here: {bf16_support('cpu').reason}, where bf16 products run many times slower "
+                "than fp32 ones (the bf16 section times one both ways), so this section ran fp32 only",
+                measurable=False))
     for shape in results:
         base = ok((shape, "ours", "bfloat16")) or ok((shape, "ours", "float32"))
-        plain, mm = ok((shape, "ours_no_trims", "bfloat16")), ok((shape, "ours_mmap", "bfloat16"))
+        plain, mm = (next((ok((shape, who, d)) for d in plan[shape][0] if ok((shape, who, d))), None)
+                     for who in ("ours_no_trims", "ours_mmap"))
         if base and (plain or mm):
             def peak(r: dict) -> str:
                 return (f"train peak RSS {r['train_peak_mib']:.0f} MiB ({r['train_peak_mib'] / r['planned_peak']:.2f}× "
@@ -592,8 +608,8 @@ def section(results: dict[str, list[dict]], planner: dict, written: dict, plan: 
         s.notes.append(f"{shape}: checkpoint of {gib:.2f} GiB written in {_fmt_s(secs)}; compute dtypes run: "
                        f"{', '.join(DTYPES[d] for d in plan[shape][0])}; timed steps after the first: {plan[shape][1]}")
     if seven in plan:
-        s.notes.append(f"7B: bf16 only (fp32 runs would double the section's time), {plan[seven][1]} timed step(s) "
-                       "after the first (0: the first step is the figure, with its one-off costs such as allocator "
+        s.notes.append(f"7B: {', '.join(DTYPES[d] for d in plan[seven][0])} only (a second compute dtype would "
+                       f"double the section's time), {plan[seven][1]} timed step(s) after the first (0: the first step is the figure, with its one-off costs such as allocator "
                        "growth)")
     elif one in plan:
         s.notes.append("7B shape not run in this invocation (quick mode or --shapes)")
@@ -633,8 +649,9 @@ def main(argv: list[str] | None = None) -> int:
     from timing import machine_description
 
     shapes = [x for x in (args.shapes or ",".join(PLAN)).split(",") if x]
-    plan = {sh: ((tuple(args.dtypes.split(",")) if args.dtypes else PLAN[sh][0]), args.steps if args.steps >= 0
-                 else PLAN[sh][1]) for sh in shapes}
+    default = plan_for(bf16_support("cpu").fast)
+    plan = {sh: ((tuple(args.dtypes.split(",")) if args.dtypes else default[sh][0]), args.steps if args.steps >= 0
+                 else default[sh][1]) for sh in shapes}
     machine = machine_description()
     if args.from_logs:  # the load average now says nothing about the runs; each subprocess's is in the table
         machine = [m for m in machine if not m.startswith("- Load average")] + [

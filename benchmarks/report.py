@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 @dataclass
 class Goal:
     name: str  # what is compared, e.g. "NF4 quantize fp32: bitsandbytes / ours"
-    measured: float  # the ratio measured in this run
+    measured: float | None  # the ratio measured in this run (None: not measured, for want of the hardware)
     target: float
     higher_is_better: bool  # True: measured >= target meets the goal
     limit: str  # what limits the figure (printed whether met or not)
@@ -62,7 +62,8 @@ def render(machine: list[str], sections: list[Section], command: str, wall_s: fl
         "",
         *_table(
             ["goal", "target", "measured", "met", "what limits it"],
-            [[g.name, g.target_text(), f"{g.measured:.2f}×", g.met_text(), g.limit] for g in goals],
+            [[g.name, g.target_text(), "–" if g.measured is None else f"{g.measured:.2f}×", g.met_text(), g.limit]
+             for g in goals],
         ),
     ]
     for s in sections:

@@ -1,4 +1,5 @@
-"""`make bench`: run every benchmark side by side and write benchmarks/RESULTS.md.
+"""`make bench`: run every benchmark side by side and write benchmarks/RESULTS.md (and, for a full run, the same
+text to benchmarks/results/<machine kind>.md, the latest full run on each kind of machine).
 
     python benchmarks/run.py                     # everything (about 10 minutes on 2 cores, + bf16's Llama-1B
                                                  #   shape: about 8, + real_models: about an hour, the 7B shape
@@ -19,7 +20,7 @@ sys.path.insert(0, str(HERE))
 
 from minigpt.io import atomic_write_text  # noqa: E402
 from report import render  # noqa: E402
-from timing import fmt_seconds, machine_description, wait_for_quiet  # noqa: E402
+from timing import fmt_seconds, machine_description, machine_kind, wait_for_quiet  # noqa: E402
 
 # section name -> module; the order of RESULTS.md
 SECTIONS = {
@@ -32,6 +33,9 @@ SECTIONS = {
     "memory": "memory_sweep",  # the planner's buckets against memory-check measurements (issue 7)
     "real_models": "bench_real_models",  # Llama-3.2-1B / Llama-2-7B shapes vs PEFT + bitsandbytes (issue 12)
 }
+RESULTS = HERE / "RESULTS.md"  # the latest run
+BY_MACHINE = HERE / "results"  # the latest full run on each kind of machine (timing.machine_kind), kept side by side:
+# machines differ from session to session (bf16 units or none), and one kind's run should not erase another's
 # worth waiting for a quiet machine (the planner takes µs)
 TIMING_SENSITIVE = {"nf4", "step", "bf16", "lora_forward", "generate", "real_models"}
 
@@ -40,7 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", default=",".join(SECTIONS), help=f"comma-separated sections of {list(SECTIONS)}")
     parser.add_argument("--quick", action="store_true", help="fewer repeats (a smoke run; figures are noisier)")
-    parser.add_argument("--out", type=Path, default=HERE / "RESULTS.md")
+    parser.add_argument("--out", type=Path, default=RESULTS,
+                        help="the report (default RESULTS.md; a full run there is also kept as results/<machine>.md)")
     parser.add_argument("--max-wait", type=float, default=300.0,
                         help="seconds to wait in all for other processes to leave the CPUs idle (0: never wait)")
     args = parser.parse_args(argv)
@@ -50,6 +55,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: unknown section(s) {unknown}; valid: {list(SECTIONS)}", file=sys.stderr)
         return 2
     machine = machine_description()  # before the run: the load average says how busy the machine was
+    full = set(chosen) == set(SECTIONS) and not args.quick and args.out.resolve() == RESULTS.resolve()
+    kind = machine_kind()
+    others = sorted(p.name for p in BY_MACHINE.glob("*.md") if p.stem != kind) if BY_MACHINE.is_dir() else []
+    machine.append(f"- Machine kind: {kind}" + (f"; this run is also results/{kind}.md" if full else "")
+                   + (f"; the latest full runs on other kinds: {', '.join('results/' + o for o in others)}"
+                      if others else ""))
     start = time.perf_counter()
     sections = []
     wait_left = args.max_wait
@@ -70,6 +81,9 @@ def main(argv: list[str] | None = None) -> int:
     command = "python benchmarks/run.py" + (" " + " ".join(argv if argv is not None else sys.argv[1:])).rstrip()
     text = render(machine, sections, command.strip(), time.perf_counter() - start)
     atomic_write_text(args.out, text)
+    if full:
+        BY_MACHINE.mkdir(exist_ok=True)
+        atomic_write_text(BY_MACHINE / f"{kind}.md", text)
     print(text)
     return 0
 

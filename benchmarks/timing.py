@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import platform
+import re
 import resource
 import statistics
 import time
@@ -121,6 +122,16 @@ def cpu_flags() -> dict[str, bool]:
 def cpu_summary() -> str:
     """'AMD EPYC; avx512_bf16 yes, amx_bf16 no, ...': the CPU model and the flags a bf16 ratio depends on."""
     return f"{_cpu_name()}; " + ", ".join(f"{f} {'yes' if v else 'no'}" for f, v in cpu_flags().items())
+
+
+def machine_kind() -> str:
+    """A file-name key for the kind of CPU a result depends on: its model and its widest matrix units, e.g.
+    'amd-epyc_avx512-bf16' or 'amd-epyc_avx2' (benchmarks/results/ keeps the latest full run of each)."""
+    name = re.sub(r"[^a-z0-9]+", "-", _cpu_name().lower()).strip("-") or "cpu"
+    flags = cpu_flags()
+    units = next((label for flag, label in (("amx_bf16", "amx-bf16"), ("avx512_bf16", "avx512-bf16"),
+                                            ("avx512f", "avx512"), ("avx2", "avx2")) if flags.get(flag)), "no-avx2")
+    return f"{name}_{units}"
 
 
 def machine_description() -> list[str]:
