@@ -235,40 +235,59 @@ def product_flops(op: str, args: tuple) -> int:
     return 2 * math.prod(a) * b[-1]
 
 
-BF16_COST_BUDGET_S = 60.0  # bf16 time spent timing products both ways on a CPU without bf16 units
+SLICE_GFLOP = 1.0  # on a CPU without bf16 units each product is timed both ways on about this many GFLOP of it
+
+
+def _rows(spec: tuple, m: int) -> tuple:
+    """A tensor spec cut to its first m rows (dim 0), the strides as they were: a transposed operand stays one."""
+    _, shape, stride, dtype = spec
+    return ("tensor", (m, *shape[1:]), stride, dtype)
+
+
+def row_slice(op: str, args: tuple, gflop: float = SLICE_GFLOP) -> tuple[tuple, float]:
+    """(args of the same product cut along its first dimension to about `gflop` GFLOP, the fraction kept): rows of
+    the left operand (and of a 2-D addmm input), or leading batches of a bmm (of both operands and its input)."""
+    shapes = [a for a in args if isinstance(a, tuple) and a and a[0] == "tensor"]
+    if op == "mkldnn_linear":  # x (..., in) as a contiguous (rows, in): the product reads it row-major either way
+        x = shapes[0]
+        rows, k = math.prod(x[1]) // x[1][-1], x[1][-1]
+        args = (("tensor", (rows, k), (k, 1), x[3]), *args[1:])
+        lead = 0
+    else:
+        tensors = [i for i, a in enumerate(args) if isinstance(a, tuple) and a and a[0] == "tensor"]
+        lead = tensors[-2]  # the left operand (addmm, baddbmm: after their input)
+        rows = args[lead][1][0]
+    m = max(1, min(rows, math.ceil(rows * gflop * 1e9 / max(1, product_flops(op, args)))))
+    batched = op in ("bmm", "baddbmm")
+    cut = []
+    for i, a in enumerate(args):
+        is_tensor = isinstance(a, tuple) and a and a[0] == "tensor"
+        if is_tensor and (i == lead or (batched and a[1][0] == rows) or (i < lead and len(a[1]) >= 2 and a[1][0] == rows)):
+            a = _rows(a, m)
+        cut.append(a)
+    return tuple(cut), m / rows
 
 
 def _time_once(op: str, args: tuple, kwargs: tuple, dtype: torch.dtype | None) -> float:
     fn = _replay_op(op, dtype)
     inputs, named = [_materialize(a, dtype) for a in args], {k: _materialize(v, dtype) for k, v in kwargs}
-    if dtype is None:  # fp32: one untimed call first; a slow bf16 call is timed as it comes
-        fn(*inputs, **named)
+    fn(*inputs, **named)  # one untimed call first
     t0 = time.perf_counter()
     fn(*inputs, **named)
     return time.perf_counter() - t0
 
 
-def bf16_cost(calls: Counter, budget_s: float = BF16_COST_BUDGET_S) -> dict:
-    """What bf16 products cost on this CPU against fp32, without replaying the whole step in bf16 (many minutes
-    where it is slow): the step's distinct products, largest first, each timed once in its recorded fp32 and
-    once in bf16 while `budget_s` of bf16 time lasts (a product the worst ratio so far says would overrun it is
-    left out); sums weighted by how often the step calls each."""
-    keys = sorted(calls, key=lambda k: product_flops(k[0], k[1]) * calls[k], reverse=True)
-    fp32 = bf16 = spent = 0.0
-    covered = flops = 0
-    worst = 1.0  # the largest bf16 / fp32 ratio so far: a product it would take over the budget is skipped
-    for op, args, kwargs in keys:
-        t32 = _time_once(op, args, kwargs, None)
-        if spent > 0 and t32 * worst > budget_s - spent:
-            continue
-        t16 = _time_once(op, args, kwargs, torch.bfloat16)
-        worst = max(worst, t16 / t32)
-        n = calls[(op, args, kwargs)]
-        fp32, bf16, spent = fp32 + n * t32, bf16 + n * t16, spent + t16
-        covered, flops = covered + n, flops + n * product_flops(op, args)
-    total = sum(product_flops(k[0], k[1]) * n for k, n in calls.items())
-    return {"fp32_s": fp32, "bf16_s": bf16, "calls": covered, "of_calls": sum(calls.values()),
-            "flop_share": flops / total}
+def bf16_cost(calls: Counter) -> dict:
+    """What bf16 products cost on this CPU against fp32, without replaying the step in bf16 (many minutes where it
+    is slow): each distinct product of the step, cut along its first dimension to about SLICE_GFLOP GFLOP (the
+    operands' layouts kept), timed once in its recorded fp32 and once in bf16 after an untimed call each; the
+    slices' times scaled back to the whole product and weighted by how often the step calls it."""
+    fp32 = bf16 = 0.0
+    for (op, args, kwargs), n in calls.items():
+        cut, kept = row_slice(op, args)
+        fp32 += n * _time_once(op, cut, kwargs, None) / kept
+        bf16 += n * _time_once(op, cut, kwargs, torch.bfloat16) / kept
+    return {"fp32_s": fp32, "bf16_s": bf16, "calls": sum(calls.values()), "distinct": len(calls)}
 
 
 def products_fn(calls: Counter, dtype: torch.dtype | None = None) -> Callable[[], None]:
@@ -417,7 +436,7 @@ def run_shape(shape: str, quick: bool = False, wait_s: float | None = None) -> S
     spec, support = SHAPES[shape], bf16_support("cpu")
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     busy, _ = wait_for_quiet(wait_s, log=log)
-    log(f"[bench]   bf16 {shape}: {len(CONFIGS)} configurations and the floor, interleaved (machine busy {busy:.0f}%)")
+    log(f"[bench]   bf16 {shape}: {len(CONFIGS if support.fast else FP32_CONFIGS)} configurations and the floor, interleaved (machine busy {busy:.0f}%)")
     res = _run(shape, warmup, repeats)
     if res["floor_of"] != "qlora_bf16":  # a CPU without bf16 units: the fp32 rows only
         return fp32_only_section(shape, res, support, busy, warmup)
@@ -519,9 +538,9 @@ def fp32_only_section(shape: str, res: dict, support, busy: float, warmup: int) 
     t = {c: v[0] for c, v in res["timings"].items()}  # medians
     floor, cost = t["floor"], res["bf16_cost"]
     slower = cost["bf16_s"] / cost["fp32_s"]
-    timed = (f"{cost['calls']} of the step's {cost['of_calls']} products ({100 * cost['flop_share']:.0f}% of its "
-             f"FLOPs), the largest first, each distinct one timed once each way: {fmt_seconds(cost['bf16_s'])} in bf16 "
-             f"against {fmt_seconds(cost['fp32_s'])} in fp32, {fmt_ratio(slower)}")
+    timed = (f"the step's {cost['calls']} products ({cost['distinct']} distinct), each timed once each way on a "
+             f"slice of its rows of about {SLICE_GFLOP:g} GFLOP and scaled to the whole: {fmt_seconds(cost['bf16_s'])} "
+             f"in bf16 against {fmt_seconds(cost['fp32_s'])} in fp32, {fmt_ratio(slower)}")
     section = Section(
         f"bf16 training step, {shape} shape",
         f"{spec.describe}; LoRA r = {spec.rank}, alpha {spec.alpha:g} on {', '.join(spec.targets)}; AdamW; loss in "
@@ -548,7 +567,7 @@ def fp32_only_section(shape: str, res: dict, support, busy: float, warmup: int) 
                          fmt_seconds(res["timings"]["floor"][1]), fmt_ratio(floor / t["qlora_fp32"]),
                          " / ".join(["100%"] + ["–"] * (len(GROUPS) - 1)), ""])
     why = (f"not measurable here: {support.reason}, where the step's bf16 products take "
-           f"{fmt_ratio(slower)} their fp32 time (timed as the intro says), so no bf16 row ran. fp32 beside: ours QLoRA {fmt_seconds(t['qlora_fp32'])}, ours LoRA {fmt_seconds(t['lora_fp32'])}, PEFT + "
+           f"{fmt_ratio(slower)} their fp32 time (estimated as the intro says), so no bf16 row ran. fp32 beside: ours QLoRA {fmt_seconds(t['qlora_fp32'])}, ours LoRA {fmt_seconds(t['lora_fp32'])}, PEFT + "
            f"bitsandbytes {fmt_seconds(t['peft_bnb_fp32'])}")
     section.goals += [
         Goal(f"bf16 step ({shape}): ours QLoRA / PEFT + bitsandbytes (autocast, its faster setting)", None,
