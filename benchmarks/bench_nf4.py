@@ -22,6 +22,11 @@ SHAPE = (4096, 4096)
 BLOCKSIZE = 64
 QUANTIZE_GOAL = 20.0  # bitsandbytes time / ours
 DEQUANTIZE_GOAL = 1.5
+# how each path of ours finds a value's code (miniquant/native.py; nf4.py for the eager path)
+SEARCH = {"AVX-512": "a 4-step binary search over the 15 midpoints with AVX-512 permutes",
+          "AVX2": "15 compares with the midpoints, 8 values at a time (AVX2)",
+          "plain C": "15 compares with the midpoints in plain C, as the compiler vectorizes them",
+          None: "the eager path's lookup-table search in PyTorch ops (no native kernels)"}
 
 
 @contextmanager
@@ -110,8 +115,10 @@ def run(quick: bool = False) -> Section:
     kernels = native.kernels()
     section.notes.append(
         "native kernels: " + ("not available (no C compiler): ours is the eager path" if kernels is None else
-                              f"C compiled once per machine and cached; the one-off build took {fmt_seconds(build_s)}")
+                              f"C compiled once per machine and cached; the one-off build took {fmt_seconds(build_s)}; "
+                              f"the path built for this CPU: {kernels.path}")
     )
+    search = SEARCH[kernels.path if kernels else None]
     mids, code = nf4.nf4_midpoints(), nf4.nf4_code_table()
     cq = torch.compile(_compiled_quantize, dynamic=False)
     cd = torch.compile(_compiled_dequantize, dynamic=False)
@@ -155,8 +162,8 @@ def run(quick: bool = False) -> Section:
         ratio = qt["bitsandbytes"].median_s / ours
         section.goals.append(Goal(
             f"NF4 quantize {name} 4096²: bitsandbytes time / ours", ratio, QUANTIZE_GOAL, True,
-            f"ours takes {ours / qt['copy'].median_s:.1f}× a copy of the input into an existing tensor: per value a "
-            f"4-step search over the 15 midpoints (AVX-512 permutes; 15 compares in plain C), on "
+            f"ours takes {ours / qt['copy'].median_s:.1f}× a copy of the input into an existing tensor: per value "
+            f"{search}, on "
             f"{torch.get_num_threads()} threads, plus a fresh output; bitsandbytes' CPU path is several PyTorch "
             "passes over float32 temporaries plus a bucketize",
         ))
@@ -207,8 +214,9 @@ def run(quick: bool = False) -> Section:
         )
     section.notes.append(
         "torch.compile (inductor, C++/OpenMP) of the same arithmetic is exact too, but it does not vectorize the "
-        "16-entry code lookup or the nibble interleave; the native kernels (miniquant/native.py) use AVX-512 "
-        "where present and plain C elsewhere. 'first call' of the torch.compile rows is its compile time."
+        "16-entry code lookup or the nibble interleave; the native kernels (miniquant/native.py) have an AVX-512, "
+        "an AVX2 and a plain-C path, built for the widest this CPU has (the first note says which). 'first call' of the "
+        "torch.compile rows is its compile time."
     )
     if to_nf4 is None:
         section.notes.append("torchao is not installed: its rows are missing (pip install '.[bench]')")

@@ -8,6 +8,12 @@ NaN above every finite value), the scaled value is value x (1 / max(absmax, 1e-3
 and the code is the number of the 15 midpoints strictly below it. Dequantization is code value x scale
 in float32, then a round-to-nearest-even cast. No fast-math flags: float results are IEEE-exact.
 
+The source has three paths, and -march=native builds the widest the CPU has (``NativeKernels.path``):
+AVX-512 (16 values a vector; the code by a 4-step binary search with in-register permutes), AVX2 with F16C
+(8 a vector, 32 per step; the code by 15 compares, and the 16-entry code table as two 8-entry permutes),
+and plain C for other CPUs and for block sizes the vector loops do not divide. All give the same bytes;
+tests/miniquant/test_nf4_native.py builds each one this CPU can run and checks it against the eager path.
+
 Building, caching (under $MINIQUANT_CACHE, keyed by the source, the flags, the compiler and the CPU's feature
 flags: it is built with -march=native) and the threads are ``minikernels.build``'s.
 Quantization splits its blocks across `torch.get_num_threads()` Python threads (ctypes releases the GIL
@@ -38,7 +44,12 @@ _DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _SOURCE = r"""
 #include <stdint.h>
 #include <string.h>
-#ifdef __AVX512F__
+/* one vector path, the widest this CPU has (built with -march=native); plain C for the rest */
+#if defined(__AVX512F__)
+#define NF4_AVX512 1
+#include <immintrin.h>
+#elif defined(__AVX2__) && defined(__F16C__)
+#define NF4_AVX2 1
 #include <immintrin.h>
 #endif
 
@@ -51,7 +62,18 @@ _SOURCE = r"""
 
 enum { F32 = 0, BF16 = 1, F16 = 2 };
 
-int nf4_has_f16(void) { return HAVE_F16; }  /* float16 needs _Float16 for the non-AVX-512 block sizes */
+int nf4_has_f16(void) { return HAVE_F16; }  /* float16 needs _Float16 for the block sizes plain C runs */
+
+/* values per vector of the path built: 16 (AVX-512), 8 (AVX2) or 1 (plain C) */
+int nf4_lanes(void) {
+#if defined(NF4_AVX512)
+    return 16;
+#elif defined(NF4_AVX2)
+    return 8;
+#else
+    return 1;
+#endif
+}
 
 static inline float f32_from_bits(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
 static inline uint32_t bits_from_f32(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
@@ -130,7 +152,7 @@ static void dequantize_block_c(const uint8_t* p, float s, int64_t bs, const floa
 }
 
 /* ---- AVX-512: 16 values at a time (block sizes that are multiples of 16) ------------------------- */
-#ifdef __AVX512F__
+#ifdef NF4_AVX512
 static inline __m512 load16(const void* x, int dtype, int64_t i) {
     if (dtype == F32) return _mm512_loadu_ps((const float*)x + i);
     __m256i h = _mm256_loadu_si256((const __m256i*)((const uint16_t*)x + i));
@@ -206,10 +228,95 @@ static inline __attribute__((always_inline)) void dequantize_block_avx512(const 
 }
 #endif
 
+/* ---- AVX2 (with F16C): 8 values at a time, 32 per step (block sizes that are multiples of 32) ---- */
+#ifdef NF4_AVX2
+static inline __m256 load8(const void* x, int dtype, int64_t i) {
+    if (dtype == F32) return _mm256_loadu_ps((const float*)x + i);
+    __m128i h = _mm_loadu_si128((const __m128i*)((const uint16_t*)x + i));
+    if (dtype == BF16) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    return _mm256_cvtph_ps(h);  /* exact */
+}
+
+static inline void store8(void* out, int dtype, int64_t i, __m256 v) {
+    if (dtype == F32) {
+        _mm256_storeu_ps((float*)out + i, v);
+        return;
+    }
+    __m128i h;
+    if (dtype == BF16) {  /* round to nearest even, NaN -> 0x7FC0, as PyTorch */
+        __m256i u = _mm256_castps_si256(v);
+        __m256i bias = _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1)));
+        __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, bias), 16);
+        r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+        __m256i packed = _mm256_packus_epi32(r, r);  /* per 128-bit lane: 4 values, twice */
+        h = _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08));  /* lanes' first halves together */
+    } else {
+        h = _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    }
+    _mm_storeu_si128((__m128i*)((uint16_t*)out + i), h);
+}
+
+/* the code of 8 scaled values: the number of the 15 midpoints strictly below each (15 compares) */
+static inline __m256i codes8(__m256 s, const __m256* mids) {
+    __m256i c = _mm256_setzero_si256();
+    for (int k = 0; k < 15; k++)  /* a true compare is all ones (-1): subtracting it counts it */
+        c = _mm256_sub_epi32(c, _mm256_castps_si256(_mm256_cmp_ps(s, mids[k], _CMP_GT_OQ)));
+    return c;
+}
+
+static inline __attribute__((always_inline)) void quantize_block_avx2(const void* x, int dtype, int64_t first, int64_t bs,
+                                                                       const __m256* mids, uint8_t* packed, float* absmax) {
+    __m256i m = _mm256_setzero_si256();
+    for (int64_t i = 0; i < bs; i += 8)
+        m = _mm256_max_epu32(m, _mm256_and_si256(_mm256_castps_si256(load8(x, dtype, first + i)), _mm256_set1_epi32(0x7FFFFFFF)));
+    __m128i m4 = _mm_max_epu32(_mm256_castsi256_si128(m), _mm256_extracti128_si256(m, 1));
+    m4 = _mm_max_epu32(m4, _mm_shuffle_epi32(m4, 0x4E));
+    m4 = _mm_max_epu32(m4, _mm_shuffle_epi32(m4, 0xB1));
+    float a = f32_from_bits((uint32_t)_mm_cvtsi128_si32(m4));
+    *absmax = a;
+    const __m256 inv = _mm256_set1_ps(1.0f / (a > 1e-38f ? a : 1e-38f));
+    const __m256 lo = _mm256_set1_ps(-1.0f), hi = _mm256_set1_ps(1.0f);
+    const __m256i pair_weights = _mm256_set1_epi16(0x0110);  /* bytes 16, 1: code_2k * 16 + code_2k+1 */
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (int64_t i = 0; i < bs; i += 32) {
+        __m256i c[4];
+        for (int j = 0; j < 4; j++) {
+            __m256 s = _mm256_min_ps(_mm256_max_ps(_mm256_mul_ps(load8(x, dtype, first + i + 8 * j), inv), lo), hi);
+            c[j] = codes8(s, mids);
+        }
+        /* 32 codes (0..15) -> 32 bytes in order: the packs interleave 128-bit lanes, the permute undoes it */
+        __m256i bytes = _mm256_packus_epi16(_mm256_packus_epi32(c[0], c[1]), _mm256_packus_epi32(c[2], c[3]));
+        bytes = _mm256_permutevar8x32_epi32(bytes, order);
+        __m256i nibbles = _mm256_maddubs_epi16(bytes, pair_weights);  /* 16 bytes' worth, one per 16-bit lane */
+        __m256i out = _mm256_permute4x64_epi64(_mm256_packus_epi16(nibbles, nibbles), 0x08);
+        _mm_storeu_si128((__m128i*)(packed + i / 2), _mm256_castsi256_si128(out));
+    }
+}
+
+/* table[idx] for 8 indices 0..15: two 8-entry lookups, the second where idx > 7 */
+static inline __m256 lookup16(__m256 lo, __m256 hi, __m256i idx) {
+    __m256 upper = _mm256_castsi256_ps(_mm256_cmpgt_epi32(idx, _mm256_set1_epi32(7)));
+    return _mm256_blendv_ps(_mm256_permutevar8x32_ps(lo, idx), _mm256_permutevar8x32_ps(hi, idx), upper);
+}
+
+static inline __attribute__((always_inline)) void dequantize_block_avx2(const uint8_t* p, float s, int64_t bs, __m256 lo,
+                                                                         __m256 hi, void* out, int dtype, int64_t first) {
+    const __m256 sv = _mm256_set1_ps(s);
+    for (int64_t i = 0; i < bs / 2; i += 8) {  /* 8 bytes -> 16 values */
+        __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(p + i)));
+        __m256 high = _mm256_mul_ps(lookup16(lo, hi, _mm256_srli_epi32(bytes, 4)), sv);
+        __m256 low = _mm256_mul_ps(lookup16(lo, hi, _mm256_and_si256(bytes, _mm256_set1_epi32(15))), sv);
+        __m256 a = _mm256_unpacklo_ps(high, low), b = _mm256_unpackhi_ps(high, low);  /* h0 l0 h1 l1 | h4 l4 h5 l5 */
+        store8(out, dtype, first + 2 * i, _mm256_permute2f128_ps(a, b, 0x20));
+        store8(out, dtype, first + 2 * i + 8, _mm256_permute2f128_ps(a, b, 0x31));
+    }
+}
+#endif
+
 /* blocks [b0, b1) of x (dtype 0 float32, 1 bfloat16, 2 float16) -> packed codes and absmax */
 void nf4_quantize(const void* x, int dtype, int64_t b0, int64_t b1, int64_t bs, const float* mids,
                   uint8_t* packed, float* absmax) {
-#ifdef __AVX512F__
+#ifdef NF4_AVX512
     if (bs % 16 == 0) {
         float m16[16];
         memcpy(m16, mids, 15 * sizeof(float));
@@ -222,19 +329,40 @@ void nf4_quantize(const void* x, int dtype, int64_t b0, int64_t b1, int64_t bs, 
         return;
     }
 #endif
+#ifdef NF4_AVX2
+    if (bs % 32 == 0) {
+        __m256 mv[15];
+        for (int k = 0; k < 15; k++) mv[k] = _mm256_set1_ps(mids[k]);
+        if (bs == 64)
+            for (int64_t b = b0; b < b1; b++) quantize_block_avx2(x, dtype, b * 64, 64, mv, packed + b * 32, absmax + b);
+        else
+            for (int64_t b = b0; b < b1; b++) quantize_block_avx2(x, dtype, b * bs, bs, mv, packed + b * (bs / 2), absmax + b);
+        return;
+    }
+#endif
     for (int64_t b = b0; b < b1; b++) quantize_block_c(x, dtype, b * bs, bs, mids, packed + b * (bs / 2), absmax + b);
 }
 
 /* blocks [b0, b1): out = code[nibble] * scales[block] in float32, then cast to dtype */
 void nf4_dequantize(const uint8_t* packed, const float* scales, int64_t b0, int64_t b1, int64_t bs,
                     const float* code, void* out, int dtype) {
-#ifdef __AVX512F__
+#ifdef NF4_AVX512
     if (bs % 16 == 0) {
         const __m512 table = _mm512_loadu_ps(code);
         if (bs == 64)
             for (int64_t b = b0; b < b1; b++) dequantize_block_avx512(packed + b * 32, scales[b], 64, table, out, dtype, b * 64);
         else
             for (int64_t b = b0; b < b1; b++) dequantize_block_avx512(packed + b * (bs / 2), scales[b], bs, table, out, dtype, b * bs);
+        return;
+    }
+#endif
+#ifdef NF4_AVX2
+    if (bs % 16 == 0) {
+        const __m256 lo = _mm256_loadu_ps(code), hi = _mm256_loadu_ps(code + 8);
+        if (bs == 64)
+            for (int64_t b = b0; b < b1; b++) dequantize_block_avx2(packed + b * 32, scales[b], 64, lo, hi, out, dtype, b * 64);
+        else
+            for (int64_t b = b0; b < b1; b++) dequantize_block_avx2(packed + b * (bs / 2), scales[b], bs, lo, hi, out, dtype, b * bs);
         return;
     }
 #endif
@@ -259,6 +387,7 @@ class NativeKernels:
         self._dequantize.argtypes = [ptr, ptr, i64, i64, i64, ptr, ptr, ctypes.c_int]
         self._dequantize.restype = None
         self.dtypes = tuple(d for d, c in _DTYPE_CODE.items() if c != 2 or lib.nf4_has_f16())
+        self.path = {16: "AVX-512", 8: "AVX2"}.get(lib.nf4_lanes(), "plain C")  # the vector path this CPU runs
         self._threads = ThreadSplit("miniquant")
 
     def _split(self, blocks: int, blocksize: int, call, min_values: int | None = None) -> None:

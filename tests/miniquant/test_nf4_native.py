@@ -3,6 +3,7 @@
 The native path normally starts at NF4 tensors of `NATIVE_MIN_ELEMENTS` values; here the threshold is
 lowered so that small tensors take it too, and each result is compared with the eager path's.
 """
+import ctypes
 import os
 import signal
 import subprocess
@@ -94,6 +95,31 @@ def test_native_equals_eager_hypothesis(rows, cols, dtype, log_scale, seed):
         return
     with pytest.MonkeyPatch.context() as mp:
         assert_same(mp, w)
+
+
+# The source has a path per instruction set; -march=native builds only the widest this CPU has. Turning the
+# wider sets off builds the others, so every path this CPU can run is checked against the eager bytes.
+INSTRUCTION_SETS = {"widest": [], "avx2": ["-mno-avx512f"], "plain C": ["-mno-avx2", "-mno-avx512f"]}
+
+
+@pytest.mark.parametrize("extra_flags", INSTRUCTION_SETS.values(), ids=INSTRUCTION_SETS.keys())
+def test_every_instruction_set_path_gives_the_eager_bytes(monkeypatch, extra_flags):
+    from minikernels.build import build_library, find_compiler
+
+    compiler = find_compiler()
+    try:
+        lib = ctypes.CDLL(str(build_library("nf4_test", native._SOURCE, native.CFLAGS + extra_flags, compiler)))
+    except RuntimeError as e:  # a compiler that does not know the flag
+        pytest.skip(f"cannot build with {extra_flags}: {e}")
+    variant = native.NativeKernels(lib)
+    monkeypatch.setattr(native, "kernels", lambda: variant)
+    torch.manual_seed(11)
+    mids = nf4.nf4_midpoints()
+    on_midpoints = torch.cat([mids, torch.ones(1), -mids.flip(0), -torch.ones(1)]).repeat(2)
+    for blocksize in (64, 32, 16, 48, 128, 4096):
+        w = torch.cat([torch.randn(5 * blocksize + 6) * 0.02, on_midpoints, torch.zeros(blocksize), torch.full((blocksize,), -0.0)])
+        for dtype in variant.dtypes:
+            assert_same(monkeypatch, w.to(dtype), blocksize)
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])

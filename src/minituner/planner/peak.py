@@ -22,9 +22,9 @@ every layer in forward and backward and kept from the first step on (``miniquant
 its logits in the block's dtype e, and the loss (``minigpt.cross_entropy``) reads them as they are: fp32 logits
 through ``F.cross_entropy``, narrower ones in fp32 chunks of R = ``chunk_rows(V)`` rows (CPU's chunk, about
 2 MiB; on CUDA the loss takes 64 MiB chunks, so its 2·R·V·4 term below is up to 128 MiB larger there than
-planned). bf16 logits on a CPU where ``minigpt.native_loss`` is built (a C compiler is present) make no fp32
-chunk at all: there the chunk terms below are an upper bound, about 4 MiB over at 128,256 tokens of vocabulary
-(kept, so that one plan holds with or without a compiler). The phases:
+planned). bf16 logits on a CPU where ``minigpt.native_loss`` runs (a C compiler is present and the CPU has
+AVX-512) make no fp32 chunk at all: there the chunk terms below are an upper bound, about 4 MiB over at 128,256
+tokens of vocabulary (kept, so that one plan holds with or without the kernel). The phases:
 
 - forward (loss): W + O + G (last step's grads: zero_grad comes after the forward) + A + with fp32 logits
   the logits N·V·4 beside the log-softmax output (in A); with narrower ones, A holds the logits the loss keeps
