@@ -47,7 +47,7 @@ WAIT_PER_CONFIG_S = 60.0  # before each subprocess, wait up to this long for oth
 # name -> label, in the order of the table (and of the first round)
 CONFIGS = {
     "full": "ours, full fine-tuning",
-    "full_aten": "informational: ours, full fine-tuning, fp32 products through PyTorch's F.linear (MINIKERNELS_FP32_GEMM=aten)",
+    "full_other": "informational: ours, full fine-tuning, fp32 products through the library minikernels.fp32_gemm did not choose here (MINIKERNELS_FP32_GEMM)",
     "lora": "ours, LoRA fp32",
     "qlora": "ours, QLoRA (NF4 base, wrap_minigpt_qlora)",
     "qlora_noguard": "ours, QLoRA without finite-output guards",
@@ -85,8 +85,8 @@ def build(config: str) -> tuple[nn.Module, dict]:
     torch.manual_seed(0)
     model = MiniGPT(STACK)
     facts: dict = {}
-    if config in ("full", "full_aten", "lora"):  # ours as every command builds them (heap trims on CPU included)
-        build_for_training(model, config.removesuffix("_aten"), LoRAConfig(r=RANK, alpha=ALPHA, target_modules=TARGETS), device="cpu",
+    if config in ("full", "full_other", "lora"):  # ours as every command builds them (heap trims on CPU included)
+        build_for_training(model, config.removesuffix("_other"), LoRAConfig(r=RANK, alpha=ALPHA, target_modules=TARGETS), device="cpu",
                            compute_dtype=torch.float32)
     elif config in ("qlora", "qlora_noguard", "qlora_bf16"):
         from minituner.build import wrap_minigpt_qlora
@@ -212,10 +212,17 @@ def measure(config: str, warmup: int, steps: int) -> dict:
 # ---- the section (runs in the parent) ------------------------------------------------------------
 
 
+def _other_library() -> str:
+    """The fp32 product library minikernels.fp32_gemm did not choose on this machine (the informational row's)."""
+    from minikernels import fp32_gemm
+
+    return "aten" if fp32_gemm.backend() == "onednn" else "onednn"
+
+
 def _run_config(config: str, warmup: int, steps: int) -> dict:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--config", config, "--warmup", str(warmup),
            "--steps", str(steps)]
-    env = {**os.environ, "MINIKERNELS_FP32_GEMM": "aten"} if config.endswith("_aten") else None  # fp32_gemm's override
+    env = {**os.environ, "MINIKERNELS_FP32_GEMM": _other_library()} if config.endswith("_other") else None  # fp32_gemm's override
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env=env)
     if out.returncode != 0:
         raise RuntimeError(f"{config} failed:\n{out.stderr[-3000:]}")
@@ -286,11 +293,12 @@ def run(quick: bool = False) -> Section:
         f"{fmt_seconds(med['qlora_noguard'])} without",
     ))
     same = results["peft_bnb_qlora"][0].get("nf4_bytes_equal_ours")
+    other_library = "oneDNN" if _other_library() == "onednn" else "PyTorch's F.linear"
     section.notes += [
         f"full fine-tuning with its fp32 products and input gradients through {our_fp32_library()} "
-        f"(minikernels.fp32_gemm's choice for this CPU) / through PyTorch's F.linear (the weights' gradients by "
-        f"torch.mm in both): "
-        f"{med['full'] / med['full_aten']:.2f}× the step time",
+        f"(minikernels.fp32_gemm's choice for this CPU) / through "
+        f"{other_library} (the weights' gradients "
+        f"by torch.mm in both): {med['full'] / med['full_other']:.2f}× the step time",
         f"bitsandbytes Linear4bit is built with compress_statistics=False (no double quantization), like ours; its "
         f"packed NF4 bytes equal ours for every layer: {'yes' if same else 'no'}",
         "our QLoRA keeps nothing dequantized for backward (it dequantizes again there) and computes no gradient for "

@@ -7,15 +7,18 @@ a CPU not made by Intel it runs its AVX2 kernels even where the CPU has AVX-512.
 too (it runs the bf16 products), picks its kernels by the instruction sets the CPU reports. On the AMD EPYC
 of benchmarks/RESULTS.md (AVX-512, 2 cores), forward products at Llama-1B shapes and 512 tokens ran at about
 200 GFLOP/s through ``F.linear`` and about 460 through oneDNN, and the input gradient likewise; at MiniGPT's
-sizes (64-wide) the two take the same time.
+sizes (64-wide) the two take the same time. On an AMD CPU without AVX-512 both libraries run AVX2 code, and
+there MKL is the faster: on an AMD EPYC (Zen 3, 2 cores), the products of a Llama-1B-shaped step (512
+tokens, forward and input gradients, timed alone) took 15.0 s through ``F.linear`` and 17.4 s through oneDNN,
+those of the bench's GPT-shaped stack 0.65 s and 0.72 s.
 
 The arithmetic is the same: IEEE fp32 multiply-adds (oneDNN converts to bf16 only when PyTorch's fp32
 precision setting allows it, which it does not by default). The results differ from MKL's in rounding only,
 by the order of the sums (a few units in the 6th significant digit at 2,048-long dot products).
 
-Which library: ``backend()``. On x86 CPUs of other vendors (AMD, Hygon) oneDNN, elsewhere PyTorch's own
-(``F.linear``: MKL on Intel, where it takes its AVX-512 kernels). ``MINIKERNELS_FP32_GEMM=onednn`` or ``=aten``
-forces one. Only fp32 on CPU takes oneDNN; everything else (bf16, CUDA) is ``F.linear`` as before.
+Which library: ``backend()``. On x86 CPUs of other vendors (AMD, Hygon) that have AVX-512 oneDNN, elsewhere
+PyTorch's own (``F.linear``: MKL on Intel, where it takes its AVX-512 kernels, and on AVX2-only CPUs).
+``MINIKERNELS_FP32_GEMM=onednn`` or ``=aten`` forces one. Only fp32 on CPU takes oneDNN; everything else (bf16, CUDA) is ``F.linear`` as before.
 
 Gradients, each one product: for x, grad_y·W through oneDNN (W read transposed, as a view); for a trainable W
 (full fine-tuning), grad_yᵀ·x by ``torch.mm``, which reads the transposed grad_y as it is: oneDNN would first
@@ -38,7 +41,7 @@ from torch import Tensor
 
 BACKEND_ENV = "MINIKERNELS_FP32_GEMM"  # "onednn" or "aten" forces the library; unset or "auto": by vendor
 BACKENDS = ("onednn", "aten")
-ONEDNN_VENDORS = ("AuthenticAMD", "HygonGenuine")  # x86 vendors for which MKL takes its AVX2 path
+ONEDNN_VENDORS = ("AuthenticAMD", "HygonGenuine")  # x86 vendors for which MKL takes its AVX2 path, AVX-512 or not
 CPUINFO = Path("/proc/cpuinfo")
 
 
@@ -51,15 +54,24 @@ def cpu_vendor(cpuinfo: str) -> str:
     return ""
 
 
-def choose_backend(vendor: str, forced: str | None, onednn_available: bool) -> str:
-    """The library for fp32 products: `forced` when set (and oneDNN is there), else by vendor."""
+def cpu_has_avx512(cpuinfo: str) -> bool:
+    """Whether the first CPU of a /proc/cpuinfo text lists avx512f among its flags."""
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "flags":
+            return "avx512f" in value.split()
+    return False
+
+
+def choose_backend(vendor: str, forced: str | None, onednn_available: bool, avx512: bool) -> str:
+    """The library for fp32 products: `forced` when set (and oneDNN is there), else by vendor and AVX-512."""
     if forced not in (None, "", "auto", *BACKENDS):
         raise ValueError(f"{BACKEND_ENV} must be one of auto, {', '.join(BACKENDS)}, got {forced!r}")
     if not onednn_available:
         return "aten"
     if forced in BACKENDS:
         return forced
-    return "onednn" if vendor in ONEDNN_VENDORS else "aten"
+    return "onednn" if vendor in ONEDNN_VENDORS and avx512 else "aten"
 
 
 def _onednn_available() -> bool:
@@ -70,10 +82,11 @@ def _onednn_available() -> bool:
 def backend() -> str:
     """'onednn' or 'aten': the library this machine's fp32 products take (see the module docstring)."""
     try:
-        vendor = cpu_vendor(CPUINFO.read_text())
+        cpuinfo = CPUINFO.read_text()
     except OSError:
-        vendor = ""
-    return choose_backend(vendor, os.environ.get(BACKEND_ENV), _onednn_available())
+        cpuinfo = ""
+    return choose_backend(cpu_vendor(cpuinfo), os.environ.get(BACKEND_ENV), _onednn_available(),
+                          cpu_has_avx512(cpuinfo))
 
 
 def _takes_onednn(x: Tensor, weight: Tensor) -> bool:

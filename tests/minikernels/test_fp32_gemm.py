@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 
 from minikernels import fp32_gemm
-from minikernels.fp32_gemm import choose_backend, cpu_vendor, input_grad, linear, product
+from minikernels.fp32_gemm import choose_backend, cpu_has_avx512, cpu_vendor, input_grad, linear, product
 
 ONEDNN = fp32_gemm._onednn_available()
 
@@ -14,22 +14,30 @@ def test_vendor_is_read_from_cpuinfo():
     assert cpu_vendor("processor : 0\nFeatures : fp asimd bf16\n") == ""  # Arm names no vendor_id
 
 
-@pytest.mark.parametrize("vendor, forced, available, expected", [
-    ("AuthenticAMD", None, True, "onednn"),
-    ("HygonGenuine", "auto", True, "onednn"),
-    ("GenuineIntel", None, True, "aten"),  # MKL takes its AVX-512 kernels on Intel
-    ("", None, True, "aten"),
-    ("GenuineIntel", "onednn", True, "onednn"),
-    ("AuthenticAMD", "aten", True, "aten"),
-    ("AuthenticAMD", "onednn", False, "aten"),  # a build without oneDNN
+def test_avx512_is_read_from_cpuinfo():
+    assert cpu_has_avx512("processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512bw\n")
+    assert not cpu_has_avx512("processor\t: 0\nflags\t\t: fpu avx2 fma\n")
+    assert not cpu_has_avx512("processor : 0\nFeatures : fp asimd bf16\n")
+
+
+@pytest.mark.parametrize("vendor, forced, available, avx512, expected", [
+    ("AuthenticAMD", None, True, True, "onednn"),  # MKL would run its AVX2 kernels on this AVX-512 CPU
+    ("HygonGenuine", "auto", True, True, "onednn"),
+    ("AuthenticAMD", None, True, False, "aten"),  # AVX2 only: both libraries run AVX2, MKL the faster
+    ("GenuineIntel", None, True, True, "aten"),  # MKL takes its AVX-512 kernels on Intel
+    ("", None, True, False, "aten"),
+    ("GenuineIntel", "onednn", True, True, "onednn"),
+    ("AuthenticAMD", "onednn", True, False, "onednn"),
+    ("AuthenticAMD", "aten", True, True, "aten"),
+    ("AuthenticAMD", "onednn", False, True, "aten"),  # a build without oneDNN
 ])
-def test_backend_choice(vendor, forced, available, expected):
-    assert choose_backend(vendor, forced, available) == expected
+def test_backend_choice(vendor, forced, available, avx512, expected):
+    assert choose_backend(vendor, forced, available, avx512) == expected
 
 
 def test_a_bad_forced_backend_is_named():
     with pytest.raises(ValueError, match="MINIKERNELS_FP32_GEMM.*'mkl'"):
-        choose_backend("AuthenticAMD", "mkl", True)
+        choose_backend("AuthenticAMD", "mkl", True, True)
 
 
 @pytest.fixture(params=["onednn", "aten"])
