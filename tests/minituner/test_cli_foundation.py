@@ -45,6 +45,11 @@ def test_pretrain_and_generate(tiny_base):
         (["generate", "--base", "{tmp}"], "not a model folder"),
         (["generate", "--base", "{tmp}/nope"], "no such model folder"),
         (["frobnicate"], "invalid choice"),
+        (["generate", "--base", "{tmp}", "--temperature", "nan"], "--temperature: expected a finite number >= 0"),
+        (["generate", "--base", "{tmp}", "--temperature", "-1"], "--temperature: expected a finite number >= 0"),
+        (["finetune", "--grad-clip", "-1"], "--grad-clip: expected a finite number >= 0"),
+        (["finetune", "--grad-clip", "nan"], "--grad-clip: expected a finite number >= 0"),
+        (["finetune", "--warmup-steps", "-1"], "--warmup-steps: expected an integer >= 0"),
     ],
 )
 def test_bad_input(tmp_path, args, fragment):

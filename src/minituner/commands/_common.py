@@ -26,14 +26,23 @@ def non_negative_int(text: str) -> int:
     return _integer(text, 0, "an integer >= 0")
 
 
-def positive_float(text: str) -> float:
+def _finite_float(text: str, zero_allowed: bool) -> float:
+    what = "a finite number >= 0" if zero_allowed else "a positive finite number"
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a positive finite number, got {text}")
+        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+    if not (value >= 0 if zero_allowed else value > 0) or value == float("inf"):  # NaN fails both comparisons
+        raise argparse.ArgumentTypeError(f"expected {what}, got {text}")
     return value
+
+
+def positive_float(text: str) -> float:
+    return _finite_float(text, zero_allowed=False)
+
+
+def non_negative_float(text: str) -> float:
+    return _finite_float(text, zero_allowed=True)
 
 
 def add_run_arguments(p: argparse.ArgumentParser, what: str = "run") -> None:

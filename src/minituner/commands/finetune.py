@@ -14,7 +14,8 @@ from ..finetune import BASE_DOMAIN, DEFAULT_DATA, FinetuneConfig, default_train_
 from ..lora import ALL_LINEAR, LoRAConfig
 from ..sft import FORMATS
 from ..sft.examples import OVERLONG
-from ._common import add_precision_arguments, add_run_arguments, checkpoint_options, positive_float, positive_int
+from ._common import (add_precision_arguments, add_run_arguments, checkpoint_options, non_negative_float, non_negative_int,
+                      positive_float, positive_int)
 
 HELP = ("fine-tune a base model with LoRA (default) or fully; writes adapter_final.safetensors, a PEFT folder, "
         "metrics.jsonl, loss_curve.png and manifest.json")
@@ -71,8 +72,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "smaller of its context and 512); longer than the model's context is refused")
     p.add_argument("--lr", type=positive_float, default=d.lr)
     p.add_argument("--schedule", choices=("cosine", "constant"), default=d.schedule)
-    p.add_argument("--warmup-steps", type=int, default=d.warmup_steps)
-    p.add_argument("--grad-clip", type=float, default=d.grad_clip, help="max grad norm; 0 disables")
+    p.add_argument("--warmup-steps", type=non_negative_int, default=d.warmup_steps)
+    p.add_argument("--grad-clip", type=non_negative_float, default=d.grad_clip, help="max grad norm; 0 disables")
     p.add_argument("--eval-every", type=positive_int, default=d.eval_every)
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--base-domain", default=BASE_DOMAIN,

@@ -11,7 +11,7 @@ from minigpt.errors import InputError
 from ..adapter_io import load_adapter
 from ..base_model import load_base, load_tokenizer
 from ..sft import answer, load_chat_template
-from ._common import positive_int
+from ._common import non_negative_float, positive_int
 
 HELP = ("print samples from a base model folder (minituner base, or Hugging Face gpt2/llama/mistral/qwen2 with its "
         "tokenizer; sampling stops at the eos id(s) of generation_config.json or config.json), optionally with a "
@@ -29,7 +29,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--system", help="--chat: a system message before the question")
     p.add_argument("--max-new-tokens", type=positive_int, default=200)
     p.add_argument("--num-samples", type=positive_int, default=1)
-    p.add_argument("--temperature", type=float, default=None,
+    p.add_argument("--temperature", type=non_negative_float, default=None,
                    help="sampling temperature; 0 is greedy (default 0.8 with --prompt, 0 with --chat)")
     p.add_argument("--top-k", type=positive_int, default=None)
     p.add_argument("--seed", type=int, default=0)
