@@ -128,6 +128,9 @@ def minigpt_state_dict_from_gpt2(sd: dict[str, torch.Tensor], cfg: GPTConfig) ->
         t = src[key]
         if tuple(t.shape) != shape:
             raise InputError(f"GPT-2 weight {key!r} has shape {tuple(t.shape)}, config implies {shape}")
+        if not t.is_floating_point():
+            raise InputError(f"GPT-2 weight {key!r} is {str(t.dtype).removeprefix('torch.')}; a model's weights are "
+                             "floating point")
         used.add(key)
         return t.to(torch.float32)
 

@@ -29,6 +29,7 @@ from minigpt.decoder import Decoder, DecoderConfig
 from minigpt.errors import InputError
 from minigpt.io import read_json
 from miniquant import DEFAULT_QUANT_SCHEME, QuantizedLinear
+from miniquant.errors import QuantizationError
 
 from .hf_config import eos_token_ids, read_decoder_config
 from .lora import find_targets, linear_candidates
@@ -100,7 +101,7 @@ def read_headers(files: list[Path]) -> dict[str, TensorInfo]:
 
 def check_tensors(expected: dict[str, tuple[int, ...]], found: dict[str, TensorInfo], optional: set[str],
                   folder: Path) -> None:
-    """Missing, unexpected and misshapen tensors, named in one line."""
+    """Missing, unexpected, misshapen and non-float tensors, named in one line."""
     def names(keys: list[str]) -> str:
         return ", ".join(keys[:4]) + (f", ... {len(keys) - 4} more" if len(keys) > 4 else "")
 
@@ -115,6 +116,9 @@ def check_tensors(expected: dict[str, tuple[int, ...]], found: dict[str, TensorI
         if k in found and found[k].shape != shape:
             raise InputError(f"{folder}: tensor {k} has shape {found[k].shape} in "
                              f"{found[k].file.name}, the config implies {shape}")
+        if k in found and not found[k].dtype.is_floating_point:
+            raise InputError(f"{folder}: tensor {k} is {str(found[k].dtype).removeprefix('torch.')} in "
+                             f"{found[k].file.name}; a model's weights are floating point")
 
 
 def quantized_paths(model: nn.Module, quantize: QuantizeSpec | None) -> tuple[list[str], str]:
@@ -195,13 +199,31 @@ def load_hf_decoder(folder: str | Path, device: str | torch.device = "cpu", dtyp
                 t = t.to(dtype)  # a new tensor
             elif device.type == "cpu" and not _quantized_weight(model, k):
                 t = t.clone()  # own memory, not the file's pages (quantized weights are consumed, not kept)
-            _set(model, k, t.to(device))
+            try:
+                _set(model, k, t.to(device))
+            except QuantizationError as e:  # NaN or Inf in a weight QLoRA quantizes
+                raise InputError(f"{found[k].file}: tensor {k}: {e}") from None
             del t
     model.tie_weights()
+    if cfg.tie_word_embeddings and "lm_head.weight" in found:
+        _check_stored_head_is_the_embedding(model, found["lm_head.weight"], folder)
     left = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
     if left:
         raise InputError(f"{folder}: no tensor was read for {left[:4]}")
     return model.eval()
+
+
+def _check_stored_head_is_the_embedding(model: Decoder, head: TensorInfo, folder: Path, rows: int = 4096) -> None:
+    """A tied config with an lm_head.weight stored anyway: it must equal the embedding, or the checkpoint means
+    another model than its config says (transformers would keep the stored head). Read a few rows at a time."""
+    embedding = model.model.embed_tokens.weight
+    with _open(head.file) as f:
+        stored = f.get_slice("lm_head.weight")
+        for start in range(0, head.shape[0], rows):
+            part = stored[start:start + rows]
+            if not torch.equal(embedding[start:start + rows].to(part.dtype), part):
+                raise InputError(f"{folder}: config.json ties the head to the embedding (tie_word_embeddings), but "
+                                 f"{head.file.name} holds an lm_head.weight that differs from it")
 
 
 def load_hf_tokenizer(folder: str | Path, vocab_size: int):

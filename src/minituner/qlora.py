@@ -54,6 +54,9 @@ def quantize_linears(model: nn.Module, paths: list[str], scheme: str = DEFAULT_Q
     for p in paths:  # check everything before changing anything
         if not isinstance(model.get_submodule(p), nn.Linear):  # nn.Linear or a subclass (precision.Fp32Linear)
             raise InputError(f"{p} is a {type(model.get_submodule(p)).__name__}, not a float nn.Linear to quantize")
+        if not torch.isfinite(model.get_submodule(p).weight).all():
+            raise InputError(f"{p}.weight holds NaN or Inf values: the base checkpoint is damaged, and a quantizer "
+                             "cannot scale such a weight")
     out = {}
     for p in paths:
         parent, _, leaf = p.rpartition(".")

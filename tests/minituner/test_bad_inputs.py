@@ -235,7 +235,40 @@ def _big_tokenizer(folder: Path) -> None:
     (folder / "tokenizer.json").write_text(json.dumps(tok))
 
 
+def _edit_tensor(key: str, edit):
+    def apply(folder: Path) -> None:
+        from safetensors.torch import load_file, save_file
+
+        tensors = load_file(folder / "model.safetensors")
+        tensors[key] = edit(tensors[key])
+        save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    return apply
+
+
+def _nan_at_first(t):
+    t = t.clone()
+    t.view(-1)[0] = float("nan")
+    return t
+
+
+def _store_a_different_head(folder: Path) -> None:
+    """A config that ties the head, and an lm_head.weight stored anyway that is not the embedding."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(folder / "model.safetensors")
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"] + 1
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    _edit_config(tie_word_embeddings=True)(folder)
+
+
+Q_PROJ = "model.layers.0.self_attn.q_proj.weight"
 HF_CASES = {  # id -> (family, sharded, how to break the copy, extra flags, fragment of the one line)
+    "integer-weight": ("llama", False, _edit_tensor(Q_PROJ, lambda t: t.to(torch.int32)), [],
+                       f"tensor {Q_PROJ} is int32 in model.safetensors; a model's weights are floating point"),
+    "nan-weight-qlora": ("llama", False, _edit_tensor(Q_PROJ, _nan_at_first), ["--qlora"],
+                         f"tensor {Q_PROJ}: cannot quantize a tensor with NaN or Inf values"),
+    "tied-head-stored-differently": ("llama", False, _store_a_different_head, [],
+                                     "holds an lm_head.weight that differs from it"),
     "unsupported-model-type": ("llama", False, _edit_config(model_type="gemma"), [],
                                "model_type 'gemma' is not supported"),
     "unsupported-rope-scaling": ("llama", False, _edit_config(rope_scaling={"rope_type": "yarn", "factor": 4.0}), [],

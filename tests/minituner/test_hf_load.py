@@ -187,3 +187,26 @@ def test_loaded_tensors_own_their_memory(hf_folder, tmp_path, quantize):
         f.seek(size // 2)
         f.write(b"\x7f" * (size - size // 2))
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+
+
+def test_a_tied_checkpoint_that_stores_the_head_too_loads_when_it_is_the_embedding(hf_folder, tmp_path):
+    folder = tmp_path / "tied"
+    shutil.copytree(hf_folder("llama", tie_word_embeddings=True), folder)
+    tensors = load_file(folder / "model.safetensors")
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    model = load_hf_decoder(folder)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    tensors["lm_head.weight"][-1, 0] += 1  # the last row differs: another model than the config says
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(InputError, match="lm_head.weight that differs from it"):
+        load_hf_decoder(folder)
+
+
+def test_qlora_of_a_weight_with_nan_is_refused_before_any_layer_changes(hf_folder):
+    model = load_hf_decoder(hf_folder("llama"))
+    targets = find_targets(model, ["q_proj", "v_proj"])
+    model.model.layers[1].self_attn.v_proj.weight.data[0, 0] = float("nan")
+    with pytest.raises(InputError, match=r"model\.layers\.1\.self_attn\.v_proj\.weight holds NaN or Inf"):
+        quantize_step(model, targets, "nf4_per_group_64")
+    assert not quantized_modules(model)
