@@ -9,7 +9,7 @@ labels (``train_on_inputs`` counts everything), truncation or dropping of overlo
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,7 +21,7 @@ from minigpt.errors import InputError
 from minigpt.train import TrainConfig, evaluate
 
 from .sft import (ExampleSampler, SFTConfig, evaluate_examples, examples_sha256, is_sft_source, load_chat_template,
-                  load_records, prepare_sft, record_text)
+                  load_records, prepare_sft, record_pieces)
 
 
 @dataclass
@@ -55,20 +55,26 @@ def encode_domain(source: str, tokenizer, block_size: int) -> tuple[torch.Tensor
             encode_split(splits.val, tokenizer, block_size, "val"))
 
 
-def unknown_fraction(text: str, tokenizer, source: str, allow: bool) -> float:
-    """The fraction of `text`'s characters the tokenizer never saw; refuses any unless `allow`."""
-    chars = tokenizer.unseen_characters(text)
-    if chars and not allow:
-        raise InputError(f"{source}: {len(chars)} characters the base tokenizer never saw "
-                         f"({', '.join(map(repr, chars[:5]))}{', ...' if len(chars) > 5 else ''}); they would train "
+def unknown_fraction(pieces: Sequence[str], tokenizer, source: str, allow: bool) -> float:
+    """The fraction of the characters of `pieces` that encode to the unknown token; refuses any unless `allow`.
+
+    Each piece is checked as training encodes it, on its own (a prompt, a completion, the EOS token), so that
+    a word-level vocabulary is not shown words glued across pieces (``'</s>calm'``) that training never reads."""
+    unseen = [tokenizer.unseen_characters(piece) for piece in pieces]
+    distinct = sorted(set().union(*unseen))
+    if distinct and not allow:
+        what = "characters" if all(len(u) == 1 for u in distinct) else "pieces of text"
+        raise InputError(f"{source}: {len(distinct)} {what} the base tokenizer never saw "
+                         f"({', '.join(map(repr, distinct[:5]))}{', ...' if len(distinct) > 5 else ''}); they would train "
                          "as <unk>: clean the data, or pass --allow-unknown-chars to train anyway")
-    return sum(text.count(c) for c in chars) / max(1, len(text))
+    unknown = sum(piece.count(u) * len(u) for piece, us in zip(pieces, unseen) for u in us)
+    return unknown / max(1, sum(map(len, pieces)))
 
 
 def text_data(source: str, tokenizer, block_size: int, train_cfg: TrainConfig, allow_unknown: bool) -> TrainingData:
     """Plain text: random windows of the train split, validation on fixed windows of the val split."""
     train_ids, val_ids = encode_domain(source, tokenizer, block_size)
-    unk = unknown_fraction("\n\n".join(load_documents(source)), tokenizer, source, allow_unknown)
+    unk = unknown_fraction(["\n\n".join(load_documents(source))], tokenizer, source, allow_unknown)
     return TrainingData(
         f"{train_ids.numel():,} train / {val_ids.numel():,} val tokens from {source}", train_ids.numel(),
         train_cfg.batch_size * block_size,
@@ -82,8 +88,8 @@ def sft_data(source: str, base: Path, tokenizer, block_size: int, train_cfg: Tra
     """Instruction data: padded batches of whole examples, validation over the val split's counted tokens."""
     template = load_chat_template(base)
     records = load_records(source, fmt)
-    text = "".join(record_text(r, template) for r in records)  # what the model reads, template and EOS included
-    unk = unknown_fraction(text, tokenizer, source, allow_unknown)
+    pieces = [text for r in records for text, _ in record_pieces(r, template)]  # as encoded: template, EOS included
+    unk = unknown_fraction(pieces, tokenizer, source, allow_unknown)
     data = prepare_sft(source, tokenizer, template, block_size, sft_cfg, fmt, records=records)
     for name, stats in (("train", data.train_stats), ("val", data.val_stats)):
         log(f"{name}: {stats.summary()}")

@@ -209,3 +209,13 @@ def test_text_and_prompt_completion_start_with_the_tokenizers_own_bos():
     assert chat.input_ids == hf.apply_chat_template(CHAT, tokenize=True, return_dict=False)  # one BOS, the template's
     assert chat.input_ids.count(bos) == 1 and stats.without_eos == 0
     assert special_prefix(hf_tokenizer(CHATML, "<|im_end|>")) == []
+
+
+def test_eos_from_config_json_named_through_the_tokenizer_vocabulary(tmp_path):
+    """No tokenizer_config.json, no generation_config.json: config.json's eos id, a word of a WordLevel vocabulary."""
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "eos_token_id": 2}))
+    (tmp_path / "tokenizer.json").write_text(json.dumps(
+        {"added_tokens": [], "model": {"type": "WordLevel", "vocab": {"[UNK]": 0, "<s>": 1, "</s>": 2, "calm": 3}}}))
+    assert load_chat_template(tmp_path).eos_token == "</s>"
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 3}))  # generation_config first
+    assert load_chat_template(tmp_path).eos_token == "calm"

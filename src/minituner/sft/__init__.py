@@ -8,7 +8,8 @@ question through the template.
 from .batches import EvalResult, ExampleSampler, collate, evaluate_examples, iter_batches
 from .builtin import builtin_records, forecast_qa
 from .chat import answer, chat_prompt, cut_answer
-from .examples import (IGNORE, Example, SFTConfig, SFTStats, examples_sha256, plain_encoder, record_text,
+from .examples import (IGNORE, Example, SFTConfig, SFTStats, examples_sha256, plain_encoder, record_pieces,
+                       record_text,
                        special_prefix, tokenize_record, tokenize_records)
 from .formats import FORMATS, Record, read_file, read_records, split_records
 from .load import SFTData, is_sft_source, load_records, prepare_eval, prepare_sft
@@ -19,5 +20,5 @@ __all__ = [
     "Record", "SFTConfig", "SFTData", "SFTStats", "answer", "builtin_records", "chat_prompt", "collate", "cut_answer",
     "default_template", "evaluate_examples", "examples_sha256", "forecast_qa", "is_sft_source", "iter_batches",
     "load_chat_template", "load_records", "plain_encoder", "prepare_eval", "prepare_sft", "read_file", "read_records",
-    "record_text", "special_prefix", "split_records", "tokenize_record", "tokenize_records",
+    "record_pieces", "record_text", "special_prefix", "split_records", "tokenize_record", "tokenize_records",
 ]

@@ -35,6 +35,7 @@ from minigpt.errors import InputError
 TEMPLATE_FILE = "chat_template.jinja"
 TOKENIZER_CONFIG = "tokenizer_config.json"
 GENERATION_CONFIG = "generation_config.json"
+MODEL_CONFIG = "config.json"
 HF_TOKENIZER = "tokenizer.json"
 DEFAULT_EOS = "<|end|>"
 DEFAULT_TEMPLATE = (
@@ -143,15 +144,34 @@ def _read_json(path: Path) -> dict:
     return d
 
 
-def _eos_from_generation_config(folder: Path) -> str | None:
-    """generation_config.json's eos_token_id (the first, if a list) named through tokenizer.json's added tokens."""
-    gen, tok = folder / GENERATION_CONFIG, folder / HF_TOKENIZER
-    if not (gen.is_file() and tok.is_file()):
+def _eos_from_model_configs(folder: Path) -> str | None:
+    """generation_config.json's eos_token_id, else config.json's (the first, if a list), named through
+    tokenizer.json: its added tokens, else its model's vocabulary (a word-level or BPE dict, a Unigram list)."""
+    tok = folder / HF_TOKENIZER
+    if not tok.is_file():
         return None
-    ids = _read_json(gen).get("eos_token_id")
+    ids = None
+    for name in (GENERATION_CONFIG, MODEL_CONFIG):
+        if (folder / name).is_file() and (ids := _read_json(folder / name).get("eos_token_id")) is not None:
+            break
+    if ids is None:
+        return None
     ids = ids if isinstance(ids, list) else [ids]
-    added = {t.get("id"): t.get("content") for t in _read_json(tok).get("added_tokens", []) if isinstance(t, dict)}
-    return next((added[i] for i in ids if isinstance(added.get(i), str)), None)
+    tokenizer = _read_json(tok)
+    names = {t.get("id"): t.get("content") for t in tokenizer.get("added_tokens", []) if isinstance(t, dict)}
+    vocab = tokenizer.get("model", {}).get("vocab") if isinstance(tokenizer.get("model"), dict) else None
+    for i in ids:
+        if isinstance(names.get(i), str):
+            return names[i]
+        if isinstance(vocab, dict):
+            found = next((w for w, j in vocab.items() if j == i), None)
+        elif isinstance(vocab, list) and isinstance(i, int) and 0 <= i < len(vocab) and isinstance(vocab[i], list):
+            found = vocab[i][0]
+        else:
+            found = None
+        if isinstance(found, str):
+            return found
+    return None
 
 
 @dataclass(frozen=True)
@@ -201,7 +221,7 @@ def load_chat_template(folder: str | Path) -> ChatTemplate:
     config_path = folder / TOKENIZER_CONFIG
     config = _read_json(config_path) if config_path.is_file() else {}
     tokens = {k: t for k, v in config.items() if k.endswith("_token") and (t := _token_text(v)) is not None}
-    if "eos_token" not in tokens and (eos := _eos_from_generation_config(folder)):
+    if "eos_token" not in tokens and (eos := _eos_from_model_configs(folder)):
         tokens["eos_token"] = eos
     jinja_path = folder / TEMPLATE_FILE
     if jinja_path.is_file():
