@@ -14,12 +14,33 @@ from safetensors.torch import load_file, save
 from .errors import InputError
 
 
+def umask() -> int:
+    """The process's file-creation mask (Linux: read from /proc, which changes nothing; elsewhere set and restored)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def usual_mode(folder: bool = False) -> int:
+    """The mode open() or mkdir() would give a new file or folder; tempfile's are private (0600 and 0700), so
+    what it makes is set to this before it takes its final name, and a serving process of another user can
+    read a run or an export as it can any other file."""
+    return (0o777 if folder else 0o666) & ~umask()
+
+
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     """Write to a temporary file in the same folder, fsync, then rename: never a partial file."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".tmp-{path.name}.")
     try:
+        os.chmod(tmp, usual_mode())
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
