@@ -31,7 +31,7 @@ import torch.nn as nn
 from minigpt.decoder import Decoder
 from minigpt.base_folder import CONFIG, MANIFEST, WEIGHTS, WEIGHTS_INDEX
 from minigpt.errors import InputError
-from minigpt.io import atomic_save_safetensors, read_json, write_json
+from minigpt.io import atomic_save_safetensors, read_json, usual_mode, write_json
 from minigpt.model import MiniGPT
 from miniquant import QuantizedLinear
 
@@ -39,7 +39,7 @@ from .hf_config import ARCHITECTURES
 from .hf_gpt2 import gpt2_config_dict, gpt2_state_dict_from_minigpt
 from .adapter_io import load_adapter, read_adapter
 from .adapter_tensors import module_paths
-from .base_model import load_base
+from .base_model import base_weights_sha256, load_base
 from .hf_load import checkpoint_files, read_headers
 from .lora import LoRALinear
 from .qlora import check_scheme
@@ -204,6 +204,7 @@ def export_merged(model: nn.Module, base_folder: str | Path, out: str | Path, dt
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".tmp-{out.name}."))
     try:
+        os.chmod(tmp, usual_mode(folder=True))
         write_hf_folder(model, base_folder, tmp, dtype, max_shard_bytes)
         if out.exists():  # replace only now that the new folder is complete
             old = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".old-{out.name}."))
@@ -218,29 +219,48 @@ def export_merged(model: nn.Module, base_folder: str | Path, out: str | Path, dt
     return out
 
 
-def run_quant_scheme(adapter: str | Path) -> str | None:
-    """The quant_scheme the finetune run holding `adapter` trained on (None: a float base, or no run manifest).
-
-    The manifest is looked for in `adapter` when it is a folder, and in the folder holding it (a run's
-    adapter file or its adapter_peft/)."""
+def run_manifest(adapter: str | Path) -> dict | None:
+    """The manifest.json of the finetune run holding `adapter` (None: no run manifest), looked for in `adapter`
+    when it is a folder, and in the folder holding it (a run's adapter file or its adapter_peft/)."""
     adapter = Path(adapter)
     for folder in ([adapter] if adapter.is_dir() else []) + [adapter.parent]:
         if (folder / MANIFEST).is_file():
-            scheme = (read_json(folder / MANIFEST).get("config") or {}).get("quant_scheme")
-            return check_scheme(scheme) if scheme else None
+            return read_json(folder / MANIFEST)
     return None
 
 
+def run_quant_scheme(adapter: str | Path) -> str | None:
+    """The quant_scheme the finetune run holding `adapter` trained on (None: a float base, or no run manifest)."""
+    scheme = ((run_manifest(adapter) or {}).get("config") or {}).get("quant_scheme")
+    return check_scheme(scheme) if scheme else None
+
+
+def check_run_base(base: str | Path, adapter: str | Path) -> None:
+    """An InputError when the run holding `adapter` recorded other base weights (sha256) than `base` holds: an
+    adapter merged into another model of the same shapes would load and serve without a sign of it."""
+    recorded = (run_manifest(adapter) or {}).get("base_sha256")
+    if not recorded:
+        return
+    sha, _ = base_weights_sha256(base)
+    if sha != recorded:
+        raise InputError(f"{base}: not the base this adapter's run trained on (its manifest records weights sha256 "
+                         f"{recorded[:12]}..., these are {sha[:12]}...); pass that base, or --allow-other-base to "
+                         "merge anyway")
+
+
 def export_adapter(base: str | Path, adapter: str | Path, out: str | Path, dtype: torch.dtype | None = None,
-                   quant_scheme: str | None = "auto", overwrite: bool = False) -> Path:
+                   quant_scheme: str | None = "auto", overwrite: bool = False, allow_other_base: bool = False) -> Path:
     """Merge the adapter at `adapter` into the base folder `base` and write a Hugging Face folder at `out`.
 
     quant_scheme: "auto" takes the run's (``run_quant_scheme``); None merges onto the float base; a scheme
     name merges onto the base with the adapter's targets quantized by it, then dequantized (QLoRA).
+    The base must hold the weights the run trained on (``check_run_base``) unless `allow_other_base`.
     """
     out = Path(out)
     check_out(out, overwrite)  # before any weight is read
     _check_options(dtype, 1)
+    if not allow_other_base:
+        check_run_base(base, adapter)
     scheme = run_quant_scheme(adapter) if quant_scheme == "auto" else quant_scheme and check_scheme(quant_scheme)
     quantize = None
     if scheme:

@@ -33,7 +33,7 @@ from minigpt.manifest import seed_everything, write_manifest
 from minigpt.train import TrainConfig, evaluate, train
 from miniquant import DEFAULT_QUANT_SCHEME
 
-from .base_model import (Tokenizer, base_config, base_weights_file, base_weights_sha256, default_seq_len,
+from .base_model import (Tokenizer, base_config, base_kind, base_weights_file, base_weights_sha256, default_seq_len,
                          load_base)
 from .build import FULL_IN_BF16, build_for_training
 from .adapter_io import ADAPTER_FILE, save_adapter
@@ -187,8 +187,8 @@ def finetune(base: str | Path, out: str | Path, cfg: FinetuneConfig, progress: b
     if cfg.method == "lora":
         artifact = save_adapter(model, out / ADAPTER_FILE)
         save_peft_adapter(model, out / PEFT_DIR, base_model_name_or_path=str(base))
-    elif isinstance(model, Decoder):  # a Hugging Face folder, loadable by load_base and transformers
-        write_hf_folder(model, base, out, torch.float32)
+    elif isinstance(model, Decoder) or base_kind(base) == "gpt2":  # a Hugging Face folder, as the base was:
+        write_hf_folder(model, base, out, torch.float32)  # loadable by load_base and by transformers
         artifact = base_weights_file(out)
     else:
         save_base(model, tokenizer, out)

@@ -1,5 +1,7 @@
 """export_merged: AutoModelForCausalLM loads the export with our logits (base + adapter) within 1e-4."""
 import json
+import os
+import stat
 
 import pytest
 
@@ -46,6 +48,10 @@ def test_round_trip(hf_folder, hf_ref, tmp_path, case):
     assert cfg["architectures"] == [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}[family]]
     assert {"tokenizer.json", "generation_config.json", "model.safetensors"} <= {p.name for p in out.iterdir()}
     assert (logits(hf_ref(out)) - logits(model)).abs().max() < 1e-4
+    mask = os.umask(0)
+    os.umask(mask)  # the folder and its files as mkdir and open give them: readable by a server of another user
+    assert [stat.S_IMODE(p.stat().st_mode) for p in (out, out / "config.json", out / "model.safetensors")] == \
+        [0o777 & ~mask, 0o666 & ~mask, 0o666 & ~mask]
 
 
 def test_sharded_export(hf_folder, hf_ref, tmp_path):

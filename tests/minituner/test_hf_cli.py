@@ -120,13 +120,17 @@ def test_lora_on_a_bf16_base_keeps_it_bf16_and_exports(hf_folder, hf_ref, data, 
     capsys.readouterr()
 
 
-def test_full_finetune_writes_a_hugging_face_folder(hf_folder, hf_ref, data, tmp_path, capsys):
-    base = hf_folder("mistral", name="mistral-cli")
+@pytest.mark.parametrize("family", ["mistral", "gpt2"])
+def test_full_finetune_writes_a_hugging_face_folder(hf_folder, hf_ref, data, tmp_path, capsys, family):
+    """A full fine-tune of a Hugging Face base is a Hugging Face folder of the same family (GPT-2 included, which
+    trains as MiniGPT): transformers loads it with our logits, and so does every command of ours."""
+    base = hf_folder(family, name=f"{family}-cli")
     finetune(base, data, tmp_path / "run", "--full", "--seq-len", 16)
     run = tmp_path / "run"
-    assert json.loads((run / "config.json").read_text())["model_type"] == "mistral"
+    assert json.loads((run / "config.json").read_text())["model_type"] == family
     ours, tok = load_base(run)
-    assert tok.eos_ids == [2] and all(p.dtype == torch.float32 for p in ours.parameters())
+    assert all(p.dtype == torch.float32 for p in ours.parameters())
+    assert tok.eos_ids == ([2] if family == "mistral" else load_base(base)[1].eos_ids)
     with torch.no_grad():
         assert (ours(IDS) - hf(run, hf_ref)(input_ids=IDS).logits).abs().max() < 1e-4
         assert (ours(IDS) - load_base(base)[0](IDS)).abs().max() > 1e-3  # it did train
@@ -189,3 +193,18 @@ def test_precision_bf16_on_a_bf16_base_keeps_weights_as_read_and_norms_fp32(hf_f
     assert all(d == torch.float32 for n, d in dtypes.items() if "norm" in n or "lora_" in n)
     assert all(d == torch.bfloat16 for n, d in dtypes.items() if "norm" not in n and "lora_" not in n)
     assert res.summary["val_loss_after"] == res.summary["val_loss_after"]  # finite, not NaN
+
+
+def test_export_refuses_a_base_other_than_the_runs(hf_folder, data, tmp_path, capsys):
+    """Same shapes, other weights: the merge would load and serve without a sign, so the run's base_sha256 decides."""
+    base, other = hf_folder("llama", name="llama-cli"), hf_folder("llama", name="llama-cli-seed1", seed=1)
+    finetune(base, data, tmp_path / "run", steps=1)
+    capsys.readouterr()
+    argv = ["export", "--base", str(other), "--adapter", str(tmp_path / "run" / "adapter_peft"), "--out"]
+    assert main([*argv, str(tmp_path / "a")]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and "not the base this adapter's run trained on" in err, err
+    assert not (tmp_path / "a").exists()
+    assert main([*argv, str(tmp_path / "b"), "--allow-other-base"]) == 0
+    assert main(["export", "--base", str(base), "--adapter", str(tmp_path / "run"), "--out", str(tmp_path / "c")]) == 0
+    capsys.readouterr()

@@ -24,10 +24,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "dequantized, as PEFT does; 'auto' (default): the scheme the run's manifest.json records; "
                         "'none': onto the float base")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out (once the new one is complete)")
+    p.add_argument("--allow-other-base", action="store_true",
+                   help="merge even when --base's weights differ from those the run's manifest records (e.g. the "
+                        "same model converted to another dtype)")
 
 
 def run(args: argparse.Namespace) -> int:
     scheme = None if args.quant_scheme.lower() == "none" else args.quant_scheme
-    export_adapter(args.base, args.adapter, args.out, DTYPES.get(args.dtype), scheme, args.overwrite)
+    export_adapter(args.base, args.adapter, args.out, DTYPES.get(args.dtype), scheme, args.overwrite,
+                   args.allow_other_base)
     print(f"wrote {args.out}/")
     return 0
