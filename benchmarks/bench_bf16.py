@@ -235,7 +235,7 @@ def product_flops(op: str, args: tuple) -> int:
     return 2 * math.prod(a) * b[-1]
 
 
-SLICE_GFLOP = 1.0  # on a CPU without bf16 units each product is timed both ways on about this many GFLOP of it
+SLICE_GFLOP = 1.0  # on a CPU without bf16 units each product is timed in bf16 on about this many GFLOP of it
 
 
 def _rows(spec: tuple, m: int) -> tuple:
@@ -279,13 +279,18 @@ def _time_once(op: str, args: tuple, kwargs: tuple, dtype: torch.dtype | None) -
 
 def bf16_cost(calls: Counter) -> dict:
     """What bf16 products cost on this CPU against fp32, without replaying the step in bf16 (many minutes where it
-    is slow): each distinct product of the step, cut along its first dimension to about SLICE_GFLOP GFLOP (the
-    operands' layouts kept), timed once in its recorded fp32 and once in bf16 after an untimed call each; the
-    slices' times scaled back to the whole product and weighted by how often the step calls it."""
+    is slow): each distinct product of the step timed once whole in its recorded fp32, and once in bf16 cut along
+    its first dimension to about SLICE_GFLOP GFLOP (the operands' layouts kept), after an untimed call each; the
+    bf16 slice's time scaled back to the whole product, each weighted by how often the step calls it.
+
+    fp32 is timed whole because a thin slice of it is bound by reading the weight, not by its arithmetic: at the
+    1B shape's head (512 x 128,256 x 2,048) the input gradient took 51 ms a row on 2 rows and 5.6 on 32, so
+    slicing it too made fp32 look ~10x slower. The bf16 fallback is bound by its arithmetic: 3.2-3.3 s a row
+    on 2, 8 and 32 rows of the same product (ad hoc, the AMD EPYC of benchmarks/results/amd-epyc_avx2.md)."""
     fp32 = bf16 = 0.0
     for (op, args, kwargs), n in calls.items():
         cut, kept = row_slice(op, args)
-        fp32 += n * _time_once(op, cut, kwargs, None) / kept
+        fp32 += n * _time_once(op, args, kwargs, None)
         bf16 += n * _time_once(op, cut, kwargs, torch.bfloat16) / kept
     return {"fp32_s": fp32, "bf16_s": bf16, "calls": sum(calls.values()), "distinct": len(calls)}
 
@@ -538,9 +543,9 @@ def fp32_only_section(shape: str, res: dict, support, busy: float, warmup: int) 
     t = {c: v[0] for c, v in res["timings"].items()}  # medians
     floor, cost = t["floor"], res["bf16_cost"]
     slower = cost["bf16_s"] / cost["fp32_s"]
-    timed = (f"the step's {cost['calls']} products ({cost['distinct']} distinct), each timed once each way on a "
-             f"slice of its rows of about {SLICE_GFLOP:g} GFLOP and scaled to the whole: {fmt_seconds(cost['bf16_s'])} "
-             f"in bf16 against {fmt_seconds(cost['fp32_s'])} in fp32, {fmt_ratio(slower)}")
+    timed = (f"the step's {cost['calls']} products ({cost['distinct']} distinct), each timed once whole in fp32 and "
+             f"once in bf16 on a slice of its rows of about {SLICE_GFLOP:g} GFLOP scaled to the whole: "
+             f"{fmt_seconds(cost['bf16_s'])} in bf16 against {fmt_seconds(cost['fp32_s'])} in fp32, {fmt_ratio(slower)}")
     section = Section(
         f"bf16 training step, {shape} shape",
         f"{spec.describe}; LoRA r = {spec.rank}, alpha {spec.alpha:g} on {', '.join(spec.targets)}; AdamW; loss in "
