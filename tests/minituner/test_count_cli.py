@@ -123,6 +123,8 @@ def test_minigpt_base_config(capsys, tmp_path):
     (["--tokenizer", "{tmp}/missing.json"], "tokenizer file not found"),
     (["--batch-size", "0"], "positive integer"),
     (["--preset", "llama-13b"], "invalid choice"),
+    (["--rank", "65"], "LoRA rank r=65 exceeds min(in, out) = 64 of attn.q_proj"),  # MiniGPT's d_model 64
+    (["--grad-checkpoint", "--activations", "seed"], "--grad-checkpoint needs --activations exact, got --activations seed"),
 ])
 def test_errors_are_one_line_exit_2(args, fragment, tmp_path, capsys):
     (tmp_path / "bad.json").write_text("{not json")
@@ -190,3 +192,19 @@ def test_full_ft_buckets_follow_the_seed_and_zero_is_an_option(capsys):
     assert (s["weights"], s["grads"], s["optimizer"]) == (6 * n, 2 * n, 8 * n)  # fp16 + fp32 master, fp16, Adam m+v
     assert (z["weights"], z["grads"], z["optimizer"]) == (2 * n, 2 * n, 12 * n)  # ZeRO: master with Adam's state
     assert s["total"] == z["total"] and seed["regimes"][1:] == zero["regimes"][1:]
+
+
+def test_gpt2_count_names_what_finetune_trains_with_c_attn_split(tmp_path, capsys):
+    """count gives PEFT's fused c_attn; the note beside it gives the q/k/v split our finetune trains, exactly."""
+    from minituner.hf_gpt2 import config_from_gpt2
+    from minituner.lora import LoRAConfig, apply_lora
+
+    cfg = {"model_type": "gpt2", "n_embd": 32, "n_head": 4, "n_layer": 2, "n_positions": 64, "vocab_size": 40}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    rc, out, err = count(capsys, "--config", str(tmp_path / "config.json"), "--rank", "4")
+    assert rc == 0, err
+    model = MiniGPT(config_from_gpt2(cfg, "config.json"))
+    apply_lora(model, LoRAConfig(r=4, alpha=8, target_modules="all-linear"))
+    ours = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert "| LoRA r=4 | 4,096 |" in out  # PEFT's: r·(d + 3d) + r·2d + r·(d + 4d) + r·(4d + d) per block
+    assert f"so it trains {ours:,} at r=4." in out and ours == 4608

@@ -84,6 +84,8 @@ def run(args: argparse.Namespace) -> int:
         shape = preset_shape(name, vocab)
     activations = args.activations or best_activation_model(shape)
     if args.grad_checkpoint and activations != "exact":
+        if args.activations:
+            raise InputError(f"--grad-checkpoint needs --activations exact, got --activations {args.activations}")
         raise InputError(f"--grad-checkpoint needs the exact activation model, which {shape.family} does not have yet")
     cfg = MemoryConfig(batch_size=args.batch_size, seq_len=args.seq_len, double_quant=args.double_quant,
                        full_precision=args.full_precision, activations=activations, quantize=args.quantize,

@@ -239,8 +239,13 @@ def plan(shape: ModelShape, regimes: Sequence[Regime] | None = None, targets: st
          cfg: MemoryConfig = MemoryConfig()) -> Plan:
     """Counts and bytes of each regime (default: the seed's five) for this shape and these LoRA targets."""
     names = parse_targets(targets)
-    resolve_targets(shape, names)  # unknown names fail here, before any arithmetic
+    wrapped = resolve_targets(shape, names)  # unknown names fail here, before any arithmetic
     regimes = list(regimes) if regimes is not None else default_regimes()
+    narrowest = min(wrapped, key=lambda lin: min(lin.in_features, lin.out_features), default=None)
+    side = min(narrowest.in_features, narrowest.out_features) if narrowest else None
+    for regime in regimes:  # as apply_lora refuses it: a rank past a wrapped Linear's smaller side
+        if regime.name != "full" and side is not None and regime.rank > side:
+            raise InputError(f"LoRA rank r={regime.rank} exceeds min(in, out) = {side} of {narrowest.path}")
     n = total_params(shape)
     rows = []
     for regime in regimes:

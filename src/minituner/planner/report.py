@@ -87,6 +87,12 @@ def describe(plan: Plan, alpha: float | None = None) -> str:
         + f" in NF4{' with double quantization' if c.double_quant else ''}, the rest fp16.",
         f"Activations: {act}, batch {c.batch_size}, seq {c.seq_len}. Sizes 1024-based.",
     ]
+    if s.family == "gpt2" and any(lin.name == "c_attn" for lin in wrapped) and any(r.regime.rank for r in plan.regimes):
+        lora = {row.regime.rank: row.trainable_params for row in plan.regimes if row.regime.rank}  # rank -> PEFT's count
+        ours = [f"{n + 2 * r * s.d_model * s.n_layer:,} at r={r}" for r, n in sorted(lora.items())]
+        parts.append("GPT-2's attn.c_attn is counted as PEFT wraps it, fused: r·(d + 3d) per block. minituner's "
+                     "finetune splits it into q_proj, k_proj, v_proj, r·(3d + 3d), so it trains "
+                     + ", ".join(ours) + ".")
     if alpha is not None:
         parts.append(f"lora_alpha {alpha:g} scales the update (alpha/r) and changes no count or byte.")
     return "\n".join(parts)
