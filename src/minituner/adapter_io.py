@@ -92,6 +92,8 @@ def load_adapter(model: nn.Module, path: str | Path, config: LoRAConfig | None =
     which records none) is used as given, so a different rank or target set is reported by key.
     """
     sd, file_cfg = read_adapter(path)
+    if not sd:
+        raise InputError(f"{path}: the adapter holds no tensors")
     if config is None:
         if file_cfg is None:
             raise InputError(f"{path}: the file records no LoRA config (r, alpha); pass one")

@@ -33,6 +33,7 @@ from minigpt.base_folder import CONFIG, MANIFEST, WEIGHTS, WEIGHTS_INDEX
 from minigpt.errors import InputError
 from minigpt.io import atomic_save_safetensors, read_json, usual_mode, write_json
 from minigpt.model import MiniGPT
+from minigpt.run_dir import check_creatable
 from miniquant import QuantizedLinear
 
 from .hf_config import ARCHITECTURES
@@ -158,8 +159,7 @@ def check_out(out: Path, overwrite: bool) -> None:
     """An existing OUT is refused unless `overwrite`; one that is not a folder always."""
     if out.exists() and not overwrite:
         raise InputError(f"{out}: already exists (pass --overwrite to replace it)")
-    if out.exists() and not out.is_dir():
-        raise InputError(f"{out}: exists and is not a folder")
+    check_creatable(out)
 
 
 def write_hf_folder(model: nn.Module, base_folder: str | Path, folder: str | Path, dtype: torch.dtype | None = None,

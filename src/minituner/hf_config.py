@@ -163,19 +163,20 @@ def decoder_config_from_hf(cfg: dict, where: str = "config.json", check_rope: bo
     n_layer = config_int(cfg, "num_hidden_layers", dflt["num_hidden_layers"], where)
     max_pos = config_int(cfg, "max_position_embeddings", dflt["max_position_embeddings"], where)
     window, sliding_layers = _sliding(cfg, family, n_layer, where)
+    fields = dict(  # each reader names `where` in its own errors
+        model_type=family, vocab_size=config_int(cfg, "vocab_size", dflt["vocab_size"], where), block_size=max_pos,
+        n_layer=n_layer, n_head=n_head, n_kv_head=n_kv, d_model=h, head_dim=head_dim,
+        d_ff=config_int(cfg, "intermediate_size", dflt["intermediate_size"], where),
+        norm="rmsnorm", norm_eps=_float(cfg, "rms_norm_eps", dflt["rms_norm_eps"], where), positions="rope",
+        **rope_fields(cfg, where, max_pos, check_rope), mlp="swiglu", activation=act,
+        qkv_bias=qkv_bias, o_bias=o_bias, mlp_bias=mlp_bias,
+        tie_word_embeddings=config_bool(cfg, "tie_word_embeddings", False, where),
+        sliding_window=window, sliding_layers=sliding_layers,
+        attention_dropout=_float(cfg, "attention_dropout", 0.0, where),
+    )
     try:
-        return DecoderConfig(
-            model_type=family, vocab_size=config_int(cfg, "vocab_size", dflt["vocab_size"], where), block_size=max_pos,
-            n_layer=n_layer, n_head=n_head, n_kv_head=n_kv, d_model=h, head_dim=head_dim,
-            d_ff=config_int(cfg, "intermediate_size", dflt["intermediate_size"], where),
-            norm="rmsnorm", norm_eps=_float(cfg, "rms_norm_eps", dflt["rms_norm_eps"], where), positions="rope",
-            **rope_fields(cfg, where, max_pos, check_rope), mlp="swiglu", activation=act,
-            qkv_bias=qkv_bias, o_bias=o_bias, mlp_bias=mlp_bias,
-            tie_word_embeddings=config_bool(cfg, "tie_word_embeddings", False, where),
-            sliding_window=window, sliding_layers=sliding_layers,
-            attention_dropout=_float(cfg, "attention_dropout", 0.0, where),
-        )
-    except InputError as e:
+        return DecoderConfig(**fields)
+    except InputError as e:  # DecoderConfig's own checks (e.g. heads that do not divide) name no file
         raise InputError(f"{where}: {e}") from None
 
 

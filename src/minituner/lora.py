@@ -390,7 +390,10 @@ def load_lora_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor], 
                    for k in set(expected) & set(state_dict) if state_dict[k].shape != expected[k].shape)
     if wrong or (strict and (missing or unexpected)):
         raise mismatch_error(missing, unexpected, wrong)
-    for k in set(expected) & set(state_dict):
+    for k in sorted(set(expected) & set(state_dict)):
+        if not state_dict[k].is_floating_point():
+            raise InputError(f"adapter tensor {k} is {str(state_dict[k].dtype).removeprefix('torch.')}; LoRA factors "
+                             "are floating point")
         if not torch.isfinite(state_dict[k]).all():
             raise InputError(f"adapter tensor {k} has non-finite values (NaN or inf)")
     with torch.no_grad():

@@ -146,6 +146,8 @@ def test_check_run_dir(tmp_path):
     (tmp_path / "file").write_text("x")
     with pytest.raises(InputError, match="not a folder"):
         check_run_dir(tmp_path / "file", ())
+    with pytest.raises(InputError, match=r"file/a/run: cannot be created, .*file is a file, not a folder"):
+        check_run_dir(tmp_path / "file" / "a" / "run", ())  # was an OSError: [Errno 20] Not a directory
 
 
 class NaNAt(nn.Module):

@@ -104,6 +104,9 @@ def test_existing_out_needs_overwrite(hf_folder, tmp_path):
     export_merged(model, folder, out, overwrite=True)
     assert not (out / "keep.txt").exists() and (out / "model.safetensors").is_file()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no temporary folder left behind
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(InputError, match="cannot be created, .*afile is a file, not a folder"):
+        export_merged(model, folder, tmp_path / "afile" / "sub")  # was an OSError: [Errno 17] File exists
 
 
 def test_gpt2_minigpt_exports_as_gpt2(hf_folder, hf_ref, tmp_path):

@@ -116,8 +116,9 @@ def test_bad_config_is_named(hf_folder, tmp_path, edit, match):
     cfg = json.loads((folder / "config.json").read_text())
     cfg.update(edit)
     (folder / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(InputError, match=match):
+    with pytest.raises(InputError, match=match) as e:
         load_hf_decoder(folder)
+    assert str(e.value).count("config.json") <= 1, str(e.value)  # the file named once
 
 
 def test_no_weights_and_no_config(tmp_path, hf_folder):

@@ -272,6 +272,24 @@ def test_non_finite_adapter_is_refused():
         load_lora_state_dict(model, sd)
 
 
+def test_integer_adapter_tensors_are_refused_and_the_model_keeps_its_factors():
+    model = tiny()
+    apply_lora(model, LoRAConfig(r=4))
+    before = {k: v.clone() for k, v in lora_state_dict(model).items()}
+    sd = {k: torch.ones_like(v, dtype=torch.int32) for k, v in before.items()}
+    with pytest.raises(InputError, match=r"adapter tensor blocks\.0\..*\.lora_A\.weight is int32; LoRA factors are floating"):
+        load_lora_state_dict(model, sd)
+    assert all(torch.equal(v, lora_state_dict(model)[k]) for k, v in before.items())
+
+
+def test_an_adapter_file_without_tensors_says_so(tmp_path):
+    from safetensors.torch import save_file
+
+    save_file({}, tmp_path / "empty.safetensors", metadata={"format": "pt"})
+    with pytest.raises(InputError, match="the adapter holds no tensors"):
+        load_adapter(tiny(), tmp_path / "empty.safetensors")
+
+
 def test_pt_adapter_loads_with_weights_only(tmp_path):
     model = tiny()
     apply_lora(model, LoRAConfig(r=4, alpha=8))
