@@ -206,22 +206,25 @@ def load_hf_decoder(folder: str | Path, device: str | torch.device = "cpu", dtyp
             del t
     model.tie_weights()
     if cfg.tie_word_embeddings and "lm_head.weight" in found:
-        _check_stored_head_is_the_embedding(model, found["lm_head.weight"], folder)
+        _check_stored_head_is_the_embedding(found["model.embed_tokens.weight"], found["lm_head.weight"], folder)
     left = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
     if left:
         raise InputError(f"{folder}: no tensor was read for {left[:4]}")
     return model.eval()
 
 
-def _check_stored_head_is_the_embedding(model: Decoder, head: TensorInfo, folder: Path, rows: int = 4096) -> None:
-    """A tied config with an lm_head.weight stored anyway: it must equal the embedding, or the checkpoint means
-    another model than its config says (transformers would keep the stored head). Read a few rows at a time."""
-    embedding = model.model.embed_tokens.weight
-    with _open(head.file) as f:
-        stored = f.get_slice("lm_head.weight")
+def _check_stored_head_is_the_embedding(embedding: TensorInfo, head: TensorInfo, folder: Path,
+                                        rows: int = 4096) -> None:
+    """A tied config with an lm_head.weight stored anyway: it must equal the stored embedding, or the checkpoint
+    means another model than its config says (transformers would keep the stored head). Both are read from the
+    files a few rows at a time, as stored (whatever dtype the model is loaded in)."""
+    with _open(embedding.file) as fe, _open(head.file) as fh:
+        stored_embedding, stored_head = fe.get_slice("model.embed_tokens.weight"), fh.get_slice("lm_head.weight")
         for start in range(0, head.shape[0], rows):
-            part = stored[start:start + rows]
-            if not torch.equal(embedding[start:start + rows].to(part.dtype), part):
+            e, h = stored_embedding[start:start + rows], stored_head[start:start + rows]
+            if e.dtype != h.dtype:  # stored in two float dtypes: compared exactly in float64
+                e, h = e.double(), h.double()
+            if not torch.equal(e, h):
                 raise InputError(f"{folder}: config.json ties the head to the embedding (tie_word_embeddings), but "
                                  f"{head.file.name} holds an lm_head.weight that differs from it")
 
