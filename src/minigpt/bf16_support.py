@@ -15,19 +15,12 @@ from pathlib import Path
 
 import torch
 
+from minikernels.build import parse_cpu_flags  # noqa: F401 (also this module's API)
+
 from .errors import InputError
 
 BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16", "bf16")  # x86 AMX, x86 AVX512-BF16, Arm BF16 (Features)
 CPUINFO = Path("/proc/cpuinfo")
-
-
-def parse_cpu_flags(cpuinfo: str) -> frozenset[str]:
-    """The feature flags of the first CPU in a /proc/cpuinfo text (x86 'flags', Arm 'Features')."""
-    for line in cpuinfo.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() in ("flags", "Features"):
-            return frozenset(value.split())
-    return frozenset()
 
 
 def cpu_flags() -> frozenset[str]:

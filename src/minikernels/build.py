@@ -75,6 +75,15 @@ def cache_dir() -> Path:
     return Path(os.environ.get(CACHE_ENV, default))
 
 
+def parse_cpu_flags(cpuinfo: str) -> frozenset[str]:
+    """The feature flags of the first CPU in a /proc/cpuinfo text (x86 'flags', Arm 'Features')."""
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            return frozenset(value.split())
+    return frozenset()
+
+
 def cpu_flags() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():

@@ -39,6 +39,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .build import parse_cpu_flags
+
 BACKEND_ENV = "MINIKERNELS_FP32_GEMM"  # "onednn" or "aten" forces the library; unset or "auto": by vendor
 BACKENDS = ("onednn", "aten")
 ONEDNN_VENDORS = ("AuthenticAMD", "HygonGenuine")  # x86 vendors for which MKL takes its AVX2 path, AVX-512 or not
@@ -56,11 +58,7 @@ def cpu_vendor(cpuinfo: str) -> str:
 
 def cpu_has_avx512(cpuinfo: str) -> bool:
     """Whether the first CPU of a /proc/cpuinfo text lists avx512f among its flags."""
-    for line in cpuinfo.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() == "flags":
-            return "avx512f" in value.split()
-    return False
+    return "avx512f" in parse_cpu_flags(cpuinfo)
 
 
 def choose_backend(vendor: str, forced: str | None, onednn_available: bool, avx512: bool) -> str:
