@@ -37,14 +37,12 @@ from __future__ import annotations
 
 import ctypes
 import math
-import os
-from functools import lru_cache
 
 import torch
 from torch import Tensor
 
 from minikernels.bf16_exp import BF16_EXP_C
-from minikernels.build import NATIVE_ENV, ThreadSplit, load_library
+from minikernels.build import KernelFamily, ThreadSplit
 
 CFLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-ffp-contract=off", "-fno-fast-math", "-std=gnu11"]
 LIBS = ["-lm"]  # expf, logf
@@ -216,19 +214,15 @@ class AttentionKernels:
         self._threads.run(rows, T, lambda r0, r1: self._grad(*args, r0, r1), MIN_VALUES_PER_THREAD, CHUNK_VALUES)
 
 
-@lru_cache(maxsize=None)
-def _load() -> AttentionKernels | None:
-    return _usable(load_library("bf16_attention", _SOURCE, CFLAGS, "minigpt's native attention kernels", LIBS))
-
-
-def _usable(lib: ctypes.CDLL | None) -> AttentionKernels | None:
-    """The kernels of a built library, or None when there is none or it was built without AVX-512."""
-    return None if lib is None or not lib.attn_vectorized() else AttentionKernels(lib)
+_FAMILY = KernelFamily("bf16_attention", _SOURCE, CFLAGS, "minigpt's native attention kernels", AttentionKernels,
+                       LIBS, vectorized="attn_vectorized")
+_usable = _FAMILY.usable  # None for a library built without AVX-512
 
 
 def kernels() -> AttentionKernels | None:
-    """The native attention kernels, built on first use; None when disabled (MINIQUANT_NATIVE=0) or unavailable."""
-    return None if os.environ.get(NATIVE_ENV, "1") == "0" else _load()
+    """The native attention kernels, built on first use; None when disabled (MINIQUANT_NATIVE=0), unavailable or not
+    vectorized (no AVX-512)."""
+    return _FAMILY.kernels()
 
 
 def fits(q: Tensor, k: Tensor, v: Tensor) -> bool:

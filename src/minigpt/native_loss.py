@@ -19,14 +19,12 @@ a plain-C row sum is one sequential chain, slower than PyTorch's ops and less ac
 from __future__ import annotations
 
 import ctypes
-import os
-from functools import lru_cache
 
 import torch
 from torch import Tensor
 
 from minikernels.bf16_exp import BF16_EXP_C
-from minikernels.build import NATIVE_ENV, ThreadSplit, fresh_tensor, load_library
+from minikernels.build import KernelFamily, ThreadSplit, fresh_tensor
 
 CFLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-ffp-contract=off", "-fno-fast-math", "-std=gnu11"]
 LIBS = ["-lm"]  # expf, logf
@@ -183,16 +181,12 @@ class LossKernels:
         return out
 
 
-@lru_cache(maxsize=None)
-def _load() -> LossKernels | None:
-    return _usable(load_library("bf16_loss", _SOURCE, CFLAGS, "minigpt's native loss kernels", LIBS))
-
-
-def _usable(lib: ctypes.CDLL | None) -> LossKernels | None:
-    """The kernels of a built library, or None when there is none or it was built without AVX-512."""
-    return None if lib is None or not lib.ce_vectorized() else LossKernels(lib)
+_FAMILY = KernelFamily("bf16_loss", _SOURCE, CFLAGS, "minigpt's native loss kernels", LossKernels,
+                       LIBS, vectorized="ce_vectorized")
+_usable = _FAMILY.usable  # None for a library built without AVX-512
 
 
 def kernels() -> LossKernels | None:
-    """The native loss kernels, built on first use; None when disabled (MINIQUANT_NATIVE=0) or unavailable."""
-    return None if os.environ.get(NATIVE_ENV, "1") == "0" else _load()
+    """The native loss kernels, built on first use; None when disabled (MINIQUANT_NATIVE=0), unavailable or not
+    vectorized (no AVX-512)."""
+    return _FAMILY.kernels()

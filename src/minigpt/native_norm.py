@@ -19,14 +19,12 @@ never). NaN and inf in a row propagate as in the PyTorch ops. Used only where th
 from __future__ import annotations
 
 import ctypes
-import os
-from functools import lru_cache
 
 import torch
 from torch import Tensor
 
 from minikernels.bf16_exp import BF16_EXP_C
-from minikernels.build import NATIVE_ENV, ThreadSplit, load_library
+from minikernels.build import KernelFamily, ThreadSplit
 
 CFLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-ffp-contract=off", "-fno-fast-math", "-std=gnu11"]
 LIBS = ["-lm"]  # sqrtf
@@ -138,19 +136,15 @@ class NormKernels:
         return gx
 
 
-@lru_cache(maxsize=None)
-def _load() -> NormKernels | None:
-    return _usable(load_library("bf16_norm", _SOURCE, CFLAGS, "minigpt's native RMSNorm kernels", LIBS))
-
-
-def _usable(lib: ctypes.CDLL | None) -> NormKernels | None:
-    """The kernels of a built library, or None when there is none or it was built without AVX-512."""
-    return None if lib is None or not lib.norm_vectorized() else NormKernels(lib)
+_FAMILY = KernelFamily("bf16_norm", _SOURCE, CFLAGS, "minigpt's native RMSNorm kernels", NormKernels,
+                       LIBS, vectorized="norm_vectorized")
+_usable = _FAMILY.usable  # None for a library built without AVX-512
 
 
 def kernels() -> NormKernels | None:
-    """The native RMSNorm kernels, built on first use; None when disabled (MINIQUANT_NATIVE=0) or unavailable."""
-    return None if os.environ.get(NATIVE_ENV, "1") == "0" else _load()
+    """The native RMSNorm kernels, built on first use; None when disabled (MINIQUANT_NATIVE=0), unavailable or not
+    vectorized (no AVX-512)."""
+    return _FAMILY.kernels()
 
 
 def fits(x: Tensor, weight: Tensor) -> bool:

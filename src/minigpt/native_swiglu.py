@@ -24,15 +24,13 @@ and for fp32, fp16 and CUDA, the decoder runs ``act(gate) * up`` as PyTorch ops.
 from __future__ import annotations
 
 import ctypes
-import os
-from functools import lru_cache
 from typing import Callable
 
 import torch
 from torch import Tensor
 
 from minikernels.bf16_exp import BF16_EXP_C
-from minikernels.build import NATIVE_ENV, ThreadSplit, load_library
+from minikernels.build import KernelFamily, ThreadSplit
 
 CFLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-ffp-contract=off", "-fno-fast-math", "-std=gnu11"]
 LIBS = ["-lm"]
@@ -187,19 +185,15 @@ class SwiGLUKernels:
         return dg, du
 
 
-@lru_cache(maxsize=None)
-def _load() -> SwiGLUKernels | None:
-    return _usable(load_library("bf16_swiglu", _SOURCE, CFLAGS, "minigpt's native SwiGLU kernels", LIBS))
-
-
-def _usable(lib: ctypes.CDLL | None) -> SwiGLUKernels | None:
-    """The kernels of a built library, or None when there is none or it was built without AVX-512."""
-    return None if lib is None or not lib.swiglu_vectorized() else SwiGLUKernels(lib)
+_FAMILY = KernelFamily("bf16_swiglu", _SOURCE, CFLAGS, "minigpt's native SwiGLU kernels", SwiGLUKernels,
+                       LIBS, vectorized="swiglu_vectorized")
+_usable = _FAMILY.usable  # None for a library built without AVX-512
 
 
 def kernels() -> SwiGLUKernels | None:
-    """The native SwiGLU kernels, built on first use; None when disabled (MINIQUANT_NATIVE=0) or unavailable."""
-    return None if os.environ.get(NATIVE_ENV, "1") == "0" else _load()
+    """The native SwiGLU kernels, built on first use; None when disabled (MINIQUANT_NATIVE=0), unavailable or not
+    vectorized (no AVX-512)."""
+    return _FAMILY.kernels()
 
 
 def takes_bf16_run() -> bool:

@@ -1,11 +1,12 @@
 """Small C kernels: compiled on first use with the system C compiler, cached, loaded with ctypes, run on threads.
 
-    lib = load_library("nf4", SOURCE, CFLAGS, "miniquant's NF4 kernels")  # None: no compiler or a failed build
+    family = KernelFamily("nf4", SOURCE, CFLAGS, "miniquant's NF4 kernels", NativeKernels)
+    k = family.kernels()     # built once and wrapped; None: MINIQUANT_NATIVE=0, no compiler or a failed build
     split = ThreadSplit("miniquant")                   # a pool shared by every call of one kernel family
-    split.run(blocks, values_per_block, lambda b0, b1: lib.kernel(..., b0, b1), min_values)
+    split.run(blocks, values_per_block, lambda b0, b1: lib.kernel(..., b0, b1), min_values, chunk_values)
 
-Used by ``miniquant.native`` (NF4), ``minigpt.native_loss`` (the bf16 cross-entropy) and
-``minigpt.native_attention``. A library is cached under $MINIQUANT_CACHE (default: <tmp>/miniquant-<uid>),
+Used by ``miniquant.native`` (NF4) and minigpt's bf16 kernels (``native_loss``, ``native_attention``,
+``native_norm``, ``native_swiglu``). A library is cached under $MINIQUANT_CACHE (default: <tmp>/miniquant-<uid>),
 keyed by a hash of the source, the flags, the compiler's version and the CPU's feature flags (kernels are
 built with -march=native), so a changed source or another CPU builds afresh. Python threads run the kernels in parallel: ctypes releases the GIL during a call.
 """
@@ -25,7 +26,7 @@ import warnings
 from concurrent.futures import ThreadPoolExecutor, wait
 from functools import lru_cache
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Generic, TypeVar
 
 import torch
 
@@ -128,6 +129,40 @@ def load_library(name: str, source: str, cflags: list[str], what: str, libs: tup
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         warnings.warn(f"building {what} failed ({e}); using PyTorch ops instead")
         return None
+
+
+K = TypeVar("K")
+
+
+class KernelFamily(Generic[K]):
+    """One C source's kernels behind their Python wrapper `wrap(lib)`, built and wrapped on first use, once.
+
+    kernels() is None when native kernels are off ($MINIQUANT_NATIVE=0), there is no compiler, the build failed,
+    or, where `vectorized` names a C function returning whether the SIMD path was compiled in, the library was
+    built without it (a plain-C loop some kernels have only as a reference, slower than PyTorch's ops)."""
+
+    def __init__(self, name: str, source: str, cflags: list[str], what: str, wrap: Callable[[ctypes.CDLL], K],
+                 libs: tuple[str, ...] | list[str] = (), vectorized: str | None = None) -> None:
+        self.name, self.source, self.cflags, self.what, self.libs = name, source, cflags, what, libs
+        self.wrap, self.vectorized = wrap, vectorized
+        self._lock = threading.Lock()
+        self._built: tuple[K | None] | None = None  # (kernels or None,) once the build was tried
+
+    def usable(self, lib: ctypes.CDLL | None) -> K | None:
+        """The wrapped kernels of a built library; None when there is none or it lacks the SIMD path."""
+        if lib is None or (self.vectorized is not None and not getattr(lib, self.vectorized)()):
+            return None
+        return self.wrap(lib)
+
+    def kernels(self) -> K | None:
+        if os.environ.get(NATIVE_ENV, "1") == "0":
+            return None
+        if self._built is None:
+            with self._lock:  # two threads asking at once build once
+                if self._built is None:
+                    lib = load_library(self.name, self.source, self.cflags, self.what, self.libs)
+                    self._built = (self.usable(lib),)
+        return self._built[0]
 
 
 class ThreadSplit:

@@ -25,14 +25,12 @@ then use the eager PyTorch path, which gives the same bytes.
 from __future__ import annotations
 
 import ctypes
-import os
-from functools import lru_cache
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
-from minikernels.build import CACHE_ENV, NATIVE_ENV, ThreadSplit, build_library, fresh_tensor, load_library  # noqa: F401 (CACHE_ENV: bench_nf4)
+from minikernels.build import CACHE_ENV, KernelFamily, ThreadSplit, build_library, fresh_tensor  # noqa: F401 (CACHE_ENV: bench_nf4)
 
 MIN_VALUES_PER_THREAD = 1 << 21  # smaller calls stay on the calling thread (handing work over costs ~50 µs)
 MIN_VALUES_PER_THREAD_WARM = 1 << 18  # the same, dequantizing into an existing (already touched) buffer
@@ -429,16 +427,9 @@ class NativeKernels:
         return out
 
 
-def native_enabled() -> bool:
-    return os.environ.get(NATIVE_ENV, "1") != "0"
-
-
-@lru_cache(maxsize=None)
-def _load() -> NativeKernels | None:
-    lib = load_library("nf4", _SOURCE, CFLAGS, "miniquant's native NF4 kernels")
-    return None if lib is None else NativeKernels(lib)
+_FAMILY = KernelFamily("nf4", _SOURCE, CFLAGS, "miniquant's native NF4 kernels", NativeKernels)
 
 
 def kernels() -> NativeKernels | None:
-    """The native kernels, built on first use; None when disabled or unavailable."""
-    return _load() if native_enabled() else None
+    """The native kernels, built on first use; None when disabled (MINIQUANT_NATIVE=0) or unavailable."""
+    return _FAMILY.kernels()

@@ -1,10 +1,13 @@
-"""minikernels.build.ThreadSplit: every range once, on threads; an error stops the others before it returns."""
+"""minikernels.build: ThreadSplit runs every range once, on threads, and an error stops the others before it
+returns; KernelFamily builds once, and says None when native kernels are off or not vectorized."""
 import threading
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from minikernels.build import ThreadSplit
+from minikernels import build
+from minikernels.build import KernelFamily, ThreadSplit
 
 
 def test_every_unit_once_and_errors_after_every_thread_stopped(monkeypatch):
@@ -32,3 +35,29 @@ def test_every_unit_once_and_errors_after_every_thread_stopped(monkeypatch):
     count = len(running)
     assert count < 200  # the others stopped taking chunks
     assert len(running) == count  # and nothing runs after run() returned
+
+
+def test_a_kernel_family_builds_once_and_is_none_when_off_absent_or_not_vectorized(monkeypatch):
+    builds = []
+
+    def fake_load(name, source, cflags, what, libs=()):
+        builds.append(name)
+        return SimpleNamespace(vec=lambda: 1)
+
+    monkeypatch.setattr(build, "load_library", fake_load)
+    family = KernelFamily("fam", "int x;", ["-O2"], "test kernels", lambda lib: ("wrapped", lib), vectorized="vec")
+    monkeypatch.setenv(build.NATIVE_ENV, "0")
+    assert family.kernels() is None and builds == []  # off: nothing is built
+    monkeypatch.delenv(build.NATIVE_ENV)
+    threads = [threading.Thread(target=family.kernels) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    first = family.kernels()
+    assert first[0] == "wrapped" and family.kernels() is first and builds == ["fam"]
+
+    assert family.usable(None) is None  # no compiler or a failed build
+    assert family.usable(SimpleNamespace(vec=lambda: 0)) is None  # built without the SIMD path
+    plain = KernelFamily("nf4ish", "", [], "t", lambda lib: lib)  # no `vectorized`: any built library serves
+    assert plain.usable(SimpleNamespace()) is not None
