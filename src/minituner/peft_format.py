@@ -76,6 +76,21 @@ UNSUPPORTED = {  # field -> value PEFT writes when the feature is off
 }
 
 
+def _field(d: dict, key: str, kinds: type | tuple[type, ...], where: Path, default=None):
+    """d[key] when it has a JSON type of `kinds` (a string "4" or "false" is not read as 4 or True, a bool is not
+    a number, 4.7 is not rounded to a rank); InputError naming the field otherwise."""
+    if key not in d or d[key] is None:
+        if default is None:
+            raise InputError(f"{where}: no {key!r} in the adapter config")
+        return default
+    value = d[key]
+    kinds = kinds if isinstance(kinds, tuple) else (kinds,)
+    if isinstance(value, bool) != (bool in kinds) or not isinstance(value, kinds):
+        kind = "true or false" if bool in kinds else "a number" if float in kinds else "an integer"
+        raise InputError(f"{where}: {key} must be {kind}, got {value!r}")
+    return value
+
+
 def config_from_peft(d: dict, where: Path) -> LoRAConfig:
     if d.get("peft_type") != "LORA":
         raise InputError(f"{where}: peft_type is {d.get('peft_type')!r}, only LORA adapters are supported")
@@ -83,13 +98,12 @@ def config_from_peft(d: dict, where: Path) -> LoRAConfig:
         value = d.get(key)
         if value is not None and value != off:
             raise InputError(f"{where}: {key}={d[key]!r} is not supported (plain LoRA only)")
-    try:
-        targets = d.get("target_modules") or ALL_LINEAR
-        cfg = LoRAConfig(r=int(d["r"]), alpha=float(d["lora_alpha"]), dropout=float(d.get("lora_dropout", 0.0)),
-                         target_modules=targets if isinstance(targets, str) else list(targets),
-                         use_rslora=bool(d.get("use_rslora", False)))
-    except (KeyError, TypeError, ValueError) as e:
-        raise InputError(f"{where}: bad LoRA fields ({e})") from None
+    targets = d.get("target_modules") or ALL_LINEAR
+    if not (isinstance(targets, str) or isinstance(targets, list) and all(isinstance(t, str) for t in targets)):
+        raise InputError(f"{where}: target_modules must be a string or a list of strings, got {targets!r}")
+    cfg = LoRAConfig(r=_field(d, "r", int, where), alpha=float(_field(d, "lora_alpha", (int, float), where)),
+                     dropout=float(_field(d, "lora_dropout", (int, float), where, 0.0)), target_modules=targets,
+                     use_rslora=_field(d, "use_rslora", bool, where, False))
     cfg.validate()
     return cfg
 

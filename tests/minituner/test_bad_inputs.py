@@ -80,11 +80,13 @@ def f(tmp_path_factory):
     adapter_file(base_folder(root / "deep_base", tok, n_layer=2), root / "deep.safetensors")
     model, _ = load_base(base)
     apply_lora(model, LoRAConfig(r=4, alpha=8))
-    for name, config in (("peft_malformed", "{ not json"), ("peft_no_r", None)):
+    for name, config in (("peft_malformed", "{ not json"), ("peft_no_r", {"r": None}), ("peft_r_text", {"r": "4"}),
+                         ("peft_rslora_text", {"use_rslora": "false"})):
         save_peft_adapter(model, root / name)
         cfg_path = root / name / "adapter_config.json"
-        if config is None:
-            config = json.dumps({k: v for k, v in json.loads(cfg_path.read_text()).items() if k != "r"})
+        if isinstance(config, dict):  # the saved config with these fields changed (None: removed)
+            fields = json.loads(cfg_path.read_text()) | config
+            config = json.dumps({k: v for k, v in fields.items() if v is not None})
         cfg_path.write_text(config)
     for name, config in (("base_missing", {"model_type": "minigpt", "n_layer": 1}),
                          ("base_gemma", {"model_type": "gemma", "vocab_size": tok.vocab_size, "block_size": 32})):
@@ -143,7 +145,11 @@ CASES = [
     ("malformed-adapter-config", lambda f, o: finetune_cli(f, o, "--init-adapter", f.peft_malformed),
      lambda f, o: load_api(f, f.peft_malformed), "adapter_config.json: malformed JSON"),
     ("adapter-config-without-r", lambda f, o: finetune_cli(f, o, "--init-adapter", f.peft_no_r),
-     lambda f, o: load_api(f, f.peft_no_r), "bad LoRA fields ('r')"),
+     lambda f, o: load_api(f, f.peft_no_r), "no 'r' in the adapter config"),
+    ("adapter-config-r-as-text", lambda f, o: finetune_cli(f, o, "--init-adapter", f.peft_r_text),
+     lambda f, o: load_api(f, f.peft_r_text), "r must be an integer, got '4'"),
+    ("adapter-config-use-rslora-as-text", lambda f, o: finetune_cli(f, o, "--init-adapter", f.peft_rslora_text),
+     lambda f, o: load_api(f, f.peft_rslora_text), "use_rslora must be true or false, got 'false'"),
     ("config-missing-fields", lambda f, o: finetune_cli(f, o, base=f.base_missing),
      lambda f, o: finetune_api(f, o, base=f.base_missing), "missing required fields ['block_size', 'vocab_size']"),
     ("config-unknown-model-type", lambda f, o: finetune_cli(f, o, base=f.base_gemma),
