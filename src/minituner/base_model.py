@@ -16,13 +16,13 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from minigpt.base_folder import CONFIG, WEIGHTS, WEIGHTS_INDEX, load_config, load_minigpt_folder
+from minigpt.base_folder import CONFIG, WEIGHTS, WEIGHTS_INDEX, load_minigpt_folder
 from minigpt.decoder import DecoderConfig
 from minigpt.errors import InputError
 from minigpt.io import read_json, sha256_file
 from minigpt.model import GPTConfig
 
-from .hf_config import ROTARY_FAMILIES, read_decoder_config
+from .hf_config import ROTARY_FAMILIES, decoder_config_from_hf
 from .hf_gpt2 import config_from_gpt2, load_gpt2
 from .hf_load import QuantizeSpec, checkpoint_files, load_hf_decoder, load_hf_tokenizer, quantized_paths
 from .qlora import quantize_linears
@@ -75,15 +75,29 @@ def load_base(folder: str | Path, device: str | torch.device = "cpu", dtype: tor
     return model, tokenizer
 
 
+def model_config(path: str | Path) -> GPTConfig | DecoderConfig:
+    """A config.json (or the folder holding one) -> the config of the model finetune would build from it: a
+    GPTConfig (MiniGPT, GPT-2) or a DecoderConfig (llama, mistral, qwen2), with every check the loaders make."""
+    path = Path(path)
+    path = path / CONFIG if path.is_dir() else path
+    d = read_json(path)
+    kind = d.get("model_type", "minigpt")
+    if kind == "gpt2":
+        return config_from_gpt2(d, str(path))
+    if kind in ROTARY_FAMILIES:
+        return decoder_config_from_hf(d, str(path))
+    if kind != "minigpt":
+        raise InputError(f"{path}: model_type {kind!r} is not supported; valid: {', '.join(KINDS)}")
+    try:
+        return GPTConfig.from_dict({k: v for k, v in d.items() if k != "model_type"})
+    except TypeError as e:
+        raise InputError(f"{path}: {e}") from None
+
+
 def base_config(folder: str | Path) -> GPTConfig | DecoderConfig:
     """The config a base folder's model is built from, read from its config.json alone (no weights)."""
-    folder = Path(folder)
-    kind = base_kind(folder)
-    if kind in ROTARY_FAMILIES:
-        return read_decoder_config(folder)
-    if kind == "gpt2":
-        return config_from_gpt2(read_json(folder / CONFIG), str(folder / CONFIG))
-    return load_config(folder)
+    base_kind(folder)  # a folder holding a config.json of a supported model_type
+    return model_config(folder)
 
 
 def default_seq_len(folder: str | Path) -> int:

@@ -125,11 +125,14 @@ def test_minigpt_base_config(capsys, tmp_path):
     (["--preset", "llama-13b"], "invalid choice"),
     (["--rank", "65"], "LoRA rank r=65 exceeds min(in, out) = 64 of attn.q_proj"),  # MiniGPT's d_model 64
     (["--grad-checkpoint", "--activations", "seed"], "--grad-checkpoint needs --activations exact, got --activations seed"),
+    (["--config", "{tmp}/ctx.json", "--seq-len", "65"], "--seq-len 65 exceeds the model's context of 64 tokens"),
 ])
 def test_errors_are_one_line_exit_2(args, fragment, tmp_path, capsys):
     (tmp_path / "bad.json").write_text("{not json")
     (tmp_path / "falcon.json").write_text('{"model_type": "falcon"}')
     (tmp_path / "neg.json").write_text('{"model_type": "llama", "hidden_size": -4}')
+    (tmp_path / "ctx.json").write_text('{"model_type": "llama", "hidden_size": 32, "num_attention_heads": 4, '
+                                       '"num_hidden_layers": 1, "max_position_embeddings": 64}')
     if args[:2] == ["--preset", "gpt2"]:  # no such preset: give a gpt2 config instead
         (tmp_path / "g.json").write_text('{"model_type": "gpt2", "n_embd": 8, "n_head": 2, "n_layer": 1}')
         args = ["--config", str(tmp_path / "g.json"), *args[2:]]
@@ -182,6 +185,24 @@ def test_cli_matches_transformers_and_peft(family, tmp_path, capsys):
             wrapped = peft.get_peft_model(model, peft.LoraConfig(r=8, target_modules=lora_targets))
         trainable = sum(p.numel() for p in wrapped.parameters() if p.requires_grad)
         assert [r["trainable_params"] for r in d["regimes"]] == [d["total_params"], trainable, trainable]
+
+
+def test_a_config_plans_within_its_context_and_notes_what_finetune_would_refuse(tmp_path, capsys):
+    small = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 40, "num_attention_heads": 4,
+             "num_hidden_layers": 1, "vocab_size": 50, "max_position_embeddings": 16}
+    (tmp_path / "small.json").write_text(json.dumps(small))
+    rc, out, err = count(capsys, "--config", str(tmp_path / "small.json"))
+    assert rc == 0 and err == "" and "batch 16, seq 16." in out  # the seed's 32 tokens, cut to the context
+    assert count_json(capsys, "--config", str(tmp_path / "small.json")) == count_json(
+        capsys, "--config", str(tmp_path / "small.json"), "--seq-len", "16")
+
+    yarn = {**small, "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}}
+    (tmp_path / "yarn.json").write_text(json.dumps(yarn))
+    rc, out, err = count(capsys, "--config", str(tmp_path / "yarn.json"), "--json")
+    assert rc == 0 and json.loads(out)["total_params"] == count_json(capsys, "--config", str(tmp_path / "small.json"))[
+        "total_params"]  # scaling changes frequencies, not shapes
+    assert err.count("\n") == 1 and "finetune would refuse this model" in err
+    assert "rope_scaling type 'yarn' is not supported" in err
 
 
 def test_full_ft_buckets_follow_the_seed_and_zero_is_an_option(capsys):

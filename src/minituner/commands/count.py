@@ -3,9 +3,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from minigpt.errors import InputError
+from minituner.base_model import model_config
 from minituner.planner import (ALL_LINEAR, PRESETS, MemoryConfig, default_regimes, load_config_shape, minigpt_vocab,
                                plan, preset_shape)
 from minituner.planner.memory import (ACTIVATION_MODELS, FULL_PRECISIONS, MASTER_COPIES, QUANTIZE_CHOICES,
@@ -33,7 +35,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", action="append", metavar="NAME[,NAME...]",
                    help=f"LoRA target module names, or {ALL_LINEAR} (default; never the output head)")
     p.add_argument("--batch-size", type=positive_int, default=MemoryConfig.batch_size)
-    p.add_argument("--seq-len", type=positive_int, default=MemoryConfig.seq_len)
+    p.add_argument("--seq-len", type=positive_int,
+                   help=f"tokens per sequence (default {MemoryConfig.seq_len}, the seed's; with --config or --base "
+                        "at most the model's context, as finetune and memory-check require)")
     p.add_argument("--double-quant", action="store_true", help="QLoRA double quantization of the absmax constants")
     p.add_argument("--quantize", choices=QUANTIZE_CHOICES, default="targets",
                    help="QLoRA: NF4 for the LoRA targets (default) or every block Linear (bitsandbytes load_in_4bit)")
@@ -67,6 +71,19 @@ def parse_ranks(values: list[str] | None) -> list[int] | None:
     return ranks
 
 
+def _window(config: Path, seq_len: int | None) -> tuple[int, str | None]:
+    """(tokens per sequence to plan, a note or None) for a model config: --seq-len (refused beyond the model's
+    context, as finetune refuses it), else the seed's default cut to the context. A model that counts but that
+    finetune would refuse (e.g. an unsupported rope_scaling type: frequencies, not shapes) is planned, noted."""
+    try:
+        context = model_config(config).block_size
+    except InputError as e:
+        return seq_len or MemoryConfig.seq_len, f"planned from its shapes, but finetune would refuse this model: {e}"
+    if seq_len is not None and seq_len > context:
+        raise InputError(f"--seq-len {seq_len} exceeds the model's context of {context} tokens ({config})")
+    return seq_len or min(MemoryConfig.seq_len, context), None
+
+
 def run(args: argparse.Namespace) -> int:
     ranks = parse_ranks(args.rank)
     if args.base is not None and not args.base.is_dir():
@@ -76,18 +93,20 @@ def run(args: argparse.Namespace) -> int:
         if args.tokenizer is not None:
             raise InputError("--tokenizer applies to the MiniGPT presets, not to --config or --base")
         shape = load_config_shape(config)
+        seq_len, note = _window(config, args.seq_len)
     else:
         name = args.preset or "minigpt"
         if args.tokenizer is not None and name not in MINIGPT_SIZES:
             raise InputError(f"--tokenizer applies to the MiniGPT presets ({', '.join(MINIGPT_SIZES)}), not {name}")
         vocab = minigpt_vocab(args.tokenizer).size if name in MINIGPT_SIZES else None
         shape = preset_shape(name, vocab)
+        seq_len, note = args.seq_len or MemoryConfig.seq_len, None
     activations = args.activations or best_activation_model(shape)
     if args.grad_checkpoint and activations != "exact":
         if args.activations:
             raise InputError(f"--grad-checkpoint needs --activations exact, got --activations {args.activations}")
         raise InputError(f"--grad-checkpoint needs the exact activation model, which {shape.family} does not have yet")
-    cfg = MemoryConfig(batch_size=args.batch_size, seq_len=args.seq_len, double_quant=args.double_quant,
+    cfg = MemoryConfig(batch_size=args.batch_size, seq_len=seq_len, double_quant=args.double_quant,
                        full_precision=args.full_precision, activations=activations, quantize=args.quantize,
                        master_copy=args.master_copy, grad_checkpoint=args.grad_checkpoint)
     result = plan(shape, default_regimes(ranks), args.target or ALL_LINEAR, cfg)
@@ -97,4 +116,6 @@ def run(args: argparse.Namespace) -> int:
         print(describe(result, args.alpha))
         print()
         print(regime_table(result))
+    if note:  # after the plan, which may still refuse the model for a reason of its own
+        print(f"note: {note}", file=sys.stderr)
     return 0

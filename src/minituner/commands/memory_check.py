@@ -6,14 +6,11 @@ import json
 from pathlib import Path
 
 from minigpt.device import DEVICES, resolve_device
-from minigpt.base_folder import CONFIG
 from minigpt.errors import InputError
-from minigpt.io import read_json
 from minigpt.decoder import Decoder, DecoderConfig
 from minigpt.model import GPTConfig, MiniGPT
 
-from ..hf_config import ROTARY_FAMILIES, decoder_config_from_hf
-from ..hf_gpt2 import config_from_gpt2
+from ..base_model import model_config
 from ..lora import ALL_LINEAR
 from ..memory.check import REGIMES, CheckConfig, describe, format_table, load_model_folder, memory_check
 from ..planner import minigpt_vocab
@@ -55,25 +52,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         'relative error}, "details": {...}} over weights, grads, optimizer, activations, peak')
 
 
-def config_from_file(path: Path) -> GPTConfig | DecoderConfig:
-    """A config.json -> the config of the model memory-check builds: MiniGPT (MiniGPT, GPT-2) or a Decoder (llama,
-    mistral, qwen2)."""
-    path = path / CONFIG if path.is_dir() else path
-    d = read_json(path)
-    kind = d.get("model_type", "minigpt")
-    if kind == "gpt2":
-        return config_from_gpt2(d, str(path))
-    if kind in ROTARY_FAMILIES:
-        return decoder_config_from_hf(d, str(path))
-    if kind != "minigpt":
-        raise InputError(f"{path}: model_type {kind!r} is not supported; valid: minigpt, gpt2, "
-                         f"{', '.join(ROTARY_FAMILIES)}")
-    try:
-        return GPTConfig.from_dict({k: v for k, v in d.items() if k != "model_type"})
-    except TypeError as e:
-        raise InputError(f"{path}: {e}") from None
-
-
 def run(args: argparse.Namespace) -> int:
     device = resolve_device(args.device)
     if args.tokenizer is not None and (args.config or args.base):
@@ -83,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
         build = lambda: load_model_folder(args.base, device)  # noqa: E731
     else:
         if args.config is not None:
-            cfg, name = config_from_file(args.config), str(args.config)
+            cfg, name = model_config(args.config), str(args.config)
         else:
             name = args.preset or "minigpt"
             cfg = GPTConfig(vocab_size=minigpt_vocab(args.tokenizer).size, **MINIGPT_SIZES[name])
