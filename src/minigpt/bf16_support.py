@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 
 import torch
@@ -25,8 +26,15 @@ CPUINFO = Path("/proc/cpuinfo")
 
 def cpu_flags() -> frozenset[str]:
     """This machine's CPU feature flags; empty when /proc/cpuinfo cannot be read (not Linux)."""
+    return _flags_in(CPUINFO)
+
+
+@lru_cache(maxsize=None)
+def _flags_in(cpuinfo: Path) -> frozenset[str]:
+    """Read once per process: the planner asks per regime, and on a machine of hundreds of cores the kernel takes
+    milliseconds to write /proc/cpuinfo."""
     try:
-        return parse_cpu_flags(CPUINFO.read_text())
+        return parse_cpu_flags(cpuinfo.read_text())
     except OSError:
         return frozenset()
 

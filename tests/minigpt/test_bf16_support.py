@@ -39,7 +39,9 @@ def test_this_machine_reads_proc_cpuinfo(monkeypatch, tmp_path):
     fake.write_text(X86_AMX)
     monkeypatch.setattr(bs, "CPUINFO", fake)
     assert bs.bf16_support("cpu").units == ("amx_bf16", "avx512_bf16")
-    fake.write_text(X86_OLD)
+    old = tmp_path / "cpuinfo_old"  # read once per process (a CPU's flags do not change): another file, not new text
+    old.write_text(X86_OLD)
+    monkeypatch.setattr(bs, "CPUINFO", old)
     assert not bs.bf16_support("cpu").fast
     monkeypatch.setattr(bs, "CPUINFO", tmp_path / "missing")
     assert bs.cpu_flags() == frozenset() and not bs.bf16_support("cpu").fast
