@@ -36,7 +36,7 @@ def regime_table(plan: Plan, unit: str | None = None) -> str:
     largest = max(r.bytes.total for r in plan.regimes) / UNITS[unit]
     dec = 3 if largest < 100 else 2  # small models: 0.001 MiB = 1 KiB resolution
     full = next((r for r in plan.regimes if r.regime.name == "full"), None)
-    peak = all(r.bytes.peak is not None for r in plan.regimes)  # a peak column where the shape has a peak model
+    peak = any(r.bytes.peak is not None for r in plan.regimes)  # a peak column where the shape has a peak model
     head = (f"| regime | trainable params | frozen params | ratio vs full FT | weights {unit} | grads {unit} "
             f"| optimizer {unit} | activations {unit} | total {unit} | memory vs full FT |"
             + (f" step peak {unit} | peak at |" if peak else ""))
@@ -48,7 +48,7 @@ def regime_table(plan: Plan, unit: str | None = None) -> str:
             f"| {r.regime.label} | {r.trainable_params:,} | {r.frozen_params:,} | {percent(r.ratio_vs_full)} "
             f"| {size(b.weights, unit, dec)} | {size(b.grads, unit, dec)} | {size(b.optimizer, unit, dec)} "
             f"| {size(b.activations, unit, dec)} | {size(b.total, unit, dec)} | {mem} |"
-            + (f" {size(b.peak, unit, dec)} | {b.peak_phase} |" if peak else "")
+            + ((f" {size(b.peak, unit, dec)} | {b.peak_phase} |" if b.peak is not None else " – | – |") if peak else "")
         )
     return "\n".join(lines)
 
@@ -93,6 +93,9 @@ def describe(plan: Plan, alpha: float | None = None) -> str:
         parts.append("GPT-2's attn.c_attn is counted as PEFT wraps it, fused: r·(d + 3d) per block. minituner's "
                      "finetune splits it into q_proj, k_proj, v_proj, r·(3d + 3d), so it trains "
                      + ", ".join(ours) + ".")
+    if c.quantize != "targets" and c.activations == "exact" and any(r.regime.name == "qlora" for r in plan.regimes):
+        parts.append("No step peak for QLoRA with every block Linear in NF4: the peak model follows minituner's "
+                     "finetune, which quantizes the LoRA targets only (its buckets in the table are counted as for the others).")
     if alpha is not None:
         parts.append(f"lora_alpha {alpha:g} scales the update (alpha/r) and changes no count or byte.")
     return "\n".join(parts)
