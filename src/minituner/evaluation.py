@@ -52,8 +52,7 @@ def evaluate_data(model: nn.Module, tokenizer, base: str | Path, source: str, sp
         return evaluate_text(model, ids, block, batch_size)
     template = load_chat_template(base)
     examples, stats = prepare_eval(source, tokenizer, template, block, sft_cfg, fmt, None if split == "all" else split)
-    lost = stats.dropped + stats.dropped_empty
-    if stats.truncated or lost:
-        log(f"warning: {stats.truncated} examples longer than {block + 1} tokens truncated, {lost} dropped "
-            f"({stats.summary()})")
+    warning = stats.warning(block + 1)
+    if warning:
+        log(f"{warning}; {stats.summary()}")
     return evaluate_examples(model, examples, batch_size)

@@ -93,10 +93,9 @@ def sft_data(source: str, base: Path, tokenizer, block_size: int, train_cfg: Tra
     data = prepare_sft(source, tokenizer, template, block_size, sft_cfg, fmt, records=records)
     for name, stats in (("train", data.train_stats), ("val", data.val_stats)):
         log(f"{name}: {stats.summary()}")
-        lost = stats.dropped + stats.dropped_empty
-        if stats.truncated or lost:
-            log(f"warning: {name}: {stats.truncated} examples longer than {block_size + 1} tokens truncated, "
-                f"{lost} dropped" + (f" (first: {', '.join(stats.dropped_where[:3])})" if lost else ""))
+        warning = stats.warning(block_size + 1)
+        if warning:
+            log(warning.replace("warning: ", f"warning: {name}: ", 1))
     val, batch_size = data.val, train_cfg.batch_size
     formats = sorted({r.format for r in records})
     return TrainingData(

@@ -82,10 +82,16 @@ def test_overlong_examples_are_truncated_or_dropped_and_counted():
     assert (st.records, st.examples, st.truncated, st.dropped, st.dropped_empty) == (4, 3, 1, 0, 1)
     assert st.dropped_where == ["f:4"] and st.longest == 40  # truncated to its prompt: nothing left to count
     assert st.tokens == 52 and st.counted_tokens == 26
+    assert st.warning(20) == ("warning: 1 examples longer than 20 tokens truncated (their start kept), 1 dropped with "
+                              "no trained token inside the window (a prompt that fills it, or a one-token text) "
+                              "(first dropped: f:4)")
     ex, st = tokenize_records(recs, TOK, TEMPLATE, block_size=19, cfg=SFTConfig(overlong="drop"))
     assert [len(e.input_ids) for e in ex] == [12, 20] and st.dropped_where == ["f:3", "f:4"]
     assert (st.examples, st.truncated, st.dropped, st.dropped_empty) == (2, 0, 2, 0)
     assert "2 of 4 examples" in st.summary() and "2 dropped" in st.summary()
+    assert "0 examples longer than 20 tokens truncated (their start kept), 2 longer ones dropped (--overlong drop)" \
+        in st.warning(20)
+    assert tokenize_records(recs[:1], TOK, TEMPLATE, block_size=19)[1].warning(20) is None
     with pytest.raises(InputError, match="overlong must be one of"):
         tokenize_records(recs, TOK, TEMPLATE, 19, SFTConfig(overlong="wrap"))
 

@@ -86,6 +86,20 @@ class SFTStats:
             line += f"; {self.without_eos} chats with a turn the template ends without EOS"
         return line
 
+    def warning(self, window: int) -> str | None:
+        """One line saying which examples were cut or dropped and why (window: block_size + 1 tokens); None when
+        every example was kept whole."""
+        if not (self.truncated or self.dropped or self.dropped_empty):
+            return None
+        parts = [f"{self.truncated} examples longer than {window} tokens truncated (their start kept)"]
+        if self.dropped:
+            parts.append(f"{self.dropped} longer ones dropped (--overlong drop)")
+        if self.dropped_empty:
+            parts.append(f"{self.dropped_empty} dropped with no trained token inside the window (a prompt that "
+                         "fills it, or a one-token text)")
+        where = f" (first dropped: {', '.join(self.dropped_where[:3])})" if self.dropped_where else ""
+        return "warning: " + ", ".join(parts) + where
+
 
 def special_prefix(tokenizer) -> list[int]:
     """The ids a tokenizer puts before plain text by itself (Llama's BOS; [] for GPT-2, Qwen and MiniGPT).
