@@ -5,7 +5,8 @@
 dtype and written, shard by shard, so at most one shard of merged tensors is in memory.
 
 The folder: ``config.json`` (the base's, with ``model_type``, ``architectures`` and the dtype set; a
-MiniGPT base is written as GPT-2, ``GPT2LMHeadModel``, in GPT-2's Conv1D layout), ``model.safetensors``
+MiniGPT base is written as GPT-2, ``GPT2LMHeadModel``, in GPT-2's Conv1D layout, its character tokenizer as a
+Hugging Face tokenizer.json encoding to the same ids), ``model.safetensors``
 or shards of at most ``max_shard_bytes`` with ``model.safetensors.index.json``, and the base's tokenizer
 files and ``generation_config.json`` copied. It is written to a temporary folder beside OUT and renamed
 into place; an existing OUT is refused unless ``overwrite``, and is replaced only once the new one is complete.
@@ -29,15 +30,17 @@ import torch
 import torch.nn as nn
 
 from minigpt.decoder import Decoder
-from minigpt.base_folder import CONFIG, MANIFEST, WEIGHTS, WEIGHTS_INDEX
+from minigpt.base_folder import CONFIG, MANIFEST, TOKENIZER, WEIGHTS, WEIGHTS_INDEX
 from minigpt.errors import InputError
-from minigpt.io import atomic_save_safetensors, read_json, usual_mode, write_json
+from minigpt.io import atomic_save_safetensors, atomic_write_text, read_json, usual_mode, write_json
 from minigpt.model import MiniGPT
+from minigpt.tokenizer import CharTokenizer
 from minigpt.run_dir import check_creatable
 from miniquant import QuantizedLinear
 
 from .hf_config import ARCHITECTURES
 from .hf_gpt2 import gpt2_config_dict, gpt2_state_dict_from_minigpt
+from .tokenizer_files import char_tokenizer_as_hf
 from .adapter_io import load_adapter, read_adapter
 from .adapter_tensors import module_paths
 from .base_model import base_weights_sha256, load_base
@@ -178,8 +181,11 @@ def write_hf_folder(model: nn.Module, base_folder: str | Path, folder: str | Pat
     elif isinstance(model, MiniGPT):
         family = "gpt2"
         tensors = _gpt2_tensors(model)
-        config = {k: v for k, v in config.items() if k not in ("format",)} if config.get("model_type") == "gpt2" else {}
+        from_minigpt = config.get("model_type", "minigpt") == "minigpt"
+        config = {} if from_minigpt else {k: v for k, v in config.items() if k not in ("format",)}
         config.update(gpt2_config_dict(model.config))
+        if from_minigpt:  # characters: no token ends a text (GPT2Config's default 50256 lies outside the vocab)
+            config.update(bos_token_id=None, eos_token_id=None)
     else:
         raise InputError(f"export_merged takes a Decoder or a MiniGPT, got {type(model).__name__}")
     config.pop("quantization_config", None)
@@ -189,7 +195,17 @@ def write_hf_folder(model: nn.Module, base_folder: str | Path, folder: str | Pat
     for name in COPIED:
         if (base_folder / name).is_file():
             shutil.copyfile(base_folder / name, folder / name)
+    if isinstance(model, MiniGPT) and from_minigpt and (base_folder / TOKENIZER).is_file():
+        _write_char_tokenizer(CharTokenizer.load(base_folder / TOKENIZER), folder, model.config.block_size)
     write_json(folder / CONFIG, config)
+
+
+def _write_char_tokenizer(tok: CharTokenizer, folder: Path, context: int) -> None:
+    """A MiniGPT's character tokenizer as the Hugging Face files AutoTokenizer reads, encoding as it does."""
+    atomic_write_text(folder / TOKENIZER, char_tokenizer_as_hf(tok))
+    write_json(folder / "tokenizer_config.json",
+               {"tokenizer_class": "PreTrainedTokenizerFast", "unk_token": tok.itos[0], "model_max_length": context,
+                "clean_up_tokenization_spaces": False})
 
 
 def export_merged(model: nn.Module, base_folder: str | Path, out: str | Path, dtype: torch.dtype | None = None,

@@ -4,6 +4,8 @@
 
 One reader for both formats; ``HFTokenizer`` puts the ``tokenizers`` package behind CharTokenizer's API,
 with ``eos_ids`` (end-of-sequence ids, set by the loader from generation_config.json / config.json).
+``char_tokenizer_as_hf`` writes a CharTokenizer as a Hugging Face ``tokenizer.json`` encoding every text to the
+same ids (an exported MiniGPT's tokenizer, for transformers' ``AutoTokenizer``).
 """
 from __future__ import annotations
 
@@ -59,6 +61,19 @@ class HFTokenizer:
 
     def save(self, path: str | Path) -> None:
         atomic_write_text(Path(path), self._tok.to_str())
+
+
+def char_tokenizer_as_hf(tok: CharTokenizer) -> str:
+    """The text of a Hugging Face tokenizer.json that encodes and decodes as `tok`: a word-level vocabulary of
+    its characters (id 0 ``<unk>`` for any other), every character split into its own piece, pieces joined
+    back without separators."""
+    from tokenizers import Regex, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer as _Tokenizer
+
+    hf = _Tokenizer(models.WordLevel(vocab={c: i for i, c in enumerate(tok.itos)}, unk_token=tok.itos[0]))
+    hf.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # one piece per character
+    hf.decoder = decoders.Fuse()  # "a", "b" -> "ab" (a word-level decode would put spaces between them)
+    return hf.to_str()
 
 
 def load_tokenizer(folder: str | Path, vocab_size: int) -> tuple[Tokenizer | None, str]:

@@ -119,6 +119,36 @@ def test_gpt2_minigpt_exports_as_gpt2(hf_folder, hf_ref, tmp_path):
     assert (logits(hf_ref(out)) - logits(model)).abs().max() < 1e-4
 
 
+def test_a_minigpt_base_exports_with_a_tokenizer_transformers_reads(tmp_path):
+    from minigpt.base_folder import save_base
+    from minigpt.model import GPTConfig, MiniGPT
+    from minigpt.tokenizer import CharTokenizer
+    from minituner.base_model import load_base
+
+    tok = CharTokenizer.train("The wind turns north-west.\nUser: rain?\tAssistant: <|end|>")
+    torch.manual_seed(0)
+    save_base(MiniGPT(GPTConfig(vocab_size=tok.vocab_size, block_size=32, n_layer=1, n_head=2, d_model=16)), tok,
+              tmp_path / "base")
+    model, _ = load_base(tmp_path / "base")
+    out = export_merged(with_adapter(model, ["q_proj", "fc1"]), tmp_path / "base", tmp_path / "out")
+
+    auto = transformers.AutoTokenizer.from_pretrained(out)
+    for text in ["The wind turns north.\nUser: rain?\tAssistant: <|end|>", "Snow é!", "  "]:
+        assert auto(text)["input_ids"] == tok.encode(text)  # unknown characters too: id 0
+    assert auto.decode(tok.encode("User: rain?\n")) == "User: rain?\n" and len(auto) == tok.vocab_size
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg.get("eos_token_id") is None and cfg.get("bos_token_id") is None  # no 50256 beside a 40-token vocab
+    ids = torch.tensor([tok.encode("The wind turns")])
+    assert (logits(hf_ref_model(out), ids) - logits(model, ids)).abs().max() < 1e-4
+    again, again_tok = load_base(out)  # and back into ours, as a GPT-2 folder with a Hugging Face tokenizer
+    assert again_tok.encode("rain? é") == tok.encode("rain? é")
+
+
+def hf_ref_model(folder):
+    with torch.no_grad():
+        return transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+
+
 def test_plan_shards():
     assert plan_shards({"a": 5, "b": 5, "c": 12, "d": 1}, 10) == [["a", "b"], ["c"], ["d"]]
     assert plan_shards({"a": 5}, 10) == [["a"]]
