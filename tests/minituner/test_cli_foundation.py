@@ -40,7 +40,7 @@ def test_pretrain_and_generate(tiny_base):
         (["pretrain", "--data", "/nonexistent/file.txt", "--out", "{tmp}/o"], "not found"),
         (["pretrain", "--data", "{empty}", "--out", "{tmp}/o"], "empty"),
         (["pretrain", "--n-head", "3", "--out", "{tmp}/o"], "does not divide"),
-        (["pretrain", "--block-size", "0", "--out", "{tmp}/o"], "block_size"),
+        (["pretrain", "--block-size", "0", "--out", "{tmp}/o"], "argument --block-size: expected a positive integer, got 0"),
         (["pretrain", "--steps", "zero"], "positive integer"),
         (["generate", "--base", "{tmp}"], "not a model folder"),
         (["generate", "--base", "{tmp}/nope"], "no such model folder"),

@@ -34,7 +34,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--alpha", type=positive_float, help="lora_alpha (shown; scales the update, changes no count)")
     p.add_argument("--target", action="append", metavar="NAME[,NAME...]",
                    help=f"LoRA target module names, or {ALL_LINEAR} (default; never the output head)")
-    p.add_argument("--batch-size", type=positive_int, default=MemoryConfig.batch_size)
+    p.add_argument("--batch-size", type=positive_int, default=MemoryConfig.batch_size,
+                   help="sequences per step (default %(default)s, the seed's)")
     p.add_argument("--seq-len", type=positive_int,
                    help=f"tokens per sequence (default {MemoryConfig.seq_len}, the seed's; with --config or --base "
                         "at most the model's context, as finetune and memory-check require)")

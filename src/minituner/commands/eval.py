@@ -32,7 +32,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="instruction data: count the prompt and user tokens too (default: answers only)")
     p.add_argument("--overlong", choices=OVERLONG, default="truncate",
                    help="an example longer than the context is truncated or dropped (default %(default)s)")
-    p.add_argument("--batch-size", type=positive_int, default=32)
+    p.add_argument("--batch-size", type=positive_int, default=32, help="sequences per forward (default %(default)s)")
     p.add_argument("--device", choices=DEVICES, default="cpu", help="cpu (default), cuda, or auto")
     p.add_argument("--json", action="store_true",
                    help='print one object: {"loss", "perplexity", "examples", "tokens"}')

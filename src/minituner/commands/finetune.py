@@ -66,16 +66,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     length = p.add_mutually_exclusive_group()
     length.add_argument("--steps", type=positive_int, help=f"optimizer steps (default {d.steps})")
     length.add_argument("--epochs", type=positive_float, help="passes over the training split instead of --steps")
-    p.add_argument("--batch-size", type=positive_int, default=d.batch_size)
+    p.add_argument("--batch-size", type=positive_int, default=d.batch_size,
+                   help="sequences per optimizer step (default %(default)s; on a CPU, 1 for a 1B model)")
     p.add_argument("--seq-len", type=positive_int, metavar="N",
                    help="training window in tokens (default: a MiniGPT base's block size; for a Hugging Face base the "
                         "smaller of its context and 512); longer than the model's context is refused")
-    p.add_argument("--lr", type=positive_float, default=d.lr)
-    p.add_argument("--schedule", choices=("cosine", "constant"), default=d.schedule)
-    p.add_argument("--warmup-steps", type=non_negative_int, default=d.warmup_steps)
+    p.add_argument("--lr", type=positive_float, default=d.lr, help="peak learning rate of AdamW (default %(default)s)")
+    p.add_argument("--schedule", choices=("cosine", "constant"), default=d.schedule,
+                   help="learning rate after the warm-up: cosine decay to a tenth of --lr, or constant (default "
+                        "%(default)s)")
+    p.add_argument("--warmup-steps", type=non_negative_int, default=d.warmup_steps,
+                   help="steps of linear warm-up to --lr (default %(default)s, at most the run's steps)")
     p.add_argument("--grad-clip", type=non_negative_float, default=d.grad_clip, help="max grad norm; 0 disables")
-    p.add_argument("--eval-every", type=positive_int, default=d.eval_every)
-    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--eval-every", type=positive_int, default=d.eval_every,
+                   help="steps between validation losses (default %(default)s; the last step is always evaluated)")
+    p.add_argument("--seed", type=int, default=d.seed,
+                   help="seed of the LoRA init, data order and dropout (default %(default)s)")
     p.add_argument("--base-domain", default=BASE_DOMAIN,
                    help="also report val loss on this data before/after (forgetting); 'none' skips (default %(default)s)")
     p.add_argument("--allow-unknown-chars", action="store_true",
@@ -90,7 +96,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-heap-trims", action="store_true",
                    help="CPU: keep the heap's freed pages resident during the forward (a few %% faster steps, a "
                         "higher peak; by default they go back to the system, minituner.memory.heap)")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (the log lines stay)")
 
 
 def run(args: argparse.Namespace) -> int:

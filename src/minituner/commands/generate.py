@@ -19,7 +19,8 @@ HELP = ("print samples from a base model folder (minituner base, or Hugging Face
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--base", type=Path, default=Path("artifacts/base"))
+    p.add_argument("--base", type=Path, default=Path("artifacts/base"),
+                   help="model folder: MiniGPT, or Hugging Face gpt2, llama, mistral or qwen2 (default %(default)s)")
     p.add_argument("--adapter", type=Path, help="LoRA adapter: a finetune run folder, a PEFT folder or an adapter file")
     what = p.add_mutually_exclusive_group()
     what.add_argument("--prompt", default="\n", help="text to continue (default: a newline)")
@@ -27,12 +28,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                       help="a user message, rendered with the base's chat template (or the default one); "
                            "prints the answer, cut at the end-of-turn token")
     p.add_argument("--system", help="--chat: a system message before the question")
-    p.add_argument("--max-new-tokens", type=positive_int, default=200)
-    p.add_argument("--num-samples", type=positive_int, default=1)
+    p.add_argument("--max-new-tokens", type=positive_int, default=200,
+                   help="tokens to sample at most; an eos id stops sooner (default %(default)s)")
+    p.add_argument("--num-samples", type=positive_int, default=1, help="samples to print (default %(default)s)")
     p.add_argument("--temperature", type=non_negative_float, default=None,
                    help="sampling temperature; 0 is greedy (default 0.8 with --prompt, 0 with --chat)")
-    p.add_argument("--top-k", type=positive_int, default=None)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--top-k", type=positive_int, default=None, help="sample from the k likeliest tokens only (default: all)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (default %(default)s)")
 
 
 def run(args: argparse.Namespace) -> int:
