@@ -91,9 +91,10 @@ class SFTStats:
         every example was kept whole."""
         if not (self.truncated or self.dropped or self.dropped_empty):
             return None
-        parts = [f"{self.truncated} examples longer than {window} tokens truncated (their start kept)"]
+        parts = [f"{self.truncated} examples longer than {window} tokens truncated (their start kept)"] \
+            if self.truncated else []
         if self.dropped:
-            parts.append(f"{self.dropped} longer ones dropped (--overlong drop)")
+            parts.append(f"{self.dropped} examples longer than {window} tokens dropped (--overlong drop)")
         if self.dropped_empty:
             parts.append(f"{self.dropped_empty} dropped with no trained token inside the window (a prompt that "
                          "fills it, or a one-token text)")
