@@ -203,8 +203,8 @@ def write_hf_folder(model: nn.Module, base_folder: str | Path, folder: str | Pat
 def _write_char_tokenizer(tok: CharTokenizer, folder: Path, context: int) -> None:
     """A MiniGPT's character tokenizer as the Hugging Face files AutoTokenizer reads, encoding as it does."""
     atomic_write_text(folder / TOKENIZER, char_tokenizer_as_hf(tok))
-    write_json(folder / "tokenizer_config.json",
-               {"tokenizer_class": "PreTrainedTokenizerFast", "unk_token": tok.itos[0], "model_max_length": context,
+    write_json(folder / "tokenizer_config.json",  # no unk_token here: transformers would then match the text
+               {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": context,  # "<unk>" as one token
                 "clean_up_tokenization_spaces": False})
 
 

@@ -153,8 +153,10 @@ def finetune(base: str | Path, out: str | Path, cfg: FinetuneConfig, progress: b
     if unk > 0.01:
         log(f"warning: {unk:.1%} of the training characters are unknown to the base tokenizer (<unk>)")
     train_cfg = cfg.train
-    if cfg.epochs is not None:
-        train_cfg = TrainConfig(**{**asdict(train_cfg), "steps": data.steps_for_epochs(cfg.epochs)})
+    if cfg.epochs is not None:  # the steps of the passes; warm-up and the eval interval at most that many, as --steps
+        steps = data.steps_for_epochs(cfg.epochs)
+        train_cfg = TrainConfig(**{**asdict(train_cfg), "steps": steps, "warmup_steps": min(train_cfg.warmup_steps, steps),
+                                   "eval_every": min(train_cfg.eval_every, steps)})
     n_params = logical_numel(model)  # a QLoRA base is already quantized: its weights count by element
     val_before = data.val_loss(model)
     base_before = domain_val_loss(model, tokenizer, cfg.base_domain, train_cfg, block) if cfg.base_domain else None

@@ -61,9 +61,12 @@ def config_from_gpt2(d: dict, where: str = CONFIG) -> GPTConfig:
         if d.get(option, supported) != supported:
             raise InputError(f"{where}: {option}={d[option]!r} is not supported (MiniGPT has {option}={supported})")
     act = d.get("activation_function", "gelu_new")
-    if act not in ACTIVATIONS:
+    if not isinstance(act, str) or act not in ACTIVATIONS:
         raise InputError(f"{where}: activation_function {act!r} is not supported; valid: {sorted(ACTIVATIONS)}")
     n_inner = d.get("n_inner")
+    tie = d.get("tie_word_embeddings", True)
+    if not isinstance(tie, bool):  # bool("false") is True
+        raise InputError(f"{where}: tie_word_embeddings must be true or false, got {tie!r}")
     try:
         return GPTConfig(
             vocab_size=d["vocab_size"],
@@ -74,13 +77,13 @@ def config_from_gpt2(d: dict, where: str = CONFIG) -> GPTConfig:
             d_ff=4 * d["n_embd"] if n_inner is None else n_inner,
             dropout=float(d.get("resid_pdrop", 0.1)),
             bias=True,
-            tie_weights=bool(d.get("tie_word_embeddings", True)),
+            tie_weights=tie,
             activation=ACTIVATIONS[act],
             layer_norm_eps=float(d.get("layer_norm_epsilon", 1e-5)),
         )
     except InputError as e:
         raise InputError(f"{where}: {e}") from None
-    except (TypeError, ValueError) as e:
+    except (TypeError, ValueError, OverflowError) as e:
         raise InputError(f"{where}: bad GPT-2 config value ({e})") from None
 
 

@@ -98,12 +98,15 @@ def config_from_peft(d: dict, where: Path) -> LoRAConfig:
         value = d.get(key)
         if value is not None and value != off:
             raise InputError(f"{where}: {key}={d[key]!r} is not supported (plain LoRA only)")
-    targets = d.get("target_modules") or ALL_LINEAR
+    targets = ALL_LINEAR if d.get("target_modules") is None else d["target_modules"]  # [] is refused below
     if not (isinstance(targets, str) or isinstance(targets, list) and all(isinstance(t, str) for t in targets)):
         raise InputError(f"{where}: target_modules must be a string or a list of strings, got {targets!r}")
-    cfg = LoRAConfig(r=_field(d, "r", int, where), alpha=float(_field(d, "lora_alpha", (int, float), where)),
-                     dropout=float(_field(d, "lora_dropout", (int, float), where, 0.0)), target_modules=targets,
-                     use_rslora=_field(d, "use_rslora", bool, where, False))
+    try:
+        cfg = LoRAConfig(r=_field(d, "r", int, where), alpha=float(_field(d, "lora_alpha", (int, float), where)),
+                         dropout=float(_field(d, "lora_dropout", (int, float), where, 0.0)), target_modules=targets,
+                         use_rslora=_field(d, "use_rslora", bool, where, False))
+    except OverflowError as e:  # an integer too large for a float
+        raise InputError(f"{where}: bad LoRA fields ({e})") from None
     cfg.validate()
     return cfg
 

@@ -39,6 +39,8 @@ def test_this_machine_reads_proc_cpuinfo(monkeypatch, tmp_path):
     fake.write_text(X86_AMX)
     monkeypatch.setattr(bs, "CPUINFO", fake)
     assert bs.bf16_support("cpu").units == ("amx_bf16", "avx512_bf16")
+    fake.unlink()
+    assert bs.bf16_support("cpu").units == ("amx_bf16", "avx512_bf16")  # read once per process, not per call
     old = tmp_path / "cpuinfo_old"  # read once per process (a CPU's flags do not change): another file, not new text
     old.write_text(X86_OLD)
     monkeypatch.setattr(bs, "CPUINFO", old)

@@ -1,6 +1,7 @@
 """minikernels.build: ThreadSplit runs every range once, on threads, and an error stops the others before it
 returns; KernelFamily builds once, and says None when native kernels are off or not vectorized."""
 import threading
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -42,6 +43,7 @@ def test_a_kernel_family_builds_once_and_is_none_when_off_absent_or_not_vectoriz
 
     def fake_load(name, source, cflags, what, libs=()):
         builds.append(name)
+        time.sleep(0.05)  # a build takes a while: the other threads ask meanwhile
         return SimpleNamespace(vec=lambda: 1)
 
     monkeypatch.setattr(build, "load_library", fake_load)

@@ -81,7 +81,7 @@ def f(tmp_path_factory):
     model, _ = load_base(base)
     apply_lora(model, LoRAConfig(r=4, alpha=8))
     for name, config in (("peft_malformed", "{ not json"), ("peft_no_r", {"r": None}), ("peft_r_text", {"r": "4"}),
-                         ("peft_rslora_text", {"use_rslora": "false"})):
+                         ("peft_rslora_text", {"use_rslora": "false"}), ("peft_no_targets", {"target_modules": []})):
         save_peft_adapter(model, root / name)
         cfg_path = root / name / "adapter_config.json"
         if isinstance(config, dict):  # the saved config with these fields changed (None: removed)
@@ -150,6 +150,8 @@ CASES = [
      lambda f, o: load_api(f, f.peft_r_text), "r must be an integer, got '4'"),
     ("adapter-config-use-rslora-as-text", lambda f, o: finetune_cli(f, o, "--init-adapter", f.peft_rslora_text),
      lambda f, o: load_api(f, f.peft_rslora_text), "use_rslora must be true or false, got 'false'"),
+    ("adapter-config-without-targets", lambda f, o: finetune_cli(f, o, "--init-adapter", f.peft_no_targets),
+     lambda f, o: load_api(f, f.peft_no_targets), "LoRA target_modules is empty"),
     ("config-missing-fields", lambda f, o: finetune_cli(f, o, base=f.base_missing),
      lambda f, o: finetune_api(f, o, base=f.base_missing), "missing required fields ['block_size', 'vocab_size']"),
     ("config-unknown-model-type", lambda f, o: finetune_cli(f, o, base=f.base_gemma),

@@ -203,6 +203,14 @@ def test_a_config_plans_within_its_context_and_notes_what_finetune_would_refuse(
         "total_params"]  # scaling changes frequencies, not shapes
     assert err.count("\n") == 1 and "finetune would refuse this model" in err
     assert "rope_scaling type 'yarn' is not supported" in err
+    rc, _, err = count(capsys, "--config", str(tmp_path / "yarn.json"), "--seq-len", "17")  # refused all the same
+    assert rc == 2 and err.strip().endswith("--seq-len 17 exceeds the model's context of 16 tokens "
+                                            f"({tmp_path / 'yarn.json'})")
+
+    gpt2 = {"model_type": "gpt2", "n_embd": 32, "n_head": 2, "n_layer": 1, "vocab_size": 10, "n_positions": 16}
+    (tmp_path / "g.json").write_text(json.dumps({**gpt2, "activation_function": ["gelu_new"]}))  # was a traceback
+    rc, out, err = count(capsys, "--config", str(tmp_path / "g.json"))
+    assert rc == 0 and f"finetune would refuse this model: {tmp_path / 'g.json'}: activation_function" in err, err
 
 
 def test_quantizing_every_linear_keeps_the_other_regimes_peaks_and_says_why_qlora_has_none(capsys):

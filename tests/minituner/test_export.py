@@ -133,7 +133,7 @@ def test_a_minigpt_base_exports_with_a_tokenizer_transformers_reads(tmp_path):
     out = export_merged(with_adapter(model, ["q_proj", "fc1"]), tmp_path / "base", tmp_path / "out")
 
     auto = transformers.AutoTokenizer.from_pretrained(out)
-    for text in ["The wind turns north.\nUser: rain?\tAssistant: <|end|>", "Snow é!", "  "]:
+    for text in ["The wind turns north.\nUser: rain?\tAssistant: <|end|>", "Snow é!", "  ", "a <unk> b"]:
         assert auto(text)["input_ids"] == tok.encode(text)  # unknown characters too: id 0
     assert auto.decode(tok.encode("User: rain?\n")) == "User: rain?\n" and len(auto) == tok.vocab_size
     cfg = json.loads((out / "config.json").read_text())

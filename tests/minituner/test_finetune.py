@@ -90,9 +90,15 @@ def test_lora_finetune_writes_a_run_and_improves_val_loss(base, other_text, tmp_
 
 
 def test_epochs_set_the_step_count(base, tmp_path):
-    cfg = FinetuneConfig(epochs=0.05, train=quick(), lora=LoRAConfig(r=2), base_domain=None)
+    cfg = FinetuneConfig(epochs=0.05, train=quick(warmup_steps=200, eval_every=300), lora=LoRAConfig(r=2),
+                         base_domain=None)
     res = finetune(base, tmp_path / "run", cfg, progress=False, log=lambda *_: None)
-    assert res.summary["steps"] == steps_for_epochs(0.05, res.summary["train_tokens"], 8, 32)
+    steps = res.summary["steps"]
+    assert steps == steps_for_epochs(0.05, res.summary["train_tokens"], 8, 32) < 200
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    assert rows[-1]["lr"] == pytest.approx(1e-2)  # warm-up cut to the run's steps (as with --steps): it reaches --lr
+    assert [r["step"] for r in rows if "val_loss" in r] == [steps]  # and the eval interval too: one at the end
     assert steps_for_epochs(1, 1000, 4, 25) == 10 and steps_for_epochs(0.001, 1000, 4, 25) == 1
 
 

@@ -199,6 +199,8 @@ BAD_FOLDERS = {
     "upcast attention": (_edit_config(reorder_and_upcast_attn=True), "reorder_and_upcast_attn"),
     "cross attention": (_edit_config(add_cross_attention=True), "add_cross_attention"),
     "relu": (_edit_config(activation_function="relu"), "activation_function 'relu' is not supported"),
+    "activation as a list": (_edit_config(activation_function=["gelu"]), "activation_function ['gelu'] is not"),
+    "tied as text": (_edit_config(tie_word_embeddings="false"), "tie_word_embeddings must be true or false"),
     "heads do not divide": (_edit_config(n_head=5), "n_head=5 does not divide"),
     "config disagrees": (_edit_config(n_embd=64), "has shape (50, 32), config implies (50, 64)"),
     "missing tensor": (_edit_weights(lambda sd: sd.pop("transformer.h.1.mlp.c_fc.bias")),

@@ -8,8 +8,8 @@ from pathlib import Path
 
 from minigpt.errors import InputError
 from minituner.base_model import model_config
-from minituner.planner import (ALL_LINEAR, PRESETS, MemoryConfig, default_regimes, load_config_shape, minigpt_vocab,
-                               plan, preset_shape)
+from minituner.planner import (ALL_LINEAR, PRESETS, MemoryConfig, config_context, default_regimes, load_config_shape,
+                               minigpt_vocab, plan, preset_shape)
 from minituner.planner.memory import (ACTIVATION_MODELS, FULL_PRECISIONS, MASTER_COPIES, QUANTIZE_CHOICES,
                                       best_activation_model)
 from minituner.planner.presets import MINIGPT_SIZES
@@ -77,12 +77,14 @@ def _window(config: Path, seq_len: int | None) -> tuple[int, str | None]:
     context, as finetune refuses it), else the seed's default cut to the context. A model that counts but that
     finetune would refuse (e.g. an unsupported rope_scaling type: frequencies, not shapes) is planned, noted."""
     try:
-        context = model_config(config).block_size
+        model_config(config)  # every check finetune's loader makes
+        note = None
     except InputError as e:
-        return seq_len or MemoryConfig.seq_len, f"planned from its shapes, but finetune would refuse this model: {e}"
+        note = f"planned from its shapes, but finetune would refuse this model: {e}"
+    context = config_context(config)
     if seq_len is not None and seq_len > context:
         raise InputError(f"--seq-len {seq_len} exceeds the model's context of {context} tokens ({config})")
-    return seq_len or min(MemoryConfig.seq_len, context), None
+    return seq_len or min(MemoryConfig.seq_len, context), note
 
 
 def run(args: argparse.Namespace) -> int:

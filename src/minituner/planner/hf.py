@@ -107,3 +107,13 @@ def load_config_shape(path: str | Path) -> ModelShape:
     if path.is_dir():
         path = path / CONFIG
     return shape_from_config(read_json(path), str(path))
+
+
+def config_context(path: str | Path) -> int:
+    """The longest sequence the model of a config.json (or its folder) takes, read as the planner reads it:
+    its learned positions (GPT-2's n_positions, MiniGPT's block_size), else max_position_embeddings."""
+    path = Path(path)
+    path = path / CONFIG if path.is_dir() else path
+    cfg = read_json(path)
+    shape = shape_from_config(cfg, str(path))
+    return shape.n_positions or decoder_config_from_hf(cfg, str(path), check_rope=False).block_size
