@@ -19,6 +19,7 @@ scheme the run's manifest.json records (``quant_scheme``), then dequantized and 
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
@@ -47,6 +48,7 @@ from .base_model import base_weights_sha256, load_base
 from .hf_load import checkpoint_files, read_headers
 from .lora import LoRALinear
 from .qlora import check_scheme
+from .sft.templates import ChatTemplate, load_chat_template
 
 COPIED = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model", "vocab.json",
           "merges.txt", "added_tokens.json", "generation_config.json")
@@ -196,16 +198,21 @@ def write_hf_folder(model: nn.Module, base_folder: str | Path, folder: str | Pat
         if (base_folder / name).is_file():
             shutil.copyfile(base_folder / name, folder / name)
     if isinstance(model, MiniGPT) and from_minigpt and (base_folder / TOKENIZER).is_file():
-        _write_char_tokenizer(CharTokenizer.load(base_folder / TOKENIZER), folder, model.config.block_size)
+        _write_char_tokenizer(CharTokenizer.load(base_folder / TOKENIZER), load_chat_template(base_folder), folder,
+                              model.config.block_size)
     write_json(folder / CONFIG, config)
 
 
-def _write_char_tokenizer(tok: CharTokenizer, folder: Path, context: int) -> None:
-    """A MiniGPT's character tokenizer as the Hugging Face files AutoTokenizer reads, encoding as it does."""
+def _write_char_tokenizer(tok: CharTokenizer, template: ChatTemplate, folder: Path, context: int) -> None:
+    """A MiniGPT's character tokenizer as the Hugging Face files AutoTokenizer reads, encoding as it does, with the
+    chat template finetune rendered (its special tokens, e.g. the text "<|end|>" ending an answer, set inside it:
+    as tokenizer_config entries transformers would add them to the vocabulary as new tokens)."""
     atomic_write_text(folder / TOKENIZER, char_tokenizer_as_hf(tok))
+    tokens = "".join(f"{{% set {name} = {json.dumps(text, ensure_ascii=False)} %}}"
+                     for name, text in sorted(template.special_tokens.items()))
     write_json(folder / "tokenizer_config.json",  # no unk_token here: transformers would then match the text
                {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": context,  # "<unk>" as one token
-                "clean_up_tokenization_spaces": False})
+                "clean_up_tokenization_spaces": False, "chat_template": tokens + template.source})
 
 
 def export_merged(model: nn.Module, base_folder: str | Path, out: str | Path, dtype: torch.dtype | None = None,

@@ -155,7 +155,8 @@ def finetune(base: str | Path, out: str | Path, cfg: FinetuneConfig, progress: b
     train_cfg = cfg.train
     if cfg.epochs is not None:  # the steps of the passes; warm-up and the eval interval at most that many, as --steps
         steps = data.steps_for_epochs(cfg.epochs)
-        train_cfg = TrainConfig(**{**asdict(train_cfg), "steps": steps, "warmup_steps": min(train_cfg.warmup_steps, steps),
+        train_cfg = TrainConfig(**{**asdict(train_cfg), "steps": steps,
+                                   "warmup_steps": min(train_cfg.warmup_steps, steps),
                                    "eval_every": min(train_cfg.eval_every, steps)})
     n_params = logical_numel(model)  # a QLoRA base is already quantized: its weights count by element
     val_before = data.val_loss(model)

@@ -216,7 +216,8 @@ def test_a_config_plans_within_its_context_and_notes_what_finetune_would_refuse(
 def test_quantizing_every_linear_keeps_the_other_regimes_peaks_and_says_why_qlora_has_none(capsys):
     rc, out, err = count(capsys, "--target", "q_proj,v_proj", "--quantize", "all-linear")
     assert rc == 0 and "No step peak for QLoRA with every block Linear in NF4" in out
-    rows = {line.split("|")[1].strip(): line for line in out.splitlines() if line.startswith("| ") and "MiB" not in line}
+    rows = {line.split("|")[1].strip(): line for line in out.splitlines()
+            if line.startswith("| ") and "MiB" not in line}
     assert rows["QLoRA r=8"].endswith("| – | – |") and "forward" in rows["LoRA r=8"]  # its own peak and phase
 
 

@@ -124,6 +124,7 @@ def test_a_minigpt_base_exports_with_a_tokenizer_transformers_reads(tmp_path):
     from minigpt.model import GPTConfig, MiniGPT
     from minigpt.tokenizer import CharTokenizer
     from minituner.base_model import load_base
+    from minituner.sft.templates import load_chat_template
 
     tok = CharTokenizer.train("The wind turns north-west.\nUser: rain?\tAssistant: <|end|>")
     torch.manual_seed(0)
@@ -136,6 +137,12 @@ def test_a_minigpt_base_exports_with_a_tokenizer_transformers_reads(tmp_path):
     for text in ["The wind turns north.\nUser: rain?\tAssistant: <|end|>", "Snow é!", "  ", "a <unk> b"]:
         assert auto(text)["input_ids"] == tok.encode(text)  # unknown characters too: id 0
     assert auto.decode(tok.encode("User: rain?\n")) == "User: rain?\n" and len(auto) == tok.vocab_size
+    chat = [{"role": "user", "content": "rain?"}, {"role": "assistant", "content": "No."},
+            {"role": "user", "content": "wind?"}]
+    ours = load_chat_template(tmp_path / "base")  # the template finetune trained with, "<|end|>" ending answers
+    assert auto.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == ours.render(chat, True) \
+        == "User: rain?\nAssistant: No.<|end|>\nUser: wind?\nAssistant: "
+    assert load_chat_template(out).render(chat, True) == ours.render(chat, True)  # and ours reads it back
     cfg = json.loads((out / "config.json").read_text())
     assert cfg.get("eos_token_id") is None and cfg.get("bos_token_id") is None  # no 50256 beside a 40-token vocab
     ids = torch.tensor([tok.encode("The wind turns")])

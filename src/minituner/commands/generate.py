@@ -33,7 +33,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-samples", type=positive_int, default=1, help="samples to print (default %(default)s)")
     p.add_argument("--temperature", type=non_negative_float, default=None,
                    help="sampling temperature; 0 is greedy (default 0.8 with --prompt, 0 with --chat)")
-    p.add_argument("--top-k", type=positive_int, default=None, help="sample from the k likeliest tokens only (default: all)")
+    p.add_argument("--top-k", type=positive_int, default=None,
+                   help="sample from the k likeliest tokens only (default: all)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default %(default)s)")
 
 

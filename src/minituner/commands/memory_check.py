@@ -35,7 +35,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rank", type=positive_int, default=d.rank, help="LoRA rank (default %(default)s)")
     p.add_argument("--alpha", type=positive_float, default=d.alpha, help="lora_alpha (default %(default)s)")
     p.add_argument("--target", default=ALL_LINEAR, help="LoRA targets, e.g. q_proj,v_proj (default %(default)s)")
-    p.add_argument("--batch-size", type=positive_int, default=d.batch_size, help="sequences per step (default %(default)s)")
+    p.add_argument("--batch-size", type=positive_int, default=d.batch_size,
+                   help="sequences per step (default %(default)s)")
     p.add_argument("--seq-len", type=positive_int, default=d.seq_len,
                    help="tokens per sequence, at most the model's context (default %(default)s)")
     p.add_argument("--steps", type=positive_int, default=d.steps, help="training steps (default %(default)s)")

@@ -15,7 +15,8 @@ HELP = "pretrain the base MiniGPT and write config.json, model.safetensors, toke
 def add_arguments(p: argparse.ArgumentParser) -> None:
     d = TrainConfig()
     p.add_argument("--data", default=DEFAULT_DATA, help="text file or folder, or builtin:NAME (default %(default)s)")
-    p.add_argument("--out", type=Path, default=Path("artifacts/base"), help="base folder to write (default %(default)s)")
+    p.add_argument("--out", type=Path, default=Path("artifacts/base"),
+                   help="base folder to write (default %(default)s)")
     p.add_argument("--steps", type=positive_int, default=d.steps, help="optimizer steps (default %(default)s)")
     p.add_argument("--batch-size", type=positive_int, default=d.batch_size,
                    help="sequences per step (default %(default)s)")
@@ -23,8 +24,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=d.seed, help="seed of the init and data order (default %(default)s)")
     p.add_argument("--block-size", type=positive_int, default=128, help="context in characters (default %(default)s)")
     p.add_argument("--n-layer", type=positive_int, default=4, help="transformer blocks (default %(default)s)")
-    p.add_argument("--n-head", type=positive_int, default=4, help="attention heads; must divide --d-model (default %(default)s)")
-    p.add_argument("--d-model", type=positive_int, default=64, help="width of the residual stream (default %(default)s)")
+    p.add_argument("--n-head", type=positive_int, default=4,
+                   help="attention heads; must divide --d-model (default %(default)s)")
+    p.add_argument("--d-model", type=positive_int, default=64,
+                   help="width of the residual stream (default %(default)s)")
     add_run_arguments(p, "base")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (the log lines stay)")
 

@@ -48,7 +48,8 @@ def regime_table(plan: Plan, unit: str | None = None) -> str:
             f"| {r.regime.label} | {r.trainable_params:,} | {r.frozen_params:,} | {percent(r.ratio_vs_full)} "
             f"| {size(b.weights, unit, dec)} | {size(b.grads, unit, dec)} | {size(b.optimizer, unit, dec)} "
             f"| {size(b.activations, unit, dec)} | {size(b.total, unit, dec)} | {mem} |"
-            + ((f" {size(b.peak, unit, dec)} | {b.peak_phase} |" if b.peak is not None else " – | – |") if peak else "")
+            + (f" {size(b.peak, unit, dec)} | {b.peak_phase} |" if peak and b.peak is not None else "")
+            + (" – | – |" if peak and b.peak is None else "")
         )
     return "\n".join(lines)
 
@@ -95,7 +96,8 @@ def describe(plan: Plan, alpha: float | None = None) -> str:
                      + ", ".join(ours) + ".")
     if c.quantize != "targets" and c.activations == "exact" and any(r.regime.name == "qlora" for r in plan.regimes):
         parts.append("No step peak for QLoRA with every block Linear in NF4: the peak model follows minituner's "
-                     "finetune, which quantizes the LoRA targets only (its buckets in the table are counted as for the others).")
+                     "finetune, which quantizes the LoRA targets only (its buckets in the table are counted as for "
+                     "the others).")
     if alpha is not None:
         parts.append(f"lora_alpha {alpha:g} scales the update (alpha/r) and changes no count or byte.")
     return "\n".join(parts)
