@@ -15,9 +15,8 @@ from .shapes import LinearShape, ModelShape, NormShape, minigpt_shape
 __all__ = [
     "ALL_LINEAR", "KINDS", "FAMILIES", "PRESETS", "Buckets", "LinearShape", "MemoryConfig", "ModelShape", "NormShape",
     "Plan", "Regime", "RegimePlan", "adapter_bytes", "block_linear_weights", "builtin_vocab_size", "config_context",
-    "default_regimes",
-    "korthikanti_activation_bytes", "load_config_shape", "lora_params", "lora_trainable_params", "minigpt_shape",
-    "minigpt_vocab", "nf4_bytes", "nf4_weight_bytes", "param_counts", "parse_targets", "plan", "preset_shape",
-    "quantized_params", "regime_bytes", "resolve_targets", "seed_activation_bytes", "shape_from_config",
-    "simplified_shape", "total_params", "valid_targets",
+    "default_regimes", "korthikanti_activation_bytes", "load_config_shape", "lora_params", "lora_trainable_params",
+    "minigpt_shape", "minigpt_vocab", "nf4_bytes", "nf4_weight_bytes", "param_counts", "parse_targets", "plan",
+    "preset_shape", "quantized_params", "regime_bytes", "resolve_targets", "seed_activation_bytes",
+    "shape_from_config", "simplified_shape", "total_params", "valid_targets",
 ]

@@ -9,8 +9,7 @@ from .batches import EvalResult, ExampleSampler, collate, evaluate_examples, ite
 from .builtin import builtin_records, forecast_qa
 from .chat import answer, chat_prompt, cut_answer
 from .examples import (IGNORE, Example, SFTConfig, SFTStats, examples_sha256, plain_encoder, record_pieces,
-                       record_text,
-                       special_prefix, tokenize_record, tokenize_records)
+                       record_text, special_prefix, tokenize_record, tokenize_records)
 from .formats import FORMATS, Record, read_file, read_records, split_records
 from .load import SFTData, is_sft_source, load_records, prepare_eval, prepare_sft
 from .templates import DEFAULT_EOS, DEFAULT_TEMPLATE, ChatTemplate, default_template, load_chat_template
