@@ -107,6 +107,12 @@ class _Workspace(threading.local):
 _workspace = _Workspace()
 
 
+def workspace_buffer(numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """This thread's shared scratch buffer of `numel` values: its contents are undefined and valid only until the
+    next transient weight on this thread (for a weight used by one product at once, as DequantLinearFunction's)."""
+    return _workspace.get(numel, dtype, device)
+
+
 def workspace_bytes() -> int:
     """Bytes held by this thread's dequantization workspace (all devices and dtypes)."""
     return sum(b.numel() * b.element_size() for b in _workspace.buffers.values())
@@ -197,7 +203,7 @@ class QuantizedLinear(nn.Module):
         dequantization on this thread (for a product computed at once, as DequantLinearFunction does)."""
         s, shape = self._scheme, torch.Size((self.out_features, self.in_features))
         if s.kind == "nf4":
-            out = _workspace.get(shape.numel(), dtype, qtensors[0].device) if transient else None
+            out = workspace_buffer(shape.numel(), dtype, qtensors[0].device) if transient else None
             w = dequantize_nf4(NF4Tensor(qtensors[0], qtensors[1], shape, self.weight_dtype, s.group_size), dtype, out)
             if _nf4_surely_finite(qtensors[1], dtype):  # one look at the scales (out·in/64) instead of a pass over w
                 return w

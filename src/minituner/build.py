@@ -18,9 +18,11 @@ Full fine-tuning trains every weight, so it only builds in float32 (bf16 is refu
 A 16-bit checkpoint is never upcast whole: under bf16 only its norms (and other small float tensors) become
 float32, its Linear and Embedding weights are kept as read and stored as the bf16 base.
 ``compute_dtype`` is the lower-level knob under ``precision="fp32"``: the dtype every frozen float tensor is
-cast to (QLoRA defaults to bfloat16 on CUDA and float32 on CPU; LoRA to the dtype the base was loaded in,
-``float_dtype``: a float32 MiniGPT computes in float32, a bf16 Llama checkpoint stays bf16 and computes in
-bf16, norms included; ``--precision bf16`` is the better path for such a checkpoint).
+cast to (QLoRA defaults to bfloat16 on CUDA and float32 on CPU; LoRA to float32 on CPU and, on CUDA, to the
+dtype the base was loaded in, ``float_dtype``). Computing in float32, a 16-bit checkpoint is not upcast whole
+either: its frozen block Linears stay as read, as ``precision.UpcastLinear`` (cast to fp32 per product into a
+shared workspace, as NF4 dequantizes), while embeddings, norms, biases of other layers and the output head
+become float32. A CPU without bf16 units would run bf16 products many times slower than fp32 ones.
 """
 from __future__ import annotations
 
@@ -36,7 +38,7 @@ from miniquant import DEFAULT_QUANT_SCHEME, QuantizedLinear
 from .adapter_io import load_adapter
 from .lora import ALL_LINEAR, LoRAConfig, apply_lora, find_targets, lora_modules
 from .memory.heap import trim_heap_in_forward
-from .precision import use_bf16_compute, use_fp32_products
+from .precision import compute_in_fp32, use_bf16_compute, use_fp32_products
 from .qlora import (COMPUTE_DTYPES, add_finite_guards, cast_float_tensors, check_qlora, check_scheme,
                     default_compute_dtype, quantize_linears)
 
@@ -124,7 +126,8 @@ def build_for_training(base: nn.Module, method: str = "lora", lora: LoRAConfig |
     if precision == "bf16":
         dtype = compute_dtype or torch.float32
     else:
-        dtype = compute_dtype or {"qlora": default_compute_dtype(dev), "lora": float_dtype(base)}.get(method, torch.float32)
+        lora_dtype = torch.float32 if dev.type == "cpu" else float_dtype(base)
+        dtype = compute_dtype or {"qlora": default_compute_dtype(dev), "lora": lora_dtype}.get(method, torch.float32)
     paths = _check(base, method, lora, quant_scheme, dtype, precision, dev, allow_slow_bf16)
     base.to(dev)
     if method == "full":
@@ -143,8 +146,14 @@ def _adapt(base: nn.Module, method: str, lora: LoRAConfig, paths: list[str], qua
     if method == "qlora":
         quantize_step(base, paths, check_scheme(quant_scheme))
     # frozen float tensors only (a no-op on a float32 base in float32); under bf16 the weights use_bf16_compute
-    # stores in bf16 are left as read, so a 16-bit checkpoint is not upcast on the way
-    cast_float_tensors(base, dtype, keep=(nn.Linear, nn.Embedding) if precision == "bf16" else ())
+    # stores in bf16 are left as read, and in float32 a 16-bit checkpoint's block Linears stay 16-bit (upcast per
+    # product), so a 16-bit checkpoint is not upcast whole on the way
+    if precision == "bf16":
+        cast_float_tensors(base, dtype, keep=(nn.Linear, nn.Embedding))
+    elif dtype == torch.float32:
+        compute_in_fp32(base)
+    else:
+        cast_float_tensors(base, dtype)
     targeted = LoRAConfig(r=lora.r, alpha=lora.alpha, dropout=lora.dropout, target_modules=paths,
                           use_rslora=lora.use_rslora)
     if init_adapter is not None:

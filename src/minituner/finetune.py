@@ -9,8 +9,10 @@ A full fine-tune writes a complete base folder instead of the adapter (a Hugging
 Hugging Face decoder).
 
 How the base is loaded (``load_base``, then ``build_for_training``): full fine-tuning reads it in float32;
-LoRA keeps the checkpoint's dtype (a bf16 base stays bf16 and computes in bf16; the factors are float32);
-QLoRA quantizes the targets as they are read, so the full-precision model is never in memory at once.
+LoRA keeps the checkpoint's dtype (a bf16 base's block Linears stay bf16; in fp32 on CPU each is cast to fp32 per
+product, ``precision.UpcastLinear``; the factors are float32); QLoRA quantizes the targets as they are read, so the
+full-precision model is never in memory at once. The losses before training are the built base's (adapters off),
+computed as training computes.
 """
 from __future__ import annotations
 
@@ -39,7 +41,7 @@ from .build import FULL_IN_BF16, build_for_training
 from .adapter_io import ADAPTER_FILE, save_adapter
 from .export import write_hf_folder
 from .finetune_data import encode_domain, steps_for_epochs, training_data  # noqa: F401 (steps_for_epochs: API)
-from .lora import LoRAConfig, trainable_numel
+from .lora import LoRAConfig, adapters_disabled, trainable_numel
 from .peft_format import save_peft_adapter
 from .qlora import check_scheme, logical_numel
 from .sft import FORMATS, SFTConfig
@@ -159,8 +161,6 @@ def finetune(base: str | Path, out: str | Path, cfg: FinetuneConfig, progress: b
                                    "warmup_steps": min(train_cfg.warmup_steps, steps),
                                    "eval_every": min(train_cfg.eval_every, steps)})
     n_params = logical_numel(model)  # a QLoRA base is already quantized: its weights count by element
-    val_before = data.val_loss(model)
-    base_before = domain_val_loss(model, tokenizer, cfg.base_domain, train_cfg, block) if cfg.base_domain else None
 
     lora_cfg = cfg.lora
     # fp32: QLoRA and full FT in fp32 on every device, LoRA in the dtype the base was read in (a 16-bit checkpoint is
@@ -169,6 +169,9 @@ def finetune(base: str | Path, out: str | Path, cfg: FinetuneConfig, progress: b
     build_for_training(model, method, lora_cfg, cfg.quant_scheme or DEFAULT_QUANT_SCHEME, device, compute,
                        precision=train_cfg.precision, allow_slow_bf16=allow_slow_bf16, init_adapter=cfg.init_adapter,
                        heap_trims=heap_trims)
+    with adapters_disabled(model):  # the base's losses (a QLoRA base quantized), computed as training computes
+        val_before = data.val_loss(model)
+        base_before = domain_val_loss(model, tokenizer, cfg.base_domain, train_cfg, block) if cfg.base_domain else None
     trainable = trainable_numel(model)
     log(f"{cfg.method}: {trainable:,} of {n_params:,} parameters trainable ({trainable / n_params:.2%}); "
         f"{data.description}; {train_cfg.steps} steps in {train_cfg.precision}")

@@ -79,9 +79,9 @@ def cast_float_tensors(model: nn.Module, dtype: torch.dtype, keep: tuple[type, .
         for p in module.parameters(recurse=False):
             if p.is_floating_point() and p.dtype != dtype:
                 p.data = p.data.to(dtype)  # a tied parameter is one object: cast once, stays tied
-        keep = {id(t) for t in module.quantized_tensors()} if isinstance(module, QuantizedLinear) else set()
+        quantized = {id(t) for t in module.quantized_tensors()} if isinstance(module, QuantizedLinear) else set()
         for name, b in module.named_buffers(recurse=False):
-            if b is not None and b.is_floating_point() and id(b) not in keep and b.dtype != dtype:
+            if b is not None and b.is_floating_point() and id(b) not in quantized and b.dtype != dtype:
                 setattr(module, name, b.to(dtype))
 
 

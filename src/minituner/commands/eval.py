@@ -11,6 +11,7 @@ from minigpt.errors import InputError
 
 from ..adapter_io import load_adapter
 from ..base_model import load_base, load_tokenizer
+from ..precision import compute_in_fp32
 from ..evaluation import SPLITS, evaluate_data
 from ..sft import FORMATS, SFTConfig
 from ..sft.examples import OVERLONG
@@ -39,11 +40,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    model, tokenizer = load_base(args.base, resolve_device(args.device))
+    device = resolve_device(args.device)
+    model, tokenizer = load_base(args.base, device)
     if tokenizer is None:
         raise InputError(load_tokenizer(args.base, model.config.vocab_size)[1])
     if args.adapter is not None:
         load_adapter(model, args.adapter)
+    if device.type == "cpu":
+        compute_in_fp32(model)  # as finetune computes on CPU: its val_loss_before is this loss
     model.eval()
     result = evaluate_data(model, tokenizer, args.base, args.data, args.split, args.format,
                            SFTConfig(args.train_on_inputs, args.overlong), args.batch_size,

@@ -10,6 +10,7 @@ from minigpt.errors import InputError
 
 from ..adapter_io import load_adapter
 from ..base_model import load_base, load_tokenizer
+from ..precision import compute_in_fp32
 from ..sft import answer, load_chat_template
 from ._common import non_negative_float, positive_int
 
@@ -44,6 +45,7 @@ def run(args: argparse.Namespace) -> int:
         raise InputError(load_tokenizer(args.base, model.config.vocab_size)[1])
     if args.adapter is not None:
         load_adapter(model, args.adapter)
+    compute_in_fp32(model)  # on CPU, as finetune computes: a 16-bit checkpoint's Linears upcast per product
     model.eval()
     gen = torch.Generator().manual_seed(args.seed)
     if args.chat is not None:
