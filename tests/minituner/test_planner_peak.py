@@ -76,6 +76,21 @@ def test_qlora_holds_the_dequantization_workspace_in_every_phase():
     assert not any("workspace" in term for terms in lora.phases.values() for term in terms)
 
 
+def test_a_16bit_base_in_fp32_shares_one_workspace_for_its_upcast_and_nf4_linears():
+    shape = minigpt_shape(GPTConfig(**TINY))  # attention 16 x 16, MLP 16 <-> 64
+    b = buckets(shape, Regime("lora", 4))
+
+    def terms(regime, targets):
+        peak = step_peak(shape, regime, 4, targets, B, T, 4, weights=b.weights, grads=b.grads, optimizer=b.optimizer,
+                         upcast=True)
+        return {t: v for terms in peak.phases.values() for t, v in terms.items() if "workspace" in t}
+
+    assert terms("lora", "q_proj") == {"16-bit upcast workspace": 16 * 64 * 4}  # every block Linear, targeted or not
+    assert terms("qlora", "all-linear") == {"NF4 dequantization workspace": 16 * 64 * 4}  # nothing left 16-bit
+    assert terms("qlora", "q_proj") == {"NF4 dequantization and 16-bit upcast workspace": 16 * 64 * 4}
+    assert terms("full", "all-linear") == {}  # full fine-tuning reads the base in fp32
+
+
 def test_grad_checkpoint_keeps_block_inputs_and_recomputes_one_block():
     shape = minigpt_shape(GPTConfig(**TINY))
     plain = minigpt_saved_by_layer(shape, B, T, "lora", 4)

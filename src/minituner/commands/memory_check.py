@@ -60,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
         raise InputError("--tokenizer applies to --preset, not to --config or --base")
     if args.base is not None:
         name = str(args.base)
-        build = lambda: load_model_folder(args.base, device)  # noqa: E731
+        build = lambda: load_model_folder(args.base, device, args.regime)  # noqa: E731
     else:
         if args.config is not None:
             cfg, name = model_config(args.config), str(args.config)

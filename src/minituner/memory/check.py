@@ -46,13 +46,13 @@ from minigpt.train import adamw, lm_loss, train_step
 from miniquant.quantize import workspace_bytes
 
 from ..base_model import load_base
-from ..build import build_for_training
+from ..build import build_for_training, float_dtype
 from ..lora import ALL_LINEAR, LoRAConfig
 from .accounting import account, storage_bytes
 from .heap import pin_allocator
 from ..planner import (MemoryConfig, ModelShape, Regime, korthikanti_activation_bytes, minigpt_shape,
                        param_counts, regime_bytes, seed_activation_bytes)
-from ..planner.activations import PRECISION_WIDTHS
+from ..planner.activations import PRECISION_WIDTHS, lora_paths
 from ..planner.decoder_activations import exact_activation_bytes
 from ..planner.hf import decoder_shape
 from ..planner.peak import step_peak
@@ -125,9 +125,11 @@ def model_shape(cfg: GPTConfig | DecoderConfig, name: str = "model") -> ModelSha
     return decoder_shape(cfg, name) if isinstance(cfg, DecoderConfig) else minigpt_shape(cfg, name)
 
 
-def load_model_folder(folder: Path, device: torch.device) -> nn.Module:
-    """A base folder's model in fp32 (MiniGPT, GPT-2, llama, mistral, qwen2), through the one loader."""
-    return load_base(folder, device, torch.float32)[0]
+def load_model_folder(folder: Path, device: torch.device, regime: str = "lora") -> nn.Module:
+    """A base folder's model (MiniGPT, GPT-2, llama, mistral, qwen2) as finetune reads it for `regime`, through the
+    one loader: fp32 for full fine-tuning, the checkpoint's dtype for LoRA and QLoRA (a 16-bit checkpoint's block
+    Linears then stay 16-bit, upcast per product under fp32 compute: ``precision.UpcastLinear``)."""
+    return load_base(folder, device, torch.float32 if regime == "full" else None)[0]
 
 
 class _Packed:
@@ -265,6 +267,7 @@ class CheckResult:
     predicted_phase: str = ""  # where the planner puts the peak (planner/peak.py)
     measured_phases: dict[str, int] = field(default_factory=dict)  # phase -> peak above the process's own memory
     predicted_phases: dict[str, int] = field(default_factory=dict)  # planner phase -> bytes
+    base_dtype: str = "float32"  # the dtype the base was read in (a 16-bit checkpoint's, for LoRA and QLoRA)
 
     @property
     def measured_phase(self) -> str:
@@ -298,7 +301,8 @@ class CheckResult:
         details = {
             "model": self.name, "device": self.device, "regime": c.regime, "rank": None if c.regime == "full" else c.rank,
             "targets": c.targets, "batch_size": c.batch_size, "seq_len": c.seq_len, "steps": c.steps,
-            "precision": c.precision, "grad_checkpoint": c.grad_checkpoint, "params": self.params,
+            "precision": c.precision, "grad_checkpoint": c.grad_checkpoint, "base_dtype": self.base_dtype,
+            "params": self.params,
             "trainable_params": self.trainable_params, "peak_source": self.peak_source,
             "predicted_peak_phase": self.predicted_phase, "predicted_phases": self.predicted_phases,
             "measured_peak_phase": self.measured_phase, "measured_phases": self.measured_phases,
@@ -309,13 +313,15 @@ class CheckResult:
         return {"predicted": predicted, "measured": measured, "error": error, "details": details}
 
 
-def predict(cfg: GPTConfig | DecoderConfig, check: CheckConfig, name: str = "model", on_cpu: bool = True
-            ) -> tuple[dict[str, int], dict[str, int], str, dict[str, int]]:
+def predict(cfg: GPTConfig | DecoderConfig, check: CheckConfig, name: str = "model", on_cpu: bool = True,
+            base_dtype: torch.dtype = torch.float32) -> tuple[dict[str, int], dict[str, int], str, dict[str, int]]:
     """The planner's buckets and peak for this run (exact activations), the two activation estimates, the
     predicted peak phase and every phase's bytes. fp32: every bucket fp32. bf16: the frozen base in bf16
     (the planner's dtype bf16) but its norms fp32, the LoRA masters, their grads and Adam fp32; activations
     and the peak at bf16 compute's widths (``PRECISION_WIDTHS["bf16"]``). on_cpu False: a CUDA run (attention
-    through SDPA, never ``minigpt.native_attention``)."""
+    through SDPA, never ``minigpt.native_attention``). base_dtype bf16 or fp16 under fp32 (LoRA, QLoRA): the
+    block Linears not quantized keep the checkpoint's 2 bytes per weight and bias value (``precision.UpcastLinear``)
+    and share the dequantization workspace, fp32, as large as the largest."""
     shape = model_shape(cfg, name)
     regime = Regime("full") if check.regime == "full" else Regime(check.regime, check.rank)
     widths = {**PRECISION_WIDTHS[check.precision], "on_cpu": on_cpu}
@@ -328,13 +334,19 @@ def predict(cfg: GPTConfig | DecoderConfig, check: CheckConfig, name: str = "mod
         # the planner's bf16 weights hold the LoRA factors and the norms at 2 bytes; here the factors are fp32
         # masters (as many bytes as their fp32 grads, b.grads, not their bf16 ones, low.grads) and the norms fp32
         weights = low.weights - low.grads + b.grads + 2 * param_counts(shape)["norm"]
+    upcast = check.precision == "fp32" and check.regime != "full" and base_dtype in (torch.bfloat16, torch.float16)
+    if upcast:
+        quantized = set(lora_paths(shape, check.targets)) if check.regime == "qlora" else set()
+        kept = sum(lin.weight_params + (lin.out_features if lin.bias else 0) for lin in shape.linears
+                   if lin.path not in quantized)
+        weights -= 2 * kept * shape.n_layer  # 2 bytes instead of fp32's 4
     activations = exact_activation_bytes(shape, check.batch_size, check.seq_len, regime.name, regime.rank,
                                          check.targets, grad_checkpoint=check.grad_checkpoint, **widths)
     predicted = {"weights": weights, "grads": b.grads, "optimizer": b.optimizer, "activations": activations}
     predicted["total"] = sum(predicted.values())
     peak = step_peak(shape, check.regime, check.rank, check.targets, check.batch_size, check.seq_len,
                      grad_checkpoint=check.grad_checkpoint, weights=weights, grads=b.grads, optimizer=b.optimizer,
-                     **widths)
+                     upcast=upcast, **widths)
     predicted["peak"] = peak.bytes
     estimates = {"seed": seed_activation_bytes(shape, check.batch_size, check.seq_len),
                  "korthikanti": korthikanti_activation_bytes(shape, check.batch_size, check.seq_len)}
@@ -359,6 +371,7 @@ def memory_check(build: Callable[[], nn.Module], check: CheckConfig, device: tor
     meter = PeakMemory(device)
     meter.start()
     model = build()
+    base_dtype = float_dtype(model)  # before the build for training casts anything
     check.validate(model.config.block_size)
     disable_dropout(model)
     prepare(model, check, device)
@@ -397,7 +410,8 @@ def memory_check(build: Callable[[], nn.Module], check: CheckConfig, device: tor
     phases = {k: v - own for k, v in meter.phases.items()}
     measured = {**state_bytes(model, opt), "grads": grads, "activations": activations, "peak": max(phases.values()),
                 "baseline": own - meter.base, "peak_raw": max(meter.phases.values()) - meter.base}
-    predicted, estimates, phase, predicted_phases = predict(model.config, check, name, on_cpu=device.type == "cpu")
+    predicted, estimates, phase, predicted_phases = predict(model.config, check, name, on_cpu=device.type == "cpu",
+                                                            base_dtype=base_dtype)
     exact = "decoder_activations.py" if isinstance(model.config, DecoderConfig) else "activations.py"
     note = (f"exact model (planner/{exact})" if check.precision == "fp32"
             else f"exact model (planner/{exact}) at bf16 compute's widths (bf16 from each norm to the residual add, "
@@ -405,7 +419,7 @@ def memory_check(build: Callable[[], nn.Module], check: CheckConfig, device: tor
     source = meter.source + (f", glibc mmap threshold pinned at {MMAP_THRESHOLD // 1024} KiB" if pinned else "")
     return CheckResult(name, check, str(device), predicted, measured, estimates, source,
                        sum(p.numel() for p in params), base_params(model), note, losses,
-                       phase, phases, predicted_phases)
+                       phase, phases, predicted_phases, str(base_dtype).removeprefix("torch."))
 
 
 def base_params(model: nn.Module) -> int:
@@ -425,6 +439,14 @@ def format_table(result: CheckResult, unit: str = "MiB") -> str:
     return "\n".join(lines)
 
 
+def _base_note(base_dtype: str, check: CheckConfig) -> str:
+    if base_dtype == "float32":
+        return ""
+    if check.precision == "fp32":
+        return f"; a {base_dtype} checkpoint: its block Linears not quantized stay {base_dtype}, upcast per product"
+    return f"; a {base_dtype} checkpoint"
+
+
 def describe(result: CheckResult) -> str:
     c = result.check
     what = "full fine-tuning" if c.regime == "full" else f"{c.regime} r={c.rank} on {c.targets}"
@@ -434,7 +456,8 @@ def describe(result: CheckResult) -> str:
     return (f"{result.name}: {result.params:,} base parameters (a quantized weight counted by element), "
             f"{result.trainable_params:,} trainable ({what}); "
             f"batch {c.batch_size} x seq {c.seq_len}, {c.steps} AdamW steps on {result.device} ({c.precision}"
-            f"{', gradient checkpointing' if c.grad_checkpoint else ''}).\n"
+            f"{', gradient checkpointing' if c.grad_checkpoint else ''}"
+            f"{_base_note(result.base_dtype, c)}).\n"
             f"Activations: {result.activation_note}. Adam step counters: {result.measured['optimizer_steps']:,} "
             f"bytes (not planned).\n"
             f"Peak: {result.peak_source}, over the steps after the first, above the process's own memory "

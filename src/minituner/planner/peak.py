@@ -93,7 +93,7 @@ class Peak:
 def minigpt_phases(shape: ModelShape, regime: str, rank: int | None, targets: str | Iterable[str],
                    batch_size: int, seq_len: int, act_bytes: int, grad_checkpoint: bool,
                    weights: int, grads: int, optimizer: int, grad_bytes: int, *, stream_bytes: int | None = None,
-                   lora_copy_bytes: int = 0, on_cpu: bool = True) -> dict[str, dict[str, int]]:
+                   lora_copy_bytes: int = 0, on_cpu: bool = True, upcast: bool = False) -> dict[str, dict[str, int]]:
     """Live bytes per term at the worst moment of each phase of one MiniGPT (or GPT-2) training step."""
     shape, targets = as_minigpt(shape, targets)  # GPT-2 trains as the MiniGPT it imports into
     N, C, F = batch_size * seq_len, shape.d_model, shape.d_ff
@@ -102,13 +102,13 @@ def minigpt_phases(shape: ModelShape, regime: str, rank: int | None, targets: st
     block_grads = N * C * (stream_bytes or act_bytes) + N * F * act_bytes
     return step_phases(shape, regime, rank, targets, batch_size, seq_len, act_bytes, grad_checkpoint, weights, grads,
                        optimizer, grad_bytes, minigpt_saved_by_layer, block_grads, stream_bytes=stream_bytes,
-                       lora_copy_bytes=lora_copy_bytes, on_cpu=on_cpu)
+                       lora_copy_bytes=lora_copy_bytes, on_cpu=on_cpu, upcast=upcast)
 
 
 def llama_phases(shape: ModelShape, regime: str, rank: int | None, targets: str | Iterable[str],
                  batch_size: int, seq_len: int, act_bytes: int, grad_checkpoint: bool,
                  weights: int, grads: int, optimizer: int, grad_bytes: int, *, stream_bytes: int | None = None,
-                 lora_copy_bytes: int = 0, on_cpu: bool = True) -> dict[str, dict[str, int]]:
+                 lora_copy_bytes: int = 0, on_cpu: bool = True, upcast: bool = False) -> dict[str, dict[str, int]]:
     """Live bytes per term at the worst moment of each phase of one llama / mistral / qwen2 (Decoder) step."""
     N, C, F = batch_size * seq_len, shape.d_model, shape.d_ff
     down_saved = regime == "full" or "mlp.down_proj" in lora_paths(shape, targets)
@@ -119,7 +119,7 @@ def llama_phases(shape: ModelShape, regime: str, rank: int | None, targets: str 
     block_grads = N * C * (stream_bytes or act_bytes) + mlp * act_bytes
     return step_phases(shape, regime, rank, targets, batch_size, seq_len, act_bytes, grad_checkpoint, weights, grads,
                        optimizer, grad_bytes, decoder_saved_by_layer, block_grads, stream_bytes=stream_bytes,
-                       lora_copy_bytes=lora_copy_bytes, on_cpu=on_cpu)
+                       lora_copy_bytes=lora_copy_bytes, on_cpu=on_cpu, upcast=upcast)
 
 
 def head_gradients(tokens: int, d_model: int, vocab: int, act_bytes: int) -> dict[str, int]:
@@ -142,8 +142,11 @@ def step_phases(shape: ModelShape, regime: str, rank: int | None, targets: str |
                 batch_size: int, seq_len: int, act_bytes: int, grad_checkpoint: bool,
                 weights: int, grads: int, optimizer: int, grad_bytes: int,
                 saved_by_layer: Callable[..., SavedByLayer], block_grads: int, *, stream_bytes: int | None = None,
-                lora_copy_bytes: int = 0, on_cpu: bool = True) -> dict[str, dict[str, int]]:
-    """The phases of a step for a family's saved-tensor model and its last block's backward gradients (bytes)."""
+                lora_copy_bytes: int = 0, on_cpu: bool = True, upcast: bool = False) -> dict[str, dict[str, int]]:
+    """The phases of a step for a family's saved-tensor model and its last block's backward gradients (bytes).
+
+    upcast: a 16-bit base computed in fp32 (LoRA or QLoRA), whose block Linears not quantized are upcast per
+    product (``precision.UpcastLinear``) into the same workspace NF4 dequantizes into."""
     widths = {"stream_bytes": stream_bytes, "lora_copy_bytes": lora_copy_bytes, "on_cpu": on_cpu}
     saved = saved_by_layer(shape, batch_size, seq_len, regime, rank, targets, act_bytes, grad_checkpoint, **widths)
     plain = saved_by_layer(shape, batch_size, seq_len, regime, rank, targets, act_bytes, **widths) \
@@ -153,10 +156,13 @@ def step_phases(shape: ModelShape, regime: str, rank: int | None, targets: str |
     head_saved = sum(saved.head.values())
     embedding = V * C * FP32  # the token embedding (and a tied head): its gradient is fp32 like Adam's state
     base = {"weights": weights, "optimizer state": optimizer}
-    if regime == "qlora":  # every NF4 weight is dequantized into one reused buffer, kept from the first step on
-        quantized = lora_paths(shape, targets)
-        base["NF4 dequantization workspace"] = max(lin.weight_params for lin in shape.linears
-                                                   if lin.path in quantized) * e
+    # every NF4 weight is dequantized (and a 16-bit one upcast) into one reused buffer, kept from the first step on
+    quantized = set(lora_paths(shape, targets)) if regime == "qlora" else set()
+    upcasts = {lin.path for lin in shape.linears} - quantized if upcast and regime != "full" else set()
+    if quantized or upcasts:
+        name = " and ".join([*(["NF4 dequantization"] if quantized else []), *(["16-bit upcast"] if upcasts else [])])
+        base[f"{name} workspace"] = max(lin.weight_params for lin in shape.linears
+                                        if lin.path in quantized | upcasts) * e
     loss_forward, loss_backward = loss_phases(N, V, e)
     loss_kept = sum(saved.head.get(term, 0) for term in LOSS_KEPT)
     phases = {
@@ -221,14 +227,15 @@ def has_peak_model(shape: ModelShape) -> bool:
 def step_peak(shape: ModelShape, regime: str, rank: int | None = None, targets: str | Iterable[str] = ALL_LINEAR,
               batch_size: int = 16, seq_len: int = 32, act_bytes: int = 4, grad_checkpoint: bool = False, *,
               weights: int, grads: int, optimizer: int, grad_bytes: int = 4, stream_bytes: int | None = None,
-              lora_copy_bytes: int = 0, on_cpu: bool = True) -> Peak:
+              lora_copy_bytes: int = 0, on_cpu: bool = True, upcast: bool = False) -> Peak:
     """The phase where a training step peaks and what is alive there (``PEAK_MODELS[shape.family]``).
 
     act_bytes, stream_bytes and lora_copy_bytes are the exact activation model's widths (e, s, c of
     planner/activations.py); ``PRECISION_WIDTHS[precision]`` holds them for an fp32 or a bf16 run. on_cpu False:
-    a CUDA run, whose attention is SDPA's (planner/activations.py's bf16_compute_attention)."""
+    a CUDA run, whose attention is SDPA's (planner/activations.py's bf16_compute_attention). upcast: a 16-bit
+    base computed in fp32, its block Linears upcast per product into the dequantization workspace."""
     phases = PEAK_MODELS[shape.family](shape, regime, rank, targets, batch_size, seq_len, act_bytes, grad_checkpoint,
                                        weights, grads, optimizer, grad_bytes, stream_bytes=stream_bytes,
-                                       lora_copy_bytes=lora_copy_bytes, on_cpu=on_cpu)
+                                       lora_copy_bytes=lora_copy_bytes, on_cpu=on_cpu, upcast=upcast)
     worst = max(phases, key=lambda k: sum(phases[k].values()))
     return Peak(worst, phases)

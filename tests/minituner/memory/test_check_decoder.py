@@ -149,3 +149,20 @@ def test_cli_takes_a_llama_family_folder(hf_folder, capsys):
                  "--seq-len", "8", "--device", "cpu", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert all(result["error"][b] == 0.0 for b in BUCKETS), result
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name", CONFIGS)
+def test_a_16bit_base_in_fp32_is_planned_byte_for_byte(name, dtype):
+    """A 16-bit checkpoint trained in fp32, as finetune trains it: its block Linears not quantized stay 16-bit
+    (precision.UpcastLinear) and share QLoRA's workspace; the rest is fp32. Every bucket exact."""
+    cfg = decoder(name)
+    for regime, targets in CASES[1:]:  # full fine-tuning reads the base in fp32
+        check = CheckConfig(regime=regime, targets=targets, rank=2, batch_size=3, seq_len=8)
+        r = memory_check(lambda: Decoder(cfg).to(dtype), check, CPU, name)
+        assert r.base_dtype == str(dtype).removeprefix("torch.")
+        for b in BUCKETS:
+            assert r.predicted[b] == r.measured[b], (name, regime, targets, b, r.predicted[b], r.measured[b])
+        fp32 = memory_check(lambda: Decoder(cfg), check, CPU, name)
+        assert r.predicted["weights"] < fp32.predicted["weights"]  # the 16-bit Linears: 2 bytes a value
+        assert r.predicted["activations"] == fp32.predicted["activations"]  # computed in fp32 all the same
