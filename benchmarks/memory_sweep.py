@@ -41,6 +41,9 @@ QWEN2_BIAS = {"model_type": "qwen2", "vocab_size": 6000, "hidden_size": 192, "in
               "num_hidden_layers": 3, "num_attention_heads": 6, "num_key_value_heads": 2,
               "max_position_embeddings": 1024, "tie_word_embeddings": True}
 CONFIGS = {"gpt2-124m": GPT2_124M, "llama-gqa": LLAMA_GQA, "qwen2-bias": QWEN2_BIAS}  # --config files, by model
+# checkpoints written in bf16 (transformers' save_pretrained, random weights) and read with --base, as finetune
+# reads them: LoRA keeps their block Linears bf16 and upcasts each per product (precision.UpcastLinear)
+CHECKPOINTS = {"llama-gqa-bf16": LLAMA_GQA}
 # (model, regime, rank, batch, seq, grad_checkpoint); rank is ignored for full fine-tuning
 POINTS = [
     *[("minigpt", regime, 8, b, t, ck) for regime in ("full", "lora", "qlora") for b, t in ((8, 64), (32, 128))
@@ -55,6 +58,8 @@ POINTS = [
     *[("llama-gqa", "lora", r, 8, 128, False) for r in (4, 32)],
     *[("llama-gqa", "lora", 8, 2, 512, ck) for ck in (False, True)],
     *[("qwen2-bias", regime, 8, 2, 256, ck) for regime in ("full", "lora", "qlora") for ck in (False, True)],
+    *[("llama-gqa-bf16", "lora", 8, 4, 128, ck) for ck in (False, True)],
+    ("llama-gqa-bf16", "qlora", 8, 4, 128, False),
 ]
 # the same runs with glibc's malloc left as it is: how much the resident set keeps beyond the live tensors
 UNPINNED_POINTS = [("minigpt", "full", 8, 32, 128, False), ("minigpt", "lora", 8, 32, 128, False),
@@ -66,7 +71,8 @@ QUICK_POINTS = [("minigpt", "full", 8, 8, 64, False), ("minigpt", "lora", 8, 8, 
 def measure(model: str, regime: str, rank: int, batch: int, seq: int, ckpt: bool, configs: Path,
             pinned: bool = True) -> dict:
     """One memory-check run in a fresh process (so the peak is that run's alone); its JSON."""
-    source = ["--preset", "minigpt"] if model == "minigpt" else ["--config", str(configs / model / "config.json")]
+    source = (["--preset", "minigpt"] if model == "minigpt" else ["--base", str(configs / model)]
+              if model in CHECKPOINTS else ["--config", str(configs / model / "config.json")])
     cmd = [sys.executable, "-m", "minituner", "memory-check", *source, "--regime", regime, "--rank", str(rank),
            "--batch-size", str(batch), "--seq-len", str(seq), "--device", "cpu", "--json",
            *(["--grad-checkpoint"] if ckpt else []), *([] if pinned else ["--default-allocator"])]
@@ -77,12 +83,25 @@ def measure(model: str, regime: str, rank: int, batch: int, seq: int, ckpt: bool
     return result
 
 
+def write_checkpoint(folder: Path, config: dict) -> None:
+    """A random-weight bf16 checkpoint of `config`, as transformers writes one (no tokenizer: memory-check needs none)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config)).to(torch.bfloat16)
+    model.save_pretrained(folder)
+
+
 def sweep(quick: bool = False) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         cfg = Path(tmp)
         for name, config in CONFIGS.items():
             (cfg / name).mkdir()
             write_json(cfg / name / "config.json", config)
+        for name, config in CHECKPOINTS.items():
+            if any(p[0] == name for p in (QUICK_POINTS if quick else POINTS)):
+                write_checkpoint(cfg / name, config)
         results = []
         for point, pinned in [(p, True) for p in (QUICK_POINTS if quick else POINTS)] + \
                 [(p, False) for p in ([] if quick else UNPINNED_POINTS)]:
@@ -198,7 +217,7 @@ def plot(results: list[dict]) -> bytes:
 
     fig, ax = plt.subplots(figsize=(6.8, 5.6), dpi=100)
     colors = {"full": "tab:red", "lora": "tab:blue", "qlora": "tab:green"}
-    markers = {"minigpt": "o", "gpt2-124m": "s", "llama-gqa": "^", "qwen2-bias": "D"}
+    markers = {"minigpt": "o", "gpt2-124m": "s", "llama-gqa": "^", "qwen2-bias": "D", "llama-gqa-bf16": "v"}
     everything = []
     for res in results:
         d = res["details"]
@@ -223,7 +242,7 @@ def plot(results: list[dict]) -> bytes:
     ax.set_ylim(lo, hi)
     ax.set_xlabel("measured peak of a training step (MiB, 1024²)")
     ax.set_ylabel("predicted peak (MiB)")
-    ax.set_title("step peak: planner vs measured\n(MiniGPT, a GPT-2-124M shape, llama and qwen2 shapes; fp32, CPU)",
+    ax.set_title("step peak: planner vs measured\n(MiniGPT, a GPT-2-124M shape, llama and qwen2 shapes; fp32 compute, CPU)",
                  fontsize=10)
     ax.legend(handles=handles, fontsize=7, loc="upper left")
     ax.grid(alpha=0.3, which="both")
@@ -245,7 +264,9 @@ INTRO = ("`minituner memory-check --json` on each point (a fresh process each): 
          "`gpt2-124m` (GPT-2 small's config, imported into MiniGPT), `llama-gqa` (llama: d_model 256, 4 layers, 8 query "
          "/ 2 K/V heads, SwiGLU 688, vocab 4,096, untied) and `qwen2-bias` (qwen2: d_model 192, 3 layers, 6 / 2 heads, "
          "q/k/v biases, SwiGLU 512, vocab 6,000, tied), the last two as `minigpt.decoder.Decoder` with random weights "
-         "(exact model: `planner/decoder_activations.py`).")
+         "(exact model: `planner/decoder_activations.py`); `llama-gqa-bf16` is the same llama written as a bf16 "
+         "checkpoint by transformers and read with `--base` as finetune reads it: LoRA and QLoRA compute in fp32 while "
+         "its block Linears that are not quantized stay bf16, upcast per product into the shared workspace.")
 
 
 def markdown(results: list[dict], command: str) -> str:
