@@ -209,6 +209,9 @@ class LoRALinear(nn.Module):
                              "unmerge would not restore it exactly; save the adapter and merge into the fp32 base")
         if not isinstance(self.base_layer, nn.Linear):
             raise InputError("cannot merge into a quantized base in place; use merged_linear() (dequantize -> merge -> float layer)")
+        if self.base_layer.weight.dtype in (torch.bfloat16, torch.float16):
+            raise InputError(f"cannot merge into a {str(self.base_layer.weight.dtype).removeprefix('torch.')} base weight "
+                             "in place: unmerge would not restore it exactly; use merged_linear() or merge_and_unload()")
         self._set_weight(self.delta_weight(), "merge")
         self.merged_adapters = dict(self.active_adapters)
 

@@ -170,6 +170,19 @@ def test_generate_stops_at_the_eos_id(hf_folder, hf_words, tmp_path, capsys):
     assert text.split() == [*prompt.split(), tok.decode([first])]  # one token, then it stopped
 
 
+def test_generate_refuses_a_prompt_that_encodes_to_no_token(hf_folder, hf_words, tmp_path, capsys):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    base = tmp_path / "llama"
+    shutil.copytree(hf_folder("llama", name="llama-cli"), base)
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(hf_words)}, unk_token=hf_words[0]))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()  # a newline alone is no word: no token
+    tok.save(str(base / "tokenizer.json"))
+    assert main(["generate", "--base", str(base), "--max-new-tokens", "3"]) == 2  # the default prompt, a newline
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "encodes to no token" in err[0]
+
+
 def test_count_base_plans_from_the_folders_config(hf_folder, capsys):
     base = hf_folder("qwen2", name="qwen2-cli-count", tie_word_embeddings=True)
     assert main(["count", "--base", str(base), "--json"]) == 0

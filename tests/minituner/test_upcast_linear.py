@@ -141,3 +141,18 @@ def test_adapters_disabled_gives_the_base_output_and_restores_them():
         assert torch.equal(model(x), with_adapter)
     assert not any(m.disabled for m in lora_modules(model).values())
     assert not isinstance(model.model.layers[0].self_attn.q_proj.base_layer, QuantizedLinear)
+
+
+def test_merge_in_place_is_refused_on_a_16bit_base_and_merged_linear_works():
+    from minigpt.errors import InputError
+
+    model = _bf16_decoder()
+    build_for_training(model, "lora", LoRAConfig(r=4, alpha=8.0, target_modules="q_proj"), device="cpu")
+    _nonzero_b(model)
+    layer = model.model.layers[0].self_attn.q_proj
+    before = layer.base_layer.weight.clone()
+    with pytest.raises(InputError, match="unmerge would not restore it exactly"):
+        layer.merge()  # W + ΔW rounded to bf16 and back would not give W again
+    assert torch.equal(layer.base_layer.weight, before) and not layer.merged_adapters
+    merged = layer.merged_linear()
+    torch.testing.assert_close(merged.weight.float(), (before.float() + layer.delta_weight()).bfloat16().float())

@@ -66,7 +66,11 @@ def run(args: argparse.Namespace) -> int:
     if not args.prompt:
         raise InputError("--prompt is empty")
     temperature = 0.8 if args.temperature is None else args.temperature
-    x = torch.tensor([tokenizer.encode(args.prompt)] * args.num_samples)
+    ids = tokenizer.encode(args.prompt)
+    if not ids:
+        raise InputError(f"--prompt {args.prompt!r} encodes to no token with {args.base}'s tokenizer; give a prompt "
+                         "with text in it")
+    x = torch.tensor([ids] * args.num_samples, dtype=torch.long)  # (num_samples, T)
     eos = getattr(tokenizer, "eos_ids", None)  # a Hugging Face folder's end-of-sequence id(s)
     out = model.generate(x, args.max_new_tokens, temperature=temperature, top_k=args.top_k, generator=gen,
                          eos_id=eos)

@@ -28,7 +28,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                      help="config.json (or its folder) of a Hugging Face gpt2, llama, mistral or qwen2 model or a "
                           "MiniGPT base; random weights")
     src.add_argument("--base", type=Path, help="model folder (minituner base, or Hugging Face gpt2, llama, mistral "
-                                               "or qwen2), its weights loaded in fp32")
+                                               "or qwen2), read as finetune reads it: fp32 for --regime full, the "
+                                               "checkpoint's dtype for lora and qlora")
     p.add_argument("--tokenizer", type=Path, help="tokenizer.json giving a --preset its vocab_size")
     d = CheckConfig()
     p.add_argument("--regime", choices=REGIMES, default=d.regime, help="what trains (default %(default)s)")
