@@ -41,10 +41,11 @@ from .build import FULL_IN_BF16, build_for_training
 from .adapter_io import ADAPTER_FILE, save_adapter
 from .export import write_hf_folder
 from .finetune_data import encode_domain, steps_for_epochs, training_data  # noqa: F401 (steps_for_epochs: API)
-from .lora import LoRAConfig, adapters_disabled, trainable_numel
+from .lora import LoRAConfig, trainable_numel
 from .peft_format import save_peft_adapter
 from .qlora import check_scheme, logical_numel
 from .sft import FORMATS, SFTConfig
+from .zoo import adapters_disabled
 
 DEFAULT_DATA = FINETUNE_DATA
 BASE_DOMAIN = PRETRAIN_DATA  # val loss here before/after shows what fine-tuning forgets

@@ -10,9 +10,7 @@ idempotent, computed in fp32 and refused when the result is not finite.
 from __future__ import annotations
 
 import math
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass
-from typing import Iterator
 from typing import NamedTuple
 
 import torch
@@ -248,19 +246,6 @@ class LoRALinear(nn.Module):
 
 def lora_modules(model: nn.Module) -> dict[str, LoRALinear]:
     return {name: m for name, m in model.named_modules() if isinstance(m, LoRALinear)}
-
-
-@contextmanager
-def adapters_disabled(model: nn.Module) -> Iterator[nn.Module]:
-    """Inside the block every LoRALinear outputs its base layer's alone (PEFT's ``disable_adapter()``)."""
-    layers = [m for m in lora_modules(model).values() if not m.disabled]
-    for m in layers:
-        m.disabled = True
-    try:
-        yield model
-    finally:
-        for m in layers:
-            m.disabled = False
 
 
 def _output_heads(model: nn.Module) -> set[str]:

@@ -11,9 +11,10 @@ from minigpt.train import lm_loss
 from miniquant import QuantizedLinear
 from miniquant.quantize import workspace_bytes
 from minituner.build import build_for_training
-from minituner.lora import LoRAConfig, LoRALinear, adapters_disabled, lora_modules
+from minituner.lora import LoRAConfig, LoRALinear, lora_modules
 from minituner.precision import Bf16Linear, UpcastLinear
 from minituner.qlora import cast_float_tensors
+from minituner.zoo import adapters_disabled
 
 CFG = dict(vocab_size=41, block_size=16, n_layer=2, n_head=4, n_kv_head=2, d_model=32, d_ff=64)
 

@@ -57,6 +57,7 @@ from ..planner.decoder_activations import exact_activation_bytes
 from ..planner.hf import decoder_shape
 from ..planner.peak import step_peak
 from ..planner.report import UNITS
+from ..precision import LOW_BITS
 from ..qlora import param_summary
 
 REGIMES = ("full", "lora", "qlora")
@@ -334,7 +335,7 @@ def predict(cfg: GPTConfig | DecoderConfig, check: CheckConfig, name: str = "mod
         # the planner's bf16 weights hold the LoRA factors and the norms at 2 bytes; here the factors are fp32
         # masters (as many bytes as their fp32 grads, b.grads, not their bf16 ones, low.grads) and the norms fp32
         weights = low.weights - low.grads + b.grads + 2 * param_counts(shape)["norm"]
-    upcast = check.precision == "fp32" and check.regime != "full" and base_dtype in (torch.bfloat16, torch.float16)
+    upcast = check.precision == "fp32" and check.regime != "full" and base_dtype in LOW_BITS
     if upcast:
         quantized = set(lora_paths(shape, check.targets)) if check.regime == "qlora" else set()
         kept = sum(lin.weight_params + (lin.out_features if lin.bias else 0) for lin in shape.linears
