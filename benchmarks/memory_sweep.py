@@ -42,7 +42,7 @@ QWEN2_BIAS = {"model_type": "qwen2", "vocab_size": 6000, "hidden_size": 192, "in
               "max_position_embeddings": 1024, "tie_word_embeddings": True}
 CONFIGS = {"gpt2-124m": GPT2_124M, "llama-gqa": LLAMA_GQA, "qwen2-bias": QWEN2_BIAS}  # --config files, by model
 # checkpoints written in bf16 (transformers' save_pretrained, random weights) and read with --base, as finetune
-# reads them: LoRA keeps their block Linears bf16 and upcasts each per product (precision.UpcastLinear)
+# reads them: LoRA keeps their block Linears bf16 and upcasts each per product (upcast.UpcastLinear)
 CHECKPOINTS = {"llama-gqa-bf16": LLAMA_GQA}
 # (model, regime, rank, batch, seq, grad_checkpoint); rank is ignored for full fine-tuning
 POINTS = [

@@ -20,7 +20,7 @@ float32, its Linear and Embedding weights are kept as read and stored as the bf1
 ``compute_dtype`` is the lower-level knob under ``precision="fp32"``: the dtype every frozen float tensor is
 cast to (QLoRA defaults to bfloat16 on CUDA and float32 on CPU; LoRA to float32 on CPU and, on CUDA, to the
 dtype the base was loaded in, ``float_dtype``). Computing in float32, a 16-bit checkpoint is not upcast whole
-either: its frozen block Linears stay as read, as ``precision.UpcastLinear`` (cast to fp32 per product into a
+either: its frozen block Linears stay as read, as ``upcast.UpcastLinear`` (cast to fp32 per product into a
 shared workspace, as NF4 dequantizes), while embeddings, norms, biases of other layers and the output head
 become float32. A CPU without bf16 units would run bf16 products many times slower than fp32 ones.
 """
@@ -38,7 +38,8 @@ from miniquant import DEFAULT_QUANT_SCHEME, QuantizedLinear
 from .adapter_io import load_adapter
 from .lora import ALL_LINEAR, LoRAConfig, apply_lora, find_targets, lora_modules
 from .memory.heap import trim_heap_in_forward
-from .precision import compute_in_fp32, use_bf16_compute, use_fp32_products
+from .precision import use_bf16_compute, use_fp32_products
+from .upcast import compute_in_fp32
 from .qlora import (COMPUTE_DTYPES, add_finite_guards, cast_float_tensors, check_qlora, check_scheme,
                     default_compute_dtype, quantize_linears)
 

@@ -37,9 +37,7 @@ In fp32 (``use_fp32_products``, what ``build_for_training`` does for every metho
 becomes an ``Fp32Linear``: the same Parameters, its products and their gradients through
 ``minikernels.fp32_gemm`` (oneDNN on CPUs where PyTorch's MKL takes slow kernels; ``F.linear`` elsewhere).
 
-A 16-bit checkpoint in fp32 (``keep_16bit_linears``, what ``build_for_training`` does on CPU): each frozen block
-Linear stays as read, as an ``UpcastLinear`` that casts its weight to fp32 per product into a workspace shared
-by every layer (as NF4 dequantizes), so fp32 products run without a 2x upcast of the model.
+A 16-bit checkpoint computing in fp32 keeps its weights as read: ``minituner.upcast``.
 
 Full fine-tuning is refused: bf16 compute is defined for a frozen base (every trainable parameter a LoRA
 factor); full fine-tuning trains in fp32. The same path runs on CUDA (cuBLAS bf16 products).
@@ -59,10 +57,8 @@ from minigpt.device import PRECISIONS, check_precision
 from minigpt.errors import InputError
 from minikernels import fp32_gemm
 from miniquant import QuantizedLinear
-from miniquant.quantize import DequantLinearFunction, workspace_buffer
 
-from .lora import OUTPUT_HEADS, LoRALinear, lora_modules
-from .qlora import cast_float_tensors
+from .lora import LoRALinear, lora_modules
 
 BF16 = torch.bfloat16
 # computed in fp32 on the stream; their output handed out in bf16 (nn.RMSNorm exists from torch 2.4 on)
@@ -84,29 +80,6 @@ class Fp32Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return fp32_gemm.linear(x, self.weight, self.bias)  # (..., out); F.linear off fp32 CPU
-
-
-class UpcastLinear(nn.Linear):
-    """A frozen Linear stored in 16 bits (a bf16 or fp16 checkpoint's weight, as read) that computes in fp32.
-
-    Each product casts the weight into a workspace shared by every layer (miniquant's, where NF4 dequantizes)
-    and multiplies there, in forward and again in backward (``DequantLinearFunction``: the input's gradient
-    only, nothing fp32 kept): the model keeps 16-bit memory and runs fp32 products, which CPUs without bf16
-    units run many times faster than bf16 ones. An input in another dtype computes in the weight's dtype."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != torch.float32:
-            return F.linear(x.to(self.weight.dtype), self.weight, self.bias).to(x.dtype)  # (..., out)
-        x2 = x.reshape(-1, self.in_features)  # (N, in): the Function's output is then a plain (N, out) tensor
-        y = DequantLinearFunction.apply(x2, self.bias, self, self.weight)  # the weight saved: no copy
-        return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)  # (..., out)
-
-    def dequantize_from(self, tensors: tuple[torch.Tensor, ...], dtype: torch.dtype, transient: bool = False
-                        ) -> torch.Tensor:
-        """The (out, in) weight in `dtype`: in the shared workspace when `transient` (valid until its next use)."""
-        w = tensors[0]
-        out = workspace_buffer(w.numel(), dtype, w.device).view(w.shape) if transient else torch.empty_like(w, dtype=dtype)
-        return out.copy_(w)
 
 
 class Bf16Embedding(nn.Embedding):
@@ -226,31 +199,6 @@ def _swap(model: nn.Module, replacements: list[tuple[str, nn.Module]]) -> None:
 
 
 LOW_BITS = (torch.bfloat16, torch.float16)
-
-
-def keep_16bit_linears(model: nn.Module, skip: tuple[str, ...] = ()) -> list[str]:
-    """Make every nn.Linear with a 16-bit weight but the LoRA factors an UpcastLinear (the same Parameters, not
-    copied): stored as read, computed in fp32, frozen (an UpcastLinear computes no weight gradient, so its weight
-    and bias stop requiring one); in place. Linears whose name is in `skip` (the output head) are left alone.
-    Returns their paths."""
-    lora_factors = _factor_modules(model)
-    found = [(path, m) for path, m in model.named_modules()
-             if type(m) is nn.Linear and id(m) not in lora_factors and m.weight.dtype in LOW_BITS
-             and path.rsplit(".", 1)[-1] not in skip]
-    for _, m in found:
-        m.requires_grad_(False)
-    _swap(model, [(path, _linear_as(UpcastLinear, m, m.weight, m.bias)) for path, m in found])
-    return [path for path, _ in found]
-
-
-def compute_in_fp32(model: nn.Module, skip: tuple[str, ...] = OUTPUT_HEADS) -> nn.Module:
-    """fp32 compute for a model read in any float dtype, without upcasting a 16-bit one whole: its frozen block
-    Linears become UpcastLinear (``keep_16bit_linears``), every other float tensor but the LoRA factors becomes
-    fp32, and the fp32 Linears take ``use_fp32_products``; in place. A no-op on an fp32 model but for that last
-    step. Returns the model."""
-    keep_16bit_linears(model, skip)
-    cast_float_tensors(model, torch.float32, keep=(UpcastLinear,))
-    return use_fp32_products(model)
 
 
 def use_fp32_products(model: nn.Module) -> nn.Module:

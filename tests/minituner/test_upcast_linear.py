@@ -12,7 +12,8 @@ from miniquant import QuantizedLinear
 from miniquant.quantize import workspace_bytes
 from minituner.build import build_for_training
 from minituner.lora import LoRAConfig, LoRALinear, lora_modules
-from minituner.precision import Bf16Linear, UpcastLinear
+from minituner.precision import Bf16Linear
+from minituner.upcast import UpcastLinear
 from minituner.qlora import cast_float_tensors
 from minituner.zoo import adapters_disabled
 

@@ -11,7 +11,7 @@ from minigpt.errors import InputError
 
 from ..adapter_io import load_adapter
 from ..base_model import load_base, load_tokenizer
-from ..precision import compute_in_fp32
+from ..upcast import compute_in_fp32
 from ..evaluation import SPLITS, evaluate_data
 from ..sft import FORMATS, SFTConfig
 from ..sft.examples import OVERLONG

@@ -10,7 +10,7 @@ from minigpt.errors import InputError
 
 from ..adapter_io import load_adapter
 from ..base_model import load_base, load_tokenizer
-from ..precision import compute_in_fp32
+from ..upcast import compute_in_fp32
 from ..sft import answer, load_chat_template
 from ._common import non_negative_float, positive_int
 

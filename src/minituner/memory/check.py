@@ -129,7 +129,7 @@ def model_shape(cfg: GPTConfig | DecoderConfig, name: str = "model") -> ModelSha
 def load_model_folder(folder: Path, device: torch.device, regime: str = "lora") -> nn.Module:
     """A base folder's model (MiniGPT, GPT-2, llama, mistral, qwen2) as finetune reads it for `regime`, through the
     one loader: fp32 for full fine-tuning, the checkpoint's dtype for LoRA and QLoRA (a 16-bit checkpoint's block
-    Linears then stay 16-bit, upcast per product under fp32 compute: ``precision.UpcastLinear``)."""
+    Linears then stay 16-bit, upcast per product under fp32 compute: ``upcast.UpcastLinear``)."""
     return load_base(folder, device, torch.float32 if regime == "full" else None)[0]
 
 
@@ -321,7 +321,7 @@ def predict(cfg: GPTConfig | DecoderConfig, check: CheckConfig, name: str = "mod
     (the planner's dtype bf16) but its norms fp32, the LoRA masters, their grads and Adam fp32; activations
     and the peak at bf16 compute's widths (``PRECISION_WIDTHS["bf16"]``). on_cpu False: a CUDA run (attention
     through SDPA, never ``minigpt.native_attention``). base_dtype bf16 or fp16 under fp32 (LoRA, QLoRA): the
-    block Linears not quantized keep the checkpoint's 2 bytes per weight and bias value (``precision.UpcastLinear``)
+    block Linears not quantized keep the checkpoint's 2 bytes per weight and bias value (``upcast.UpcastLinear``)
     and share the dequantization workspace, fp32, as large as the largest."""
     shape = model_shape(cfg, name)
     regime = Regime("full") if check.regime == "full" else Regime(check.regime, check.rank)

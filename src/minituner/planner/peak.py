@@ -146,7 +146,7 @@ def step_phases(shape: ModelShape, regime: str, rank: int | None, targets: str |
     """The phases of a step for a family's saved-tensor model and its last block's backward gradients (bytes).
 
     upcast: a 16-bit base computed in fp32 (LoRA or QLoRA), whose block Linears not quantized are upcast per
-    product (``precision.UpcastLinear``) into the same workspace NF4 dequantizes into."""
+    product (``upcast.UpcastLinear``) into the same workspace NF4 dequantizes into."""
     widths = {"stream_bytes": stream_bytes, "lora_copy_bytes": lora_copy_bytes, "on_cpu": on_cpu}
     saved = saved_by_layer(shape, batch_size, seq_len, regime, rank, targets, act_bytes, grad_checkpoint, **widths)
     plain = saved_by_layer(shape, batch_size, seq_len, regime, rank, targets, act_bytes, **widths) \
