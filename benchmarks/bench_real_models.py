@@ -342,6 +342,8 @@ def _planner_shape(folder: Path) -> dict:
     """What the planner says for this folder's QLoRA r=RANK run, MiB: the weights bucket with the base stored
     in bf16 ("load weights": what is resident after loading), and per compute dtype the predicted peak of a
     training step as `minituner memory-check` predicts it (planner/peak.py, exact activations) and its phase."""
+    import torch
+
     from minituner.hf_config import read_decoder_config
     from minituner.memory.check import CheckConfig, predict
     from minituner.planner import MemoryConfig, Regime, load_config_shape, regime_bytes
@@ -350,9 +352,10 @@ def _planner_shape(folder: Path) -> dict:
                           MemoryConfig(batch_size=BATCH, seq_len=SEQ, dtype="bf16"))
     out: dict = {"load weights": stored.weights / MIB}
     cfg = read_decoder_config(folder)
-    for dt in DTYPES.values():
+    for dt in DTYPES.values():  # the checkpoint is bf16 (real_checkpoints): in fp32 its embedding and head stay bf16
         predicted, _, phase, _ = predict(cfg, CheckConfig(regime="qlora", rank=RANK, targets="all-linear",
-                                                          batch_size=BATCH, seq_len=SEQ, precision=dt))
+                                                          batch_size=BATCH, seq_len=SEQ, precision=dt),
+                                         base_dtype=torch.bfloat16)
         out[dt] = {"peak": predicted["peak"] / MIB, "phase": phase, "weights": predicted["weights"] / MIB,
                    "activations": predicted["activations"] / MIB}
     return out

@@ -20,9 +20,9 @@ float32, its Linear and Embedding weights are kept as read and stored as the bf1
 ``compute_dtype`` is the lower-level knob under ``precision="fp32"``: the dtype every frozen float tensor is
 cast to (QLoRA defaults to bfloat16 on CUDA and float32 on CPU; LoRA to float32 on CPU and, on CUDA, to the
 dtype the base was loaded in, ``float_dtype``). Computing in float32, a 16-bit checkpoint is not upcast whole
-either: its frozen block Linears stay as read, as ``upcast.UpcastLinear`` (cast to fp32 per product into a
-shared workspace, as NF4 dequantizes), while embeddings, norms, biases of other layers and the output head
-become float32. A CPU without bf16 units would run bf16 products many times slower than fp32 ones.
+either (``minituner.upcast``): its frozen Linears, embeddings and output head stay as read, each Linear cast to
+fp32 per product into a shared workspace (as NF4 dequantizes; the head a chunk of rows at a time), while norms
+and other small float tensors become float32. A CPU without bf16 units would run bf16 products many times slower than fp32 ones.
 """
 from __future__ import annotations
 

@@ -151,17 +151,22 @@ def _fp32_linear(m: nn.Linear) -> Fp32Linear:
     return _linear_as(Fp32Linear, m, m.weight, m.bias)  # the same Parameters: ties stay ties, nothing copied
 
 
-def _bf16_embedding(m: nn.Embedding, dtype: torch.dtype, output_dtype: torch.dtype,
-                    cache: dict[int, nn.Parameter]) -> Bf16Embedding:
+def _embedding_as(m: nn.Embedding, weight: nn.Parameter, output_dtype: torch.dtype) -> Bf16Embedding:
+    """A Bf16Embedding in m's place holding the given table (no fresh initialisation), returning output_dtype."""
     layer = Bf16Embedding.__new__(Bf16Embedding)
     nn.Module.__init__(layer)
     for attr in ("num_embeddings", "embedding_dim", "padding_idx", "max_norm", "norm_type", "scale_grad_by_freq",
                  "sparse"):
         setattr(layer, attr, getattr(m, attr))
-    layer.weight = _frozen_copy(m.weight, dtype, cache)
+    layer.weight = weight
     layer.output_dtype = output_dtype
     layer.train(m.training)
     return layer
+
+
+def _bf16_embedding(m: nn.Embedding, dtype: torch.dtype, output_dtype: torch.dtype,
+                    cache: dict[int, nn.Parameter]) -> Bf16Embedding:
+    return _embedding_as(m, _frozen_copy(m.weight, dtype, cache), output_dtype)
 
 
 def _factor_modules(model: nn.Module) -> set[int]:

@@ -1,5 +1,5 @@
-"""A 16-bit checkpoint trained in fp32 (--precision fp32, CPU): block Linears stay 16-bit (UpcastLinear), the
-products run in fp32, and the numbers are those of the same model upcast whole."""
+"""A 16-bit checkpoint trained in fp32 (--precision fp32, CPU): block Linears, embeddings and head stay 16-bit
+(minituner.upcast), the products run in fp32, and the numbers are those of the same model upcast whole."""
 import copy
 
 import pytest
@@ -9,26 +9,29 @@ from torch import nn
 from minigpt.decoder import Decoder, DecoderConfig
 from minigpt.train import lm_loss
 from miniquant import QuantizedLinear
-from miniquant.quantize import workspace_bytes
+from miniquant.quantize import release_workspace, workspace_bytes
 from minituner.build import build_for_training
 from minituner.lora import LoRAConfig, LoRALinear, lora_modules
-from minituner.precision import Bf16Linear
-from minituner.upcast import UpcastLinear
+from minituner.precision import Bf16Embedding, Bf16Linear, Fp32Linear
+from minituner.upcast import RowChunkedUpcastFunction, UpcastLinear, compute_in_fp32
 from minituner.qlora import cast_float_tensors
 from minituner.zoo import adapters_disabled
 
 CFG = dict(vocab_size=41, block_size=16, n_layer=2, n_head=4, n_kv_head=2, d_model=32, d_ff=64)
 
 
-def _bf16_decoder(dtype=torch.bfloat16, tied=False) -> nn.Module:
+BIG_VOCAB = 541  # 541 x 32 is more than the blocks' largest Linear (64 x 32): the head casts 64 rows at a time
+
+
+def _bf16_decoder(dtype=torch.bfloat16, tied=False, vocab=CFG["vocab_size"]) -> nn.Module:
     torch.manual_seed(0)
-    return Decoder(DecoderConfig(**CFG, tie_word_embeddings=tied)).to(dtype)  # as load_base reads a 16-bit folder
+    cfg = DecoderConfig(**{**CFG, "vocab_size": vocab}, tie_word_embeddings=tied)
+    return Decoder(cfg).to(dtype)  # as load_base reads a 16-bit folder
 
 
-def _batch():
+def _batch(vocab=CFG["vocab_size"]):
     g = torch.Generator().manual_seed(1)
-    return (torch.randint(0, CFG["vocab_size"], (3, 12), generator=g),
-            torch.randint(0, CFG["vocab_size"], (3, 12), generator=g))
+    return torch.randint(0, vocab, (3, 12), generator=g), torch.randint(0, vocab, (3, 12), generator=g)
 
 
 def _nonzero_b(model):
@@ -40,17 +43,19 @@ def _nonzero_b(model):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("tied", [False, True])
-@pytest.mark.parametrize("targets", ["all-linear", "q_proj,v_proj"])
-def test_lora_on_a_16bit_base_computes_the_upcast_models_numbers(dtype, tied, targets):
-    low = _bf16_decoder(dtype, tied)
+@pytest.mark.parametrize("targets,vocab", [("all-linear", CFG["vocab_size"]), ("q_proj,v_proj", CFG["vocab_size"]),
+                                           ("all-linear", BIG_VOCAB)])
+def test_lora_on_a_16bit_base_computes_the_upcast_models_numbers(dtype, tied, targets, vocab):
+    low = _bf16_decoder(dtype, tied, vocab)
     ref = copy.deepcopy(low).float()  # the same weights, upcast whole (exact: every 16-bit value is an fp32 value)
     lora = LoRAConfig(r=4, alpha=8.0, target_modules=targets)
     for model in (low, ref):
         torch.manual_seed(3)  # the same fresh A
         build_for_training(model, "lora", lora, device="cpu")
+    assert (low.lm_head.rows_per_product == 64) == (vocab == BIG_VOCAB)
     _nonzero_b(low)
     _nonzero_b(ref)
-    x, y = _batch()
+    x, y = _batch(vocab)
     loss_low, loss_ref = lm_loss(low, x, y), lm_loss(ref, x, y)
     loss_low.backward()
     loss_ref.backward()
@@ -64,18 +69,53 @@ def test_lora_on_a_16bit_base_computes_the_upcast_models_numbers(dtype, tied, ta
 
 
 @pytest.mark.parametrize("tied", [False, True])
-def test_block_linears_stay_16bit_and_the_rest_becomes_fp32(tied):
+def test_linears_embeddings_and_head_stay_16bit_and_the_norms_become_fp32(tied):
     model = _bf16_decoder(torch.bfloat16, tied)
-    weights = {n: m.weight for n, m in model.named_modules() if type(m) is nn.Linear and "layers" in n}
+    weights = {n: m.weight for n, m in model.named_modules() if type(m) in (nn.Linear, nn.Embedding)}
     build_for_training(model, "lora", LoRAConfig(r=4, alpha=8.0, target_modules="q_proj,v_proj"), device="cpu")
-    for name, w in weights.items():  # targets (inside LoRALinear) and the other block Linears alike
+    for name, w in weights.items():  # targets (inside LoRALinear), the other Linears, the head, the embedding
         layer = model.get_submodule(name)
         layer = layer.base_layer if isinstance(layer, LoRALinear) else layer
-        assert type(layer) is UpcastLinear and layer.weight is w and w.dtype == torch.bfloat16  # not copied
-    assert model.lm_head.weight.dtype == torch.float32  # the head (tied or not) and embeddings: fp32
-    assert model.model.embed_tokens.weight.dtype == torch.float32
+        assert type(layer) in (UpcastLinear, Bf16Embedding) and layer.weight is w  # not copied
+        assert w.dtype == torch.bfloat16 and not w.requires_grad
     assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
     assert all(p.dtype == torch.float32 for n, p in model.named_parameters() if "norm" in n)
+    assert model.model.embed_tokens(torch.tensor([[1, 2]])).dtype == torch.float32
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_generation_upcasts_the_head_once(tied):
+    model = compute_in_fp32(_bf16_decoder(torch.bfloat16, tied, BIG_VOCAB), head_16bit=False)
+    assert type(model.lm_head) is Fp32Linear and model.lm_head.weight.dtype == torch.float32
+    assert model.model.embed_tokens.weight.dtype == (torch.float32 if tied else torch.bfloat16)
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
+    assert type(model.model.layers[0].mlp.up_proj) is UpcastLinear
+
+
+def test_the_chunked_head_reuses_the_blocks_workspace():
+    release_workspace()
+    model = _bf16_decoder(vocab=BIG_VOCAB)
+    build_for_training(model, "lora", LoRAConfig(r=4, alpha=8.0), device="cpu")
+    x, y = _batch(BIG_VOCAB)
+    lm_loss(model, x, y).backward()
+    assert workspace_bytes() == 4 * 64 * 32  # the largest block Linear's (d_ff x d_model) fp32, not the head's
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 5, 7])
+def test_row_chunked_products_equal_one_product(bias, rows):
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(7, 6, generator=g).bfloat16()
+    b = torch.randn(7, generator=g).bfloat16() if bias else None
+    x = torch.randn(4, 6, generator=g, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_()
+    y = RowChunkedUpcastFunction.apply(x, b, w, rows)
+    y_ref = nn.functional.linear(x_ref, w.float(), None if b is None else b.float())
+    torch.testing.assert_close(y, y_ref, rtol=1e-6, atol=1e-6)
+    grad = torch.randn(4, 7, generator=g)
+    y.backward(grad)
+    y_ref.backward(grad)
+    torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-6, atol=1e-6)
 
 
 def test_backward_keeps_no_fp32_copy_of_a_weight():

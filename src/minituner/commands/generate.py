@@ -45,7 +45,9 @@ def run(args: argparse.Namespace) -> int:
         raise InputError(load_tokenizer(args.base, model.config.vocab_size)[1])
     if args.adapter is not None:
         load_adapter(model, args.adapter)
-    compute_in_fp32(model)  # on CPU, as finetune computes: a 16-bit checkpoint's Linears upcast per product
+    # on CPU, as finetune computes (a 16-bit checkpoint's Linears upcast per product), but the head upcast once:
+    # a token at a time, casting it per product would cast the whole head for every token
+    compute_in_fp32(model, head_16bit=False)
     model.eval()
     gen = torch.Generator().manual_seed(args.seed)
     if args.chat is not None:

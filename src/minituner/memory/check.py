@@ -129,7 +129,7 @@ def model_shape(cfg: GPTConfig | DecoderConfig, name: str = "model") -> ModelSha
 def load_model_folder(folder: Path, device: torch.device, regime: str = "lora") -> nn.Module:
     """A base folder's model (MiniGPT, GPT-2, llama, mistral, qwen2) as finetune reads it for `regime`, through the
     one loader: fp32 for full fine-tuning, the checkpoint's dtype for LoRA and QLoRA (a 16-bit checkpoint's block
-    Linears then stay 16-bit, upcast per product under fp32 compute: ``upcast.UpcastLinear``)."""
+    Linears, embeddings and head then stay 16-bit, upcast per product under fp32 compute: ``minituner.upcast``)."""
     return load_base(folder, device, torch.float32 if regime == "full" else None)[0]
 
 
@@ -321,8 +321,9 @@ def predict(cfg: GPTConfig | DecoderConfig, check: CheckConfig, name: str = "mod
     (the planner's dtype bf16) but its norms fp32, the LoRA masters, their grads and Adam fp32; activations
     and the peak at bf16 compute's widths (``PRECISION_WIDTHS["bf16"]``). on_cpu False: a CUDA run (attention
     through SDPA, never ``minigpt.native_attention``). base_dtype bf16 or fp16 under fp32 (LoRA, QLoRA): the
-    block Linears not quantized keep the checkpoint's 2 bytes per weight and bias value (``upcast.UpcastLinear``)
-    and share the dequantization workspace, fp32, as large as the largest."""
+    block Linears not quantized, the embeddings and the head keep the checkpoint's 2 bytes per weight and bias value
+    (``minituner.upcast``) and share the dequantization workspace, fp32, as large as the largest block Linear (the
+    head casts a few rows at a time)."""
     shape = model_shape(cfg, name)
     regime = Regime("full") if check.regime == "full" else Regime(check.regime, check.rank)
     widths = {**PRECISION_WIDTHS[check.precision], "on_cpu": on_cpu}
@@ -339,8 +340,10 @@ def predict(cfg: GPTConfig | DecoderConfig, check: CheckConfig, name: str = "mod
     if upcast:
         quantized = set(lora_paths(shape, check.targets)) if check.regime == "qlora" else set()
         kept = sum(lin.weight_params + (lin.out_features if lin.bias else 0) for lin in shape.linears
-                   if lin.path not in quantized)
-        weights -= 2 * kept * shape.n_layer  # 2 bytes instead of fp32's 4
+                   if lin.path not in quantized) * shape.n_layer
+        counts = param_counts(shape)  # and the embeddings and head (upcast.keep_16bit_embeddings, chunk_heads)
+        kept += counts["token_embedding"] + counts["position_embedding"] + counts["lm_head"]
+        weights -= 2 * kept  # 2 bytes instead of fp32's 4
     activations = exact_activation_bytes(shape, check.batch_size, check.seq_len, regime.name, regime.rank,
                                          check.targets, grad_checkpoint=check.grad_checkpoint, **widths)
     predicted = {"weights": weights, "grads": b.grads, "optimizer": b.optimizer, "activations": activations}
@@ -444,7 +447,8 @@ def _base_note(base_dtype: str, check: CheckConfig) -> str:
     if base_dtype == "float32":
         return ""
     if check.precision == "fp32":
-        return f"; a {base_dtype} checkpoint: its block Linears not quantized stay {base_dtype}, upcast per product"
+        return (f"; a {base_dtype} checkpoint: its block Linears not quantized, embeddings and head stay {base_dtype}, "
+                "upcast per product")
     return f"; a {base_dtype} checkpoint"
 
 
