@@ -11,6 +11,7 @@ checkpoint stays bf16). A Hugging Face tokenizer carries ``eos_ids`` from genera
 from __future__ import annotations
 
 import hashlib
+import math
 from pathlib import Path
 
 import torch
@@ -24,7 +25,8 @@ from minigpt.model import GPTConfig
 
 from .hf_config import ROTARY_FAMILIES, decoder_config_from_hf
 from .hf_gpt2 import config_from_gpt2, load_gpt2
-from .hf_load import QuantizeSpec, checkpoint_files, load_hf_decoder, load_hf_tokenizer, quantized_paths
+from .hf_load import (QuantizeSpec, checkpoint_files, load_hf_decoder, load_hf_tokenizer, quantized_paths,
+                      read_headers)
 from .qlora import quantize_linears
 from .tokenizer_files import HFTokenizer, Tokenizer, load_tokenizer  # noqa: F401  (re-exported)
 
@@ -73,6 +75,20 @@ def load_base(folder: str | Path, device: str | torch.device = "cpu", dtype: tor
     paths, scheme = quantized_paths(model, quantize)
     quantize_linears(model, paths, scheme)
     return model, tokenizer
+
+
+def stored_dtype(folder: str | Path) -> torch.dtype:
+    """The float dtype load_base keeps a base folder's weights in, from the tensor headers alone: for a llama,
+    mistral or qwen2 folder the dtype holding the most values (a bf16 checkpoint: bfloat16); MiniGPT and GPT-2
+    folders load in float32 whatever they store."""
+    folder = Path(folder)
+    if base_kind(folder) not in ROTARY_FAMILIES:
+        return torch.float32
+    values: dict[torch.dtype, int] = {}
+    for info in read_headers(checkpoint_files(folder)).values():
+        if info.dtype.is_floating_point:
+            values[info.dtype] = values.get(info.dtype, 0) + math.prod(info.shape)
+    return max(values, key=values.get) if values else torch.float32
 
 
 def model_config(path: str | Path) -> GPTConfig | DecoderConfig:

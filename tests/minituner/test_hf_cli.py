@@ -191,6 +191,30 @@ def test_count_base_plans_from_the_folders_config(hf_folder, capsys):
     assert "--base takes a folder" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("family,dtype", [("llama", torch.bfloat16), ("gpt2", torch.float16), ("qwen2", torch.float32)])
+def test_count_base_plans_the_run_finetune_makes_on_cpu_as_memory_check_does(hf_folder, capsys, family, dtype):
+    """count --base adds the CPU fp32 run finetune makes from the folder (a 16-bit checkpoint's weights kept as
+    read; GPT-2 loads in fp32): its peak is memory-check --base's prediction for the same run."""
+    base = hf_folder(family, name=f"{family}-count-{dtype}", dtype=dtype)
+    window = ["--rank", "4", "--batch-size", "2", "--seq-len", "8", "--target",
+              "q_proj,v_proj" if family != "gpt2" else "all-linear"]
+    assert main(["count", "--base", str(base), *window, "--json"]) == 0
+    run = json.loads(capsys.readouterr().out)["finetune_cpu"]
+    assert run["base_dtype"] == ("float32" if family == "gpt2" else str(dtype).removeprefix("torch."))
+    assert [r["regime"] for r in run["regimes"]] == ["full FT", "LoRA r=4", "QLoRA r=4"]
+    for row, regime in zip(run["regimes"], ("full", "lora", "qlora")):
+        assert main(["memory-check", "--base", str(base), "--regime", regime, *window, "--steps", "1", "--json"]) == 0
+        checked = json.loads(capsys.readouterr().out)
+        assert row["peak"] == checked["predicted"]["peak"] and row["weights"] == checked["predicted"]["weights"]
+    assert main(["count", "--base", str(base), *window]) == 0
+    assert "As `finetune --base` runs it on CPU" in capsys.readouterr().out
+    if family == "gpt2":  # GPT-2's own names plan the seed's table; finetune trains it as MiniGPT (q_proj, ...)
+        assert main(["count", "--base", str(base), "--target", "c_attn"]) == 0
+        out, err = capsys.readouterr()
+        assert "| LoRA r=4 |" in out and "As `finetune --base`" not in out
+        assert "not planned: unknown LoRA target c_attn" in err
+
+
 @pytest.mark.parametrize("qlora", [False, True])
 def test_precision_bf16_on_a_bf16_base_keeps_weights_as_read_and_norms_fp32(hf_folder, data, tmp_path, qlora):
     """--precision bf16 on a bf16 checkpoint: Linear/embedding weights stay bf16 (never upcast), norms fp32."""

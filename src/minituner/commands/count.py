@@ -7,13 +7,15 @@ import sys
 from pathlib import Path
 
 from minigpt.errors import InputError
-from minituner.base_model import model_config
+from minituner.base_model import model_config, stored_dtype
+from minituner.memory.check import CheckConfig, predict
 from minituner.planner import (ALL_LINEAR, PRESETS, MemoryConfig, config_context, default_regimes, load_config_shape,
                                minigpt_vocab, plan, preset_shape)
 from minituner.planner.memory import (ACTIVATION_MODELS, FULL_PRECISIONS, MASTER_COPIES, QUANTIZE_CHOICES,
                                       best_activation_model)
 from minituner.planner.presets import MINIGPT_SIZES
-from minituner.planner.report import describe, regime_table
+from minituner.planner.memory import Regime
+from minituner.planner.report import UNITS, describe, regime_table
 
 from ._common import positive_float, positive_int
 
@@ -25,8 +27,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     src.add_argument("--preset", choices=PRESETS, help="built-in shape (default minigpt)")
     src.add_argument("--config", type=Path, help="config.json (or its folder): Hugging Face gpt2/llama/mistral/qwen2 or a MiniGPT base")
     src.add_argument("--base", type=Path, metavar="FOLDER",
-                     help="a model folder (as finetune --base takes): planned from its config.json alone, "
-                          "no weights read")
+                     help="a model folder (as finetune --base takes): planned from its config.json and tensor "
+                          "headers, no weights read; adds the CPU run finetune makes from it (fp32 compute)")
     p.add_argument("--tokenizer", type=Path, help="tokenizer.json giving MiniGPT presets their vocab_size "
                    "(default artifacts/base/tokenizer.json if present, else rebuilt from the built-in corpus)")
     p.add_argument("--rank", action="append", metavar="R[,R...]",
@@ -87,6 +89,41 @@ def _window(config: Path, seq_len: int | None) -> tuple[int, str | None]:
     return seq_len or min(MemoryConfig.seq_len, context), note
 
 
+def finetune_plan(folder: Path, regimes: list[Regime], targets: str, batch_size: int, seq_len: int,
+                  grad_checkpoint: bool) -> dict:
+    """The run `finetune --base folder` makes on CPU with --precision fp32 (its default), regime by regime, as
+    memory-check predicts it: the weights kept as load_base reads them (a 16-bit checkpoint's Linears not
+    quantized, embeddings and head stay 16-bit, minituner.upcast), fp32 compute and activations, AdamW, and
+    the step's peak (planner/peak.py). Bytes; the process itself is not included."""
+    cfg, base_dtype = model_config(folder), stored_dtype(folder)
+    rows = []
+    for r in regimes:
+        check = CheckConfig(regime=r.name, rank=r.rank or 1, targets=targets, batch_size=batch_size,
+                            seq_len=seq_len, grad_checkpoint=grad_checkpoint)
+        predicted, _, phase, _ = predict(cfg, check, base_dtype=base_dtype)
+        rows.append({"regime": r.label, **{k: predicted[k] for k in ("weights", "grads", "optimizer", "activations",
+                                                                      "peak")}, "peak_phase": phase})
+    return {"base_dtype": str(base_dtype).removeprefix("torch."), "precision": "fp32", "device": "cpu",
+            "regimes": rows}
+
+
+def finetune_table(run: dict) -> str:
+    """finetune_plan as a paragraph and a Markdown table (MiB, or GiB past 10 GiB)."""
+    unit = "GiB" if max(r["peak"] for r in run["regimes"]) >= 10 * UNITS["GiB"] else "MiB"
+    kept = ("" if run["base_dtype"] == "float32" else
+            f"; a {run['base_dtype']} checkpoint: Linears not quantized, embeddings and head stay {run['base_dtype']}, "
+            "cast to fp32 per product; full FT reads it in float32")
+    lines = [f"As `finetune --base` runs it on CPU with --precision fp32 (its default): fp32 compute and activations"
+             f"{kept}; LoRA factors, grads and AdamW fp32. The step peak as `memory-check --base` predicts it "
+             "(planner/peak.py); the process itself (Python, torch) comes on top.", "",
+             f"| regime | weights {unit} | grads {unit} | optimizer {unit} | activations {unit} | step peak {unit} "
+             "| peak at |", "|---|---|---|---|---|---|---|"]
+    for r in run["regimes"]:
+        cells = " | ".join(f"{r[k] / UNITS[unit]:,.2f}" for k in ("weights", "grads", "optimizer", "activations", "peak"))
+        lines.append(f"| {r['regime']} | {cells} | {r['peak_phase']} |")
+    return "\n".join(lines)
+
+
 def run(args: argparse.Namespace) -> int:
     ranks = parse_ranks(args.rank)
     if args.base is not None and not args.base.is_dir():
@@ -112,13 +149,24 @@ def run(args: argparse.Namespace) -> int:
     cfg = MemoryConfig(batch_size=args.batch_size, seq_len=seq_len, double_quant=args.double_quant,
                        full_precision=args.full_precision, activations=activations, quantize=args.quantize,
                        master_copy=args.master_copy, grad_checkpoint=args.grad_checkpoint)
-    result = plan(shape, default_regimes(ranks), args.target or ALL_LINEAR, cfg)
+    regimes = default_regimes(ranks)
+    result = plan(shape, regimes, args.target or ALL_LINEAR, cfg)
+    targets = ",".join(args.target) if args.target else ALL_LINEAR
+    finetune_run = None
+    if args.base is not None:
+        try:
+            finetune_run = finetune_plan(args.base, regimes, targets, args.batch_size, seq_len, args.grad_checkpoint)
+        except InputError as e:  # GPT-2's own Linear names: finetune trains it as MiniGPT, whose names differ
+            note = "; ".join(filter(None, [note, f"the run finetune makes from this folder is not planned: {e}"]))
     if args.json:
-        print(json.dumps(result.to_dict(), indent=2))
+        print(json.dumps({**result.to_dict(), **({"finetune_cpu": finetune_run} if finetune_run else {})}, indent=2))
     else:
         print(describe(result, args.alpha))
         print()
         print(regime_table(result))
+        if finetune_run:
+            print()
+            print(finetune_table(finetune_run))
     if note:  # after the plan, which may still refuse the model for a reason of its own
         print(f"note: {note}", file=sys.stderr)
     return 0
