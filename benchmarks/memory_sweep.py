@@ -42,7 +42,7 @@ QWEN2_BIAS = {"model_type": "qwen2", "vocab_size": 6000, "hidden_size": 192, "in
               "max_position_embeddings": 1024, "tie_word_embeddings": True}
 CONFIGS = {"gpt2-124m": GPT2_124M, "llama-gqa": LLAMA_GQA, "qwen2-bias": QWEN2_BIAS}  # --config files, by model
 # checkpoints written in bf16 (transformers' save_pretrained, random weights) and read with --base, as finetune
-# reads them: LoRA keeps their block Linears bf16 and upcasts each per product (upcast.UpcastLinear)
+# reads them: LoRA keeps their Linears, embedding and head bf16 and upcasts each per product (minituner.upcast)
 CHECKPOINTS = {"llama-gqa-bf16": LLAMA_GQA}
 # (model, regime, rank, batch, seq, grad_checkpoint); rank is ignored for full fine-tuning
 POINTS = [
@@ -266,7 +266,8 @@ INTRO = ("`minituner memory-check --json` on each point (a fresh process each): 
          "q/k/v biases, SwiGLU 512, vocab 6,000, tied), the last two as `minigpt.decoder.Decoder` with random weights "
          "(exact model: `planner/decoder_activations.py`); `llama-gqa-bf16` is the same llama written as a bf16 "
          "checkpoint by transformers and read with `--base` as finetune reads it: LoRA and QLoRA compute in fp32 while "
-         "its block Linears that are not quantized stay bf16, upcast per product into the shared workspace.")
+         "its block Linears that are not quantized, its embedding and its head stay bf16, upcast per product into the "
+         "shared workspace (the head 2,048 rows at a time).")
 
 
 def markdown(results: list[dict], command: str) -> str:
