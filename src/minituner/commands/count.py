@@ -11,10 +11,9 @@ from minituner.base_model import model_config, stored_dtype
 from minituner.memory.check import CheckConfig, predict
 from minituner.planner import (ALL_LINEAR, PRESETS, MemoryConfig, config_context, default_regimes, load_config_shape,
                                minigpt_vocab, plan, preset_shape)
-from minituner.planner.memory import (ACTIVATION_MODELS, FULL_PRECISIONS, MASTER_COPIES, QUANTIZE_CHOICES,
+from minituner.planner.memory import (ACTIVATION_MODELS, FULL_PRECISIONS, MASTER_COPIES, QUANTIZE_CHOICES, Regime,
                                       best_activation_model)
 from minituner.planner.presets import MINIGPT_SIZES
-from minituner.planner.memory import Regime
 from minituner.planner.report import UNITS, describe, regime_table
 
 from ._common import positive_float, positive_int
@@ -104,7 +103,7 @@ def finetune_plan(folder: Path, regimes: list[Regime], targets: str, batch_size:
         rows.append({"regime": r.label, **{k: predicted[k] for k in ("weights", "grads", "optimizer", "activations",
                                                                       "peak")}, "peak_phase": phase})
     return {"base_dtype": str(base_dtype).removeprefix("torch."), "precision": "fp32", "device": "cpu",
-            "regimes": rows}
+            "batch_size": batch_size, "seq_len": seq_len, "regimes": rows}
 
 
 def finetune_table(run: dict) -> str:
@@ -114,8 +113,11 @@ def finetune_table(run: dict) -> str:
             f"; a {run['base_dtype']} checkpoint: Linears not quantized, embeddings and head stay {run['base_dtype']}, "
             "cast to fp32 per product; full FT reads it in float32")
     lines = [f"As `finetune --base` runs it on CPU with --precision fp32 (its default): fp32 compute and activations"
-             f"{kept}; LoRA factors, grads and AdamW fp32. The step peak as `memory-check --base` predicts it "
-             "(planner/peak.py); the process itself (Python, torch) comes on top.", "",
+             f"{kept}; QLoRA's targets in NF4 (blocks of 64, finetune's default scheme); LoRA factors, grads and "
+             f"AdamW fp32; batch {run['batch_size']} x seq {run['seq_len']}, count's --batch-size and --seq-len "
+             "(finetune's defaults differ: give both the ones you will train with). The step peak as "
+             "`memory-check --base` predicts it (planner/peak.py); the process itself (Python, torch) comes on top.",
+             "",
              f"| regime | weights {unit} | grads {unit} | optimizer {unit} | activations {unit} | step peak {unit} "
              "| peak at |", "|---|---|---|---|---|---|---|"]
     for r in run["regimes"]:
