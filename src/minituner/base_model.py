@@ -27,6 +27,7 @@ from .hf_config import ROTARY_FAMILIES, decoder_config_from_hf
 from .hf_gpt2 import config_from_gpt2, load_gpt2
 from .hf_load import (QuantizeSpec, checkpoint_files, load_hf_decoder, load_hf_tokenizer, quantized_paths,
                       read_headers)
+from .precision import dtype_of_most_values
 from .qlora import quantize_linears
 from .tokenizer_files import HFTokenizer, Tokenizer, load_tokenizer  # noqa: F401  (re-exported)
 
@@ -84,11 +85,8 @@ def stored_dtype(folder: str | Path) -> torch.dtype:
     folder = Path(folder)
     if base_kind(folder) not in ROTARY_FAMILIES:
         return torch.float32
-    values: dict[torch.dtype, int] = {}
-    for info in read_headers(checkpoint_files(folder)).values():
-        if info.dtype.is_floating_point:
-            values[info.dtype] = values.get(info.dtype, 0) + math.prod(info.shape)
-    return max(values, key=values.get) if values else torch.float32
+    infos = read_headers(checkpoint_files(folder)).values()
+    return dtype_of_most_values((info.dtype, math.prod(info.shape)) for info in infos)
 
 
 def model_config(path: str | Path) -> GPTConfig | DecoderConfig:

@@ -38,7 +38,7 @@ from miniquant import DEFAULT_QUANT_SCHEME, QuantizedLinear
 from .adapter_io import load_adapter
 from .lora import ALL_LINEAR, LoRAConfig, apply_lora, find_targets, lora_modules
 from .memory.heap import trim_heap_in_forward
-from .precision import use_bf16_compute, use_fp32_products
+from .precision import dtype_of_most_values, use_bf16_compute, use_fp32_products
 from .upcast import compute_in_fp32
 from .qlora import (COMPUTE_DTYPES, add_finite_guards, cast_float_tensors, check_qlora, check_scheme,
                     default_compute_dtype, quantize_linears)
@@ -57,11 +57,7 @@ def training_device(device: str | torch.device | None = "auto") -> torch.device:
 
 def float_dtype(model: nn.Module) -> torch.dtype:
     """The float dtype holding most of the model's float parameters (float32 when it has none)."""
-    counts: dict[torch.dtype, int] = {}
-    for p in model.parameters():
-        if p.is_floating_point():
-            counts[p.dtype] = counts.get(p.dtype, 0) + p.numel()
-    return max(counts, key=counts.get) if counts else torch.float32
+    return dtype_of_most_values((p.dtype, p.numel()) for p in model.parameters())
 
 
 def quantize_step(model: nn.Module, paths: list[str], scheme: str) -> list[str]:
@@ -147,8 +143,8 @@ def _adapt(base: nn.Module, method: str, lora: LoRAConfig, paths: list[str], qua
     if method == "qlora":
         quantize_step(base, paths, check_scheme(quant_scheme))
     # frozen float tensors only (a no-op on a float32 base in float32); under bf16 the weights use_bf16_compute
-    # stores in bf16 are left as read, and in float32 a 16-bit checkpoint's block Linears stay 16-bit (upcast per
-    # product), so a 16-bit checkpoint is not upcast whole on the way
+    # stores in bf16 are left as read, and in float32 a 16-bit checkpoint's Linears, embeddings and head stay 16-bit
+    # (minituner.upcast), so a 16-bit checkpoint is not upcast whole on the way
     if precision == "bf16":
         cast_float_tensors(base, dtype, keep=(nn.Linear, nn.Embedding))
     elif dtype == torch.float32:

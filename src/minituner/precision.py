@@ -9,7 +9,7 @@ the dtype RoPE is applied in; the residual stream stays fp32):
 - a frozen ``nn.Linear`` becomes a ``Bf16Linear``: its weight (and bias) stored in bf16 once, never cast
   per call; it computes in bf16 and returns bf16 when fed bf16 (an fp32 input is cast in and the result
   cast back);
-- a frozen ``nn.Embedding`` becomes a ``Bf16Embedding``: a bf16 table, fp32 rows out (the stream). A weight
+- a frozen ``nn.Embedding`` becomes a ``CastEmbedding``: a bf16 table, fp32 rows out (the stream). A weight
   shared by several modules (MiniGPT's ``lm_head`` tied to ``wte``) becomes one shared bf16 parameter: still
   tied;
 - a ``QuantizedLinear`` computes in bf16 (``compute_dtype``): NF4 dequantizes straight to bf16 into a
@@ -44,6 +44,7 @@ factor); full fine-tuning trains in fp32. The same path runs on CUDA (cuBLAS bf1
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
 from functools import partial
 
 import torch
@@ -82,8 +83,9 @@ class Fp32Linear(nn.Linear):
         return fp32_gemm.linear(x, self.weight, self.bias)  # (..., out); F.linear off fp32 CPU
 
 
-class Bf16Embedding(nn.Embedding):
-    """A frozen Embedding whose table is stored in a low-precision dtype; returns `output_dtype` rows."""
+class CastEmbedding(nn.Embedding):
+    """A frozen Embedding whose table stays in the dtype it is stored in (bf16 or fp16, as read or as
+    use_bf16_compute stores it) and returns `output_dtype` rows: each lookup casts the rows it reads."""
 
     output_dtype: torch.dtype = torch.float32
 
@@ -132,7 +134,7 @@ def _frozen_copy(param: nn.Parameter, dtype: torch.dtype, cache: dict[int, nn.Pa
     return cache[id(param)]
 
 
-def _linear_as(cls: type[nn.Linear], m: nn.Linear, weight: nn.Parameter, bias: nn.Parameter | None) -> nn.Linear:
+def linear_as(cls: type[nn.Linear], m: nn.Linear, weight: nn.Parameter, bias: nn.Parameter | None) -> nn.Linear:
     """A `cls` in m's place holding the given weight and bias (no fresh initialisation)."""
     layer = cls.__new__(cls)
     nn.Module.__init__(layer)
@@ -144,16 +146,16 @@ def _linear_as(cls: type[nn.Linear], m: nn.Linear, weight: nn.Parameter, bias: n
 
 def _bf16_linear(m: nn.Linear, dtype: torch.dtype, cache: dict[int, nn.Parameter]) -> Bf16Linear:
     bias = None if m.bias is None else _frozen_copy(m.bias, dtype, cache)
-    return _linear_as(Bf16Linear, m, _frozen_copy(m.weight, dtype, cache), bias)
+    return linear_as(Bf16Linear, m, _frozen_copy(m.weight, dtype, cache), bias)
 
 
 def _fp32_linear(m: nn.Linear) -> Fp32Linear:
-    return _linear_as(Fp32Linear, m, m.weight, m.bias)  # the same Parameters: ties stay ties, nothing copied
+    return linear_as(Fp32Linear, m, m.weight, m.bias)  # the same Parameters: ties stay ties, nothing copied
 
 
-def _embedding_as(m: nn.Embedding, weight: nn.Parameter, output_dtype: torch.dtype) -> Bf16Embedding:
-    """A Bf16Embedding in m's place holding the given table (no fresh initialisation), returning output_dtype."""
-    layer = Bf16Embedding.__new__(Bf16Embedding)
+def embedding_as(m: nn.Embedding, weight: nn.Parameter, output_dtype: torch.dtype) -> CastEmbedding:
+    """A CastEmbedding in m's place holding the given table (no fresh initialisation), returning output_dtype."""
+    layer = CastEmbedding.__new__(CastEmbedding)
     nn.Module.__init__(layer)
     for attr in ("num_embeddings", "embedding_dim", "padding_idx", "max_norm", "norm_type", "scale_grad_by_freq",
                  "sparse"):
@@ -165,11 +167,11 @@ def _embedding_as(m: nn.Embedding, weight: nn.Parameter, output_dtype: torch.dty
 
 
 def _bf16_embedding(m: nn.Embedding, dtype: torch.dtype, output_dtype: torch.dtype,
-                    cache: dict[int, nn.Parameter]) -> Bf16Embedding:
-    return _embedding_as(m, _frozen_copy(m.weight, dtype, cache), output_dtype)
+                    cache: dict[int, nn.Parameter]) -> CastEmbedding:
+    return embedding_as(m, _frozen_copy(m.weight, dtype, cache), output_dtype)
 
 
-def _factor_modules(model: nn.Module) -> set[int]:
+def lora_factor_modules(model: nn.Module) -> set[int]:
     """ids of the LoRA factor modules (lora_A / lora_B nn.Linears): the fp32 masters, never converted."""
     return {id(f) for m in lora_modules(model).values() for d in (m.lora_A, m.lora_B) for f in d.values()}
 
@@ -178,7 +180,7 @@ def _non_fp32_tensors(model: nn.Module) -> list[str]:
     """Float parameters and buffers that are not fp32, outside the modules use_bf16_compute made low-precision."""
     out = []
     for path, m in model.named_modules():
-        if isinstance(m, (Bf16Linear, Bf16Embedding, QuantizedLinear)) or type(m) in (nn.Linear, Fp32Linear, nn.Embedding):
+        if isinstance(m, (Bf16Linear, CastEmbedding, QuantizedLinear)) or type(m) in (nn.Linear, Fp32Linear, nn.Embedding):
             continue  # low precision by design, or about to be stored in it (a 16-bit checkpoint's weights)
         for name, t in [*m.named_parameters(recurse=False), *m.named_buffers(recurse=False)]:
             if t is not None and t.is_floating_point() and t.dtype != torch.float32:
@@ -197,13 +199,23 @@ def check_frozen_base(model: nn.Module) -> None:
                          "full fine-tuning trains in fp32 (--precision fp32)")
 
 
-def _swap(model: nn.Module, replacements: list[tuple[str, nn.Module]]) -> None:
+def swap_modules(model: nn.Module, replacements: list[tuple[str, nn.Module]]) -> None:
+    """Put each (dotted path, module) in its place in model."""
     for path, new in replacements:
         parent, _, leaf = path.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, leaf, new)
 
 
 LOW_BITS = (torch.bfloat16, torch.float16)
+
+
+def dtype_of_most_values(sizes: Iterable[tuple[torch.dtype, int]]) -> torch.dtype:
+    """The float dtype holding the most values among (dtype, numel) pairs; float32 when there is none."""
+    counts: dict[torch.dtype, int] = {}
+    for dtype, numel in sizes:
+        if dtype.is_floating_point:
+            counts[dtype] = counts.get(dtype, 0) + numel
+    return max(counts, key=counts.get) if counts else torch.float32
 
 
 def use_fp32_products(model: nn.Module) -> nn.Module:
@@ -213,8 +225,8 @@ def use_fp32_products(model: nn.Module) -> nn.Module:
     The weights are not touched or copied, only the module's class: on a CPU where oneDNN is not chosen, and
     off CPU, an Fp32Linear computes exactly as nn.Linear. Returns the model. Idempotent.
     """
-    lora_factors = _factor_modules(model)  # thin products: left to F.linear
-    _swap(model, [(path, _fp32_linear(m)) for path, m in model.named_modules()
+    lora_factors = lora_factor_modules(model)  # thin products: left to F.linear
+    swap_modules(model, [(path, _fp32_linear(m)) for path, m in model.named_modules()
                   if type(m) is nn.Linear and id(m) not in lora_factors and m.weight.dtype == torch.float32])
     return model
 
@@ -238,7 +250,7 @@ def use_bf16_compute(model: nn.Module, dtype: torch.dtype = BF16) -> nn.Module:
                          "build the model in fp32 (e.g. wrap_minigpt_qlora(..., compute_dtype=torch.float32))")
     cache: dict[int, nn.Parameter] = {}
     output_dtype = torch.float32
-    lora_factors = _factor_modules(model)
+    lora_factors = lora_factor_modules(model)
     replacements = []  # (path, new module): swapped in after the walk
     for path, m in model.named_modules():
         if id(m) in lora_factors:
@@ -259,7 +271,7 @@ def use_bf16_compute(model: nn.Module, dtype: torch.dtype = BF16) -> nn.Module:
             _hand_out_bf16(m, dtype)
     if hasattr(model, "compute_dtype"):  # a Decoder: RoPE applied in the products' dtype
         model.compute_dtype = dtype
-    _swap(model, replacements)
+    swap_modules(model, replacements)
     return model
 
 
@@ -267,7 +279,7 @@ def compute_dtypes(model: nn.Module) -> dict[str, str]:
     """Where each kind of tensor lives: for reports and checks (e.g. {'frozen linear weights': 'bfloat16'})."""
     kinds: dict[str, set[str]] = {}
     add = lambda kind, t: kinds.setdefault(kind, set()).add(str(t).removeprefix("torch."))  # noqa: E731
-    factors = _factor_modules(model)
+    factors = lora_factor_modules(model)
     for m in model.modules():
         if id(m) in factors:
             continue

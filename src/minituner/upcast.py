@@ -10,10 +10,10 @@ CPUs without bf16 units run bf16 products many times slower than fp32 ones, and 
   for the input's gradient. Nothing fp32 of the weight outlives the product;
 - the output head too, but 2,048 rows of its weight at a time (``rows_per_product``, ``chunk_heads``): a chunk
   is never larger than the largest block Linear, so the workspace does not grow for it (Llama 3's 128,256 x 4,096
-  head would need 2 GiB), and it stays in cache between its cast and its product (within 2% of a head stored in
-  fp32). In forward each chunk's logits are copied into the (N, V) logits; in backward each chunk's share of the
+  head would need 2 GiB), and it stays in cache between its cast and its product (1-2% slower than a head stored
+  in fp32 on 2 threads, 5% on one; see HEAD_CHUNK_ROWS). In forward each chunk's logits are copied into the (N, V) logits; in backward each chunk's share of the
   input gradient is added up;
-- the token embedding becomes a ``precision.Bf16Embedding``: a 16-bit table, fp32 rows out. A tied head and
+- the token embedding becomes a ``precision.CastEmbedding``: a 16-bit table, fp32 rows out. A tied head and
   embedding keep sharing one 16-bit Parameter.
 At Llama-3-8B's shape the embedding and head are 1.05 billion values: 1.96 GiB saved over fp32.
 """
@@ -28,7 +28,7 @@ from miniquant import QuantizedLinear
 from miniquant.quantize import DequantLinearFunction, workspace_buffer
 
 from .lora import OUTPUT_HEADS
-from .precision import (LOW_BITS, Bf16Embedding, _embedding_as, _factor_modules, _linear_as, _swap,
+from .precision import (LOW_BITS, CastEmbedding, embedding_as, linear_as, lora_factor_modules, swap_modules,
                         use_fp32_products)
 from .qlora import cast_float_tensors
 
@@ -110,23 +110,23 @@ def keep_16bit_linears(model: nn.Module, skip: tuple[str, ...] = ()) -> list[str
     copied): stored as read, computed in fp32, frozen (an UpcastLinear computes no weight gradient, so its weight
     and bias stop requiring one); in place. Linears whose name is in `skip` (the output head) are left alone.
     Returns their paths."""
-    lora_factors = _factor_modules(model)
+    lora_factors = lora_factor_modules(model)
     found = [(path, m) for path, m in model.named_modules()
              if type(m) is nn.Linear and id(m) not in lora_factors and m.weight.dtype in LOW_BITS
              and path.rsplit(".", 1)[-1] not in skip]
     for _, m in found:
         m.requires_grad_(False)
-    _swap(model, [(path, _linear_as(UpcastLinear, m, m.weight, m.bias)) for path, m in found])
+    swap_modules(model, [(path, linear_as(UpcastLinear, m, m.weight, m.bias)) for path, m in found])
     return [path for path, _ in found]
 
 
 def keep_16bit_embeddings(model: nn.Module) -> list[str]:
-    """Make every nn.Embedding with a 16-bit table a ``Bf16Embedding`` returning fp32 rows (the same Parameter,
+    """Make every nn.Embedding with a 16-bit table a ``CastEmbedding`` returning fp32 rows (the same Parameter,
     not copied: a tied head keeps sharing it), frozen; in place. Returns their paths."""
     found = [(path, m) for path, m in model.named_modules() if type(m) is nn.Embedding and m.weight.dtype in LOW_BITS]
     for _, m in found:
         m.requires_grad_(False)
-    _swap(model, [(path, _embedding_as(m, m.weight, torch.float32)) for path, m in found])
+    swap_modules(model, [(path, embedding_as(m, m.weight, torch.float32)) for path, m in found])
     return [path for path, _ in found]
 
 
@@ -141,8 +141,9 @@ def workspace_numel(model: nn.Module, exclude: tuple[str, ...] = OUTPUT_HEADS) -
 # output rows a head casts and multiplies at a time, at most. Measured on an AMD EPYC (Zen 3, 32 MiB L3, 2 cores;
 # medians of 5 interleaved rounds), the forward and input gradient of a bf16 head for 512 tokens, against the same
 # head stored in fp32: at 128,256 x 2,048 3.97 s in chunks of 2,048 rows, 4.30 s in chunks of 8,192, 3.92 s in
-# fp32; at 32,000 x 4,096 1.71 s, 1.78 s and 1.68 s. A chunk that stays in the last-level cache is multiplied
-# before it is evicted
+# fp32; at 32,000 x 4,096 1.71 s, 1.78 s and 1.68 s. On one thread (a second measurement, 32,000 x 2,048, 4 rounds)
+# 1.78 s in chunks of 2,048, 1.80 s in chunks of 8,192, 1.73 s cast whole, 1.69 s in fp32. A chunk that stays in
+# the last-level cache is multiplied before it is evicted
 HEAD_CHUNK_ROWS = 2048
 
 
@@ -170,5 +171,5 @@ def compute_in_fp32(model: nn.Module, head_16bit: bool = True) -> nn.Module:
     keep_16bit_linears(model, () if head_16bit else OUTPUT_HEADS)
     chunk_heads(model)
     keep_16bit_embeddings(model)
-    cast_float_tensors(model, torch.float32, keep=(UpcastLinear, Bf16Embedding))
+    cast_float_tensors(model, torch.float32, keep=(UpcastLinear, CastEmbedding))
     return use_fp32_products(model)

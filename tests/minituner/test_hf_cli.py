@@ -192,7 +192,8 @@ def test_count_base_plans_from_the_folders_config(hf_folder, capsys):
 
 
 @pytest.mark.parametrize("family,dtype", [("llama", torch.bfloat16), ("gpt2", torch.float16), ("qwen2", torch.float32)])
-def test_count_base_plans_the_run_finetune_makes_on_cpu_as_memory_check_does(hf_folder, capsys, family, dtype):
+def test_count_base_plans_the_run_finetune_makes_on_cpu_as_memory_check_does(hf_folder, capsys, tmp_path, family,
+                                                                              dtype):
     """count --base adds the CPU fp32 run finetune makes from the folder (a 16-bit checkpoint's weights kept as
     read; GPT-2 loads in fp32): its peak is memory-check --base's prediction for the same run."""
     base = hf_folder(family, name=f"{family}-count-{dtype}", dtype=dtype)
@@ -208,6 +209,16 @@ def test_count_base_plans_the_run_finetune_makes_on_cpu_as_memory_check_does(hf_
         assert row["peak"] == checked["predicted"]["peak"] and row["weights"] == checked["predicted"]["weights"]
     assert main(["count", "--base", str(base), *window]) == 0
     assert "As `finetune --base` runs it on CPU" in capsys.readouterr().out
+    if family == "llama":  # a model finetune refuses: the seed's table, one note, no run planned
+        refused = tmp_path / "refused"
+        shutil.copytree(base, refused)
+        config = json.loads((refused / "config.json").read_text())
+        config["rope_scaling"] = {"rope_type": "yarn", "factor": 2.0}
+        (refused / "config.json").write_text(json.dumps(config))
+        assert main(["count", "--base", str(refused), *window]) == 0
+        out, err = capsys.readouterr()
+        assert "| LoRA r=4 |" in out and "As `finetune --base`" not in out
+        assert err.count("rope_scaling type") == 1 and len(err.strip().splitlines()) == 1
     if family == "gpt2":  # GPT-2's own names plan the seed's table; finetune trains it as MiniGPT (q_proj, ...)
         assert main(["count", "--base", str(base), "--target", "c_attn"]) == 0
         out, err = capsys.readouterr()

@@ -11,7 +11,7 @@ from minigpt.model import GPTConfig, MiniGPT
 from miniquant import QuantizedLinear
 from minituner.lora import LoRAConfig, apply_lora, lora_modules
 from minikernels import fp32_gemm
-from minituner.precision import (Bf16Embedding, Bf16Linear, Fp32Linear, compute_dtypes, use_bf16_compute,
+from minituner.precision import (CastEmbedding, Bf16Linear, Fp32Linear, compute_dtypes, use_bf16_compute,
                                   use_fp32_products)
 from minituner.build import wrap_minigpt_qlora
 
@@ -80,7 +80,7 @@ def test_dtypes_after_conversion(kind):
     if kind == "qlora":
         expected["quantized linear compute"] = "bfloat16"
     assert compute_dtypes(model) == expected
-    assert isinstance(model.wte, Bf16Embedding) and isinstance(model.lm_head, Bf16Linear)
+    assert isinstance(model.wte, CastEmbedding) and isinstance(model.lm_head, Bf16Linear)
     assert model.lm_head.weight is model.wte.weight  # still tied: one bf16 tensor
     assert model.wte(torch.tensor([[1, 2]])).dtype == torch.float32
     seen = _dtypes_seen(model, {"ln_1": model.blocks[0].ln_1, "attn": model.blocks[0].attn,

@@ -12,7 +12,7 @@ from miniquant import QuantizedLinear
 from miniquant.quantize import release_workspace, workspace_bytes
 from minituner.build import build_for_training
 from minituner.lora import LoRAConfig, LoRALinear, lora_modules
-from minituner.precision import Bf16Embedding, Bf16Linear, Fp32Linear
+from minituner.precision import CastEmbedding, Bf16Linear, Fp32Linear
 from minituner.upcast import RowChunkedUpcastFunction, UpcastLinear, compute_in_fp32
 from minituner.qlora import cast_float_tensors
 from minituner.zoo import adapters_disabled
@@ -76,7 +76,7 @@ def test_linears_embeddings_and_head_stay_16bit_and_the_norms_become_fp32(tied):
     for name, w in weights.items():  # targets (inside LoRALinear), the other Linears, the head, the embedding
         layer = model.get_submodule(name)
         layer = layer.base_layer if isinstance(layer, LoRALinear) else layer
-        assert type(layer) in (UpcastLinear, Bf16Embedding) and layer.weight is w  # not copied
+        assert type(layer) in (UpcastLinear, CastEmbedding) and layer.weight is w  # not copied
         assert w.dtype == torch.bfloat16 and not w.requires_grad
     assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
     assert all(p.dtype == torch.float32 for n, p in model.named_parameters() if "norm" in n)

@@ -155,11 +155,11 @@ def run(args: argparse.Namespace) -> int:
     result = plan(shape, regimes, args.target or ALL_LINEAR, cfg)
     targets = ",".join(args.target) if args.target else ALL_LINEAR
     finetune_run = None
-    if args.base is not None:
+    if args.base is not None and note is None:  # a model finetune would refuse has no run to plan (noted already)
         try:
             finetune_run = finetune_plan(args.base, regimes, targets, args.batch_size, seq_len, args.grad_checkpoint)
-        except InputError as e:  # GPT-2's own Linear names: finetune trains it as MiniGPT, whose names differ
-            note = "; ".join(filter(None, [note, f"the run finetune makes from this folder is not planned: {e}"]))
+        except InputError as e:  # no weights or damaged headers; GPT-2's own Linear names (finetune trains MiniGPT's)
+            note = f"the run finetune makes from this folder is not planned: {e}"
     if args.json:
         print(json.dumps({**result.to_dict(), **({"finetune_cpu": finetune_run} if finetune_run else {})}, indent=2))
     else:

@@ -155,7 +155,8 @@ def test_cli_takes_a_llama_family_folder(hf_folder, capsys):
 @pytest.mark.parametrize("name", CONFIGS)
 def test_a_16bit_base_in_fp32_is_planned_byte_for_byte(name, dtype):
     """A 16-bit checkpoint trained in fp32, as finetune trains it: its block Linears not quantized stay 16-bit
-    (upcast.UpcastLinear) and share QLoRA's workspace; the rest is fp32. Every bucket exact."""
+    (upcast.UpcastLinear) and share QLoRA's workspace, and so do the embedding and head; norms are fp32. Every bucket
+    exact."""
     cfg = decoder(name)
     for regime, targets in CASES[1:]:  # full fine-tuning reads the base in fp32
         check = CheckConfig(regime=regime, targets=targets, rank=2, batch_size=3, seq_len=8)
