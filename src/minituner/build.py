@@ -22,7 +22,8 @@ cast to (QLoRA defaults to bfloat16 on CUDA and float32 on CPU; LoRA to float32 
 dtype the base was loaded in, ``float_dtype``). Computing in float32, a 16-bit checkpoint is not upcast whole
 either (``minituner.upcast``): its frozen Linears, embeddings and output head stay as read, each Linear cast to
 fp32 per product into a shared workspace (as NF4 dequantizes; the head a chunk of rows at a time), while norms
-and other small float tensors become float32. A CPU without bf16 units would run bf16 products many times slower than fp32 ones.
+and other small float tensors become float32. A CPU without bf16 units would run bf16 products many times
+slower than fp32 ones.
 """
 from __future__ import annotations
 
@@ -39,9 +40,9 @@ from .adapter_io import load_adapter
 from .lora import ALL_LINEAR, LoRAConfig, apply_lora, find_targets, lora_modules
 from .memory.heap import trim_heap_in_forward
 from .precision import dtype_of_most_values, use_bf16_compute, use_fp32_products
-from .upcast import compute_in_fp32
 from .qlora import (COMPUTE_DTYPES, add_finite_guards, cast_float_tensors, check_qlora, check_scheme,
                     default_compute_dtype, quantize_linears)
+from .upcast import compute_in_fp32
 
 METHODS = ("full", "lora", "qlora")
 FULL_IN_BF16 = ("--precision bf16 holds a frozen base in bf16, but full fine-tuning trains every weight: "

@@ -10,8 +10,8 @@ Hugging Face decoder).
 
 How the base is loaded (``load_base``, then ``build_for_training``): full fine-tuning reads it in float32;
 LoRA keeps the checkpoint's dtype (a bf16 base's Linears, embeddings and head stay bf16; in fp32 on CPU each
-product casts its weight to fp32, ``minituner.upcast``; the factors are float32); QLoRA quantizes the targets as they are read, so the
-full-precision model is never in memory at once. The losses before training are the built base's (adapters off),
+product casts its weight to fp32, ``minituner.upcast``; the factors are float32); QLoRA quantizes the targets as
+they are read, so the full-precision model is never in memory at once. The losses before training are the built base's (adapters off),
 computed as training computes.
 """
 from __future__ import annotations

@@ -11,8 +11,8 @@ CPUs without bf16 units run bf16 products many times slower than fp32 ones, and 
 - the output head too, but 2,048 rows of its weight at a time (``rows_per_product``, ``chunk_heads``): a chunk
   is never larger than the largest block Linear, so the workspace does not grow for it (Llama 3's 128,256 x 4,096
   head would need 2 GiB), and it stays in cache between its cast and its product (1-2% slower than a head stored
-  in fp32 on 2 threads, 5% on one; see HEAD_CHUNK_ROWS). In forward each chunk's logits are copied into the (N, V) logits; in backward each chunk's share of the
-  input gradient is added up;
+  in fp32 on 2 threads, 5% on one; see HEAD_CHUNK_ROWS). In forward each chunk's logits are copied into the
+  (N, V) logits; in backward each chunk's share of the input gradient is added up;
 - the token embedding becomes a ``precision.CastEmbedding``: a 16-bit table, fp32 rows out. A tied head and
   embedding keep sharing one 16-bit Parameter.
 At Llama-3-8B's shape the embedding and head are 1.05 billion values: 1.96 GiB saved over fp32.

@@ -11,10 +11,10 @@ from minigpt.errors import InputError
 
 from ..adapter_io import load_adapter
 from ..base_model import load_base, load_tokenizer
-from ..upcast import compute_in_fp32
 from ..evaluation import SPLITS, evaluate_data
 from ..sft import FORMATS, SFTConfig
 from ..sft.examples import OVERLONG
+from ..upcast import compute_in_fp32
 from ._common import positive_int
 
 HELP = ("mean loss over the counted tokens of --data (answers only for instruction data, every token for text), "

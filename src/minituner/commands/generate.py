@@ -10,8 +10,8 @@ from minigpt.errors import InputError
 
 from ..adapter_io import load_adapter
 from ..base_model import load_base, load_tokenizer
-from ..upcast import compute_in_fp32
 from ..sft import answer, load_chat_template
+from ..upcast import compute_in_fp32
 from ._common import non_negative_float, positive_int
 
 HELP = ("print samples from a base model folder (minituner base, or Hugging Face gpt2/llama/mistral/qwen2 with its "
