@@ -1,4 +1,5 @@
-"""Random-weight Hugging Face checkpoints of real shapes (Llama-3.2-1B, Llama-2-7B, SmolLM2-135M), written to disk.
+"""Random-weight Hugging Face checkpoints of real shapes (Llama-3.2-1B, Llama-2-7B, SmolLM2-135M, Qwen2.5-0.5B),
+written to disk.
 
 No hub is reachable, so the benchmarks make their own: the config.json of the real model, and
 safetensors shards (at most 5 GB each, with model.safetensors.index.json) holding random bf16
@@ -48,6 +49,15 @@ SHAPES: dict[str, dict] = {
         "rope_theta": 100000.0, "rope_scaling": None,
         "tie_word_embeddings": True, "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
         "bos_token_id": 0, "eos_token_id": 0, "torch_dtype": "bfloat16",
+    },
+    "qwen2.5-0.5b": {
+        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2",
+        "hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
+        "num_attention_heads": 14, "num_key_value_heads": 2,
+        "vocab_size": 151936, "max_position_embeddings": 32768, "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0, "rope_scaling": None, "use_sliding_window": False, "sliding_window": 32768,
+        "max_window_layers": 24, "tie_word_embeddings": True, "hidden_act": "silu",
+        "bos_token_id": 151643, "eos_token_id": 151643, "torch_dtype": "bfloat16",
     },
 }
 MAX_SHARD_BYTES = 5 * 10**9  # save_pretrained's default max_shard_size "5GB"

@@ -29,6 +29,7 @@ SECTIONS = {
     "bf16": "bench_bf16",  # bf16 LoRA/QLoRA steps against PEFT + bitsandbytes and the matrix-product floor (issue 13)
     "lora_forward": "bench_lora_forward",
     "generate": "bench_generate",  # generation with and without the KV cache, beside transformers' generate
+    "counted_loss": "bench_counted_loss",  # instruction data: the head on the counted targets alone
     "planner": "bench_planner",
     "memory": "memory_sweep",  # the planner's buckets against memory-check measurements (issue 7)
     "real_models": "bench_real_models",  # Llama-3.2-1B / Llama-2-7B shapes vs PEFT + bitsandbytes (issue 12)
@@ -37,7 +38,7 @@ RESULTS = HERE / "RESULTS.md"  # the latest run
 BY_MACHINE = HERE / "results"  # the latest full run on each kind of machine (timing.machine_kind), kept side by side:
 # machines differ from session to session (bf16 units or none), and one kind's run should not erase another's
 # worth waiting for a quiet machine (the planner takes µs)
-TIMING_SENSITIVE = {"nf4", "step", "bf16", "lora_forward", "generate", "real_models"}
+TIMING_SENSITIVE = {"nf4", "step", "bf16", "lora_forward", "generate", "counted_loss", "real_models"}
 
 
 def main(argv: list[str] | None = None) -> int:

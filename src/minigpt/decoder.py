@@ -43,6 +43,7 @@ from torch.utils.checkpoint import checkpoint
 from . import native_attention, native_swiglu
 from .errors import InputError, check_known_fields
 from .kv_cache import KVCache, LayerKV, attention_mask
+from .model import head_rows
 from .sampling import generate
 
 
@@ -356,8 +357,9 @@ class Decoder(nn.Module):
         """An empty key/value cache for up to `capacity` positions (generation; minigpt.kv_cache)."""
         return KVCache(self.config.n_layer, capacity)
 
-    def forward(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
-        """Token ids (B, T) -> logits (B, T, vocab_size); with `cache`, idx continues the positions it holds."""
+    def forward(self, idx: torch.Tensor, cache: KVCache | None = None, keep: torch.Tensor | None = None) -> torch.Tensor:
+        """Token ids (B, T) -> logits (B, T, vocab_size); with `cache`, idx continues the positions it holds; with
+        `keep` (B, T) bool, logits (n, vocab_size) of the n kept positions only, in order (``head_rows``)."""
         B, T = idx.shape
         start = cache.check_room(B, T) if cache is not None else 0
         if start + T > self.config.block_size:
@@ -378,7 +380,7 @@ class Decoder(nn.Module):
                 x = layer(x, rope, cache.layers[i] if cache is not None else None)  # (B, T, C)
         if cache is not None:
             cache.advance(T)
-        return self.lm_head(m.norm(x))  # (B, T, V)
+        return self.lm_head(head_rows(m.norm(x), keep))  # (B, T, V), or (n, V) with keep
 
     def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
                  generator: torch.Generator | None = None, eos_id: int | list[int] | None = None,

@@ -163,8 +163,9 @@ class MiniGPT(nn.Module):
         """An empty key/value cache for up to `capacity` positions (generation; minigpt.kv_cache)."""
         return KVCache(self.config.n_layer, capacity)
 
-    def forward(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
-        """Token ids (B, T) -> logits (B, T, vocab_size); with `cache`, idx continues the positions it holds."""
+    def forward(self, idx: torch.Tensor, cache: KVCache | None = None, keep: torch.Tensor | None = None) -> torch.Tensor:
+        """Token ids (B, T) -> logits (B, T, vocab_size); with `cache`, idx continues the positions it holds; with
+        `keep` (B, T) bool, logits (n, vocab_size) of the n kept positions only, in order (``head_rows``)."""
         B, T = idx.shape
         start = cache.check_room(B, T) if cache is not None else 0
         if start + T > self.config.block_size:
@@ -179,13 +180,21 @@ class MiniGPT(nn.Module):
                 x = block(x, cache.layers[i] if cache is not None else None)  # (B, T, C)
         if cache is not None:
             cache.advance(T)
-        return self.lm_head(self.ln_f(x))  # (B, T, V)
+        return self.lm_head(head_rows(self.ln_f(x), keep))  # (B, T, V), or (n, V) with keep
 
     def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
                  generator: torch.Generator | None = None, eos_id: int | list[int] | None = None,
                  use_cache: bool = True) -> torch.Tensor:
         """Sample continuations of idx (B, T), stopping once every row has sampled an eos_id (minigpt.sampling)."""
         return generate(self, idx, max_new_tokens, temperature, top_k, generator, eos_id, use_cache)
+
+
+def head_rows(h: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
+    """The final hidden states (B, T, C) the head multiplies: all, or with `keep` (B, T) bool only the kept
+    rows, (n, C). A loss whose targets mostly do not count (an instruction set's prompts and padding) then
+    skips their share of the head's product, the largest in a small model with a large vocabulary, and of the
+    (N, V) logits held for backward: the others' loss gradient is zero, so nothing else changes."""
+    return h if keep is None else h[keep]
 
 
 def block_list(model: nn.Module) -> list[nn.Module]:

@@ -76,9 +76,20 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * cosine)
 
 
+def counted_logits(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The logits a next-token loss reads and their targets: (B, T, V) and y when every target counts; else
+    only the positions whose target counts, (n, V) and (n,), the model's head run on those rows alone
+    (``forward(idx, keep=mask)``, ``minigpt.model.head_rows``). The loss and its gradient are the same: a
+    target that does not count adds nothing to either."""
+    counts = y != IGNORE_INDEX
+    if bool(counts.all()):
+        return model(x), y
+    return model(x, keep=counts), y[counts]
+
+
 def lm_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """Mean next-token loss over the targets of y that count (y = -100, cross_entropy's ignore_index, does not)."""
-    return cross_entropy(model(x), y)  # logits (B, T, V) in the head's dtype; the loss in fp32
+    return cross_entropy(*counted_logits(model, x, y))  # logits in the head's dtype; the loss in fp32
 
 
 def counted_loss(counted: int, ranks: int) -> Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]:
@@ -90,7 +101,7 @@ def counted_loss(counted: int, ranks: int) -> Callable[[nn.Module, torch.Tensor,
     """
 
     def loss_fn(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        total = cross_entropy(model(x), y, reduction="sum")  # logits (B/N, T, V)
+        total = cross_entropy(*counted_logits(model, x, y), reduction="sum")
         return total * (ranks / counted)
 
     return loss_fn

@@ -46,7 +46,11 @@ under bf16 compute), the terms are:
   (``checkpointed block input``: the stream), and saves its terms again while the backward recomputes it.
 
 Assumptions: one float dtype from each norm to the residual add (e) and one for the stream (s): an fp32 run,
-or minituner.precision's bf16 compute (no autocast); the inputs x and y are contiguous (B, T) tensors. On
+or minituner.precision's bf16 compute (no autocast); the inputs x and y are contiguous (B, T) tensors; every
+target counts (memory-check's random batches, plain-text windows). Where some do not (an instruction set's
+prompts and padding), ``lm_loss`` runs the head on the n counted rows alone (``minigpt.train.counted_logits``):
+the loss's N·V terms and its targets shrink to n rows and the row selection keeps its (B, T) bool mask (N
+bytes), so the prediction is an upper bound there (every target of a batch can count: ``--train-on-inputs``, or an answer filling the window). On
 CUDA the memory-efficient attention kernel pads the logsumexp to a multiple of 32 positions and keeps two
 RNG scalars per layer (not modelled; a few bytes per layer). The seed's B·T·d·L·16 and Korthikanti et
 al.'s 34·sbh + 5·as²b stay available as estimates for comparison.

@@ -63,7 +63,8 @@ the LoRA factors (``lora_copy_bytes``: 0, or 2 under bf16 compute), the terms ar
 
 Assumptions: attention dropout 0 (memory-check sets it), one float dtype from each norm to the residual
 add (e) and one for the stream (s): an fp32 run, or minituner.precision's bf16 compute (no autocast);
-contiguous (B, T) inputs; biases change nothing here (their gradient is a sum of the output's).
+contiguous (B, T) inputs; biases change nothing here (their gradient is a sum of the output's); every target
+counts (``planner/activations.py`` says what a masked batch changes).
 """
 from __future__ import annotations
 

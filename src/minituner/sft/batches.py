@@ -17,6 +17,7 @@ import torch.nn as nn
 
 from minigpt.cross_entropy import cross_entropy
 from minigpt.errors import InputError
+from minigpt.train import counted_logits
 
 from .examples import IGNORE, Example
 
@@ -90,7 +91,7 @@ class EvalResult:
 @torch.no_grad()
 def evaluate_examples(model: nn.Module, examples: Sequence[Example], batch_size: int = 32, pad_id: int = 0,
                       device: str | torch.device | None = None) -> EvalResult:
-    """Mean loss over every counted token of `examples` (in order; forward(idx) -> logits (B, T, V))."""
+    """Mean loss over every counted token of `examples` (in order; ``minigpt.train.counted_logits``)."""
     if not examples:
         raise InputError("no examples to evaluate")
     if device is None:
@@ -100,9 +101,8 @@ def evaluate_examples(model: nn.Module, examples: Sequence[Example], batch_size:
     total, count = 0.0, 0
     try:
         for x, y in iter_batches(examples, batch_size, seed=None, pad_id=pad_id):
-            logits = model(x.to(device))  # (B, T, V)
             y = y.to(device)
-            total += cross_entropy(logits, y, reduction="sum").item()
+            total += cross_entropy(*counted_logits(model, x.to(device), y), reduction="sum").item()
             count += int((y != IGNORE).sum())
     finally:
         model.train(was_training)
