@@ -27,6 +27,7 @@ from .hf_config import ROTARY_FAMILIES, decoder_config_from_hf
 from .hf_gpt2 import config_from_gpt2, load_gpt2
 from .hf_load import (QuantizeSpec, checkpoint_files, load_hf_decoder, load_hf_tokenizer, quantized_paths,
                       read_headers)
+from .memory.stored_dtypes import stored_dtypes
 from .precision import dtype_of_most_values
 from .qlora import quantize_linears
 from .tokenizer_files import HFTokenizer, Tokenizer, load_tokenizer  # noqa: F401  (re-exported)
@@ -87,6 +88,17 @@ def stored_dtype(folder: str | Path) -> torch.dtype:
         return torch.float32
     infos = read_headers(checkpoint_files(folder)).values()
     return dtype_of_most_values((info.dtype, math.prod(info.shape)) for info in infos)
+
+
+def stored_part_dtypes(folder: str | Path) -> dict[str, torch.dtype]:
+    """The float dtype of each planner part of a base folder's weights (``memory.stored_dtypes``), from the tensor
+    headers alone: what load_base keeps for a llama, mistral or qwen2 folder; empty (every part float32) for
+    MiniGPT and GPT-2 folders, which load in float32 whatever they store."""
+    folder = Path(folder)
+    if base_kind(folder) not in ROTARY_FAMILIES:
+        return {}
+    infos = read_headers(checkpoint_files(folder))
+    return stored_dtypes((name, info.dtype, math.prod(info.shape)) for name, info in infos.items())
 
 
 def model_config(path: str | Path) -> GPTConfig | DecoderConfig:

@@ -80,15 +80,20 @@ def test_a_16bit_base_in_fp32_shares_one_workspace_for_its_upcast_and_nf4_linear
     shape = minigpt_shape(GPTConfig(**TINY))  # attention 16 x 16, MLP 16 <-> 64
     b = buckets(shape, Regime("lora", 4))
 
-    def terms(regime, targets):
+    every = {lin.path for lin in shape.linears}
+
+    def terms(regime, targets, upcast=every):
         peak = step_peak(shape, regime, 4, targets, B, T, 4, weights=b.weights, grads=b.grads, optimizer=b.optimizer,
-                         upcast=True)
+                         upcast=upcast)
         return {t: v for terms in peak.phases.values() for t, v in terms.items() if "workspace" in t}
 
     assert terms("lora", "q_proj") == {"16-bit upcast workspace": 16 * 64 * 4}  # every block Linear, targeted or not
     assert terms("qlora", "all-linear") == {"NF4 dequantization workspace": 16 * 64 * 4}  # nothing left 16-bit
     assert terms("qlora", "q_proj") == {"NF4 dequantization and 16-bit upcast workspace": 16 * 64 * 4}
     assert terms("full", "all-linear") == {}  # full fine-tuning reads the base in fp32
+    # a checkpoint mixing dtypes: only its 16-bit Linears are upcast, and the workspace is the largest of those
+    assert terms("lora", "q_proj", {"attn.q_proj", "attn.v_proj"}) == {"16-bit upcast workspace": 16 * 16 * 4}
+    assert terms("lora", "q_proj", ()) == {}  # an fp32 base
 
 
 def test_grad_checkpoint_keeps_block_inputs_and_recomputes_one_block():

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from minigpt.errors import InputError
-from minituner.base_model import model_config, stored_dtype
+from minituner.base_model import model_config, stored_dtype, stored_part_dtypes
 from minituner.memory.check import CheckConfig, predict
 from minituner.planner import (ALL_LINEAR, PRESETS, MemoryConfig, config_context, default_regimes, load_config_shape,
                                minigpt_vocab, plan, preset_shape)
@@ -94,15 +94,17 @@ def finetune_plan(folder: Path, regimes: list[Regime], targets: str, batch_size:
     memory-check predicts it: the weights kept as load_base reads them (a 16-bit checkpoint's Linears not
     quantized, embeddings and head stay 16-bit, minituner.upcast), fp32 compute and activations, AdamW, and
     the step's peak (planner/peak.py). Bytes; the process itself is not included."""
-    cfg, base_dtype = model_config(folder), stored_dtype(folder)
+    cfg, base_dtype, parts = model_config(folder), stored_dtype(folder), stored_part_dtypes(folder)
     rows = []
     for r in regimes:
         check = CheckConfig(regime=r.name, rank=r.rank or 1, targets=targets, batch_size=batch_size,
                             seq_len=seq_len, grad_checkpoint=grad_checkpoint)
-        predicted, _, phase, _ = predict(cfg, check, base_dtype=base_dtype)
+        predicted, _, phase, _ = predict(cfg, check, base_dtype=parts or base_dtype)
         rows.append({"regime": r.label, **{k: predicted[k] for k in ("weights", "grads", "optimizer", "activations",
                                                                       "peak")}, "peak_phase": phase})
-    return {"base_dtype": str(base_dtype).removeprefix("torch."), "precision": "fp32", "device": "cpu",
+    mixed = {} if len(set(parts.values())) < 2 else {
+        "stored_dtypes": {part: str(d).removeprefix("torch.") for part, d in parts.items()}}
+    return {"base_dtype": str(base_dtype).removeprefix("torch."), **mixed, "precision": "fp32", "device": "cpu",
             "batch_size": batch_size, "seq_len": seq_len, "regimes": rows}
 
 
@@ -112,6 +114,13 @@ def finetune_table(run: dict) -> str:
     kept = ("" if run["base_dtype"] == "float32" else
             f"; a {run['base_dtype']} checkpoint: Linears not quantized, embeddings and head stay {run['base_dtype']}, "
             "cast to fp32 per product; full FT reads it in float32")
+    if "stored_dtypes" in run:
+        by_dtype: dict[str, list[str]] = {}
+        for part, dtype in run["stored_dtypes"].items():
+            by_dtype.setdefault(dtype, []).append(part)
+        kept = ("; a checkpoint mixing float dtypes, each part kept as stored for LoRA and QLoRA ("
+                + "; ".join(f"{d}: {', '.join(parts)}" for d, parts in sorted(by_dtype.items()))
+                + "), 16-bit parts cast to fp32 per product; full FT reads it in float32")
     lines = [f"As `finetune --base` runs it on CPU with --precision fp32 (its default): fp32 compute and activations"
              f"{kept}; QLoRA's targets in NF4 (blocks of 64, finetune's default scheme); LoRA factors, grads and "
              f"AdamW fp32; batch {run['batch_size']} x seq {run['seq_len']}, count's --batch-size and --seq-len "

@@ -31,7 +31,7 @@ from __future__ import annotations
 import math
 import resource
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -50,6 +50,7 @@ from ..build import build_for_training, float_dtype
 from ..lora import ALL_LINEAR, LoRAConfig
 from .accounting import account, storage_bytes
 from .heap import pin_allocator
+from .stored_dtypes import EMBEDDING_PARTS, dtype_of, stored_dtypes
 from ..planner import (MemoryConfig, ModelShape, Regime, korthikanti_activation_bytes, minigpt_shape,
                        param_counts, regime_bytes, seed_activation_bytes)
 from ..planner.activations import PRECISION_WIDTHS, lora_paths
@@ -315,15 +316,17 @@ class CheckResult:
 
 
 def predict(cfg: GPTConfig | DecoderConfig, check: CheckConfig, name: str = "model", on_cpu: bool = True,
-            base_dtype: torch.dtype = torch.float32) -> tuple[dict[str, int], dict[str, int], str, dict[str, int]]:
+            base_dtype: torch.dtype | Mapping[str, torch.dtype] = torch.float32
+            ) -> tuple[dict[str, int], dict[str, int], str, dict[str, int]]:
     """The planner's buckets and peak for this run (exact activations), the two activation estimates, the
     predicted peak phase and every phase's bytes. fp32: every bucket fp32. bf16: the frozen base in bf16
     (the planner's dtype bf16) but its norms fp32, the LoRA masters, their grads and Adam fp32; activations
     and the peak at bf16 compute's widths (``PRECISION_WIDTHS["bf16"]``). on_cpu False: a CUDA run (attention
-    through SDPA, never ``minigpt.native_attention``). base_dtype bf16 or fp16 under fp32 (LoRA, QLoRA): the
-    block Linears not quantized, the embeddings and the head keep the checkpoint's 2 bytes per weight and bias value
-    (``minituner.upcast``) and share the dequantization workspace, fp32, as large as the largest block Linear (the
-    head casts a few rows at a time)."""
+    through SDPA, never ``minigpt.native_attention``). base_dtype: the dtype the base was read in, one for the
+    whole base or one per part (``memory.stored_dtypes``: a checkpoint that mixes them). Under fp32 (LoRA,
+    QLoRA) its bf16 or fp16 parts, block Linears not quantized, embeddings and head, keep 2 bytes per weight and
+    bias value (``minituner.upcast``), and its 16-bit block Linears share the dequantization workspace, fp32, as
+    large as the largest of them (the head casts a few rows at a time)."""
     shape = model_shape(cfg, name)
     regime = Regime("full") if check.regime == "full" else Regime(check.regime, check.rank)
     widths = {**PRECISION_WIDTHS[check.precision], "on_cpu": on_cpu}
@@ -336,13 +339,15 @@ def predict(cfg: GPTConfig | DecoderConfig, check: CheckConfig, name: str = "mod
         # the planner's bf16 weights hold the LoRA factors and the norms at 2 bytes; here the factors are fp32
         # masters (as many bytes as their fp32 grads, b.grads, not their bf16 ones, low.grads) and the norms fp32
         weights = low.weights - low.grads + b.grads + 2 * param_counts(shape)["norm"]
-    upcast = check.precision == "fp32" and check.regime != "full" and base_dtype in LOW_BITS
-    if upcast:
+    upcast: frozenset[str] = frozenset()  # paths of the block Linears kept 16-bit and cast per product
+    if check.precision == "fp32" and check.regime != "full":
         quantized = set(lora_paths(shape, check.targets)) if check.regime == "qlora" else set()
-        kept = sum(lin.weight_params + (lin.out_features if lin.bias else 0) for lin in shape.linears
-                   if lin.path not in quantized) * shape.n_layer
+        kept16 = [lin for lin in shape.linears
+                  if lin.path not in quantized and dtype_of(base_dtype, lin.path) in LOW_BITS]
+        upcast = frozenset(lin.path for lin in kept16)
+        kept = sum(lin.weight_params + (lin.out_features if lin.bias else 0) for lin in kept16) * shape.n_layer
         counts = param_counts(shape)  # and the embeddings and head (upcast.keep_16bit_embeddings, chunk_heads)
-        kept += counts["token_embedding"] + counts["position_embedding"] + counts["lm_head"]
+        kept += sum(counts[part] for part in EMBEDDING_PARTS if dtype_of(base_dtype, part) in LOW_BITS)
         weights -= 2 * kept  # 2 bytes instead of fp32's 4
     activations = exact_activation_bytes(shape, check.batch_size, check.seq_len, regime.name, regime.rank,
                                          check.targets, grad_checkpoint=check.grad_checkpoint, **widths)
@@ -376,6 +381,7 @@ def memory_check(build: Callable[[], nn.Module], check: CheckConfig, device: tor
     meter.start()
     model = build()
     base_dtype = float_dtype(model)  # before the build for training casts anything
+    stored = stored_dtypes((n, p.dtype, p.numel()) for n, p in model.named_parameters())  # part by part
     check.validate(model.config.block_size)
     disable_dropout(model)
     prepare(model, check, device)
@@ -415,7 +421,7 @@ def memory_check(build: Callable[[], nn.Module], check: CheckConfig, device: tor
     measured = {**state_bytes(model, opt), "grads": grads, "activations": activations, "peak": max(phases.values()),
                 "baseline": own - meter.base, "peak_raw": max(meter.phases.values()) - meter.base}
     predicted, estimates, phase, predicted_phases = predict(model.config, check, name, on_cpu=device.type == "cpu",
-                                                            base_dtype=base_dtype)
+                                                            base_dtype=stored)
     exact = "decoder_activations.py" if isinstance(model.config, DecoderConfig) else "activations.py"
     note = (f"exact model (planner/{exact})" if check.precision == "fp32"
             else f"exact model (planner/{exact}) at bf16 compute's widths (bf16 from each norm to the residual add, "

@@ -61,7 +61,7 @@ less down_proj's saved input when it was saved).
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 
 from minigpt.cross_entropy import chunk_rows
@@ -93,7 +93,8 @@ class Peak:
 def minigpt_phases(shape: ModelShape, regime: str, rank: int | None, targets: str | Iterable[str],
                    batch_size: int, seq_len: int, act_bytes: int, grad_checkpoint: bool,
                    weights: int, grads: int, optimizer: int, grad_bytes: int, *, stream_bytes: int | None = None,
-                   lora_copy_bytes: int = 0, on_cpu: bool = True, upcast: bool = False) -> dict[str, dict[str, int]]:
+                   lora_copy_bytes: int = 0, on_cpu: bool = True,
+                   upcast: Collection[str] = ()) -> dict[str, dict[str, int]]:
     """Live bytes per term at the worst moment of each phase of one MiniGPT (or GPT-2) training step."""
     shape, targets = as_minigpt(shape, targets)  # GPT-2 trains as the MiniGPT it imports into
     N, C, F = batch_size * seq_len, shape.d_model, shape.d_ff
@@ -108,7 +109,8 @@ def minigpt_phases(shape: ModelShape, regime: str, rank: int | None, targets: st
 def llama_phases(shape: ModelShape, regime: str, rank: int | None, targets: str | Iterable[str],
                  batch_size: int, seq_len: int, act_bytes: int, grad_checkpoint: bool,
                  weights: int, grads: int, optimizer: int, grad_bytes: int, *, stream_bytes: int | None = None,
-                 lora_copy_bytes: int = 0, on_cpu: bool = True, upcast: bool = False) -> dict[str, dict[str, int]]:
+                 lora_copy_bytes: int = 0, on_cpu: bool = True,
+                 upcast: Collection[str] = ()) -> dict[str, dict[str, int]]:
     """Live bytes per term at the worst moment of each phase of one llama / mistral / qwen2 (Decoder) step."""
     N, C, F = batch_size * seq_len, shape.d_model, shape.d_ff
     down_saved = regime == "full" or "mlp.down_proj" in lora_paths(shape, targets)
@@ -142,11 +144,12 @@ def step_phases(shape: ModelShape, regime: str, rank: int | None, targets: str |
                 batch_size: int, seq_len: int, act_bytes: int, grad_checkpoint: bool,
                 weights: int, grads: int, optimizer: int, grad_bytes: int,
                 saved_by_layer: Callable[..., SavedByLayer], block_grads: int, *, stream_bytes: int | None = None,
-                lora_copy_bytes: int = 0, on_cpu: bool = True, upcast: bool = False) -> dict[str, dict[str, int]]:
+                lora_copy_bytes: int = 0, on_cpu: bool = True,
+                upcast: Collection[str] = ()) -> dict[str, dict[str, int]]:
     """The phases of a step for a family's saved-tensor model and its last block's backward gradients (bytes).
 
-    upcast: a 16-bit base computed in fp32 (LoRA or QLoRA), whose block Linears not quantized are upcast per
-    product (``upcast.UpcastLinear``) into the same workspace NF4 dequantizes into."""
+    upcast: the paths of the block Linears of a 16-bit base computed in fp32 (LoRA or QLoRA) that are upcast per
+    product (``upcast.UpcastLinear``: kept 16-bit, not quantized) into the same workspace NF4 dequantizes into."""
     widths = {"stream_bytes": stream_bytes, "lora_copy_bytes": lora_copy_bytes, "on_cpu": on_cpu}
     saved = saved_by_layer(shape, batch_size, seq_len, regime, rank, targets, act_bytes, grad_checkpoint, **widths)
     plain = saved_by_layer(shape, batch_size, seq_len, regime, rank, targets, act_bytes, **widths) \
@@ -158,7 +161,7 @@ def step_phases(shape: ModelShape, regime: str, rank: int | None, targets: str |
     base = {"weights": weights, "optimizer state": optimizer}
     # every NF4 weight is dequantized (and a 16-bit one upcast) into one reused buffer, kept from the first step on
     quantized = set(lora_paths(shape, targets)) if regime == "qlora" else set()
-    upcasts = {lin.path for lin in shape.linears} - quantized if upcast and regime != "full" else set()
+    upcasts = set(upcast) - quantized if regime != "full" else set()
     if quantized or upcasts:
         name = " and ".join([*(["NF4 dequantization"] if quantized else []), *(["16-bit upcast"] if upcasts else [])])
         base[f"{name} workspace"] = max(lin.weight_params for lin in shape.linears
@@ -227,13 +230,13 @@ def has_peak_model(shape: ModelShape) -> bool:
 def step_peak(shape: ModelShape, regime: str, rank: int | None = None, targets: str | Iterable[str] = ALL_LINEAR,
               batch_size: int = 16, seq_len: int = 32, act_bytes: int = 4, grad_checkpoint: bool = False, *,
               weights: int, grads: int, optimizer: int, grad_bytes: int = 4, stream_bytes: int | None = None,
-              lora_copy_bytes: int = 0, on_cpu: bool = True, upcast: bool = False) -> Peak:
+              lora_copy_bytes: int = 0, on_cpu: bool = True, upcast: Collection[str] = ()) -> Peak:
     """The phase where a training step peaks and what is alive there (``PEAK_MODELS[shape.family]``).
 
     act_bytes, stream_bytes and lora_copy_bytes are the exact activation model's widths (e, s, c of
     planner/activations.py); ``PRECISION_WIDTHS[precision]`` holds them for an fp32 or a bf16 run. on_cpu False:
-    a CUDA run, whose attention is SDPA's (planner/activations.py's bf16_compute_attention). upcast: a 16-bit
-    base computed in fp32, its block Linears upcast per product into the dequantization workspace."""
+    a CUDA run, whose attention is SDPA's (planner/activations.py's bf16_compute_attention). upcast: the paths of
+    a 16-bit base's block Linears upcast per product into the dequantization workspace under fp32 compute."""
     phases = PEAK_MODELS[shape.family](shape, regime, rank, targets, batch_size, seq_len, act_bytes, grad_checkpoint,
                                        weights, grads, optimizer, grad_bytes, stream_bytes=stream_bytes,
                                        lora_copy_bytes=lora_copy_bytes, on_cpu=on_cpu, upcast=upcast)

@@ -14,7 +14,7 @@ from minigpt import native_attention, native_norm, native_swiglu
 from minigpt.decoder import Decoder, DecoderConfig, cpu_flash_takes_gqa
 from minigpt.io import write_json
 from minituner.cli import main
-from minituner.memory.check import BUCKETS, CheckConfig, memory_check
+from minituner.memory.check import BUCKETS, CheckConfig, memory_check, predict
 from minituner.planner import MemoryConfig, Regime, regime_bytes
 from minituner.planner.activations import PRECISION_WIDTHS
 from minituner.planner.decoder_activations import decoder_saved_by_layer
@@ -167,3 +167,62 @@ def test_a_16bit_base_in_fp32_is_planned_byte_for_byte(name, dtype):
         fp32 = memory_check(lambda: Decoder(cfg), check, CPU, name)
         assert r.predicted["weights"] < fp32.predicted["weights"]  # the 16-bit Linears: 2 bytes a value
         assert r.predicted["activations"] == fp32.predicted["activations"]  # computed in fp32 all the same
+
+
+def _mixed(cfg: DecoderConfig, fp32_parts: tuple[str, ...]) -> Decoder:
+    """A bf16 checkpoint whose named parts (module paths' suffixes) are stored fp32, as a mixed folder loads."""
+    model = Decoder(cfg).to(torch.bfloat16)
+    for path, m in model.named_modules():
+        if path.endswith(fp32_parts):
+            m.float()
+    return model
+
+
+@pytest.mark.parametrize("fp32_parts", [("embed_tokens", "lm_head"), ("mlp.down_proj", "self_attn.v_proj"),
+                                        ("self_attn.q_proj",)],
+                         ids=["fp32 embedding and head", "fp32 down_proj and v_proj", "fp32 q_proj"])
+@pytest.mark.parametrize("name", ["llama mha untied", "qwen2 gqa bias tied"])
+def test_a_checkpoint_mixing_dtypes_is_planned_part_by_part(name, fp32_parts):
+    """Parts stored in different float dtypes are kept as stored (bf16 ones upcast per product, fp32 ones as they
+    are): the planner takes each part's dtype (memory.stored_dtypes), and every bucket stays exact, where one dtype
+    for the whole base is off by the difference."""
+    cfg = decoder(name)
+    for regime, targets in CASES[1:]:
+        check = CheckConfig(regime=regime, targets=targets, rank=2, batch_size=3, seq_len=8)
+        r = memory_check(lambda: _mixed(cfg, fp32_parts), check, CPU, name)
+        for b in BUCKETS:
+            assert r.predicted[b] == r.measured[b], (name, fp32_parts, regime, targets, b, r.predicted[b],
+                                                     r.measured[b])
+        if regime == "lora":  # every part kept as stored (QLoRA may quantize the fp32 ones)
+            one_dtype = predict(cfg, check, name, base_dtype=getattr(torch, r.base_dtype))[0]
+            assert one_dtype["weights"] != r.measured["weights"]
+
+
+def test_stored_dtypes_names_every_part_of_a_folder_and_a_model(hf_folder, capsys):
+    """The folder's headers and the loaded model give the same parts and dtypes (a tied head is the embedding's), and
+    count --base plans the run memory-check measures."""
+    from safetensors.torch import load_file, save_file
+
+    from minituner.base_model import load_base, stored_part_dtypes
+    from minituner.memory.stored_dtypes import stored_dtypes
+
+    folder = hf_folder("qwen2", name="qwen2-mixed", dtype=torch.bfloat16, tie_word_embeddings=True)
+    weights = load_file(folder / "model.safetensors")
+    weights["model.embed_tokens.weight"] = weights["model.embed_tokens.weight"].float()
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    parts = stored_part_dtypes(folder)
+    assert parts["token_embedding"] == parts["lm_head"] == torch.float32
+    assert {parts[p] for p in ("self_attn.q_proj", "self_attn.k_proj", "mlp.down_proj")} == {torch.bfloat16}
+    assert not any("norm" in p for p in parts)
+    model = load_base(folder)[0]
+    assert stored_dtypes((n, p.dtype, p.numel()) for n, p in model.named_parameters()) == parts
+    window = ["--rank", "2", "--batch-size", "2", "--seq-len", "8", "--target", "q_proj,v_proj"]
+    assert main(["count", "--base", str(folder), *window, "--json"]) == 0
+    run = json.loads(capsys.readouterr().out)["finetune_cpu"]
+    assert run["stored_dtypes"]["token_embedding"] == "float32"
+    lora = run["regimes"][1]
+    assert main(["memory-check", "--base", str(folder), "--regime", "lora", *window, "--steps", "1", "--json"]) == 0
+    checked = json.loads(capsys.readouterr().out)
+    assert lora["weights"] == checked["predicted"]["weights"] == checked["measured"]["weights"]
+    assert main(["count", "--base", str(folder), *window]) == 0
+    assert "a checkpoint mixing float dtypes" in capsys.readouterr().out
