@@ -194,7 +194,12 @@ def head_rows(h: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
     rows, (n, C). A loss whose targets mostly do not count (an instruction set's prompts and padding) then
     skips their share of the head's product, the largest in a small model with a large vocabulary, and of the
     (N, V) logits held for backward: the others' loss gradient is zero, so nothing else changes."""
-    return h if keep is None else h[keep]
+    if keep is None:
+        return h
+    if keep.dtype != torch.bool or keep.shape != h.shape[:-1]:
+        raise ValueError(f"keep must be a bool mask of shape {tuple(h.shape[:-1])}, got {keep.dtype} "
+                         f"{tuple(keep.shape)}")
+    return h[keep]
 
 
 def block_list(model: nn.Module) -> list[nn.Module]:

@@ -270,16 +270,17 @@ def find_targets(model: nn.Module, target_modules: str | list[str]) -> list[str]
     candidates = linear_candidates(model)
     if isinstance(target_modules, str):
         target_modules = [t.strip() for t in target_modules.split(",") if t.strip()]
-    if any(t.lower() == ALL_LINEAR for t in target_modules):
-        return list(candidates)
     valid = sorted({n.rsplit(".", 1)[-1] for n in candidates}) + [ALL_LINEAR]
+    everything = any(t.lower() == ALL_LINEAR for t in target_modules)
     chosen: set[str] = set()
-    for t in target_modules:
+    for t in target_modules:  # beside all-linear too: a name it does not cover (lm_head) is not silently dropped
+        if t.lower() == ALL_LINEAR:
+            continue
         hits = [n for n in candidates if n == t or n.endswith("." + t)]
         if not hits:
             raise InputError(f"unknown LoRA target {t!r}; valid names: {valid} (or a path suffix such as blocks.0.attn.q_proj)")
         chosen.update(hits)
-    return [n for n in candidates if n in chosen]  # model order
+    return [n for n in candidates if everything or n in chosen]  # model order
 
 
 def apply_lora(model: nn.Module, config: LoRAConfig, adapter_name: str = "default") -> list[str]:

@@ -15,6 +15,8 @@ from minituner.adapter_io import load_adapter, read_adapter, save_adapter
 from minituner.lora import (LoRAConfig, LoRALinear, adapter_config, apply_lora, find_targets, load_lora_state_dict,
                             lora_modules, lora_state_dict, merge_and_unload, merge_lora, trainable_numel, unload,
                             unmerge_lora)
+from minituner.planner import minigpt_shape
+from minituner.planner.counts import resolve_targets
 
 BLOCK_LINEARS = ("attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.o_proj", "mlp.fc1", "mlp.fc2")
 
@@ -101,11 +103,14 @@ def test_named_and_path_suffix_targets():
     assert find_targets(tiny(), ["attn.o_proj"]) == ["blocks.0.attn.o_proj", "blocks.1.attn.o_proj"]
 
 
-@pytest.mark.parametrize("target", ["nope", "ln_1", "lm_head", "wte"])
+@pytest.mark.parametrize("target", ["nope", "ln_1", "lm_head", "wte", "all-linear,lm_head"])
 def test_unknown_target_lists_valid_names(target):
+    """all-linear beside a name it does not cover (the head) is refused too, never silently dropped."""
     with pytest.raises(InputError, match="valid names") as e:
-        apply_lora(tiny(), LoRAConfig(target_modules=[target]))
+        apply_lora(tiny(), LoRAConfig(target_modules=target.split(",")))
     assert "q_proj" in str(e.value) and "all-linear" in str(e.value) and "\n" not in str(e.value)
+    with pytest.raises(InputError, match="unknown LoRA target"):
+        resolve_targets(minigpt_shape(tiny().config), target)
 
 
 @pytest.mark.parametrize("kw", [{"r": 0}, {"r": -1}, {"r": 17}, {"alpha": 0}, {"alpha": -2.0},

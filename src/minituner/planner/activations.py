@@ -50,10 +50,12 @@ or minituner.precision's bf16 compute (no autocast); the inputs x and y are cont
 target counts (memory-check's random batches, plain-text windows). Where some do not (an instruction set's
 prompts and padding), ``lm_loss`` runs the head on the n counted rows alone (``minigpt.train.counted_logits``):
 the loss's N·V terms and its targets shrink to n rows and the row selection keeps its (B, T) bool mask (N
-bytes), so the prediction is an upper bound there (every target of a batch can count: ``--train-on-inputs``, or an answer filling the window). On
-CUDA the memory-efficient attention kernel pads the logsumexp to a multiple of 32 positions and keeps two
-RNG scalars per layer (not modelled; a few bytes per layer). The seed's B·T·d·L·16 and Korthikanti et
-al.'s 34·sbh + 5·as²b stay available as estimates for comparison.
+bytes). Each row left out frees about V·e bytes, so the prediction is an upper bound there but for those N bytes
+(at most, with almost every target counted and a tiny vocabulary); plan with every target counting, as a batch
+may (``--train-on-inputs``, or answers that fill the window). On CUDA the memory-efficient attention kernel
+pads the logsumexp to a multiple of 32 positions and keeps two RNG scalars per layer (not modelled; a few bytes
+per layer). The seed's B·T·d·L·16 and Korthikanti et al.'s 34·sbh + 5·as²b stay available as estimates for
+comparison.
 """
 from __future__ import annotations
 

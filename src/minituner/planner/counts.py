@@ -68,12 +68,12 @@ def _matches(path: str, target: str) -> bool:
 def resolve_targets(shape: ModelShape, targets: str | Iterable[str] = ALL_LINEAR) -> tuple[LinearShape, ...]:
     """The block Linears LoRA wraps for these targets; an unknown name is an InputError listing valid ones."""
     names = parse_targets(targets)
-    if ALL_LINEAR in names:
-        return shape.linears
-    unknown = [n for n in names if not any(_matches(lin.path, n) for lin in shape.linears)]
-    if unknown:
+    unknown = [n for n in names if n != ALL_LINEAR and not any(_matches(lin.path, n) for lin in shape.linears)]
+    if unknown:  # beside all-linear too (as minituner.lora.find_targets): lm_head is never silently dropped
         raise InputError(f"unknown LoRA target {', '.join(unknown)} for {shape.family}; "
                          f"valid: {', '.join(valid_targets(shape))}")
+    if ALL_LINEAR in names:
+        return shape.linears
     return tuple(lin for lin in shape.linears if any(_matches(lin.path, n) for n in names))
 
 
