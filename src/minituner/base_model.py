@@ -86,8 +86,16 @@ def stored_dtype(folder: str | Path) -> torch.dtype:
     folder = Path(folder)
     if base_kind(folder) not in ROTARY_FAMILIES:
         return torch.float32
-    infos = read_headers(checkpoint_files(folder)).values()
-    return dtype_of_most_values((info.dtype, math.prod(info.shape)) for info in infos)
+    return dtype_of_most_values((info.dtype, math.prod(info.shape)) for info in _loaded_headers(folder).values())
+
+
+def _loaded_headers(folder: Path) -> dict:
+    """Name -> header of every tensor load_base keeps from a llama-family folder: a tied config's stored
+    lm_head.weight is not one (the loader checks it equals the embedding and keeps the embedding alone)."""
+    infos = read_headers(checkpoint_files(folder))
+    if decoder_config_from_hf(read_json(folder / CONFIG), str(folder / CONFIG)).tie_word_embeddings:
+        infos.pop("lm_head.weight", None)
+    return infos
 
 
 def stored_part_dtypes(folder: str | Path) -> dict[str, torch.dtype]:
@@ -97,8 +105,7 @@ def stored_part_dtypes(folder: str | Path) -> dict[str, torch.dtype]:
     folder = Path(folder)
     if base_kind(folder) not in ROTARY_FAMILIES:
         return {}
-    infos = read_headers(checkpoint_files(folder))
-    return stored_dtypes((name, info.dtype, math.prod(info.shape)) for name, info in infos.items())
+    return stored_dtypes((name, info.dtype, math.prod(info.shape)) for name, info in _loaded_headers(folder).items())
 
 
 def model_config(path: str | Path) -> GPTConfig | DecoderConfig:

@@ -14,6 +14,7 @@ from minigpt import native_attention, native_norm, native_swiglu
 from minigpt.decoder import Decoder, DecoderConfig, cpu_flash_takes_gqa
 from minigpt.io import write_json
 from minituner.cli import main
+from minituner.build import float_dtype
 from minituner.memory.check import BUCKETS, CheckConfig, memory_check, predict
 from minituner.planner import MemoryConfig, Regime, regime_bytes
 from minituner.planner.activations import PRECISION_WIDTHS
@@ -226,3 +227,23 @@ def test_stored_dtypes_names_every_part_of_a_folder_and_a_model(hf_folder, capsy
     assert lora["weights"] == checked["predicted"]["weights"] == checked["measured"]["weights"]
     assert main(["count", "--base", str(folder), *window]) == 0
     assert "a checkpoint mixing float dtypes" in capsys.readouterr().out
+
+
+def test_a_tied_folders_stored_head_is_not_counted_twice(hf_folder):
+    """A tied config with an lm_head.weight stored anyway (equal to the embedding, in another dtype): load_base
+    keeps the embedding alone, and so do stored_dtype and stored_part_dtypes."""
+    from safetensors.torch import load_file, save_file
+
+    from minituner.base_model import load_base, stored_dtype, stored_part_dtypes
+
+    folder = hf_folder("qwen2", name="qwen2-stored-tied-head", dtype=torch.bfloat16, tie_word_embeddings=True,
+                       vocab_size=2000)
+    weights = load_file(folder / "model.safetensors")
+    embedding = weights["model.embed_tokens.weight"]
+    weights["model.embed_tokens.weight"] = embedding.float()  # the same values, stored fp32
+    weights["lm_head.weight"] = embedding.clone()  # and the head stored too, bf16
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    model = load_base(folder)[0]
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert stored_dtype(folder) == float_dtype(model) == torch.float32  # 64,000 fp32 values against ~15,000 bf16
+    assert stored_part_dtypes(folder)["lm_head"] == torch.float32
