@@ -44,7 +44,7 @@ CONFIGS = {"gpt2-124m": GPT2_124M, "llama-gqa": LLAMA_GQA, "qwen2-bias": QWEN2_B
 # checkpoints written in bf16 (transformers' save_pretrained, random weights) and read with --base, as finetune
 # reads them: LoRA keeps their Linears, embedding and head bf16 and upcasts each per product (minituner.upcast)
 CHECKPOINTS = {"llama-gqa-bf16": LLAMA_GQA}
-# (model, regime, rank, batch, seq, grad_checkpoint); rank is ignored for full fine-tuning
+# (model, regime, rank, batch, seq, grad_checkpoint[, counted targets]); rank is ignored for full fine-tuning
 POINTS = [
     *[("minigpt", regime, 8, b, t, ck) for regime in ("full", "lora", "qlora") for b, t in ((8, 64), (32, 128))
       for ck in (False, True)],
@@ -60,22 +60,30 @@ POINTS = [
     *[("qwen2-bias", regime, 8, 2, 256, ck) for regime in ("full", "lora", "qlora") for ck in (False, True)],
     *[("llama-gqa-bf16", "lora", 8, 4, 128, ck) for ck in (False, True)],
     ("llama-gqa-bf16", "qlora", 8, 4, 128, False),
+    # instruction batches: only some targets count (memory-check --counted-targets: the first positions get -100),
+    # so the head and the loss run on those rows alone; the same points above count every target
+    ("gpt2-124m", "lora", 8, 2, 256, False, 128),
+    ("llama-gqa", "lora", 8, 4, 128, False, 256),
+    ("llama-gqa", "qlora", 8, 4, 128, True, 128),
+    ("qwen2-bias", "qlora", 8, 2, 256, False, 64),
 ]
 # the same runs with glibc's malloc left as it is: how much the resident set keeps beyond the live tensors
 UNPINNED_POINTS = [("minigpt", "full", 8, 32, 128, False), ("minigpt", "lora", 8, 32, 128, False),
                    ("gpt2-124m", "lora", 8, 2, 256, False)]
 QUICK_POINTS = [("minigpt", "full", 8, 8, 64, False), ("minigpt", "lora", 8, 8, 64, True),
-                ("gpt2-124m", "lora", 8, 1, 64, False), ("llama-gqa", "qlora", 8, 2, 64, True)]
+                ("gpt2-124m", "lora", 8, 1, 64, False), ("gpt2-124m", "lora", 8, 1, 64, False, 16),
+                ("llama-gqa", "qlora", 8, 2, 64, True)]
 
 
-def measure(model: str, regime: str, rank: int, batch: int, seq: int, ckpt: bool, configs: Path,
-            pinned: bool = True) -> dict:
+def measure(model: str, regime: str, rank: int, batch: int, seq: int, ckpt: bool, counted: int | None,
+            configs: Path, pinned: bool = True) -> dict:
     """One memory-check run in a fresh process (so the peak is that run's alone); its JSON."""
     source = (["--preset", "minigpt"] if model == "minigpt" else ["--base", str(configs / model)]
               if model in CHECKPOINTS else ["--config", str(configs / model / "config.json")])
     cmd = [sys.executable, "-m", "minituner", "memory-check", *source, "--regime", regime, "--rank", str(rank),
            "--batch-size", str(batch), "--seq-len", str(seq), "--device", "cpu", "--json",
-           *(["--grad-checkpoint"] if ckpt else []), *([] if pinned else ["--default-allocator"])]
+           *(["--grad-checkpoint"] if ckpt else []), *([] if pinned else ["--default-allocator"]),
+           *([] if counted is None else ["--counted-targets", str(counted)])]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True)
     result = json.loads(out.stdout)
     result["details"]["model"] = model
@@ -106,7 +114,9 @@ def sweep(quick: bool = False) -> list[dict]:
         for point, pinned in [(p, True) for p in (QUICK_POINTS if quick else POINTS)] + \
                 [(p, False) for p in ([] if quick else UNPINNED_POINTS)]:
             t0 = time.perf_counter()
-            results.append(measure(*point, cfg, pinned))
+            model, regime, rank, batch, seq, ckpt, *counted = point
+            results.append(measure(model, regime, rank, batch, seq, ckpt, counted[0] if counted else None, cfg,
+                                   pinned))
             print(f"[memory_sweep] {point}{'' if pinned else ' glibc default'} {time.perf_counter() - t0:.1f}s",
                   file=sys.stderr, flush=True)
     return results
@@ -118,7 +128,8 @@ def pinned(results: list[dict]) -> list[dict]:
 
 def unpinned_table(results: list[dict]) -> list[str]:
     """The raw resident-set peak with glibc's default malloc beside the pinned run of the same point."""
-    key = lambda d: (d["model"], d["regime"], d["rank"], d["batch_size"], d["seq_len"], d["grad_checkpoint"])  # noqa
+    key = lambda d: (d["model"], d["regime"], d["rank"], d["batch_size"], d["seq_len"], d["grad_checkpoint"],  # noqa
+                     d["counted_targets"])
     same = {key(r["details"]): r for r in pinned(results)}
     lines = ["| model | regime | batch × seq | peak predicted MiB | raw peak, pinned MiB | raw peak, glibc default MiB "
              "| error vs glibc default raw peak |", "|---|---|---|---|---|---|---|"]
@@ -139,6 +150,13 @@ def label(res: dict) -> str:
     return d["regime"] + ("" if d["rank"] is None else f" r={d['rank']}")
 
 
+def batch_cell(d: dict) -> str:
+    """batch × seq, and how many targets count when not all do."""
+    every = d["batch_size"] * d["seq_len"]
+    counted = d["counted_targets"]
+    return f"{d['batch_size']} × {d['seq_len']}" + ("" if counted == every else f", {counted:,} counted")
+
+
 def table(results: list[dict]) -> tuple[list[str], list[list[str]]]:
     header = ["model", "regime", "batch × seq", "grad ckpt", "weights / grads / optimizer error",
               "activations MiB", "activations error", "peak predicted MiB", "peak measured MiB", "peak error",
@@ -149,7 +167,7 @@ def table(results: list[dict]) -> tuple[list[str], list[list[str]]]:
         exact = max(abs(e[b]) for b in ("weights", "grads", "optimizer"))
         total_err = (d["buckets_total_bytes"] - m["peak"]) / m["peak"]
         rows.append([
-            d["model"], label(res), f"{d['batch_size']} × {d['seq_len']}", "yes" if d["grad_checkpoint"] else "no",
+            d["model"], label(res), batch_cell(d), "yes" if d["grad_checkpoint"] else "no",
             f"{100 * exact:.2f}%", f"{m['activations'] / MIB:,.2f}", f"{100 * e['activations']:+.2f}%",
             f"{p['peak'] / MIB:,.2f}", f"{m['peak'] / MIB:,.2f}", f"{100 * e['peak']:+.2f}%",
             f"{d['predicted_peak_phase']} / {d['measured_peak_phase']}", f"{d['baseline_bytes'] / MIB:,.1f}",
@@ -170,15 +188,35 @@ def by_group(results: list[dict]) -> list[list[str]]:
 
 def saving(results: list[dict]) -> list[str]:
     """Measured peak with and without checkpointing, for the points swept both ways."""
-    key = lambda d: (d["model"], d["regime"], d["rank"], d["batch_size"], d["seq_len"])  # noqa: E731
+    key = lambda d: (d["model"], d["regime"], d["rank"], d["batch_size"], d["seq_len"], d["counted_targets"])  # noqa
     plain = {key(r["details"]): r for r in results if not r["details"]["grad_checkpoint"]}
     out = []
     for r in results:
         d = r["details"]
         if d["grad_checkpoint"] and key(d) in plain:
             before, after = plain[key(d)]["measured"]["peak"], r["measured"]["peak"]
-            out.append(f"{d['model']} {label(r)} {d['batch_size']} × {d['seq_len']}: {before / MIB:,.1f} → "
+            out.append(f"{d['model']} {label(r)} {batch_cell(d)}: {before / MIB:,.1f} → "
                        f"{after / MIB:,.1f} MiB ({100 * (after - before) / before:+.0f}%)")
+    return out
+
+
+def counted(results: list[dict]) -> list[str]:
+    """For each instruction batch (some targets counted), the same point with every target counting: what the
+    planner says and the run measures each way."""
+    key = lambda d: (d["model"], d["regime"], d["rank"], d["batch_size"], d["seq_len"], d["grad_checkpoint"])  # noqa
+    every = {key(r["details"]): r for r in results if r["details"]["counted_targets"] == r["details"]["batch_size"]
+             * r["details"]["seq_len"]}
+    out = []
+    for r in results:
+        d = r["details"]
+        other = every.get(key(d))
+        if other is None or other is r:
+            continue
+        p, m, p_all = r["predicted"]["peak"], r["measured"]["peak"], other["predicted"]["peak"]
+        out.append(f"{d['model']} {label(r)} {batch_cell(d)}{', checkpointed' if d['grad_checkpoint'] else ''}: "
+                   f"measured {m / MIB:,.1f} MiB (every target counting: {other['measured']['peak'] / MIB:,.1f}); "
+                   f"planned for the counted rows {p / MIB:,.1f} ({100 * (p - m) / m:+.1f}%), planned as if every "
+                   f"target counted {p_all / MIB:,.1f} ({100 * (p_all - m) / m:+.1f}%)")
     return out
 
 
@@ -259,7 +297,8 @@ INTRO = ("`minituner memory-check --json` on each point (a fresh process each): 
          "high-water mark (VmHWM, reset per phase) over the steps after the first, with glibc's mmap threshold "
          "pinned at 16 KiB (freed tensors go back to the system, as CUDA's allocated bytes count them), above "
          "the process's own memory (RSS minus live tensors before those steps; its growth since before the model "
-         "was built is the baseline column). fp32 on CPU, MiB = 1024² bytes, AdamW, 2 steps, random tokens; "
+         "was built is the baseline column). fp32 on CPU, MiB = 1024² bytes, AdamW, 2 steps, random tokens (every "
+         "target counting unless the batch column says how many do); "
          "error = (predicted − measured) / measured. Plot: `benchmarks/memory_sweep.png`. Models: `minigpt` (the preset), "
          "`gpt2-124m` (GPT-2 small's config, imported into MiniGPT), `llama-gqa` (llama: d_model 256, 4 layers, 8 query "
          "/ 2 K/V heads, SwiGLU 688, vocab 4,096, untied) and `qwen2-bias` (qwen2: d_model 192, 3 layers, 6 / 2 heads, "
@@ -281,6 +320,11 @@ def markdown(results: list[dict], command: str) -> str:
               "| model | regime | grad ckpt | points | min error | max error |", "|---|---|---|---|---|---|"]
     lines += ["| " + " | ".join(r) + " |" for r in by_group(results)]
     lines += ["", "Gradient checkpointing, measured peak without → with:", ""] + [f"- {s}" for s in saving(results)]
+    if counted(results):
+        lines += ["", "Instruction batches (some targets counted; memory-check `--counted-targets`, the first positions "
+                  "of the batch -100): the head and the loss run on the counted rows, and the planner plans them "
+                  "(`count --data` finds the largest such batch of a data set); beside them the same point with "
+                  "every target counting:", ""] + [f"- {s}" for s in counted(results)]
     lines += [""] + [f"- {s}" for s in summary(results)]
     if len(extra) > 2:
         lines += ["", "With glibc's malloc left as it is (`--default-allocator`, what a plain training process gets), "
@@ -303,7 +347,8 @@ def run(quick: bool = False):
     goals = [Goal("peak: largest predicted / measured", max(ratios), 1 + GOAL / 100, False, "planner/peak.py"),
              Goal("peak: smallest predicted / measured", min(ratios), 1 - GOAL / 100, True, "planner/peak.py")]
     intro = INTRO + "\n\n![predicted vs measured peak](memory_sweep.png)"
-    return Section("Memory: the planner against measurement", intro, header, rows, goals, summary(results))
+    return Section("Memory: the planner against measurement", intro, header, rows, goals,
+                   summary(results) + counted(results))
 
 
 def write(results: list[dict], command: str) -> None:

@@ -133,6 +133,14 @@ def base_config(folder: str | Path) -> GPTConfig | DecoderConfig:
     return model_config(folder)
 
 
+def base_tokenizer(folder: str | Path) -> Tokenizer:
+    """The tokenizer beside a base folder's model, read without its weights; an InputError when there is none."""
+    tokenizer = load_hf_tokenizer(folder, base_config(folder).vocab_size)
+    if tokenizer is None:
+        raise InputError(load_tokenizer(folder, base_config(folder).vocab_size)[1])
+    return tokenizer
+
+
 def default_seq_len(folder: str | Path) -> int:
     """The training window: a MiniGPT base's block size; the smaller of the context and 512 for Hugging Face bases."""
     context = base_config(folder).block_size

@@ -20,8 +20,9 @@ from minigpt.data import encode_split, load_documents, split_documents
 from minigpt.errors import InputError
 from minigpt.train import TrainConfig, evaluate
 
-from .sft import (ExampleSampler, SFTConfig, evaluate_examples, examples_sha256, is_sft_source, load_chat_template,
-                  load_records, prepare_sft, record_pieces)
+from .base_model import base_tokenizer
+from .sft import (ExampleSampler, LargestBatch, SFTConfig, evaluate_examples, examples_sha256, is_sft_source,
+                  largest_batch, load_chat_template, load_records, prepare_sft, record_pieces)
 
 
 @dataclass
@@ -110,6 +111,20 @@ def sft_data(source: str, base: Path, tokenizer, block_size: int, train_cfg: Tra
                  "sft": {"formats": formats, "template": template.origin, "eos_token": template.eos_token,
                          "train_on_inputs": sft_cfg.train_on_inputs, "overlong": sft_cfg.overlong,
                          "train": data.train_stats.as_dict(), "val": data.val_stats.as_dict()}})
+
+
+def largest_data_batch(source: str, base: Path, window: int, batch_size: int, fmt: str | None = None,
+                       sft_cfg: SFTConfig | None = None) -> LargestBatch:
+    """The largest batch `finetune --base base --data source` can draw, for the memory planner: instruction data
+    read, templated and tokenized as finetune reads it (its train split, examples cut or dropped at `window`),
+    then ``sft.largest_batch``; plain text: windows of `window` tokens whose every target counts."""
+    if not is_sft_source(source):
+        if fmt is not None:
+            raise InputError(f"--format applies to .jsonl/.json data, not to {source} (plain text)")
+        load_documents(source)  # the text exists and reads
+        return LargestBatch(batch_size, window, batch_size * window, float(batch_size * window))
+    data = prepare_sft(source, base_tokenizer(base), load_chat_template(base), window, sft_cfg or SFTConfig(), fmt)
+    return largest_batch(data.train, batch_size)
 
 
 def training_data(source: str, base: Path, tokenizer, block_size: int, train_cfg: TrainConfig, fmt: str | None = None,

@@ -5,6 +5,9 @@ import argparse
 
 from minigpt.device import PRECISIONS
 
+from ..sft import FORMATS
+from ..sft.examples import OVERLONG
+
 DEFAULT_CHECKPOINT_EVERY = 100  # steps between resumable checkpoints on the command line (the library default is none)
 
 
@@ -81,3 +84,15 @@ def add_precision_arguments(p: argparse.ArgumentParser, default: str = "fp32") -
                         "bf16-autocast is accepted as the old name of bf16 (default %(default)s)")
     p.add_argument("--allow-slow-bf16", action="store_true",
                    help="run --precision bf16 on a CPU without bf16 units (slower than fp32) instead of refusing")
+
+
+def add_sft_arguments(p: argparse.ArgumentParser) -> None:
+    """--format, --train-on-inputs and --overlong: how instruction data is read (finetune, and count --data)."""
+    p.add_argument("--format", choices=FORMATS,
+                   help=".jsonl/.json shape (default: recognised per file from its fields)")
+    p.add_argument("--train-on-inputs", action="store_true",
+                   help="instruction data: count the prompt, system and user tokens in the loss too "
+                        "(default: only completions and assistant turns, with their EOS)")
+    p.add_argument("--overlong", choices=OVERLONG, default="truncate",
+                   help="instruction data: an example longer than the context is truncated (its start kept) or "
+                        "dropped; the count is reported either way (default %(default)s)")

@@ -4,10 +4,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 from minigpt.errors import InputError
-from minituner.base_model import model_config, stored_dtype, stored_part_dtypes
+from minituner.base_model import default_seq_len, model_config, stored_dtype, stored_part_dtypes
+from minituner.finetune_data import largest_data_batch
 from minituner.memory.check import CheckConfig, predict
 from minituner.planner import (ALL_LINEAR, PRESETS, MemoryConfig, config_context, default_regimes, load_config_shape,
                                minigpt_vocab, plan, preset_shape)
@@ -15,8 +17,9 @@ from minituner.planner.memory import (ACTIVATION_MODELS, FULL_PRECISIONS, MASTER
                                       best_activation_model)
 from minituner.planner.presets import MINIGPT_SIZES
 from minituner.planner.report import UNITS, describe, regime_table
+from minituner.sft import LargestBatch, SFTConfig
 
-from ._common import positive_float, positive_int
+from ._common import add_sft_arguments, positive_float, positive_int
 
 HELP = "count trainable/frozen parameters and memory (weights, grads, optimizer, activations) per regime"
 
@@ -54,6 +57,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(default: the most accurate for the architecture, exact for every family count reads)")
     p.add_argument("--grad-checkpoint", action="store_true",
                    help="exact model: each block recomputed in backward (it keeps only its input)")
+    p.add_argument("--counted-targets", type=positive_int, metavar="N",
+                   help="exact model: targets per batch that count in the loss (default: all); an instruction batch "
+                        "counts its answers only, and the head and the loss run on those rows alone")
+    p.add_argument("--data", metavar="SOURCE",
+                   help="with --base: plan the largest batch finetune can draw from this data (.jsonl/.json "
+                        "instruction or chat data read as finetune reads it; plain text fills --seq-len): its "
+                        "longest example and its most-counted example in every row; --seq-len is then the "
+                        "training window (default finetune's)")
+    add_sft_arguments(p)
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
 
 
@@ -89,7 +101,7 @@ def _window(config: Path, seq_len: int | None) -> tuple[int, str | None]:
 
 
 def finetune_plan(folder: Path, regimes: list[Regime], targets: str, batch_size: int, seq_len: int,
-                  grad_checkpoint: bool) -> dict:
+                  grad_checkpoint: bool, counted_targets: int | None = None) -> dict:
     """The run `finetune --base folder` makes on CPU with --precision fp32 (its default), regime by regime, as
     memory-check predicts it: the weights kept as load_base reads them (a 16-bit checkpoint's Linears not
     quantized, embeddings and head stay 16-bit, minituner.upcast), fp32 compute and activations, AdamW, and
@@ -98,14 +110,15 @@ def finetune_plan(folder: Path, regimes: list[Regime], targets: str, batch_size:
     rows = []
     for r in regimes:
         check = CheckConfig(regime=r.name, rank=r.rank or 1, targets=targets, batch_size=batch_size,
-                            seq_len=seq_len, grad_checkpoint=grad_checkpoint)
+                            seq_len=seq_len, grad_checkpoint=grad_checkpoint, counted_targets=counted_targets)
         predicted, _, phase, _ = predict(cfg, check, base_dtype=parts or base_dtype)
         rows.append({"regime": r.label, **{k: predicted[k] for k in ("weights", "grads", "optimizer", "activations",
                                                                       "peak")}, "peak_phase": phase})
     mixed = {} if len(set(parts.values())) < 2 else {
         "stored_dtypes": {part: str(d).removeprefix("torch.") for part, d in parts.items()}}
     return {"base_dtype": str(base_dtype).removeprefix("torch."), **mixed, "precision": "fp32", "device": "cpu",
-            "batch_size": batch_size, "seq_len": seq_len, "regimes": rows}
+            "batch_size": batch_size, "seq_len": seq_len, "counted_targets": counted_targets or batch_size * seq_len,
+            "regimes": rows}
 
 
 def finetune_table(run: dict) -> str:
@@ -123,8 +136,8 @@ def finetune_table(run: dict) -> str:
                 + "), 16-bit parts cast to fp32 per product; full FT reads it in float32")
     lines = [f"As `finetune --base` runs it on CPU with --precision fp32 (its default): fp32 compute and activations"
              f"{kept}; QLoRA's targets in NF4 (blocks of 64, finetune's default scheme); LoRA factors, grads and "
-             f"AdamW fp32; batch {run['batch_size']} x seq {run['seq_len']}, count's --batch-size and --seq-len "
-             "(finetune's defaults differ: give both the ones you will train with). The step peak as "
+             f"AdamW fp32; batch {run['batch_size']} x seq {run['seq_len']}{_counted(run)}, count's --batch-size "
+             "and --seq-len (finetune's defaults differ: give both the ones you will train with). The step peak as "
              "`memory-check --base` predicts it (planner/peak.py); the process itself (Python, torch) comes on top.",
              "",
              f"| regime | weights {unit} | grads {unit} | optimizer {unit} | activations {unit} | step peak {unit} "
@@ -133,6 +146,36 @@ def finetune_table(run: dict) -> str:
         cells = " | ".join(f"{r[k] / UNITS[unit]:,.2f}" for k in ("weights", "grads", "optimizer", "activations", "peak"))
         lines.append(f"| {r['regime']} | {cells} | {r['peak_phase']} |")
     return "\n".join(lines)
+
+
+def _counted(run: dict) -> str:
+    every = run["batch_size"] * run["seq_len"]
+    return "" if run["counted_targets"] == every else f" with {run['counted_targets']:,} of its {every:,} targets counted"
+
+
+def data_batch(args: argparse.Namespace) -> LargestBatch | None:
+    """The largest batch finetune can draw from --data (None without it); --data needs --base."""
+    sft_flags = args.format is not None or args.train_on_inputs or args.overlong != "truncate"
+    if args.data is None:
+        if sft_flags:
+            raise InputError("--format, --train-on-inputs and --overlong apply to --data")
+        return None
+    if args.base is None:
+        raise InputError("--data needs --base: the folder's tokenizer and chat template read it as finetune does")
+    if args.counted_targets is not None:
+        raise InputError("--data and --counted-targets both say how many targets count: give one")
+    window = args.seq_len or default_seq_len(args.base)
+    return largest_data_batch(args.data, args.base, window, args.batch_size, args.format,
+                              SFTConfig(train_on_inputs=args.train_on_inputs, overlong=args.overlong))
+
+
+def describe_batch(batch: LargestBatch, source: str) -> str:
+    """One paragraph: the batch count planned from --data, and why it is the largest."""
+    every = batch.batch_size * batch.seq_len
+    return (f"Data {source}: planned at the largest batch finetune can draw from it, {batch.batch_size} x "
+            f"{batch.seq_len} positions (its longest example) with {batch.counted:,} of the {every:,} targets "
+            f"counted (its most-counted example in every row: batches are drawn with replacement); an average "
+            f"batch counts {batch.mean_counted:,.0f}. No batch of the run needs more memory than planned here.")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -153,26 +196,39 @@ def run(args: argparse.Namespace) -> int:
         shape = preset_shape(name, vocab)
         seq_len, note = args.seq_len or MemoryConfig.seq_len, None
     activations = args.activations or best_activation_model(shape)
-    if args.grad_checkpoint and activations != "exact":
-        if args.activations:
-            raise InputError(f"--grad-checkpoint needs --activations exact, got --activations {args.activations}")
-        raise InputError(f"--grad-checkpoint needs the exact activation model, which {shape.family} does not have yet")
+    for flag, given in (("--grad-checkpoint", args.grad_checkpoint), ("--counted-targets", args.counted_targets),
+                        ("--data", args.data)):
+        if given and activations != "exact":
+            if args.activations:
+                raise InputError(f"{flag} needs --activations exact, got --activations {args.activations}")
+            raise InputError(f"{flag} needs the exact activation model, which {shape.family} does not have yet")
+    batch = data_batch(args)
+    counted = args.counted_targets
+    if batch is not None:
+        seq_len, counted = batch.seq_len, batch.counted
     cfg = MemoryConfig(batch_size=args.batch_size, seq_len=seq_len, double_quant=args.double_quant,
                        full_precision=args.full_precision, activations=activations, quantize=args.quantize,
-                       master_copy=args.master_copy, grad_checkpoint=args.grad_checkpoint)
+                       master_copy=args.master_copy, grad_checkpoint=args.grad_checkpoint, counted_targets=counted)
     regimes = default_regimes(ranks)
     result = plan(shape, regimes, args.target or ALL_LINEAR, cfg)
     targets = ",".join(args.target) if args.target else ALL_LINEAR
     finetune_run = None
     if args.base is not None and note is None:  # a model finetune would refuse has no run to plan (noted already)
         try:
-            finetune_run = finetune_plan(args.base, regimes, targets, args.batch_size, seq_len, args.grad_checkpoint)
+            finetune_run = finetune_plan(args.base, regimes, targets, args.batch_size, seq_len, args.grad_checkpoint,
+                                         counted)
         except InputError as e:  # no weights or damaged headers; GPT-2's own Linear names (finetune trains MiniGPT's)
             note = f"the run finetune makes from this folder is not planned: {e}"
     if args.json:
-        print(json.dumps({**result.to_dict(), **({"finetune_cpu": finetune_run} if finetune_run else {})}, indent=2))
+        data = {"data": {"source": args.data, **asdict(batch)}} if batch is not None else {}
+        batch_json = {"batch_size": args.batch_size, "seq_len": seq_len,
+                      "counted_targets": counted or args.batch_size * seq_len}
+        print(json.dumps({**result.to_dict(), "batch": batch_json, **data,
+                          **({"finetune_cpu": finetune_run} if finetune_run else {})}, indent=2))
     else:
         print(describe(result, args.alpha))
+        if batch is not None:
+            print(describe_batch(batch, args.data))
         print()
         print(regime_table(result))
         if finetune_run:

@@ -12,10 +12,8 @@ from miniquant import DEFAULT_QUANT_SCHEME
 
 from ..finetune import BASE_DOMAIN, DEFAULT_DATA, FinetuneConfig, default_train_config, finetune
 from ..lora import ALL_LINEAR, LoRAConfig
-from ..sft import FORMATS
-from ..sft.examples import OVERLONG
-from ._common import (add_precision_arguments, add_run_arguments, checkpoint_options, non_negative_float, non_negative_int,
-                      positive_float, positive_int)
+from ._common import (add_precision_arguments, add_run_arguments, add_sft_arguments, checkpoint_options,
+                      non_negative_float, non_negative_int, positive_float, positive_int)
 
 HELP = ("fine-tune a base model with LoRA (default) or fully; writes adapter_final.safetensors, a PEFT folder, "
         "metrics.jsonl, loss_curve.png and manifest.json")
@@ -43,14 +41,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data", default=DEFAULT_DATA,
                    help="text file or folder; .jsonl/.json instruction or chat data (file or folder); or builtin:NAME "
                         "(forecasts: text, forecast-qa: questions and answers) (default %(default)s)")
-    p.add_argument("--format", choices=FORMATS,
-                   help=".jsonl/.json shape (default: recognised per file from its fields)")
-    p.add_argument("--train-on-inputs", action="store_true",
-                   help="instruction data: count the prompt, system and user tokens in the loss too "
-                        "(default: only completions and assistant turns, with their EOS)")
-    p.add_argument("--overlong", choices=OVERLONG, default="truncate",
-                   help="instruction data: an example longer than the context is truncated (its start kept) or "
-                        "dropped; the count is reported either way (default %(default)s)")
+    add_sft_arguments(p)
     p.add_argument("--out", type=Path, required=True, help="run folder to write")
     p.add_argument("--rank", type=rank, default=lora.r, help="LoRA rank r (default %(default)s)")
     p.add_argument("--alpha", type=number, default=lora.alpha, help="lora_alpha; scaling = alpha/r (default %(default)s)")

@@ -40,6 +40,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="sequences per step (default %(default)s)")
     p.add_argument("--seq-len", type=positive_int, default=d.seq_len,
                    help="tokens per sequence, at most the model's context (default %(default)s)")
+    p.add_argument("--counted-targets", type=positive_int, metavar="N",
+                   help="targets per batch that count in the loss, at most batch x seq (default: all); the first "
+                        "positions of the batch get -100, as an instruction batch's prompts and padding do")
     p.add_argument("--steps", type=positive_int, default=d.steps, help="training steps (default %(default)s)")
     p.add_argument("--seed", type=int, default=d.seed, help="seed of the random token batches (default %(default)s)")
     p.add_argument("--device", choices=DEVICES, default="auto", help="auto: cuda if available, else cpu")
@@ -76,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
     check = CheckConfig(regime=args.regime, rank=args.rank, alpha=args.alpha, targets=args.target,
                         batch_size=args.batch_size, seq_len=args.seq_len, steps=args.steps, seed=args.seed,
                         precision=args.precision, allow_slow_bf16=args.allow_slow_bf16,
-                        grad_checkpoint=args.grad_checkpoint,
+                        grad_checkpoint=args.grad_checkpoint, counted_targets=args.counted_targets,
                         pin_allocator=not args.default_allocator)
     result = memory_check(build, check, device, name)
     if args.json:

@@ -42,7 +42,7 @@ from minigpt.decoder import DecoderConfig
 from minigpt.device import check_precision
 from minigpt.errors import InputError
 from minigpt.model import GPTConfig, MiniGPT, block_list
-from minigpt.train import adamw, lm_loss, train_step
+from minigpt.train import IGNORE_INDEX, adamw, lm_loss, train_step
 from miniquant.quantize import workspace_bytes
 
 from ..base_model import load_base
@@ -53,7 +53,7 @@ from .heap import pin_allocator
 from .stored_dtypes import EMBEDDING_PARTS, dtype_of, stored_dtypes
 from ..planner import (MemoryConfig, ModelShape, Regime, korthikanti_activation_bytes, minigpt_shape,
                        param_counts, regime_bytes, seed_activation_bytes)
-from ..planner.activations import PRECISION_WIDTHS, lora_paths
+from ..planner.activations import PRECISION_WIDTHS, head_rows, lora_paths
 from ..planner.decoder_activations import exact_activation_bytes
 from ..planner.hf import decoder_shape
 from ..planner.peak import step_peak
@@ -83,6 +83,8 @@ class CheckConfig:
     precision: str = "fp32"  # "fp32" or "bf16" (frozen base in bf16, LoRA masters fp32: minituner.precision)
     allow_slow_bf16: bool = False  # bf16 on a CPU without bf16 units (slower than fp32) instead of refusing
     grad_checkpoint: bool = False  # recompute each block in backward (model.grad_checkpoint)
+    # positions per batch whose target counts (None: all); the others get -100, as an instruction batch's prompts
+    counted_targets: int | None = None
     pin_allocator: bool = True  # CPU: pin glibc's mmap threshold so the resident set follows the live tensors
 
     def validate(self, block_size: int) -> None:
@@ -93,6 +95,7 @@ class CheckConfig:
                 raise InputError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.seq_len > block_size:
             raise InputError(f"seq_len {self.seq_len} exceeds the model's block_size {block_size}")
+        head_rows(self.batch_size * self.seq_len, self.counted_targets)  # 1 <= counted_targets <= batch x seq
 
 
 def disable_dropout(model: nn.Module) -> None:
@@ -303,6 +306,7 @@ class CheckResult:
         details = {
             "model": self.name, "device": self.device, "regime": c.regime, "rank": None if c.regime == "full" else c.rank,
             "targets": c.targets, "batch_size": c.batch_size, "seq_len": c.seq_len, "steps": c.steps,
+            "counted_targets": c.counted_targets or c.batch_size * c.seq_len,
             "precision": c.precision, "grad_checkpoint": c.grad_checkpoint, "base_dtype": self.base_dtype,
             "params": self.params,
             "trainable_params": self.trainable_params, "peak_source": self.peak_source,
@@ -350,12 +354,13 @@ def predict(cfg: GPTConfig | DecoderConfig, check: CheckConfig, name: str = "mod
         kept += sum(counts[part] for part in EMBEDDING_PARTS if dtype_of(base_dtype, part) in LOW_BITS)
         weights -= 2 * kept  # 2 bytes instead of fp32's 4
     activations = exact_activation_bytes(shape, check.batch_size, check.seq_len, regime.name, regime.rank,
-                                         check.targets, grad_checkpoint=check.grad_checkpoint, **widths)
+                                         check.targets, grad_checkpoint=check.grad_checkpoint,
+                                         counted=check.counted_targets, **widths)
     predicted = {"weights": weights, "grads": b.grads, "optimizer": b.optimizer, "activations": activations}
     predicted["total"] = sum(predicted.values())
     peak = step_peak(shape, check.regime, check.rank, check.targets, check.batch_size, check.seq_len,
                      grad_checkpoint=check.grad_checkpoint, weights=weights, grads=b.grads, optimizer=b.optimizer,
-                     upcast=upcast, **widths)
+                     upcast=upcast, counted=check.counted_targets, **widths)
     predicted["peak"] = peak.bytes
     estimates = {"seed": seed_activation_bytes(shape, check.batch_size, check.seq_len),
                  "korthikanti": korthikanti_activation_bytes(shape, check.batch_size, check.seq_len)}
@@ -401,7 +406,10 @@ def memory_check(build: Callable[[], nn.Module], check: CheckConfig, device: tor
             own = meter.level() - account(model, opt)["total"] - workspace_bytes()  # QLoRA's workspace: live
             meter.reset_peak()
         ids = torch.randint(vocab, (check.batch_size, check.seq_len + 1), generator=gen)
-        x, y = ids[:, :-1].clone().to(device), ids[:, 1:].clone().to(device)  # (B, T) each, own storages
+        x, y = ids[:, :-1].clone(), ids[:, 1:].clone()  # (B, T) each, own storages
+        if check.counted_targets is not None:  # the first positions do not count (a prompt's), the rest do
+            y.view(-1)[: y.numel() - check.counted_targets] = IGNORE_INDEX
+        x, y = x.to(device), y.to(device)
         saved = SavedTensors(model)
 
         def on_phase(phase: str) -> None:
@@ -458,6 +466,13 @@ def _base_note(base_dtype: str, check: CheckConfig) -> str:
     return f"; a {base_dtype} checkpoint"
 
 
+def _counted_note(check: CheckConfig) -> str:
+    if check.counted_targets is None:
+        return ""
+    return (f" with {check.counted_targets:,} of its {check.batch_size * check.seq_len:,} targets counted "
+            "(the others -100, as an instruction batch's prompts)")
+
+
 def describe(result: CheckResult) -> str:
     c = result.check
     what = "full fine-tuning" if c.regime == "full" else f"{c.regime} r={c.rank} on {c.targets}"
@@ -466,7 +481,8 @@ def describe(result: CheckResult) -> str:
     planned = ", ".join(f"{k} {v / mib:,.2f}" for k, v in result.predicted_phases.items())
     return (f"{result.name}: {result.params:,} base parameters (a quantized weight counted by element), "
             f"{result.trainable_params:,} trainable ({what}); "
-            f"batch {c.batch_size} x seq {c.seq_len}, {c.steps} AdamW steps on {result.device} ({c.precision}"
+            f"batch {c.batch_size} x seq {c.seq_len}{_counted_note(c)}, {c.steps} AdamW steps on {result.device} "
+            f"({c.precision}"
             f"{', gradient checkpointing' if c.grad_checkpoint else ''}"
             f"{_base_note(result.base_dtype, c)}).\n"
             f"Activations: {result.activation_note}. Adam step counters: {result.measured['optimizer_steps']:,} "

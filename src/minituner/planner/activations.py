@@ -47,12 +47,12 @@ under bf16 compute), the terms are:
 
 Assumptions: one float dtype from each norm to the residual add (e) and one for the stream (s): an fp32 run,
 or minituner.precision's bf16 compute (no autocast); the inputs x and y are contiguous (B, T) tensors; every
-target counts (memory-check's random batches, plain-text windows). Where some do not (an instruction set's
+target counts (plain-text windows) unless ``counted`` says how many do. Where some do not (an instruction set's
 prompts and padding), ``lm_loss`` runs the head on the n counted rows alone (``minigpt.train.counted_logits``):
-the loss's N·V terms and its targets shrink to n rows and the row selection keeps its (B, T) bool mask (N
-bytes). Each row left out frees about V·e bytes, so the prediction is an upper bound there but for those N bytes
-(at most, with almost every target counted and a tiny vocabulary); plan with every target counting, as a batch
-may (``--train-on-inputs``, or answers that fill the window). On CUDA the memory-efficient attention kernel
+the loss's N·V terms and its targets shrink to n rows (``targets`` n·8, ``log-softmax output`` n·V·4 or the
+kept logits n·V·e and logsumexp n·4), a head that trains keeps its n input rows (n·C·e), and the row selection
+keeps its ``counted-rows mask`` (B, T) bool, N bytes. ``counted`` None plans every position: for masked data an
+upper bound (each row left out frees about V·e bytes) but for those N bytes. On CUDA the memory-efficient attention kernel
 pads the logsumexp to a multiple of 32 positions and keeps two RNG scalars per layer (not modelled; a few bytes
 per layer). The seed's B·T·d·L·16 and Korthikanti et al.'s 34·sbh + 5·as²b stay available as estimates for
 comparison.
@@ -141,14 +141,29 @@ class SavedByLayer:
         return dict(out)
 
 
-def loss_saved(terms: Counter[str], tokens: int, vocab: int, act_bytes: int) -> None:
-    """Add what ``minigpt.cross_entropy`` keeps for backward from logits of act_bytes per element to terms."""
+def head_rows(tokens: int, counted: int | None) -> int:
+    """The rows the head and the loss run on: every position (counted None), or the n whose target counts
+    (``minigpt.train.counted_logits``: an instruction batch's answers). 1 <= counted <= tokens."""
+    if counted is None:
+        return tokens
+    if isinstance(counted, bool) or not isinstance(counted, int) or not 1 <= counted <= tokens:
+        raise InputError(f"counted targets must be an integer from 1 to the batch's {tokens:,} positions, "
+                         f"got {counted!r}")
+    return counted
+
+
+def loss_saved(terms: Counter[str], tokens: int, vocab: int, act_bytes: int, counted: int | None = None) -> None:
+    """Add what ``minigpt.cross_entropy`` keeps for backward from logits of act_bytes per element to terms: for
+    every position, or for the `counted` rows the head ran on, whose selection keeps its (B, T) bool mask."""
+    n = head_rows(tokens, counted)
+    if n < tokens:  # counted_logits: h[keep] saves the mask for its backward (a scatter into every row)
+        terms["counted-rows mask"] += tokens
     if act_bytes == FP32:  # F.cross_entropy: log-softmax, then nll_loss
-        terms["log-softmax output"] += tokens * vocab * FP32
+        terms["log-softmax output"] += n * vocab * FP32
     else:  # LowPrecisionCrossEntropy: the logits as they are, and one fp32 logsumexp per row
-        terms["logits kept by the loss"] += tokens * vocab * act_bytes
-        terms["loss logsumexp"] += tokens * FP32
-    terms["targets"] += tokens * INDEX_BYTES
+        terms["logits kept by the loss"] += n * vocab * act_bytes
+        terms["loss logsumexp"] += n * FP32
+    terms["targets"] += n * INDEX_BYTES
     terms["loss total_weight"] += FP32
 
 
@@ -180,10 +195,11 @@ def check_exact(shape: ModelShape, regime: str) -> None:
 def minigpt_saved_by_layer(shape: ModelShape, batch_size: int, seq_len: int, regime: str = "full",
                            rank: int | None = None, targets: str | Iterable[str] = ALL_LINEAR,
                            act_bytes: int = 4, grad_checkpoint: bool = False, *, stream_bytes: int | None = None,
-                           lora_copy_bytes: int = 0, on_cpu: bool = True) -> SavedByLayer:
+                           lora_copy_bytes: int = 0, on_cpu: bool = True, counted: int | None = None) -> SavedByLayer:
     """Bytes saved for backward by one MiniGPT training forward, per term and layer (see the module docstring).
 
-    act_bytes is e, stream_bytes s (None: e), lora_copy_bytes c. With ``grad_checkpoint`` each block keeps
+    act_bytes is e, stream_bytes s (None: e), lora_copy_bytes c; counted: the positions whose target counts
+    (None: all), the rows the head and the loss run on. With ``grad_checkpoint`` each block keeps
     only its input (N·C·s, held by torch.utils.checkpoint to recompute the block in backward); what the
     block would save is saved again, one block at a time, during the backward
     (``minigpt_saved_by_layer(...).blocks`` without checkpointing gives it).
@@ -248,8 +264,8 @@ def minigpt_saved_by_layer(shape: ModelShape, batch_size: int, seq_len: int, reg
         blocks.append({"checkpointed block input": N * C * s} if grad_checkpoint else dict(terms))
     layernorm(head, hot or full)  # ln_f
     if full:
-        head["linear input"] += N * C * e  # the (tied) head trains: it keeps ln_f's output
-    loss_saved(head, N, shape.vocab_size, e)
+        head["linear input"] += head_rows(N, counted) * C * e  # the (tied) head trains: it keeps its input rows
+    loss_saved(head, N, shape.vocab_size, e, counted)
     return SavedByLayer(dict(embed), tuple(blocks), dict(head))
 
 

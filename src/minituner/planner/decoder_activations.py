@@ -54,7 +54,8 @@ the LoRA factors (``lora_copy_bytes``: 0, or 2 under bf16 compute), the terms ar
   ``minigpt.native_swiglu`` runs (its kernels built), the gate is one Function that keeps gate's output when
   either input needs grad and up's when gate does, and recomputes act(gate): no ``silu output``.
 - the loss's terms (``log-softmax output`` N·V·4 from fp32 logits, or ``logits kept by the loss`` N·V·e and
-  ``loss logsumexp`` N·4 from narrower ones; ``targets`` N·8, ``loss total_weight`` 4): as MiniGPT's.
+  ``loss logsumexp`` N·4 from narrower ones; ``targets`` N·8, ``loss total_weight`` 4): as MiniGPT's, over the
+  n counted rows when ``counted`` says how many targets count (with the N-byte ``counted-rows mask``).
 
 - with gradient checkpointing (``model.grad_checkpoint``) each layer keeps only its input, N·C·s
   (``checkpointed block input``: the stream), and torch.utils.checkpoint holds the rotary cos/sin it was
@@ -64,7 +65,7 @@ the LoRA factors (``lora_copy_bytes``: 0, or 2 under bf16 compute), the terms ar
 Assumptions: attention dropout 0 (memory-check sets it), one float dtype from each norm to the residual
 add (e) and one for the stream (s): an fp32 run, or minituner.precision's bf16 compute (no autocast);
 contiguous (B, T) inputs; biases change nothing here (their gradient is a sum of the output's); every target
-counts (``planner/activations.py`` says what a masked batch changes).
+counts unless ``counted`` says how many do (``planner/activations.py`` says what a masked batch changes).
 """
 from __future__ import annotations
 
@@ -75,8 +76,8 @@ from minigpt.decoder import cpu_flash_takes_gqa
 from minigpt.errors import InputError
 
 from .activations import EXACT_FAMILIES as MINIGPT_FAMILIES
-from .activations import (FP32, INDEX_BYTES, SavedByLayer, bf16_compute_attention, bf16_compute_swiglu, loss_saved,
-                          lora_paths, lora_saved, minigpt_saved_by_layer)
+from .activations import (FP32, INDEX_BYTES, SavedByLayer, bf16_compute_attention, bf16_compute_swiglu, head_rows,
+                          loss_saved, lora_paths, lora_saved, minigpt_saved_by_layer)
 from .counts import ALL_LINEAR
 from .shapes import ModelShape
 
@@ -99,9 +100,10 @@ def check_decoder(shape: ModelShape, regime: str) -> None:
 def decoder_saved_by_layer(shape: ModelShape, batch_size: int, seq_len: int, regime: str = "full",
                            rank: int | None = None, targets: str | Iterable[str] = ALL_LINEAR,
                            act_bytes: int = 4, grad_checkpoint: bool = False, *, stream_bytes: int | None = None,
-                           lora_copy_bytes: int = 0, on_cpu: bool = True) -> SavedByLayer:
+                           lora_copy_bytes: int = 0, on_cpu: bool = True, counted: int | None = None) -> SavedByLayer:
     """Bytes saved for backward by one Decoder training forward, per term and layer (see the module docstring):
-    act_bytes is e, stream_bytes s (None: e), lora_copy_bytes c; on_cpu False: a CUDA run (SDPA, k/v repeated)."""
+    act_bytes is e, stream_bytes s (None: e), lora_copy_bytes c; on_cpu False: a CUDA run (SDPA, k/v repeated);
+    counted: the positions whose target counts (None: all), the rows the head and the loss run on."""
     check_decoder(shape, regime)
     full = regime == "full"
     lora = frozenset() if full else lora_paths(shape, targets)
@@ -181,24 +183,26 @@ def decoder_saved_by_layer(shape: ModelShape, batch_size: int, seq_len: int, reg
         embed["rotary cos/sin"] += 2 * T * shape.head_dim * e
     rmsnorm(head, hot)  # the final norm
     if full:
-        head["linear input"] += N * C * e  # lm_head trains (tied or not): it keeps the final norm's output
-    loss_saved(head, N, shape.vocab_size, e)
+        head["linear input"] += head_rows(N, counted) * C * e  # lm_head trains (tied or not): it keeps its input rows
+    loss_saved(head, N, shape.vocab_size, e, counted)
     return SavedByLayer(dict(embed), tuple(blocks), dict(head))
 
 
 def saved_by_layer(shape: ModelShape, batch_size: int, seq_len: int, regime: str = "full", rank: int | None = None,
                    targets: str | Iterable[str] = ALL_LINEAR, act_bytes: int = 4, grad_checkpoint: bool = False, *,
-                   stream_bytes: int | None = None, lora_copy_bytes: int = 0, on_cpu: bool = True) -> SavedByLayer:
+                   stream_bytes: int | None = None, lora_copy_bytes: int = 0, on_cpu: bool = True,
+                   counted: int | None = None) -> SavedByLayer:
     """The exact model of this shape's family: MiniGPT (and GPT-2 imported into it) or the llama family."""
     fn = decoder_saved_by_layer if shape.family in LLAMA_FAMILIES else minigpt_saved_by_layer
     return fn(shape, batch_size, seq_len, regime, rank, targets, act_bytes, grad_checkpoint,
-              stream_bytes=stream_bytes, lora_copy_bytes=lora_copy_bytes, on_cpu=on_cpu)
+              stream_bytes=stream_bytes, lora_copy_bytes=lora_copy_bytes, on_cpu=on_cpu, counted=counted)
 
 
 def exact_activation_bytes(shape: ModelShape, batch_size: int, seq_len: int, regime: str = "full",
                            rank: int | None = None, targets: str | Iterable[str] = ALL_LINEAR, act_bytes: int = 4,
                            grad_checkpoint: bool = False, *, stream_bytes: int | None = None,
-                           lora_copy_bytes: int = 0, on_cpu: bool = True) -> int:
+                           lora_copy_bytes: int = 0, on_cpu: bool = True, counted: int | None = None) -> int:
     """Total bytes saved for backward by one training forward of this shape (any family with an exact model)."""
     return saved_by_layer(shape, batch_size, seq_len, regime, rank, targets, act_bytes, grad_checkpoint,
-                          stream_bytes=stream_bytes, lora_copy_bytes=lora_copy_bytes, on_cpu=on_cpu).total()
+                          stream_bytes=stream_bytes, lora_copy_bytes=lora_copy_bytes, on_cpu=on_cpu,
+                          counted=counted).total()

@@ -33,6 +33,7 @@ from dataclasses import dataclass, replace
 
 from minigpt.errors import InputError
 
+from .activations import head_rows
 from .decoder_activations import EXACT_FAMILIES, exact_activation_bytes
 from .counts import ALL_LINEAR, check_rank, lora_trainable_params, parse_targets, resolve_targets, total_params
 from .peak import has_peak_model, step_peak
@@ -60,6 +61,8 @@ class MemoryConfig:
     dtype: str = "fp16"  # LoRA/QLoRA float weights, LoRA A/B, grads, exact-model activations: fp16, bf16 or fp32
     master_copy: str = "weights"  # full FT mixed: fp32 master with the weights (the seed, 6N/2N/8N) or "optimizer" (ZeRO, 2N/2N/12N)
     grad_checkpoint: bool = False  # each block recomputed in backward (exact model): it keeps only its input
+    # exact model: targets per batch that count (None: all); the head and the loss run on those rows alone
+    counted_targets: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("batch_size", "seq_len"):
@@ -76,6 +79,10 @@ class MemoryConfig:
             raise InputError(f"master_copy must be one of {', '.join(MASTER_COPIES)}, got {self.master_copy!r}")
         if self.dtype not in DTYPE_BYTES:
             raise InputError(f"dtype must be one of {', '.join(DTYPE_BYTES)}, got {self.dtype!r}")
+        head_rows(self.batch_size * self.seq_len, self.counted_targets)  # 1 <= counted_targets <= batch x seq
+        if self.counted_targets is not None and self.activations != "exact":
+            raise InputError(f"counted_targets needs the exact activation model, not {self.activations!r} (the "
+                             "estimates count every position)")
 
 
 @dataclass(frozen=True)
@@ -198,7 +205,7 @@ def activation_bytes(shape: ModelShape, cfg: MemoryConfig, regime: Regime = Regi
                      targets: str | Iterable[str] = ALL_LINEAR) -> int:
     if cfg.activations == "exact":  # depends on the regime: what needs grad decides what is saved
         return exact_activation_bytes(shape, cfg.batch_size, cfg.seq_len, regime.name, regime.rank, targets,
-                                        DTYPE_BYTES[cfg.dtype], cfg.grad_checkpoint)
+                                      DTYPE_BYTES[cfg.dtype], cfg.grad_checkpoint, counted=cfg.counted_targets)
     fn = seed_activation_bytes if cfg.activations == "seed" else korthikanti_activation_bytes
     return fn(shape, cfg.batch_size, cfg.seq_len)
 
@@ -212,7 +219,7 @@ def regime_bytes(shape: ModelShape, regime: Regime, targets: str | Iterable[str]
         2 if regime.name == "full" else DTYPE_BYTES[cfg.dtype])
     peak = step_peak(shape, regime.name, regime.rank, targets, cfg.batch_size, cfg.seq_len, DTYPE_BYTES[cfg.dtype],
                      cfg.grad_checkpoint, weights=b.weights, grads=b.grads, optimizer=b.optimizer,
-                     grad_bytes=grad_bytes)
+                     grad_bytes=grad_bytes, counted=cfg.counted_targets)
     return replace(b, peak=peak.bytes, peak_phase=peak.phase)
 
 

@@ -24,7 +24,9 @@ through ``F.cross_entropy``, narrower ones in fp32 chunks of R = ``chunk_rows(V)
 2 MiB; on CUDA the loss takes 64 MiB chunks, so its 2·R·V·4 term below is up to 128 MiB larger there than
 planned). bf16 logits on a CPU where ``minigpt.native_loss`` runs (a C compiler is present and the CPU has
 AVX-512) make no fp32 chunk at all: there the chunk terms below are an upper bound, about 4 MiB over at 128,256
-tokens of vocabulary (kept, so that one plan holds with or without the kernel). The phases:
+tokens of vocabulary (kept, so that one plan holds with or without the kernel). In a batch where only n of the N
+targets count (``counted``: an instruction batch's answers) the head and the loss run on those n rows
+(``minigpt.train.counted_logits``), so every logit, loss and head term below is over n rows, not N. The phases:
 
 - forward (loss): W + O + G (last step's grads: zero_grad comes after the forward) + A + with fp32 logits
   the logits N·V·4 beside the log-softmax output (in A); with narrower ones, A holds the logits the loss keeps
@@ -66,7 +68,7 @@ from dataclasses import dataclass
 
 from minigpt.cross_entropy import chunk_rows
 
-from .activations import (FP32, LOSS_KEPT, SavedByLayer, as_minigpt, bf16_gemm_fallback, lora_paths,
+from .activations import (FP32, LOSS_KEPT, SavedByLayer, as_minigpt, bf16_gemm_fallback, head_rows, lora_paths,
                           minigpt_saved_by_layer)
 from .decoder_activations import decoder_saved_by_layer
 from .counts import ALL_LINEAR, resolve_targets, total_params
@@ -93,8 +95,8 @@ class Peak:
 def minigpt_phases(shape: ModelShape, regime: str, rank: int | None, targets: str | Iterable[str],
                    batch_size: int, seq_len: int, act_bytes: int, grad_checkpoint: bool,
                    weights: int, grads: int, optimizer: int, grad_bytes: int, *, stream_bytes: int | None = None,
-                   lora_copy_bytes: int = 0, on_cpu: bool = True,
-                   upcast: Collection[str] = ()) -> dict[str, dict[str, int]]:
+                   lora_copy_bytes: int = 0, on_cpu: bool = True, upcast: Collection[str] = (),
+                   counted: int | None = None) -> dict[str, dict[str, int]]:
     """Live bytes per term at the worst moment of each phase of one MiniGPT (or GPT-2) training step."""
     shape, targets = as_minigpt(shape, targets)  # GPT-2 trains as the MiniGPT it imports into
     N, C, F = batch_size * seq_len, shape.d_model, shape.d_ff
@@ -103,14 +105,14 @@ def minigpt_phases(shape: ModelShape, regime: str, rank: int | None, targets: st
     block_grads = N * C * (stream_bytes or act_bytes) + N * F * act_bytes
     return step_phases(shape, regime, rank, targets, batch_size, seq_len, act_bytes, grad_checkpoint, weights, grads,
                        optimizer, grad_bytes, minigpt_saved_by_layer, block_grads, stream_bytes=stream_bytes,
-                       lora_copy_bytes=lora_copy_bytes, on_cpu=on_cpu, upcast=upcast)
+                       lora_copy_bytes=lora_copy_bytes, on_cpu=on_cpu, upcast=upcast, counted=counted)
 
 
 def llama_phases(shape: ModelShape, regime: str, rank: int | None, targets: str | Iterable[str],
                  batch_size: int, seq_len: int, act_bytes: int, grad_checkpoint: bool,
                  weights: int, grads: int, optimizer: int, grad_bytes: int, *, stream_bytes: int | None = None,
-                 lora_copy_bytes: int = 0, on_cpu: bool = True,
-                 upcast: Collection[str] = ()) -> dict[str, dict[str, int]]:
+                 lora_copy_bytes: int = 0, on_cpu: bool = True, upcast: Collection[str] = (),
+                 counted: int | None = None) -> dict[str, dict[str, int]]:
     """Live bytes per term at the worst moment of each phase of one llama / mistral / qwen2 (Decoder) step."""
     N, C, F = batch_size * seq_len, shape.d_model, shape.d_ff
     down_saved = regime == "full" or "mlp.down_proj" in lora_paths(shape, targets)
@@ -121,7 +123,7 @@ def llama_phases(shape: ModelShape, regime: str, rank: int | None, targets: str 
     block_grads = N * C * (stream_bytes or act_bytes) + mlp * act_bytes
     return step_phases(shape, regime, rank, targets, batch_size, seq_len, act_bytes, grad_checkpoint, weights, grads,
                        optimizer, grad_bytes, decoder_saved_by_layer, block_grads, stream_bytes=stream_bytes,
-                       lora_copy_bytes=lora_copy_bytes, on_cpu=on_cpu, upcast=upcast)
+                       lora_copy_bytes=lora_copy_bytes, on_cpu=on_cpu, upcast=upcast, counted=counted)
 
 
 def head_gradients(tokens: int, d_model: int, vocab: int, act_bytes: int) -> dict[str, int]:
@@ -144,17 +146,19 @@ def step_phases(shape: ModelShape, regime: str, rank: int | None, targets: str |
                 batch_size: int, seq_len: int, act_bytes: int, grad_checkpoint: bool,
                 weights: int, grads: int, optimizer: int, grad_bytes: int,
                 saved_by_layer: Callable[..., SavedByLayer], block_grads: int, *, stream_bytes: int | None = None,
-                lora_copy_bytes: int = 0, on_cpu: bool = True,
-                upcast: Collection[str] = ()) -> dict[str, dict[str, int]]:
+                lora_copy_bytes: int = 0, on_cpu: bool = True, upcast: Collection[str] = (),
+                counted: int | None = None) -> dict[str, dict[str, int]]:
     """The phases of a step for a family's saved-tensor model and its last block's backward gradients (bytes).
 
     upcast: the paths of the block Linears of a 16-bit base computed in fp32 (LoRA or QLoRA) that are upcast per
-    product (``upcast.UpcastLinear``: kept 16-bit, not quantized) into the same workspace NF4 dequantizes into."""
-    widths = {"stream_bytes": stream_bytes, "lora_copy_bytes": lora_copy_bytes, "on_cpu": on_cpu}
+    product (``upcast.UpcastLinear``: kept 16-bit, not quantized) into the same workspace NF4 dequantizes into.
+    counted: the positions whose target counts (None: all), the rows the head and the loss run on."""
+    widths = {"stream_bytes": stream_bytes, "lora_copy_bytes": lora_copy_bytes, "on_cpu": on_cpu, "counted": counted}
     saved = saved_by_layer(shape, batch_size, seq_len, regime, rank, targets, act_bytes, grad_checkpoint, **widths)
     plain = saved_by_layer(shape, batch_size, seq_len, regime, rank, targets, act_bytes, **widths) \
         if grad_checkpoint else saved
     N, C, V, e = batch_size * seq_len, shape.d_model, shape.vocab_size, act_bytes
+    n = head_rows(N, counted)  # the head's and the loss's rows
     A, full = saved.total(), regime == "full"
     head_saved = sum(saved.head.values())
     embedding = V * C * FP32  # the token embedding (and a tied head): its gradient is fp32 like Adam's state
@@ -166,14 +170,14 @@ def step_phases(shape: ModelShape, regime: str, rank: int | None, targets: str |
         name = " and ".join([*(["NF4 dequantization"] if quantized else []), *(["16-bit upcast"] if upcasts else [])])
         base[f"{name} workspace"] = max(lin.weight_params for lin in shape.linears
                                         if lin.path in quantized | upcasts) * e
-    loss_forward, loss_backward = loss_phases(N, V, e)
+    loss_forward, loss_backward = loss_phases(n, V, e)
     loss_kept = sum(saved.head.get(term, 0) for term in LOSS_KEPT)
     phases = {
         "forward (loss)": {**base, "grads (last step's; zero_grad follows the forward)": grads, "activations": A,
                            **loss_forward},
         "backward: loss": {**base, "activations": A, **loss_backward},
         "backward: head": {**base, "activations (what the loss kept freed)": A - loss_kept,
-                           **head_gradients(N, C, V, e), "head weight gradient": embedding if full else 0},
+                           **head_gradients(n, C, V, e), "head weight gradient": embedding if full else 0},
     }
     if full:
         per_block = (total_params(shape) - V * C * (1 if shape.tie_embeddings else 2) - shape.n_positions * C
@@ -230,15 +234,18 @@ def has_peak_model(shape: ModelShape) -> bool:
 def step_peak(shape: ModelShape, regime: str, rank: int | None = None, targets: str | Iterable[str] = ALL_LINEAR,
               batch_size: int = 16, seq_len: int = 32, act_bytes: int = 4, grad_checkpoint: bool = False, *,
               weights: int, grads: int, optimizer: int, grad_bytes: int = 4, stream_bytes: int | None = None,
-              lora_copy_bytes: int = 0, on_cpu: bool = True, upcast: Collection[str] = ()) -> Peak:
+              lora_copy_bytes: int = 0, on_cpu: bool = True, upcast: Collection[str] = (),
+              counted: int | None = None) -> Peak:
     """The phase where a training step peaks and what is alive there (``PEAK_MODELS[shape.family]``).
 
     act_bytes, stream_bytes and lora_copy_bytes are the exact activation model's widths (e, s, c of
     planner/activations.py); ``PRECISION_WIDTHS[precision]`` holds them for an fp32 or a bf16 run. on_cpu False:
     a CUDA run, whose attention is SDPA's (planner/activations.py's bf16_compute_attention). upcast: the paths of
-    a 16-bit base's block Linears upcast per product into the dequantization workspace under fp32 compute."""
+    a 16-bit base's block Linears upcast per product into the dequantization workspace under fp32 compute. counted:
+    the positions of the batch whose target counts (an instruction batch's answers; None: every position)."""
     phases = PEAK_MODELS[shape.family](shape, regime, rank, targets, batch_size, seq_len, act_bytes, grad_checkpoint,
                                        weights, grads, optimizer, grad_bytes, stream_bytes=stream_bytes,
-                                       lora_copy_bytes=lora_copy_bytes, on_cpu=on_cpu, upcast=upcast)
+                                       lora_copy_bytes=lora_copy_bytes, on_cpu=on_cpu, upcast=upcast,
+                                       counted=counted)
     worst = max(phases, key=lambda k: sum(phases[k].values()))
     return Peak(worst, phases)

@@ -5,7 +5,8 @@ labels, -100 outside the answers) -> batches (padded (x, y) batches, evaluation 
 builtin holds ``builtin:forecast-qa``; load ties them together for a command's ``--data``; chat asks a model a
 question through the template.
 """
-from .batches import EvalResult, ExampleSampler, collate, evaluate_examples, iter_batches
+from .batches import (EvalResult, ExampleSampler, LargestBatch, collate, evaluate_examples, iter_batches,
+                      largest_batch)
 from .builtin import builtin_records, forecast_qa
 from .chat import answer, chat_prompt, cut_answer
 from .examples import (IGNORE, Example, SFTConfig, SFTStats, examples_sha256, plain_encoder, record_pieces,
@@ -16,8 +17,9 @@ from .templates import DEFAULT_EOS, DEFAULT_TEMPLATE, ChatTemplate, default_temp
 
 __all__ = [
     "ChatTemplate", "DEFAULT_EOS", "DEFAULT_TEMPLATE", "EvalResult", "Example", "ExampleSampler", "FORMATS", "IGNORE",
-    "Record", "SFTConfig", "SFTData", "SFTStats", "answer", "builtin_records", "chat_prompt", "collate", "cut_answer",
-    "default_template", "evaluate_examples", "examples_sha256", "forecast_qa", "is_sft_source", "iter_batches",
+    "LargestBatch", "Record", "SFTConfig", "SFTData", "SFTStats", "answer", "builtin_records", "chat_prompt", "collate",
+    "cut_answer", "default_template", "evaluate_examples", "examples_sha256", "forecast_qa", "is_sft_source",
+    "iter_batches", "largest_batch",
     "load_chat_template", "load_records", "plain_encoder", "prepare_eval", "prepare_sft", "read_file", "read_records",
     "record_pieces", "record_text", "special_prefix", "split_records", "tokenize_record", "tokenize_records",
 ]

@@ -55,6 +55,29 @@ def iter_batches(examples: Sequence[Example], batch_size: int, seed: int | None 
         yield collate([examples[j] for j in chunk], pad_id, length)
 
 
+@dataclass(frozen=True)
+class LargestBatch:
+    """The largest batch of `batch_size` examples a run can draw from a data set, for the memory planner: no batch
+    is wider (``seq_len`` positions: the longest example, less the one it does not predict) or counts more
+    targets (``counted``: the most-counted example drawn every time, as ExampleSampler draws with replacement).
+    ``mean_counted`` is what an average batch counts."""
+
+    batch_size: int
+    seq_len: int
+    counted: int
+    mean_counted: float
+
+
+def largest_batch(examples: Sequence[Example], batch_size: int) -> LargestBatch:
+    """The widest and most-counted batch of `batch_size` examples drawn from `examples` (see LargestBatch)."""
+    if not examples:
+        raise InputError("no examples to batch")
+    seq_len = max(len(e.input_ids) for e in examples) - 1
+    most = max(e.counted for e in examples)  # labels[0] never counts: every counted label is a target of y
+    mean = sum(e.counted for e in examples) / len(examples)
+    return LargestBatch(batch_size, seq_len, batch_size * most, batch_size * mean)
+
+
 class ExampleSampler:
     """Random batches drawn with replacement from a torch.Generator, as minigpt.data.sample_batch draws windows.
 
