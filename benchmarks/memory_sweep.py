@@ -114,9 +114,8 @@ def sweep(quick: bool = False) -> list[dict]:
         for point, pinned in [(p, True) for p in (QUICK_POINTS if quick else POINTS)] + \
                 [(p, False) for p in ([] if quick else UNPINNED_POINTS)]:
             t0 = time.perf_counter()
-            model, regime, rank, batch, seq, ckpt, *counted = point
-            results.append(measure(model, regime, rank, batch, seq, ckpt, counted[0] if counted else None, cfg,
-                                   pinned))
+            model, regime, rank, batch, seq, ckpt, *rest = point  # rest: the counted targets, when given
+            results.append(measure(model, regime, rank, batch, seq, ckpt, rest[0] if rest else None, cfg, pinned))
             print(f"[memory_sweep] {point}{'' if pinned else ' glibc default'} {time.perf_counter() - t0:.1f}s",
                   file=sys.stderr, flush=True)
     return results
@@ -320,11 +319,12 @@ def markdown(results: list[dict], command: str) -> str:
               "| model | regime | grad ckpt | points | min error | max error |", "|---|---|---|---|---|---|"]
     lines += ["| " + " | ".join(r) + " |" for r in by_group(results)]
     lines += ["", "Gradient checkpointing, measured peak without → with:", ""] + [f"- {s}" for s in saving(results)]
-    if counted(results):
+    instruction = counted(results)
+    if instruction:
         lines += ["", "Instruction batches (some targets counted; memory-check `--counted-targets`, the first positions "
                   "of the batch -100): the head and the loss run on the counted rows, and the planner plans them "
                   "(`count --data` finds the largest such batch of a data set); beside them the same point with "
-                  "every target counting:", ""] + [f"- {s}" for s in counted(results)]
+                  "every target counting:", ""] + [f"- {s}" for s in instruction]
     lines += [""] + [f"- {s}" for s in summary(results)]
     if len(extra) > 2:
         lines += ["", "With glibc's malloc left as it is (`--default-allocator`, what a plain training process gets), "

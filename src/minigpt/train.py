@@ -107,16 +107,36 @@ def counted_loss(counted: int, ranks: int) -> Callable[[nn.Module, torch.Tensor,
     return loss_fn
 
 
+# an evaluation forward holds at most about this much of fp32 logits at once (and as much again in the loss's
+# log-softmax): it keeps no activations, so the training step's planned peak (minituner.planner) stays above it
+# even when the training batch counts few targets (an instruction set's) and the evaluation counts every one
+EVAL_LOGITS_BYTES = 256 << 20
+
+
+def eval_rows(x: torch.Tensor, y: torch.Tensor, vocab_size: int | None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """An evaluation batch (B, T) as a few rows at a time, so that one forward's fp32 logits (rows x T x V) stay
+    under EVAL_LOGITS_BYTES (at least one row each); whole when it fits or the vocabulary is unknown."""
+    per_row = x.size(1) * (vocab_size or 0) * 4
+    rows = max(1, EVAL_LOGITS_BYTES // per_row) if per_row else x.size(0)
+    return [(x[i : i + rows], y[i : i + rows]) for i in range(0, x.size(0), rows)]
+
+
+def vocab_size_of(model: nn.Module) -> int | None:
+    """The model's vocabulary (its config's vocab_size), or None for a module without one."""
+    return getattr(getattr(model, "config", None), "vocab_size", None)
+
+
 @torch.no_grad()
 def evaluate(model: nn.Module, data: torch.Tensor, block_size: int, batch_size: int = 32, max_batches: int = 16) -> float:
-    """Mean next-token loss (nats) over fixed windows of a split."""
+    """Mean next-token loss (nats) over fixed windows of a split (every window counts all its block_size targets)."""
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
     total, n = 0.0, 0
-    for x, y in eval_batches(data, batch_size, block_size, max_batches):
-        total += lm_loss(model, x.to(device), y.to(device)).item() * x.size(0)
-        n += x.size(0)
+    for batch in eval_batches(data, batch_size, block_size, max_batches):
+        for x, y in eval_rows(*batch, vocab_size_of(model)):
+            total += lm_loss(model, x.to(device), y.to(device)).item() * x.size(0)
+            n += x.size(0)
     model.train(was_training)
     return total / n
 

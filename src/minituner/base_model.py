@@ -23,7 +23,7 @@ from minigpt.errors import InputError
 from minigpt.io import read_json, sha256_file
 from minigpt.model import GPTConfig
 
-from .hf_config import ROTARY_FAMILIES, decoder_config_from_hf
+from .hf_config import ROTARY_FAMILIES, decoder_config_from_hf, eos_token_ids
 from .hf_gpt2 import config_from_gpt2, load_gpt2
 from .hf_load import (QuantizeSpec, checkpoint_files, load_hf_decoder, load_hf_tokenizer, quantized_paths,
                       read_headers)
@@ -135,9 +135,11 @@ def base_config(folder: str | Path) -> GPTConfig | DecoderConfig:
 
 def base_tokenizer(folder: str | Path) -> Tokenizer:
     """The tokenizer beside a base folder's model, read without its weights; an InputError when there is none."""
-    tokenizer = load_hf_tokenizer(folder, base_config(folder).vocab_size)
+    tokenizer, reason = load_tokenizer(folder, base_config(folder).vocab_size)
     if tokenizer is None:
-        raise InputError(load_tokenizer(folder, base_config(folder).vocab_size)[1])
+        raise InputError(reason)
+    if isinstance(tokenizer, HFTokenizer):  # as load_hf_tokenizer reads it: the eos ids of generation_config
+        tokenizer.eos_ids = eos_token_ids(folder)
     return tokenizer
 
 

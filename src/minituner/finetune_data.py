@@ -114,17 +114,32 @@ def sft_data(source: str, base: Path, tokenizer, block_size: int, train_cfg: Tra
 
 
 def largest_data_batch(source: str, base: Path, window: int, batch_size: int, fmt: str | None = None,
-                       sft_cfg: SFTConfig | None = None) -> LargestBatch:
-    """The largest batch `finetune --base base --data source` can draw, for the memory planner: instruction data
-    read, templated and tokenized as finetune reads it (its train split, examples cut or dropped at `window`),
-    then ``sft.largest_batch``; plain text: windows of `window` tokens whose every target counts."""
+                       sft_cfg: SFTConfig | None = None) -> tuple[LargestBatch, str | None]:
+    """The largest batch `finetune --base base --data source` makes, for the memory planner, and a note when
+    finetune would refuse the data (characters its tokenizer never saw) or None. Instruction data is read,
+    templated and tokenized as finetune reads it (examples cut or dropped at `window`), then ``sft.largest_batch``
+    over its train and val splits: training draws the first, evaluation batches the second at the same batch
+    size. Plain text: windows of `window` tokens whose every target counts."""
     if not is_sft_source(source):
         if fmt is not None:
             raise InputError(f"--format applies to .jsonl/.json data, not to {source} (plain text)")
-        load_documents(source)  # the text exists and reads
-        return LargestBatch(batch_size, window, batch_size * window, float(batch_size * window))
-    data = prepare_sft(source, base_tokenizer(base), load_chat_template(base), window, sft_cfg or SFTConfig(), fmt)
-    return largest_batch(data.train, batch_size)
+        docs = load_documents(source)
+        batch = LargestBatch(batch_size, window, batch_size * window, float(batch_size * window))
+        return batch, _refusal(["\n\n".join(docs)], base_tokenizer(base), source)
+    tokenizer, template = base_tokenizer(base), load_chat_template(base)
+    records = load_records(source, fmt)
+    data = prepare_sft(source, tokenizer, template, window, sft_cfg or SFTConfig(), fmt, records=records)
+    pieces = [text for r in records for text, _ in record_pieces(r, template)]  # as sft_data checks them
+    return largest_batch([*data.train, *data.val], batch_size), _refusal(pieces, tokenizer, source)
+
+
+def _refusal(pieces: Sequence[str], tokenizer, source: str) -> str | None:
+    """Why finetune would refuse this text (unknown_fraction's message, without --allow-unknown-chars), or None."""
+    try:
+        unknown_fraction(pieces, tokenizer, source, allow=False)
+    except InputError as e:
+        return f"finetune would refuse this data: {e}"
+    return None
 
 
 def training_data(source: str, base: Path, tokenizer, block_size: int, train_cfg: TrainConfig, fmt: str | None = None,

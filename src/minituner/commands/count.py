@@ -8,7 +8,9 @@ from dataclasses import asdict
 from pathlib import Path
 
 from minigpt.errors import InputError
+from minigpt.train import EVAL_LOGITS_BYTES
 from minituner.base_model import default_seq_len, model_config, stored_dtype, stored_part_dtypes
+from minituner.finetune import default_train_config
 from minituner.finetune_data import largest_data_batch
 from minituner.memory.check import CheckConfig, predict
 from minituner.planner import (ALL_LINEAR, PRESETS, MemoryConfig, config_context, default_regimes, load_config_shape,
@@ -38,8 +40,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--alpha", type=positive_float, help="lora_alpha (shown; scales the update, changes no count)")
     p.add_argument("--target", action="append", metavar="NAME[,NAME...]",
                    help=f"LoRA target module names, or {ALL_LINEAR} (default; never the output head)")
-    p.add_argument("--batch-size", type=positive_int, default=MemoryConfig.batch_size,
-                   help="sequences per step (default %(default)s, the seed's)")
+    p.add_argument("--batch-size", type=positive_int,
+                   help=f"sequences per step (default {MemoryConfig.batch_size}, the seed's; with --data "
+                        f"{default_train_config().batch_size}, finetune's)")
     p.add_argument("--seq-len", type=positive_int,
                    help=f"tokens per sequence (default {MemoryConfig.seq_len}, the seed's; with --config or --base "
                         "at most the model's context, as finetune and memory-check require)")
@@ -121,7 +124,7 @@ def finetune_plan(folder: Path, regimes: list[Regime], targets: str, batch_size:
             "regimes": rows}
 
 
-def finetune_table(run: dict) -> str:
+def finetune_table(run: dict, from_data: bool = False) -> str:
     """finetune_plan as a paragraph and a Markdown table (MiB, or GiB past 10 GiB)."""
     unit = "GiB" if max(r["peak"] for r in run["regimes"]) >= 10 * UNITS["GiB"] else "MiB"
     kept = ("" if run["base_dtype"] == "float32" else
@@ -136,8 +139,8 @@ def finetune_table(run: dict) -> str:
                 + "), 16-bit parts cast to fp32 per product; full FT reads it in float32")
     lines = [f"As `finetune --base` runs it on CPU with --precision fp32 (its default): fp32 compute and activations"
              f"{kept}; QLoRA's targets in NF4 (blocks of 64, finetune's default scheme); LoRA factors, grads and "
-             f"AdamW fp32; batch {run['batch_size']} x seq {run['seq_len']}{_counted(run)}, count's --batch-size "
-             "and --seq-len (finetune's defaults differ: give both the ones you will train with). The step peak as "
+             f"AdamW fp32; batch {run['batch_size']} x seq {run['seq_len']}{_counted(run)}, {_batch_origin(from_data)}. "
+             "The step peak as "
              "`memory-check --base` predicts it (planner/peak.py); the process itself (Python, torch) comes on top.",
              "",
              f"| regime | weights {unit} | grads {unit} | optimizer {unit} | activations {unit} | step peak {unit} "
@@ -148,34 +151,43 @@ def finetune_table(run: dict) -> str:
     return "\n".join(lines)
 
 
+def _batch_origin(from_data: bool) -> str:
+    if from_data:
+        return "the largest batch of --data (above)"
+    return "count's --batch-size and --seq-len (finetune's defaults differ: give both the ones you will train with)"
+
+
 def _counted(run: dict) -> str:
     every = run["batch_size"] * run["seq_len"]
     return "" if run["counted_targets"] == every else f" with {run['counted_targets']:,} of its {every:,} targets counted"
 
 
-def data_batch(args: argparse.Namespace) -> LargestBatch | None:
-    """The largest batch finetune can draw from --data (None without it); --data needs --base."""
+def data_batch(args: argparse.Namespace, batch_size: int) -> tuple[LargestBatch | None, str | None]:
+    """The largest batch finetune makes from --data and a note when finetune would refuse the data ((None, None)
+    without --data); --data needs --base."""
     sft_flags = args.format is not None or args.train_on_inputs or args.overlong != "truncate"
     if args.data is None:
         if sft_flags:
             raise InputError("--format, --train-on-inputs and --overlong apply to --data")
-        return None
+        return None, None
     if args.base is None:
         raise InputError("--data needs --base: the folder's tokenizer and chat template read it as finetune does")
     if args.counted_targets is not None:
         raise InputError("--data and --counted-targets both say how many targets count: give one")
     window = args.seq_len or default_seq_len(args.base)
-    return largest_data_batch(args.data, args.base, window, args.batch_size, args.format,
+    return largest_data_batch(args.data, args.base, window, batch_size, args.format,
                               SFTConfig(train_on_inputs=args.train_on_inputs, overlong=args.overlong))
 
 
 def describe_batch(batch: LargestBatch, source: str) -> str:
     """One paragraph: the batch count planned from --data, and why it is the largest."""
     every = batch.batch_size * batch.seq_len
-    return (f"Data {source}: planned at the largest batch finetune can draw from it, {batch.batch_size} x "
-            f"{batch.seq_len} positions (its longest example) with {batch.counted:,} of the {every:,} targets "
-            f"counted (its most-counted example in every row: batches are drawn with replacement); an average "
-            f"batch counts {batch.mean_counted:,.0f}. No batch of the run needs more memory than planned here.")
+    return (f"Data {source}: planned at the largest batch finetune makes from it, {batch.batch_size} x "
+            f"{batch.seq_len} positions (its longest example, train or val) with {batch.counted:,} of the {every:,} "
+            f"targets counted (its most-counted example in every row: training draws with replacement); an average "
+            f"batch counts {batch.mean_counted:,.0f}. No training step of the run needs more memory than planned "
+            f"here; evaluation (not planned) keeps no activations and splits its batches so that its fp32 logits "
+            f"stay under {EVAL_LOGITS_BYTES / 2**20:,.0f} MiB (minigpt.train.EVAL_LOGITS_BYTES).")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -202,11 +214,13 @@ def run(args: argparse.Namespace) -> int:
             if args.activations:
                 raise InputError(f"{flag} needs --activations exact, got --activations {args.activations}")
             raise InputError(f"{flag} needs the exact activation model, which {shape.family} does not have yet")
-    batch = data_batch(args)
+    # finetune's batch size when planning its data, else the seed's
+    batch_size = args.batch_size or (default_train_config().batch_size if args.data else MemoryConfig.batch_size)
+    batch, data_note = data_batch(args, batch_size)
     counted = args.counted_targets
     if batch is not None:
         seq_len, counted = batch.seq_len, batch.counted
-    cfg = MemoryConfig(batch_size=args.batch_size, seq_len=seq_len, double_quant=args.double_quant,
+    cfg = MemoryConfig(batch_size=batch_size, seq_len=seq_len, double_quant=args.double_quant,
                        full_precision=args.full_precision, activations=activations, quantize=args.quantize,
                        master_copy=args.master_copy, grad_checkpoint=args.grad_checkpoint, counted_targets=counted)
     regimes = default_regimes(ranks)
@@ -215,14 +229,13 @@ def run(args: argparse.Namespace) -> int:
     finetune_run = None
     if args.base is not None and note is None:  # a model finetune would refuse has no run to plan (noted already)
         try:
-            finetune_run = finetune_plan(args.base, regimes, targets, args.batch_size, seq_len, args.grad_checkpoint,
+            finetune_run = finetune_plan(args.base, regimes, targets, batch_size, seq_len, args.grad_checkpoint,
                                          counted)
         except InputError as e:  # no weights or damaged headers; GPT-2's own Linear names (finetune trains MiniGPT's)
             note = f"the run finetune makes from this folder is not planned: {e}"
     if args.json:
         data = {"data": {"source": args.data, **asdict(batch)}} if batch is not None else {}
-        batch_json = {"batch_size": args.batch_size, "seq_len": seq_len,
-                      "counted_targets": counted or args.batch_size * seq_len}
+        batch_json = {"batch_size": batch_size, "seq_len": seq_len, "counted_targets": counted or batch_size * seq_len}
         print(json.dumps({**result.to_dict(), "batch": batch_json, **data,
                           **({"finetune_cpu": finetune_run} if finetune_run else {})}, indent=2))
     else:
@@ -233,7 +246,8 @@ def run(args: argparse.Namespace) -> int:
         print(regime_table(result))
         if finetune_run:
             print()
-            print(finetune_table(finetune_run))
-    if note:  # after the plan, which may still refuse the model for a reason of its own
-        print(f"note: {note}", file=sys.stderr)
+            print(finetune_table(finetune_run, from_data=batch is not None))
+    for line in (note, data_note):  # after the plan, which may still refuse the model for a reason of its own
+        if line:
+            print(f"note: {line}", file=sys.stderr)
     return 0

@@ -53,7 +53,7 @@ from .heap import pin_allocator
 from .stored_dtypes import EMBEDDING_PARTS, dtype_of, stored_dtypes
 from ..planner import (MemoryConfig, ModelShape, Regime, korthikanti_activation_bytes, minigpt_shape,
                        param_counts, regime_bytes, seed_activation_bytes)
-from ..planner.activations import PRECISION_WIDTHS, head_rows, lora_paths
+from ..planner.activations import PRECISION_WIDTHS, counted_rows, lora_paths
 from ..planner.decoder_activations import exact_activation_bytes
 from ..planner.hf import decoder_shape
 from ..planner.peak import step_peak
@@ -95,7 +95,7 @@ class CheckConfig:
                 raise InputError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.seq_len > block_size:
             raise InputError(f"seq_len {self.seq_len} exceeds the model's block_size {block_size}")
-        head_rows(self.batch_size * self.seq_len, self.counted_targets)  # 1 <= counted_targets <= batch x seq
+        counted_rows(self.batch_size * self.seq_len, self.counted_targets)  # 1 <= counted_targets <= batch x seq
 
 
 def disable_dropout(model: nn.Module) -> None:

@@ -51,8 +51,8 @@ target counts (plain-text windows) unless ``counted`` says how many do. Where so
 prompts and padding), ``lm_loss`` runs the head on the n counted rows alone (``minigpt.train.counted_logits``):
 the loss's N·V terms and its targets shrink to n rows (``targets`` n·8, ``log-softmax output`` n·V·4 or the
 kept logits n·V·e and logsumexp n·4), a head that trains keeps its n input rows (n·C·e), and the row selection
-keeps its ``counted-rows mask`` (B, T) bool, N bytes. ``counted`` None plans every position: for masked data an
-upper bound (each row left out frees about V·e bytes) but for those N bytes. On CUDA the memory-efficient attention kernel
+keeps its ``counted-rows mask`` (B, T) bool, N bytes. ``counted`` None plans every position: for masked data
+an upper bound (each row left out frees about V·e bytes) but for those N bytes. On CUDA the memory-efficient attention kernel
 pads the logsumexp to a multiple of 32 positions and keeps two RNG scalars per layer (not modelled; a few bytes
 per layer). The seed's B·T·d·L·16 and Korthikanti et al.'s 34·sbh + 5·as²b stay available as estimates for
 comparison.
@@ -141,7 +141,7 @@ class SavedByLayer:
         return dict(out)
 
 
-def head_rows(tokens: int, counted: int | None) -> int:
+def counted_rows(tokens: int, counted: int | None) -> int:
     """The rows the head and the loss run on: every position (counted None), or the n whose target counts
     (``minigpt.train.counted_logits``: an instruction batch's answers). 1 <= counted <= tokens."""
     if counted is None:
@@ -155,7 +155,7 @@ def head_rows(tokens: int, counted: int | None) -> int:
 def loss_saved(terms: Counter[str], tokens: int, vocab: int, act_bytes: int, counted: int | None = None) -> None:
     """Add what ``minigpt.cross_entropy`` keeps for backward from logits of act_bytes per element to terms: for
     every position, or for the `counted` rows the head ran on, whose selection keeps its (B, T) bool mask."""
-    n = head_rows(tokens, counted)
+    n = counted_rows(tokens, counted)
     if n < tokens:  # counted_logits: h[keep] saves the mask for its backward (a scatter into every row)
         terms["counted-rows mask"] += tokens
     if act_bytes == FP32:  # F.cross_entropy: log-softmax, then nll_loss
@@ -264,7 +264,7 @@ def minigpt_saved_by_layer(shape: ModelShape, batch_size: int, seq_len: int, reg
         blocks.append({"checkpointed block input": N * C * s} if grad_checkpoint else dict(terms))
     layernorm(head, hot or full)  # ln_f
     if full:
-        head["linear input"] += head_rows(N, counted) * C * e  # the (tied) head trains: it keeps its input rows
+        head["linear input"] += counted_rows(N, counted) * C * e  # the (tied) head trains: it keeps its input rows
     loss_saved(head, N, shape.vocab_size, e, counted)
     return SavedByLayer(dict(embed), tuple(blocks), dict(head))
 

@@ -76,8 +76,8 @@ from minigpt.decoder import cpu_flash_takes_gqa
 from minigpt.errors import InputError
 
 from .activations import EXACT_FAMILIES as MINIGPT_FAMILIES
-from .activations import (FP32, INDEX_BYTES, SavedByLayer, bf16_compute_attention, bf16_compute_swiglu, head_rows,
-                          loss_saved, lora_paths, lora_saved, minigpt_saved_by_layer)
+from .activations import (FP32, INDEX_BYTES, SavedByLayer, bf16_compute_attention, bf16_compute_swiglu,
+                          counted_rows, loss_saved, lora_paths, lora_saved, minigpt_saved_by_layer)
 from .counts import ALL_LINEAR
 from .shapes import ModelShape
 
@@ -183,7 +183,7 @@ def decoder_saved_by_layer(shape: ModelShape, batch_size: int, seq_len: int, reg
         embed["rotary cos/sin"] += 2 * T * shape.head_dim * e
     rmsnorm(head, hot)  # the final norm
     if full:
-        head["linear input"] += head_rows(N, counted) * C * e  # lm_head trains (tied or not): it keeps its input rows
+        head["linear input"] += counted_rows(N, counted) * C * e  # lm_head trains (tied or not): keeps its input rows
     loss_saved(head, N, shape.vocab_size, e, counted)
     return SavedByLayer(dict(embed), tuple(blocks), dict(head))
 

@@ -33,7 +33,7 @@ from dataclasses import dataclass, replace
 
 from minigpt.errors import InputError
 
-from .activations import head_rows
+from .activations import counted_rows
 from .decoder_activations import EXACT_FAMILIES, exact_activation_bytes
 from .counts import ALL_LINEAR, check_rank, lora_trainable_params, parse_targets, resolve_targets, total_params
 from .peak import has_peak_model, step_peak
@@ -79,7 +79,7 @@ class MemoryConfig:
             raise InputError(f"master_copy must be one of {', '.join(MASTER_COPIES)}, got {self.master_copy!r}")
         if self.dtype not in DTYPE_BYTES:
             raise InputError(f"dtype must be one of {', '.join(DTYPE_BYTES)}, got {self.dtype!r}")
-        head_rows(self.batch_size * self.seq_len, self.counted_targets)  # 1 <= counted_targets <= batch x seq
+        counted_rows(self.batch_size * self.seq_len, self.counted_targets)  # 1 <= counted_targets <= batch x seq
         if self.counted_targets is not None and self.activations != "exact":
             raise InputError(f"counted_targets needs the exact activation model, not {self.activations!r} (the "
                              "estimates count every position)")

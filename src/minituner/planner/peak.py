@@ -68,8 +68,8 @@ from dataclasses import dataclass
 
 from minigpt.cross_entropy import chunk_rows
 
-from .activations import (FP32, LOSS_KEPT, SavedByLayer, as_minigpt, bf16_gemm_fallback, head_rows, lora_paths,
-                          minigpt_saved_by_layer)
+from .activations import (FP32, LOSS_KEPT, SavedByLayer, as_minigpt, bf16_gemm_fallback, counted_rows,
+                          lora_paths, minigpt_saved_by_layer)
 from .decoder_activations import decoder_saved_by_layer
 from .counts import ALL_LINEAR, resolve_targets, total_params
 from .shapes import ModelShape
@@ -158,7 +158,7 @@ def step_phases(shape: ModelShape, regime: str, rank: int | None, targets: str |
     plain = saved_by_layer(shape, batch_size, seq_len, regime, rank, targets, act_bytes, **widths) \
         if grad_checkpoint else saved
     N, C, V, e = batch_size * seq_len, shape.d_model, shape.vocab_size, act_bytes
-    n = head_rows(N, counted)  # the head's and the loss's rows
+    n = counted_rows(N, counted)  # the head's and the loss's rows
     A, full = saved.total(), regime == "full"
     head_saved = sum(saved.head.values())
     embedding = V * C * FP32  # the token embedding (and a tied head): its gradient is fp32 like Adam's state

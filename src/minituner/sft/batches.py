@@ -17,7 +17,7 @@ import torch.nn as nn
 
 from minigpt.cross_entropy import cross_entropy
 from minigpt.errors import InputError
-from minigpt.train import counted_logits
+from minigpt.train import counted_logits, eval_rows, vocab_size_of
 
 from .examples import IGNORE, Example
 
@@ -123,10 +123,11 @@ def evaluate_examples(model: nn.Module, examples: Sequence[Example], batch_size:
     model.eval()
     total, count = 0.0, 0
     try:
-        for x, y in iter_batches(examples, batch_size, seed=None, pad_id=pad_id):
-            y = y.to(device)
-            total += cross_entropy(*counted_logits(model, x.to(device), y), reduction="sum").item()
-            count += int((y != IGNORE).sum())
+        for batch in iter_batches(examples, batch_size, seed=None, pad_id=pad_id):
+            for x, y in eval_rows(*batch, vocab_size_of(model)):  # the logits under EVAL_LOGITS_BYTES at once
+                y = y.to(device)
+                total += cross_entropy(*counted_logits(model, x.to(device), y), reduction="sum").item()
+                count += int((y != IGNORE).sum())
     finally:
         model.train(was_training)
     loss = total / count

@@ -18,6 +18,7 @@ from minigpt.errors import InputError
 from minigpt.io import write_json
 from minigpt.model import GPTConfig, MiniGPT
 from minituner.cli import main
+from minituner.finetune import default_train_config
 from minituner.memory.check import BUCKETS, CheckConfig, memory_check, predict
 from minituner.planner import MemoryConfig, Regime, minigpt_shape, regime_bytes
 from minituner.planner.activations import minigpt_saved_by_layer
@@ -154,8 +155,8 @@ def test_count_plans_the_largest_batch_of_the_data(hf_folder, tmp_path, capsys):
     plan = json.loads(capsys.readouterr().out)
     from minituner.base_model import base_tokenizer
     from minituner.sft import load_chat_template, prepare_sft
-    train = prepare_sft(data, base_tokenizer(folder), load_chat_template(folder), 40).train
-    expected = largest_batch(train, 2)
+    sft = prepare_sft(data, base_tokenizer(folder), load_chat_template(folder), 40)
+    expected = largest_batch([*sft.train, *sft.val], 2)  # evaluation batches the val split at the same size
     assert plan["data"] == {"source": str(data), "batch_size": 2, "seq_len": expected.seq_len,
                             "counted": expected.counted, "mean_counted": expected.mean_counted}
     assert expected.seq_len == 40 and expected.counted < 2 * 40  # the longest is cut at the window; answers count
@@ -174,6 +175,33 @@ def test_count_plans_the_largest_batch_of_the_data(hf_folder, tmp_path, capsys):
     text.write_text("the wind is calm rain later\n\n" * 50)
     assert main(["count", "--base", str(folder), "--data", str(text), "--batch-size", "2", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["batch"] == {"batch_size": 2, "seq_len": 64, "counted_targets": 128}
+    assert main(["count", "--base", str(folder), "--data", str(text), "--json"]) == 0  # finetune's batch size
+    assert json.loads(capsys.readouterr().out)["batch"]["batch_size"] == default_train_config().batch_size
+
+
+def test_count_data_notes_what_finetune_would_refuse(hf_folder, tmp_path, capsys):
+    """Text the folder's tokenizer cannot read is planned, with finetune's refusal as a note on stderr."""
+    data = _jsonl(tmp_path / "d.jsonl", [{"prompt": "the gale is", "completion": "calm"}] * 30)
+    assert main(["count", "--base", str(hf_folder("llama")), "--data", str(data), "--rank", "4"]) == 0
+    captured = capsys.readouterr()
+    assert "planned at the largest batch finetune makes" in captured.out
+    assert captured.err.startswith("note: finetune would refuse this data: ") and "'gale'" in captured.err
+
+
+def test_evaluation_splits_a_batch_whose_logits_are_large(monkeypatch):
+    """Evaluation runs a few rows at a time past EVAL_LOGITS_BYTES: the same loss, windows and examples alike."""
+    import minigpt.train as train
+    from minituner.sft import evaluate_examples
+
+    model = MiniGPT(GPTConfig(vocab_size=50, block_size=16, n_layer=1, n_head=2, d_model=16))
+    ids = torch.randint(0, 50, (400,), generator=torch.Generator().manual_seed(0))
+    examples = [_example(length, 1 + length // 3) for length in (5, 9, 17, 12, 8)]
+    whole = train.evaluate(model, ids, 16, batch_size=8, max_batches=3), evaluate_examples(model, examples, 4).loss
+    assert len(train.eval_rows(torch.zeros(8, 16), torch.zeros(8, 16), 50)) == 1
+    monkeypatch.setattr(train, "EVAL_LOGITS_BYTES", 3 * 16 * 50 * 4)  # three rows of 16 positions at a time
+    assert [len(x) for x, _ in train.eval_rows(torch.zeros(8, 16), torch.zeros(8, 16), 50)] == [3, 3, 2]
+    split = train.evaluate(model, ids, 16, batch_size=8, max_batches=3), evaluate_examples(model, examples, 4).loss
+    assert split == pytest.approx(whole, rel=1e-6)
 
 
 @pytest.mark.parametrize("args,message", [
