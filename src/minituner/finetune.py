@@ -42,6 +42,8 @@ from .adapter_io import ADAPTER_FILE, save_adapter
 from .export import write_hf_folder
 from .finetune_data import encode_domain, steps_for_epochs, training_data  # noqa: F401 (steps_for_epochs: API)
 from .lora import LoRAConfig, trainable_numel
+from .memory.run_plan import describe_run_plan, plan_run
+from .planner.memory import Regime
 from .peft_format import save_peft_adapter
 from .qlora import check_scheme, logical_numel
 from .sft import FORMATS, SFTConfig
@@ -155,6 +157,11 @@ def finetune(base: str | Path, out: str | Path, cfg: FinetuneConfig, progress: b
     unk = data.unk_fraction  # fraction of characters that would be <unk>
     if unk > 0.01:
         log(f"warning: {unk:.1%} of the training characters are unknown to the base tokenizer (<unk>)")
+    regime = Regime("full") if method == "full" else Regime(method, cfg.lora.r)
+    memory_plan, why = plan_run(base, regime, cfg.lora.target_modules, data.largest, cfg.train.grad_checkpoint,
+                                cfg.train.precision, torch.device(device), cfg.quant_scheme, cfg.lora.dropout)
+    for line in describe_run_plan(memory_plan, why):
+        log(line)
     train_cfg = cfg.train
     if cfg.epochs is not None:  # the steps of the passes; warm-up and the eval interval at most that many, as --steps
         steps = data.steps_for_epochs(cfg.epochs)
@@ -217,6 +224,7 @@ def finetune(base: str | Path, out: str | Path, cfg: FinetuneConfig, progress: b
         "artifact_bytes": artifact.stat().st_size,
         "train_wall_time_s": result.wall_time_s,
         "skipped_steps": result.skipped_steps,
+        "memory_plan": memory_plan,  # planner/peak.py's step peak at the data's largest batch (None: not planned)
     }
     write_manifest(
         out / MANIFEST,

@@ -37,6 +37,7 @@ class TrainingData:
     val_ids: torch.Tensor | None = None
     batches: Callable[[int, torch.Generator], tuple[torch.Tensor, torch.Tensor]] | None = None  # instruction data
     data_identity: dict | None = None  # instruction data: what checkpoints record of it (sha256 of the examples)
+    largest: LargestBatch | None = None  # the largest batch, training's or evaluation's (sft.largest_batch): planned
     unk_fraction: float = 0.0  # fraction of the characters the base tokenizer never saw
     results: dict = field(default_factory=dict)  # figures for manifest.json["results"]
 
@@ -81,7 +82,13 @@ def text_data(source: str, tokenizer, block_size: int, train_cfg: TrainConfig, a
         train_cfg.batch_size * block_size,
         lambda m: evaluate(m, val_ids, block_size, train_cfg.batch_size, train_cfg.eval_batches),
         train_ids=train_ids, val_ids=val_ids, unk_fraction=unk,
+        largest=text_batch(train_cfg.batch_size, block_size),
         results={"train_tokens": train_ids.numel(), "val_tokens": val_ids.numel()})
+
+
+def text_batch(batch_size: int, window: int) -> LargestBatch:
+    """Plain text's batches: windows of `window` tokens whose every target counts."""
+    return LargestBatch(batch_size, window, batch_size * window, float(batch_size * window))
 
 
 def sft_data(source: str, base: Path, tokenizer, block_size: int, train_cfg: TrainConfig, fmt: str | None,
@@ -105,6 +112,7 @@ def sft_data(source: str, base: Path, tokenizer, block_size: int, train_cfg: Tra
         len(data.train), batch_size,
         lambda m: evaluate_examples(m, val, batch_size).loss,
         batches=ExampleSampler(data.train), unk_fraction=unk,
+        largest=largest_batch([*data.train, *val], batch_size),  # evaluation batches val at the same size
         data_identity={"train_examples_sha256": examples_sha256(data.train),
                        "val_examples_sha256": examples_sha256(data.val)},
         results={"train_tokens": data.train_stats.tokens, "val_tokens": data.val_stats.tokens,
@@ -124,8 +132,7 @@ def largest_data_batch(source: str, base: Path, window: int, batch_size: int, fm
         if fmt is not None:
             raise InputError(f"--format applies to .jsonl/.json data, not to {source} (plain text)")
         docs = load_documents(source)
-        batch = LargestBatch(batch_size, window, batch_size * window, float(batch_size * window))
-        return batch, _refusal(["\n\n".join(docs)], base_tokenizer(base), source)
+        return text_batch(batch_size, window), _refusal(["\n\n".join(docs)], base_tokenizer(base), source)
     tokenizer, template = base_tokenizer(base), load_chat_template(base)
     records = load_records(source, fmt)
     data = prepare_sft(source, tokenizer, template, window, sft_cfg or SFTConfig(), fmt, records=records)

@@ -9,13 +9,13 @@ from pathlib import Path
 
 from minigpt.errors import InputError
 from minigpt.train import EVAL_LOGITS_BYTES
-from minituner.base_model import default_seq_len, model_config, stored_dtype, stored_part_dtypes
+from minituner.base_model import default_seq_len, model_config
 from minituner.finetune import default_train_config
 from minituner.finetune_data import largest_data_batch
-from minituner.memory.check import CheckConfig, predict
+from minituner.memory.run_plan import finetune_plan
 from minituner.planner import (ALL_LINEAR, PRESETS, MemoryConfig, config_context, default_regimes, load_config_shape,
                                minigpt_vocab, plan, preset_shape)
-from minituner.planner.memory import (ACTIVATION_MODELS, FULL_PRECISIONS, MASTER_COPIES, QUANTIZE_CHOICES, Regime,
+from minituner.planner.memory import (ACTIVATION_MODELS, FULL_PRECISIONS, MASTER_COPIES, QUANTIZE_CHOICES,
                                       best_activation_model)
 from minituner.planner.presets import MINIGPT_SIZES
 from minituner.planner.report import UNITS, describe, regime_table
@@ -101,27 +101,6 @@ def _window(config: Path, seq_len: int | None) -> tuple[int, str | None]:
     if seq_len is not None and seq_len > context:
         raise InputError(f"--seq-len {seq_len} exceeds the model's context of {context} tokens ({config})")
     return seq_len or min(MemoryConfig.seq_len, context), note
-
-
-def finetune_plan(folder: Path, regimes: list[Regime], targets: str, batch_size: int, seq_len: int,
-                  grad_checkpoint: bool, counted_targets: int | None = None) -> dict:
-    """The run `finetune --base folder` makes on CPU with --precision fp32 (its default), regime by regime, as
-    memory-check predicts it: the weights kept as load_base reads them (a 16-bit checkpoint's Linears not
-    quantized, embeddings and head stay 16-bit, minituner.upcast), fp32 compute and activations, AdamW, and
-    the step's peak (planner/peak.py). Bytes; the process itself is not included."""
-    cfg, base_dtype, parts = model_config(folder), stored_dtype(folder), stored_part_dtypes(folder)
-    rows = []
-    for r in regimes:
-        check = CheckConfig(regime=r.name, rank=r.rank or 1, targets=targets, batch_size=batch_size,
-                            seq_len=seq_len, grad_checkpoint=grad_checkpoint, counted_targets=counted_targets)
-        predicted, _, phase, _ = predict(cfg, check, base_dtype=parts or base_dtype)
-        rows.append({"regime": r.label, **{k: predicted[k] for k in ("weights", "grads", "optimizer", "activations",
-                                                                      "peak")}, "peak_phase": phase})
-    mixed = {} if len(set(parts.values())) < 2 else {
-        "stored_dtypes": {part: str(d).removeprefix("torch.") for part, d in parts.items()}}
-    return {"base_dtype": str(base_dtype).removeprefix("torch."), **mixed, "precision": "fp32", "device": "cpu",
-            "batch_size": batch_size, "seq_len": seq_len, "counted_targets": counted_targets or batch_size * seq_len,
-            "regimes": rows}
 
 
 def finetune_table(run: dict, from_data: bool = False) -> str:

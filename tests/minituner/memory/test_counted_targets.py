@@ -229,3 +229,48 @@ def test_memory_check_cli_takes_counted_targets(capsys):
     assert main(["memory-check", "--batch-size", "2", "--seq-len", "16", "--counted-targets", "33", "--device",
                  "cpu"]) == 2
     assert "from 1 to the batch's 32 positions" in capsys.readouterr().err
+
+
+def test_finetune_logs_and_keeps_the_plan_of_its_largest_batch(hf_folder, tmp_path, capsys):
+    """finetune plans its run before it trains: memory-check's prediction at the largest batch of its
+    data (count --base --data shows the same), logged and written to manifest.json."""
+    folder = hf_folder("llama")
+    records = [{"prompt": "the wind is " * (1 + k % 4), "completion": "calm rain later " * (1 + k % 3)}
+               for k in range(24)]
+    data = _jsonl(tmp_path / "d.jsonl", records)
+    args = ["--base", str(folder), "--data", str(data), "--batch-size", "3", "--seq-len", "32", "--rank", "4"]
+    assert main(["finetune", *args, "--steps", "1", "--base-domain", "none", "--no-progress", "--qlora",
+                 "--out", str(tmp_path / "run")]) == 0
+    out = capsys.readouterr().out
+    plan = json.loads((tmp_path / "run" / "manifest.json").read_text())["results"]["memory_plan"]
+    assert main(["count", *args, "--json"]) == 0
+    counted = json.loads(capsys.readouterr().out)["finetune_cpu"]
+    qlora = next(r for r in counted["regimes"] if r["regime"] == "QLoRA r=4")
+    assert plan["regime"] == "QLoRA r=4" and plan["peak"] == qlora["peak"] and plan["counted_targets"] < 3 * 32
+    assert {k: plan[k] for k in ("batch_size", "seq_len", "counted_targets")} == {
+        k: counted[k] for k in ("batch_size", "seq_len", "counted_targets")}
+    assert f"memory plan: step peak {plan['peak'] / 2**20:,.2f} MiB at the {plan['peak_phase']}" in out
+    assert f"3 x {plan['seq_len']}, {plan['counted_targets']:,} of {3 * plan['seq_len']:,} targets counted" in out
+
+
+def test_a_run_the_planner_does_not_model_says_why(hf_folder):
+    from minituner.memory.run_plan import describe_run_plan, plan_run
+
+    folder, batch = hf_folder("llama"), largest_batch([_example(9, 3)], 2)
+    for regime, device, scheme, why in [
+            (Regime("lora", 4), "cuda", None, "not made for cuda"),
+            (Regime("qlora", 4), "cpu", "int8_per_group_64", "not made for int8_per_group_64")]:
+        plan, reason = plan_run(folder, regime, "all-linear", batch, False, "fp32", torch.device(device), scheme)
+        assert plan is None and why in reason and describe_run_plan(plan, reason) == [f"memory plan: {reason}"]
+    plan, reason = plan_run(folder, Regime("lora", 4), "all-linear", batch, False, "fp32", CPU, lora_dropout=0.1)
+    assert plan is None and reason == "not made with LoRA dropout 0.1 (the planner models dropout-free runs)"
+    plan, reason = plan_run(hf_folder("gpt2"), Regime("lora", 4), "all-linear", batch, False, "fp32", CPU)
+    assert plan is None and "it trains with dropout 0.1 (config.json)" in reason  # GPT-2's resid_pdrop
+    plan, reason = plan_run(folder, Regime("lora", 4), "model.layers.0.self_attn.q_proj", batch, False, "fp32", CPU)
+    assert plan is None and reason.startswith("not made, the planner cannot count this run: unknown LoRA target")
+    plan, reason = plan_run(folder, Regime("lora", 4), ["q_proj", "v_proj"], batch, False, "fp32", CPU)
+    assert reason == "" and plan["seq_len"] == 8 and plan["counted_targets"] == 6
+    assert len(describe_run_plan(plan, "")) == 1
+    assert len(describe_run_plan({**plan, "available_bytes": plan["peak"] - plan["weights"]}, "")) == 1
+    lines = describe_run_plan({**plan, "available_bytes": plan["peak"] - plan["weights"] - 1}, "")
+    assert len(lines) == 2 and lines[1].startswith("warning: the planned peak, beyond the weights already loaded, exceeds")

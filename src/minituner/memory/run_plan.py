@@ -1,0 +1,101 @@
+"""The memory of the run `finetune --base FOLDER` makes on CPU, planned before it trains: the second table of
+`count --base`, and the line `finetune` logs (and writes to manifest.json) before its first step.
+
+It is memory-check's prediction (``memory.check.predict``) for that run: the weights as load_base keeps them (a
+16-bit checkpoint's parts stay 16-bit for LoRA and QLoRA; full fine-tuning reads float32), the regime
+build_for_training makes, --precision's widths, AdamW, and the step's peak of planner/peak.py at one batch
+(sequences, positions, targets counted: for a run, the largest batch its data makes, ``sft.largest_batch``).
+The process itself (Python, torch, allocator slack) comes on top and is not included.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import psutil
+import torch
+
+from minigpt.distributed import world_size
+from minigpt.errors import InputError
+from miniquant import DEFAULT_QUANT_SCHEME
+
+from ..base_model import model_config, stored_dtype, stored_part_dtypes
+from ..planner.memory import Regime
+from ..planner.report import UNITS
+from ..sft import LargestBatch
+from .check import JSON_BUCKETS, CheckConfig, predict
+
+def model_dropout(cfg) -> float:
+    """The dropout a model trains with: MiniGPT's (GPT-2's resid_pdrop) or a Decoder's attention_dropout."""
+    return max(float(getattr(cfg, name, 0.0) or 0.0) for name in ("dropout", "attention_dropout"))
+
+
+def finetune_plan(folder: Path, regimes: Sequence[Regime], targets: str, batch_size: int, seq_len: int,
+                  grad_checkpoint: bool, counted_targets: int | None = None, precision: str = "fp32") -> dict:
+    """The run `finetune --base folder` makes on CPU at `precision`, regime by regime, as memory-check predicts it
+    (bytes per bucket, the step's peak and its phase); the process itself is not included. A model that trains
+    with dropout is an InputError: the planner models dropout-free runs (memory-check sets dropout to 0), and
+    dropout keeps a mask and a dropped copy beside what the plan counts (about 2.5x its activations at GPT-2's
+    0.1, measured)."""
+    cfg, base_dtype, parts = model_config(folder), stored_dtype(folder), stored_part_dtypes(folder)
+    if model_dropout(cfg) > 0:
+        raise InputError(f"it trains with dropout {model_dropout(cfg):g} (config.json), which the planner does not "
+                         "model (memory-check --base measures the run without it)")
+    rows = []
+    for r in regimes:
+        check = CheckConfig(regime=r.name, rank=r.rank or 1, targets=targets, batch_size=batch_size, seq_len=seq_len,
+                            grad_checkpoint=grad_checkpoint, counted_targets=counted_targets, precision=precision,
+                            allow_slow_bf16=True)  # the plan of such a run, not the run: no refusal here
+        predicted, _, phase, _ = predict(cfg, check, base_dtype=parts or base_dtype)
+        rows.append({"regime": r.label, **{k: predicted[k] for k in JSON_BUCKETS}, "peak_phase": phase})
+    mixed = {} if len(set(parts.values())) < 2 else {
+        "stored_dtypes": {part: str(d).removeprefix("torch.") for part, d in parts.items()}}
+    return {"base_dtype": str(base_dtype).removeprefix("torch."), **mixed, "precision": precision, "device": "cpu",
+            "batch_size": batch_size, "seq_len": seq_len, "counted_targets": counted_targets or batch_size * seq_len,
+            "regimes": rows}
+
+
+def plan_run(folder: Path, regime: Regime, targets: str | list[str], batch: LargestBatch, grad_checkpoint: bool,
+             precision: str, device: torch.device, quant_scheme: str | None = None,
+             lora_dropout: float = 0.0) -> tuple[dict | None, str]:
+    """(the plan, "") of one finetune run at its data's largest batch, or (None, why) for a run the planner does
+    not model: on CUDA (LoRA computes in the checkpoint's dtype there, AdamW runs foreach), under torchrun (each
+    rank's shard and DDP's gradient buckets), with another quantization than NF4 in blocks of 64, with dropout
+    (the model's or LoRA's), or with targets given as module paths."""
+    if device.type != "cpu":
+        return None, f"not made for {device.type} (the planner models finetune's CPU runs; memory-check --device " \
+                     f"{device.type} measures one)"
+    if world_size() > 1:
+        return None, "not made under torchrun (each rank trains its shard of the batch beside DDP's buckets)"
+    if regime.name == "qlora" and quant_scheme != DEFAULT_QUANT_SCHEME:
+        return None, f"not made for {quant_scheme} (the planner counts QLoRA as {DEFAULT_QUANT_SCHEME})"
+    if regime.name != "full" and lora_dropout > 0:
+        return None, f"not made with LoRA dropout {lora_dropout:g} (the planner models dropout-free runs)"
+    names = targets if isinstance(targets, str) else ",".join(targets)
+    try:
+        plan = finetune_plan(folder, [regime], names, batch.batch_size, batch.seq_len, grad_checkpoint, batch.counted,
+                             precision)
+    except InputError as e:  # the model's dropout, targets given as paths (the planner takes names)
+        return None, f"not made, the planner cannot count this run: {e}"
+    row = plan.pop("regimes")[0]
+    return {**plan, **row, "mean_counted": batch.mean_counted,
+            "available_bytes": psutil.virtual_memory().available}, ""
+
+
+def describe_run_plan(plan: dict | None, why: str) -> list[str]:
+    """The lines finetune logs: the planned peak and what it is planned for, and a warning when what it adds to
+    the weights already loaded exceeds the memory available now."""
+    if plan is None:
+        return [f"memory plan: {why}"]
+    every = plan["batch_size"] * plan["seq_len"]
+    counted = "" if plan["counted_targets"] == every else f", {plan['counted_targets']:,} of {every:,} targets counted"
+    unit = "GiB" if plan["peak"] >= UNITS["GiB"] else "MiB"
+    lines = [f"memory plan: step peak {plan['peak'] / UNITS[unit]:,.2f} {unit} at the {plan['peak_phase']} "
+             f"(planner/peak.py; the process itself comes on top) for the largest batch of the data, "
+             f"{plan['batch_size']} x {plan['seq_len']}{counted}; {plan['available_bytes'] / UNITS['GiB']:,.1f} GiB "
+             "available now"]
+    if plan["peak"] - plan["weights"] > plan["available_bytes"]:  # the weights are loaded already
+        lines.append("warning: the planned peak, beyond the weights already loaded, exceeds the memory available "
+                     "now (psutil): lower --batch-size or --seq-len, "
+                     "or train with --grad-checkpoint or --qlora (minituner count --base ... --data ... compares them)")
+    return lines
