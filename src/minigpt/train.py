@@ -108,8 +108,9 @@ def counted_loss(counted: int, ranks: int) -> Callable[[nn.Module, torch.Tensor,
 
 
 # an evaluation forward holds at most about this much of fp32 logits at once (and as much again in the loss's
-# log-softmax): it keeps no activations, so the training step's planned peak (minituner.planner) stays above it
-# even when the training batch counts few targets (an instruction set's) and the evaluation counts every one
+# log-softmax; one row when a row is larger): evaluating full windows, every target counting, would otherwise hold
+# (B·T, V) twice while training on an instruction set counts few targets (Llama 3's vocabulary at 32 x 512 tokens:
+# 16 GiB). Evaluation keeps no activations; the planner (minituner.planner) plans training steps only.
 EVAL_LOGITS_BYTES = 256 << 20
 
 
