@@ -12,7 +12,7 @@ from minigpt.train import EVAL_LOGITS_BYTES
 from minituner.base_model import default_seq_len, model_config
 from minituner.finetune import default_train_config
 from minituner.finetune_data import largest_data_batch
-from minituner.memory.run_plan import finetune_plan
+from minituner.memory.run_plan import counted_phrase, finetune_plan
 from minituner.planner import (ALL_LINEAR, PRESETS, MemoryConfig, config_context, default_regimes, load_config_shape,
                                minigpt_vocab, plan, preset_shape)
 from minituner.planner.memory import (ACTIVATION_MODELS, FULL_PRECISIONS, MASTER_COPIES, QUANTIZE_CHOICES,
@@ -137,8 +137,8 @@ def _batch_origin(from_data: bool) -> str:
 
 
 def _counted(run: dict) -> str:
-    every = run["batch_size"] * run["seq_len"]
-    return "" if run["counted_targets"] == every else f" with {run['counted_targets']:,} of its {every:,} targets counted"
+    counted = counted_phrase(run["batch_size"], run["seq_len"], run["counted_targets"])
+    return counted and f" with {counted}"
 
 
 def data_batch(args: argparse.Namespace, batch_size: int) -> tuple[LargestBatch | None, str | None]:

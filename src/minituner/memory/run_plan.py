@@ -25,6 +25,13 @@ from ..planner.report import UNITS
 from ..sft import LargestBatch
 from .check import JSON_BUCKETS, CheckConfig, predict
 
+
+def counted_phrase(batch_size: int, seq_len: int, counted: int) -> str:
+    """"n of N targets counted" for a batch where not every target counts; "" where every one does."""
+    every = batch_size * seq_len
+    return "" if counted == every else f"{counted:,} of {every:,} targets counted"
+
+
 def model_dropout(cfg) -> float:
     """The dropout a model trains with: MiniGPT's (GPT-2's resid_pdrop) or a Decoder's attention_dropout."""
     return max(float(getattr(cfg, name, 0.0) or 0.0) for name in ("dropout", "attention_dropout"))
@@ -87,8 +94,8 @@ def describe_run_plan(plan: dict | None, why: str) -> list[str]:
     the weights already loaded exceeds the memory available now."""
     if plan is None:
         return [f"memory plan: {why}"]
-    every = plan["batch_size"] * plan["seq_len"]
-    counted = "" if plan["counted_targets"] == every else f", {plan['counted_targets']:,} of {every:,} targets counted"
+    counted = counted_phrase(plan["batch_size"], plan["seq_len"], plan["counted_targets"])
+    counted = counted and f", {counted}"
     unit = "GiB" if plan["peak"] >= UNITS["GiB"] else "MiB"
     lines = [f"memory plan: step peak {plan['peak'] / UNITS[unit]:,.2f} {unit} at the {plan['peak_phase']} "
              f"(planner/peak.py; the process itself comes on top) for the largest batch of the data, "
