@@ -195,8 +195,9 @@ def test_count_base_plans_from_the_folders_config(hf_folder, capsys):
 def test_count_base_plans_the_run_finetune_makes_on_cpu_as_memory_check_does(hf_folder, capsys, tmp_path, family,
                                                                               dtype):
     """count --base adds the CPU fp32 run finetune makes from the folder (a 16-bit checkpoint's weights kept as
-    read; GPT-2 loads in fp32): its peak is memory-check --base's prediction for the same run. The planner models
-    dropout-free runs, so the GPT-2 folder is written without GPT-2's 0.1 (a folder with it: below)."""
+    read; GPT-2 loads in fp32): its peak is memory-check --base's prediction for the same run. The GPT-2 folder is
+    written without GPT-2's dropout 0.1 (memory-check sets the model's dropout to --model-dropout, 0 by default); a
+    folder with it: below."""
     no_dropout = {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0} if family == "gpt2" else {}
     base = hf_folder(family, name=f"{family}-count-{dtype}", dtype=dtype, **no_dropout)
     window = ["--rank", "4", "--batch-size", "2", "--seq-len", "8", "--target",
@@ -227,10 +228,19 @@ def test_count_base_plans_the_run_finetune_makes_on_cpu_as_memory_check_does(hf_
         assert "| LoRA r=4 |" in out and "As `finetune --base`" not in out
         assert "not planned: unknown LoRA target c_attn" in err
         dropout = hf_folder(family, name=f"{family}-count-dropout", dtype=dtype)  # resid_pdrop 0.1, as GPT-2's
+        assert main(["count", "--base", str(dropout), *window, "--dropout", "0.05", "--json"]) == 0
+        run = json.loads(capsys.readouterr().out)["finetune_cpu"]
+        assert (run["model_dropout"], run["lora_dropout"]) == (pytest.approx(0.1), 0.05)
+        for row, regime in zip(run["regimes"], ("full", "lora")):  # planned as memory-check measures it
+            lora = ["--dropout", "0.05"] if regime != "full" else []
+            assert main(["memory-check", "--base", str(dropout), "--regime", regime, *window, *lora,
+                         "--model-dropout", "0.1", "--steps", "1", "--json"]) == 0
+            checked = json.loads(capsys.readouterr().out)
+            assert row["peak"] == checked["predicted"]["peak"]
+            assert checked["predicted"]["activations"] == checked["measured"]["activations"]
         assert main(["count", "--base", str(dropout), *window]) == 0
         out, err = capsys.readouterr()
-        assert "| LoRA r=4 |" in out and "As `finetune --base`" not in out
-        assert "not planned: it trains with dropout 0.1 (config.json)" in err
+        assert "the model's dropout 0.1 (config.json; attention on SDPA's math path)" in out and err == ""
 
 
 @pytest.mark.parametrize("qlora", [False, True])

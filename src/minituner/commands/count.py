@@ -63,6 +63,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--counted-targets", type=positive_int, metavar="N",
                    help="exact model: targets per batch that count in the loss (default: all); an instruction batch "
                         "counts its answers only, and the head and the loss run on those rows alone")
+    p.add_argument("--dropout", type=float, default=0.0, metavar="P",
+                   help="exact model: dropout on the LoRA path's input, as finetune's --dropout (default %(default)s)")
+    p.add_argument("--model-dropout", type=float, default=0.0, metavar="P",
+                   help="exact model, MiniGPT and GPT-2: the model's own dropout in the planner's table, kept as a "
+                        "CPU run keeps it (default %(default)s); the table of the run finetune makes from --base "
+                        "takes the config's")
     p.add_argument("--data", metavar="SOURCE",
                    help="with --base: plan the largest batch finetune can draw from this data (.jsonl/.json "
                         "instruction or chat data read as finetune reads it; plain text fills --seq-len): its "
@@ -118,7 +124,8 @@ def finetune_table(run: dict, from_data: bool = False) -> str:
                 + "), 16-bit parts cast to fp32 per product; full FT reads it in float32")
     lines = [f"As `finetune --base` runs it on CPU with --precision fp32 (its default): fp32 compute and activations"
              f"{kept}; QLoRA's targets in NF4 (blocks of 64, finetune's default scheme); LoRA factors, grads and "
-             f"AdamW fp32; batch {run['batch_size']} x seq {run['seq_len']}{_counted(run)}, {_batch_origin(from_data)}. "
+             f"AdamW fp32{_dropouts(run)}; batch {run['batch_size']} x seq {run['seq_len']}{_counted(run)}, "
+             f"{_batch_origin(from_data)}. "
              "The step peak as "
              "`memory-check --base` predicts it (planner/peak.py); the process itself (Python, torch) comes on top.",
              "",
@@ -128,6 +135,12 @@ def finetune_table(run: dict, from_data: bool = False) -> str:
         cells = " | ".join(f"{r[k] / UNITS[unit]:,.2f}" for k in ("weights", "grads", "optimizer", "activations", "peak"))
         lines.append(f"| {r['regime']} | {cells} | {r['peak_phase']} |")
     return "\n".join(lines)
+
+
+def _dropouts(run: dict) -> str:
+    parts = ([f"the model's dropout {run['model_dropout']:g} (config.json; attention on SDPA's math path)"]
+             if run["model_dropout"] else []) + ([f"LoRA dropout {run['lora_dropout']:g}"] if run["lora_dropout"] else [])
+    return f"; {' and '.join(parts)}" if parts else ""
 
 
 def _batch_origin(from_data: bool) -> str:
@@ -188,7 +201,7 @@ def run(args: argparse.Namespace) -> int:
         seq_len, note = args.seq_len or MemoryConfig.seq_len, None
     activations = args.activations or best_activation_model(shape)
     for flag, given in (("--grad-checkpoint", args.grad_checkpoint), ("--counted-targets", args.counted_targets),
-                        ("--data", args.data)):
+                        ("--data", args.data), ("--dropout", args.dropout), ("--model-dropout", args.model_dropout)):
         if given and activations != "exact":
             if args.activations:
                 raise InputError(f"{flag} needs --activations exact, got --activations {args.activations}")
@@ -201,7 +214,8 @@ def run(args: argparse.Namespace) -> int:
         seq_len, counted = batch.seq_len, batch.counted
     cfg = MemoryConfig(batch_size=batch_size, seq_len=seq_len, double_quant=args.double_quant,
                        full_precision=args.full_precision, activations=activations, quantize=args.quantize,
-                       master_copy=args.master_copy, grad_checkpoint=args.grad_checkpoint, counted_targets=counted)
+                       master_copy=args.master_copy, grad_checkpoint=args.grad_checkpoint, counted_targets=counted,
+                       model_dropout=args.model_dropout, lora_dropout=args.dropout)
     regimes = default_regimes(ranks)
     result = plan(shape, regimes, args.target or ALL_LINEAR, cfg)
     targets = ",".join(args.target) if args.target else ALL_LINEAR
@@ -209,7 +223,7 @@ def run(args: argparse.Namespace) -> int:
     if args.base is not None and note is None:  # a model finetune would refuse has no run to plan (noted already)
         try:
             finetune_run = finetune_plan(args.base, regimes, targets, batch_size, seq_len, args.grad_checkpoint,
-                                         counted)
+                                         counted, lora_dropout=args.dropout)
         except InputError as e:  # no weights or damaged headers; GPT-2's own Linear names (finetune trains MiniGPT's)
             note = f"the run finetune makes from this folder is not planned: {e}"
     if args.json:

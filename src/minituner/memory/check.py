@@ -85,6 +85,8 @@ class CheckConfig:
     grad_checkpoint: bool = False  # recompute each block in backward (model.grad_checkpoint)
     # positions per batch whose target counts (None: all); the others get -100, as an instruction batch's prompts
     counted_targets: int | None = None
+    model_dropout: float = 0.0  # the model's dropout in the check (replaces its config's; MiniGPT and GPT-2 only)
+    lora_dropout: float = 0.0  # dropout on the LoRA path's input (LoRAConfig.dropout)
     pin_allocator: bool = True  # CPU: pin glibc's mmap threshold so the resident set follows the live tensors
 
     def validate(self, block_size: int) -> None:
@@ -96,23 +98,30 @@ class CheckConfig:
         if self.seq_len > block_size:
             raise InputError(f"seq_len {self.seq_len} exceeds the model's block_size {block_size}")
         counted_rows(self.batch_size * self.seq_len, self.counted_targets)  # 1 <= counted_targets <= batch x seq
+        for name in ("model_dropout", "lora_dropout"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise InputError(f"{name} must be in [0, 1), got {getattr(self, name)}")
+        if self.regime == "full" and self.lora_dropout:
+            raise InputError("lora_dropout needs a LoRA regime (lora or qlora), not full fine-tuning")
 
 
-def disable_dropout(model: nn.Module) -> None:
-    """Dropout 0 everywhere (the exact activation model covers the dropout-free forward)."""
+def set_dropout(model: nn.Module, p: float) -> None:
+    """The model's dropout set to p everywhere (its config's, every nn.Dropout, attention's dropout_p); LoRA's own
+    dropout is LoRAConfig's. The exact activation model covers a MiniGPT's dropout and a Decoder's without."""
     for name in ("dropout", "attention_dropout"):  # MiniGPT's config field, the Decoder's
         if hasattr(model.config, name):
-            setattr(model.config, name, 0.0)
+            setattr(model.config, name, p)
     for m in model.modules():
         if isinstance(m, nn.Dropout):
-            m.p = 0.0
+            m.p = p
         if hasattr(m, "dropout") and isinstance(m.dropout, float):  # attention's dropout_p
-            m.dropout = 0.0
+            m.dropout = p
 
 
 def prepare(model: nn.Module, check: CheckConfig, device: torch.device) -> None:
     """Make the model trainable the way the regime trains it (QLoRA: NF4 targets; fp32 float parts, or bf16's)."""
-    build_for_training(model, check.regime, LoRAConfig(r=check.rank, alpha=check.alpha, target_modules=check.targets),
+    lora = LoRAConfig(r=check.rank, alpha=check.alpha, dropout=check.lora_dropout, target_modules=check.targets)
+    build_for_training(model, check.regime, lora,
                        device=device, compute_dtype=torch.float32, precision=check.precision,
                        allow_slow_bf16=check.allow_slow_bf16)
 
@@ -307,6 +316,7 @@ class CheckResult:
             "model": self.name, "device": self.device, "regime": c.regime, "rank": None if c.regime == "full" else c.rank,
             "targets": c.targets, "batch_size": c.batch_size, "seq_len": c.seq_len, "steps": c.steps,
             "counted_targets": c.counted_targets or c.batch_size * c.seq_len,
+            "model_dropout": c.model_dropout, "lora_dropout": c.lora_dropout,
             "precision": c.precision, "grad_checkpoint": c.grad_checkpoint, "base_dtype": self.base_dtype,
             "params": self.params,
             "trainable_params": self.trainable_params, "peak_source": self.peak_source,
@@ -333,7 +343,8 @@ def predict(cfg: GPTConfig | DecoderConfig, check: CheckConfig, name: str = "mod
     large as the largest of them (the head casts a few rows at a time)."""
     shape = model_shape(cfg, name)
     regime = Regime("full") if check.regime == "full" else Regime(check.regime, check.rank)
-    widths = {**PRECISION_WIDTHS[check.precision], "on_cpu": on_cpu}
+    widths = {**PRECISION_WIDTHS[check.precision], "on_cpu": on_cpu, "dropout": check.model_dropout,
+              "lora_dropout": check.lora_dropout}
     mem = MemoryConfig(batch_size=check.batch_size, seq_len=check.seq_len, full_precision="fp32",
                        activations="exact", dtype="fp32", grad_checkpoint=check.grad_checkpoint)
     b = regime_bytes(shape, regime, check.targets, mem)
@@ -388,7 +399,10 @@ def memory_check(build: Callable[[], nn.Module], check: CheckConfig, device: tor
     base_dtype = float_dtype(model)  # before the build for training casts anything
     stored = stored_dtypes((n, p.dtype, p.numel()) for n, p in model.named_parameters())  # part by part
     check.validate(model.config.block_size)
-    disable_dropout(model)
+    if check.model_dropout and (isinstance(model.config, DecoderConfig) or device.type != "cpu"):
+        raise InputError("model dropout is planned for MiniGPT and GPT-2 on a CPU only (the llama family trains "
+                         "without it; on CUDA attention's dropout runs in fused kernels the exact model does not cover)")
+    set_dropout(model, check.model_dropout)  # before LoRA wraps the Linears: LoRA's own dropout is its config's
     prepare(model, check, device)
     model.to(device).train()
     model.grad_checkpoint = check.grad_checkpoint
@@ -473,6 +487,12 @@ def _counted_note(check: CheckConfig) -> str:
             "(the others -100, as an instruction batch's prompts)")
 
 
+def _dropout_note(check: CheckConfig) -> str:
+    parts = ([f"the model's dropout {check.model_dropout:g}"] if check.model_dropout else []) + (
+        [f"LoRA dropout {check.lora_dropout:g}"] if check.lora_dropout else [])
+    return f", {' and '.join(parts)}" if parts else ""
+
+
 def describe(result: CheckResult) -> str:
     c = result.check
     what = "full fine-tuning" if c.regime == "full" else f"{c.regime} r={c.rank} on {c.targets}"
@@ -483,7 +503,7 @@ def describe(result: CheckResult) -> str:
             f"{result.trainable_params:,} trainable ({what}); "
             f"batch {c.batch_size} x seq {c.seq_len}{_counted_note(c)}, {c.steps} AdamW steps on {result.device} "
             f"({c.precision}"
-            f"{', gradient checkpointing' if c.grad_checkpoint else ''}"
+            f"{', gradient checkpointing' if c.grad_checkpoint else ''}{_dropout_note(c)}"
             f"{_base_note(result.base_dtype, c)}).\n"
             f"Activations: {result.activation_note}. Adam step counters: {result.measured['optimizer_steps']:,} "
             f"bytes (not planned).\n"

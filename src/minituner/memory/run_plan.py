@@ -38,28 +38,27 @@ def model_dropout(cfg) -> float:
 
 
 def finetune_plan(folder: Path, regimes: Sequence[Regime], targets: str, batch_size: int, seq_len: int,
-                  grad_checkpoint: bool, counted_targets: int | None = None, precision: str = "fp32") -> dict:
+                  grad_checkpoint: bool, counted_targets: int | None = None, precision: str = "fp32",
+                  lora_dropout: float = 0.0) -> dict:
     """The run `finetune --base folder` makes on CPU at `precision`, regime by regime, as memory-check predicts it
-    (bytes per bucket, the step's peak and its phase); the process itself is not included. A model that trains
-    with dropout is an InputError: the planner models dropout-free runs (memory-check sets dropout to 0), and
-    dropout keeps a mask and a dropped copy beside what the plan counts (about 2.5x its activations at GPT-2's
-    0.1, measured)."""
+    (bytes per bucket, the step's peak and its phase); the process itself is not included. The model trains with
+    its config's dropout (GPT-2's 0.1: masks, and attention's h·T² probabilities on SDPA's math path), LoRA with
+    `lora_dropout`. A Decoder whose config has attention dropout is an InputError (not modelled)."""
     cfg, base_dtype, parts = model_config(folder), stored_dtype(folder), stored_part_dtypes(folder)
-    if model_dropout(cfg) > 0:
-        raise InputError(f"it trains with dropout {model_dropout(cfg):g} (config.json), which the planner does not "
-                         "model (memory-check --base measures the run without it)")
+    dropout = model_dropout(cfg)
     rows = []
     for r in regimes:
         check = CheckConfig(regime=r.name, rank=r.rank or 1, targets=targets, batch_size=batch_size, seq_len=seq_len,
                             grad_checkpoint=grad_checkpoint, counted_targets=counted_targets, precision=precision,
-                            allow_slow_bf16=True)  # the plan of such a run, not the run: no refusal here
+                            allow_slow_bf16=True,  # the plan of such a run, not the run: no refusal here
+                            model_dropout=dropout, lora_dropout=lora_dropout if r.name != "full" else 0.0)
         predicted, _, phase, _ = predict(cfg, check, base_dtype=parts or base_dtype)
         rows.append({"regime": r.label, **{k: predicted[k] for k in JSON_BUCKETS}, "peak_phase": phase})
     mixed = {} if len(set(parts.values())) < 2 else {
         "stored_dtypes": {part: str(d).removeprefix("torch.") for part, d in parts.items()}}
     return {"base_dtype": str(base_dtype).removeprefix("torch."), **mixed, "precision": precision, "device": "cpu",
             "batch_size": batch_size, "seq_len": seq_len, "counted_targets": counted_targets or batch_size * seq_len,
-            "regimes": rows}
+            "model_dropout": dropout, "lora_dropout": lora_dropout, "regimes": rows}
 
 
 def plan_run(folder: Path, regime: Regime, targets: str | list[str], batch: LargestBatch, grad_checkpoint: bool,
@@ -67,8 +66,8 @@ def plan_run(folder: Path, regime: Regime, targets: str | list[str], batch: Larg
              lora_dropout: float = 0.0) -> tuple[dict | None, str]:
     """(the plan, "") of one finetune run at its data's largest batch, or (None, why) for a run the planner does
     not model: on CUDA (LoRA computes in the checkpoint's dtype there, AdamW runs foreach), under torchrun (each
-    rank's shard and DDP's gradient buckets), with another quantization than NF4 in blocks of 64, with dropout
-    (the model's or LoRA's), or with targets given as module paths."""
+    rank's shard and DDP's gradient buckets), with another quantization than NF4 in blocks of 64, for a llama-family
+    config with attention dropout, or with targets given as module paths."""
     if device.type != "cpu":
         return None, f"not made for {device.type} (the planner models finetune's CPU runs; memory-check --device " \
                      f"{device.type} measures one)"
@@ -76,13 +75,11 @@ def plan_run(folder: Path, regime: Regime, targets: str | list[str], batch: Larg
         return None, "not made under torchrun (each rank trains its shard of the batch beside DDP's buckets)"
     if regime.name == "qlora" and quant_scheme != DEFAULT_QUANT_SCHEME:
         return None, f"not made for {quant_scheme} (the planner counts QLoRA as {DEFAULT_QUANT_SCHEME})"
-    if regime.name != "full" and lora_dropout > 0:
-        return None, f"not made with LoRA dropout {lora_dropout:g} (the planner models dropout-free runs)"
     names = targets if isinstance(targets, str) else ",".join(targets)
     try:
         plan = finetune_plan(folder, [regime], names, batch.batch_size, batch.seq_len, grad_checkpoint, batch.counted,
-                             precision)
-    except InputError as e:  # the model's dropout, targets given as paths (the planner takes names)
+                             precision, lora_dropout if regime.name != "full" else 0.0)
+    except InputError as e:  # a Decoder's attention dropout, targets given as paths (the planner takes names)
         return None, f"not made, the planner cannot count this run: {e}"
     row = plan.pop("regimes")[0]
     return {**plan, **row, "mean_counted": batch.mean_counted,

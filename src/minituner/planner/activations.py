@@ -39,8 +39,20 @@ under bf16 compute), the terms are:
   fp32 logits go to ``F.cross_entropy``, which keeps the ``log-softmax output`` N·V·4; narrower logits go to
   its chunked fp32 cross-entropy, which keeps the ``logits kept by the loss`` N·V·e and a ``loss logsumexp``
   N·4 (``loss_saved``). Both keep the ``targets`` N·8 (int64) and an fp32 ``loss total_weight`` (4 bytes).
-- dropout is 0 (MiniGPT's default; memory-check sets it): with dropout, masks and the unfused attention
-  path would add to this.
+- with the model's dropout p > 0 (``dropout``: MiniGPT's ``GPTConfig.dropout``, GPT-2's 0.1 as finetune trains
+  it; planned on a CPU, where ``F.dropout`` multiplies by a float noise tensor of its input's dtype and keeps it):
+  ``dropout noise`` N·C·e after o_proj and after fc2 wherever their output needs grad, and N·C·s after the
+  embeddings (full FT). Attention with dropout takes SDPA's math path, in fp32 whatever the block's dtype (it
+  upcasts bf16 and fp16 on a CPU), which keeps no logsumexp and no output but the h·T² terms
+  (``math_attention_saved``): the scaled q and k of q·kᵀ (each for the other's gradient), the ``attention
+  probabilities`` and the ``attention dropout noise`` (B·h·T²·4 each) when q or k needs grad, v when they do, and
+  the ``attention dropped probabilities`` (B·h·T²·4) when v does. Its output is laid out (B, h, T, hs), so
+  o_proj's input is a copy it keeps (``linear input``) when it trains. ``minigpt.native_attention`` never runs
+  with dropout.
+- with LoRA dropout (``lora_dropout``: ``finetune --dropout``) each LoRA layer's A reads a dropped copy of the
+  layer's input and keeps it, its own (``LoRA dropped input`` N·in·e), instead of the layer's shared input, and
+  the dropout keeps its noise (``LoRA dropout mask`` N·in·e on a CPU, a bool N·in on CUDA) when that input needs
+  grad (not, for example, q/k/v's in the first block of a LoRA run).
 
 - with gradient checkpointing (``model.grad_checkpoint``) each block keeps only its input, N·C·s
   (``checkpointed block input``: the stream), and saves its terms again while the backward recomputes it.
@@ -122,6 +134,42 @@ def lora_saved(lin: LinearShape, tokens: int, rank: int, act_bytes: int, lora_co
     return saved
 
 
+def check_dropout(dropout: float, on_cpu: bool, what: str = "model dropout") -> None:
+    if not 0.0 <= dropout < 1.0:
+        raise InputError(f"{what} must be in [0, 1), got {dropout}")
+    if dropout and not on_cpu:
+        raise InputError(f"{what} is planned for CPU runs only (on CUDA attention's dropout runs in fused kernels "
+                         "the exact model does not cover)")
+
+
+def lora_dropout_saved(lin: LinearShape, tokens: int, act_bytes: int, input_hot: bool, on_cpu: bool) -> Counter[str]:
+    """What LoRA dropout keeps on one layer's path: A's input is the dropped copy (N, in), its own (no longer the
+    layer's shared input), and when that input needs grad the dropout keeps its mask: on a CPU a float noise
+    tensor of the input's dtype (``F.dropout`` multiplies by it), on CUDA ``native_dropout``'s bool mask."""
+    saved = Counter({"LoRA dropped input": tokens * lin.in_features * act_bytes})
+    if input_hot:
+        saved["LoRA dropout mask"] = tokens * lin.in_features * (act_bytes if on_cpu else 1)
+    return saved
+
+
+def math_attention_saved(batch_size: int, seq_len: int, d_model: int, n_head: int, q_hot: bool, k_hot: bool,
+                         v_hot: bool) -> Counter[str]:
+    """What SDPA's math path keeps, the path a CPU takes for attention with dropout: in fp32 (it upcasts bf16 and
+    fp16 inputs), the scaled q and k of ``q·kᵀ`` (each kept for the other's gradient), the softmax's output,
+    the dropout's float noise and the dropped probabilities (kept for v's gradient), and v (kept for the
+    probabilities' gradient): the h·T² terms the fused kernels never keep."""
+    N, scores = batch_size * seq_len, batch_size * n_head * seq_len * seq_len * FP32
+    saved: Counter[str] = Counter()
+    qk_hot = q_hot or k_hot
+    saved["attention q, k, v"] += N * d_model * FP32 * (int(k_hot) + int(q_hot) + int(qk_hot))
+    if qk_hot:
+        saved["attention probabilities (h x T x T)"] += scores
+        saved["attention dropout noise (h x T x T)"] += scores
+    if v_hot:
+        saved["attention dropped probabilities (h x T x T)"] += scores
+    return +saved
+
+
 @dataclass(frozen=True)
 class SavedByLayer:
     """Bytes saved for backward, per term, where they are saved: before the blocks, in each block, after them."""
@@ -129,6 +177,10 @@ class SavedByLayer:
     embed: dict[str, int]  # the embedding lookups' indices (full FT only)
     blocks: tuple[dict[str, int], ...]  # one dict per block, in forward order
     head: dict[str, int]  # ln_f, the head's input (full FT), the loss
+    # attention with dropout (SDPA's math path): the last block's saves from its second norm on (freed before its
+    # attention's backward), and the (B, h, T, T) fp32 tensor size of its probabilities (0 where attention is fused)
+    last_mlp_saved: int = 0
+    attention_scores: int = 0
 
     def total(self) -> int:
         return sum(self.embed.values()) + sum(sum(b.values()) for b in self.blocks) + sum(self.head.values())
@@ -195,78 +247,102 @@ def check_exact(shape: ModelShape, regime: str) -> None:
 def minigpt_saved_by_layer(shape: ModelShape, batch_size: int, seq_len: int, regime: str = "full",
                            rank: int | None = None, targets: str | Iterable[str] = ALL_LINEAR,
                            act_bytes: int = 4, grad_checkpoint: bool = False, *, stream_bytes: int | None = None,
-                           lora_copy_bytes: int = 0, on_cpu: bool = True, counted: int | None = None) -> SavedByLayer:
+                           lora_copy_bytes: int = 0, on_cpu: bool = True, counted: int | None = None,
+                           dropout: float = 0.0, lora_dropout: float = 0.0) -> SavedByLayer:
     """Bytes saved for backward by one MiniGPT training forward, per term and layer (see the module docstring).
 
     act_bytes is e, stream_bytes s (None: e), lora_copy_bytes c; counted: the positions whose target counts
-    (None: all), the rows the head and the loss run on. With ``grad_checkpoint`` each block keeps
-    only its input (N·C·s, held by torch.utils.checkpoint to recompute the block in backward); what the
+    (None: all), the rows the head and the loss run on; dropout: the model's (GPTConfig.dropout: attention, residual
+    and embedding dropout; CPU runs only), lora_dropout: LoRA's on its path's input. With ``grad_checkpoint`` each
+    block keeps only its input (N·C·s, held by torch.utils.checkpoint to recompute the block in backward); what the
     block would save is saved again, one block at a time, during the backward
     (``minigpt_saved_by_layer(...).blocks`` without checkpointing gives it).
     """
     check_exact(shape, regime)
+    check_dropout(dropout, on_cpu)
     shape, targets = as_minigpt(shape, targets)
     full = regime == "full"
     lora = frozenset() if full else lora_paths(shape, targets)
     r = rank or 0
     N, C, F, h, e = batch_size * seq_len, shape.d_model, shape.d_ff, shape.n_head, act_bytes
     s = stream_bytes or act_bytes
-    native = bf16_compute_attention(act_bytes, stream_bytes, seq_len, on_cpu)  # keeps no output
+    unfused = dropout > 0  # SDPA with dropout on a CPU: its math path, which keeps the h·T² probabilities
+    native = not unfused and bf16_compute_attention(act_bytes, stream_bytes, seq_len, on_cpu)  # keeps no output
     linears = {lin.path: lin for lin in shape.linears}
     embed: Counter[str] = Counter()
     head: Counter[str] = Counter()
     blocks: list[dict[str, int]] = []
 
-    def trains(path: str) -> bool:  # the layer's weight trains or a LoRA A reads its input
+    def trains(path: str) -> bool:  # the layer's weight trains or a LoRA A reads (a dropped copy of) its input
         return full or path in lora
+
+    def keeps_input(path: str) -> bool:  # the layer keeps its input itself (LoRA dropout: A keeps a dropped copy)
+        return full or (path in lora and not lora_dropout)
 
     def layernorm(terms: Counter, hot: bool) -> None:
         if hot:
             terms["layernorm input"] += N * C * s
             terms["layernorm mean/rstd"] += 2 * N * s
 
-    def lora_out(terms: Counter, path: str) -> None:
+    def lora_out(terms: Counter, path: str, input_hot: bool) -> None:
         if path in lora:
             terms.update(lora_saved(linears[path], N, r, e, lora_copy_bytes))
+            if lora_dropout:
+                terms.update(lora_dropout_saved(linears[path], N, e, input_hot, on_cpu))
+
+    def dropped(terms: Counter, hot: bool, width: int) -> None:  # nn.Dropout on an (N, C) tensor
+        if dropout and hot:
+            terms["dropout noise"] += N * C * width
 
     if full:
         embed["token/position ids"] += N * INDEX_BYTES + (seq_len * INDEX_BYTES if shape.n_positions else 0)
+        dropped(embed, True, s)  # the embeddings' dropout (their sum is in the stream's dtype)
     hot = full  # does the residual stream need grad?
     for _ in range(shape.n_layer):
         terms: Counter[str] = Counter()
         layernorm(terms, hot or full)  # ln_1 (its affine weights train in full FT)
         ln1_hot = hot or full
-        if any(trains(p) for p in QKV):
+        if any(keeps_input(p) for p in QKV):
             terms["linear input"] += N * C * e  # ln_1's output, shared by q/k/v
         for p in QKV:
-            lora_out(terms, p)
-        attn_hot = ln1_hot or any(trains(p) for p in QKV)
-        if attn_hot:
+            lora_out(terms, p, ln1_hot)
+        q_hot, k_hot, v_hot = (ln1_hot or trains(p) for p in QKV)
+        attn_hot = q_hot or k_hot or v_hot
+        if unfused:
+            terms.update(math_attention_saved(batch_size, seq_len, C, h, q_hot, k_hot, v_hot))
+        elif attn_hot:
             terms["attention q, k, v"] += 3 * N * C * e
             if not native:  # the fused kernel keeps its output; minigpt.native_attention does not
                 terms["attention output"] += N * C * e
             terms["attention logsumexp"] += h * N * FP32
-        if trains("attn.o_proj") and (native or not attn_hot):
+        if keeps_input("attn.o_proj") and (native or unfused or not attn_hot):
             terms["linear input"] += N * C * e  # the attention output, not saved by attention itself
-        lora_out(terms, "attn.o_proj")
-        hot = hot or attn_hot or trains("attn.o_proj")
+        lora_out(terms, "attn.o_proj", attn_hot)
+        o_hot = attn_hot or trains("attn.o_proj")
+        dropped(terms, o_hot, e)  # the attention's residual dropout
+        hot = hot or o_hot
+        attention_half = sum(terms.values())
         layernorm(terms, hot or full)  # ln_2
-        if trains("mlp.fc1"):
+        if keeps_input("mlp.fc1"):
             terms["linear input"] += N * C * e
-        lora_out(terms, "mlp.fc1")
+        lora_out(terms, "mlp.fc1", hot or full)
         fc1_hot = hot or full or trains("mlp.fc1")
         if fc1_hot:
             terms["gelu input"] += N * F * e
-        if trains("mlp.fc2"):
+        if keeps_input("mlp.fc2"):
             terms["linear input"] += N * F * e  # GELU's output
-        lora_out(terms, "mlp.fc2")
-        hot = hot or fc1_hot or trains("mlp.fc2")
+        lora_out(terms, "mlp.fc2", fc1_hot)
+        fc2_hot = fc1_hot or trains("mlp.fc2")
+        dropped(terms, fc2_hot, e)  # the MLP's residual dropout
+        hot = hot or fc2_hot
+        mlp_half = sum(terms.values()) - attention_half
         blocks.append({"checkpointed block input": N * C * s} if grad_checkpoint else dict(terms))
     layernorm(head, hot or full)  # ln_f
     if full:
         head["linear input"] += counted_rows(N, counted) * C * e  # the (tied) head trains: it keeps its input rows
     loss_saved(head, N, shape.vocab_size, e, counted)
-    return SavedByLayer(dict(embed), tuple(blocks), dict(head))
+    scores = batch_size * h * seq_len * seq_len * FP32 if unfused and attn_hot else 0
+    return SavedByLayer(dict(embed), tuple(blocks), dict(head), mlp_half if scores else 0, scores)
 
 
 def minigpt_activation_terms(shape: ModelShape, batch_size: int, seq_len: int, regime: str = "full",

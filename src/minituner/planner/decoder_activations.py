@@ -62,7 +62,11 @@ the LoRA factors (``lora_copy_bytes``: 0, or 2 under bf16 compute), the terms ar
   called with (2·T·d·e, once: every layer gets the same two tensors); the layer's terms are saved again,
   one layer at a time, while the backward recomputes it.
 
-Assumptions: attention dropout 0 (memory-check sets it), one float dtype from each norm to the residual
+- with LoRA dropout (``lora_dropout``) each LoRA layer keeps its own dropped copy of its input and, when that input
+  needs grad, the dropout's noise: as MiniGPT's (``planner/activations.py``, ``lora_dropout_saved``).
+
+Assumptions: attention dropout 0 (llama, mistral and qwen2 checkpoints train without it; a config with it is
+refused, and memory-check sets the model's dropout to its --model-dropout, 0), one float dtype from each norm to the residual
 add (e) and one for the stream (s): an fp32 run, or minituner.precision's bf16 compute (no autocast);
 contiguous (B, T) inputs; biases change nothing here (their gradient is a sum of the output's); every target
 counts unless ``counted`` says how many do (``planner/activations.py`` says what a masked batch changes).
@@ -76,8 +80,8 @@ from minigpt.decoder import cpu_flash_takes_gqa
 from minigpt.errors import InputError
 
 from .activations import EXACT_FAMILIES as MINIGPT_FAMILIES
-from .activations import (FP32, INDEX_BYTES, SavedByLayer, bf16_compute_attention, bf16_compute_swiglu,
-                          counted_rows, loss_saved, lora_paths, lora_saved, minigpt_saved_by_layer)
+from .activations import (FP32, INDEX_BYTES, SavedByLayer, bf16_compute_attention, bf16_compute_swiglu, check_dropout,
+                          counted_rows, lora_dropout_saved, loss_saved, lora_paths, lora_saved, minigpt_saved_by_layer)
 from .counts import ALL_LINEAR
 from .shapes import ModelShape
 
@@ -100,11 +104,17 @@ def check_decoder(shape: ModelShape, regime: str) -> None:
 def decoder_saved_by_layer(shape: ModelShape, batch_size: int, seq_len: int, regime: str = "full",
                            rank: int | None = None, targets: str | Iterable[str] = ALL_LINEAR,
                            act_bytes: int = 4, grad_checkpoint: bool = False, *, stream_bytes: int | None = None,
-                           lora_copy_bytes: int = 0, on_cpu: bool = True, counted: int | None = None) -> SavedByLayer:
+                           lora_copy_bytes: int = 0, on_cpu: bool = True, counted: int | None = None,
+                           dropout: float = 0.0, lora_dropout: float = 0.0) -> SavedByLayer:
     """Bytes saved for backward by one Decoder training forward, per term and layer (see the module docstring):
     act_bytes is e, stream_bytes s (None: e), lora_copy_bytes c; on_cpu False: a CUDA run (SDPA, k/v repeated);
-    counted: the positions whose target counts (None: all), the rows the head and the loss run on."""
+    counted: the positions whose target counts (None: all), the rows the head and the loss run on; lora_dropout:
+    LoRA's dropout on its path's input. The model's own attention dropout (``dropout``) is not modelled."""
     check_decoder(shape, regime)
+    if dropout:
+        raise InputError(f"{shape.name}: attention dropout {dropout:g} is not modelled for the llama family (their "
+                         "checkpoints train with attention_dropout 0)")
+    check_dropout(lora_dropout, on_cpu, "LoRA dropout")
     full = regime == "full"
     lora = frozenset() if full else lora_paths(shape, targets)
     r = rank or 0
@@ -121,8 +131,11 @@ def decoder_saved_by_layer(shape: ModelShape, batch_size: int, seq_len: int, reg
     blocks: list[dict[str, int]] = []
     rope_saved = False
 
-    def trains(path: str) -> bool:  # the layer's weight trains or a LoRA A reads its input
+    def trains(path: str) -> bool:  # the layer's weight trains or a LoRA A reads (a dropped copy of) its input
         return full or path in lora
+
+    def keeps_input(path: str) -> bool:  # the layer keeps its input itself (LoRA dropout: A keeps a dropped copy)
+        return full or (path in lora and not lora_dropout)
 
     def rmsnorm(terms: Counter, hot: bool) -> None:
         if hot:
@@ -131,9 +144,11 @@ def decoder_saved_by_layer(shape: ModelShape, batch_size: int, seq_len: int, reg
         if full:
             terms["rmsnorm normalized input"] += N * C * s
 
-    def lora_out(terms: Counter, path: str) -> None:
+    def lora_out(terms: Counter, path: str, input_hot: bool) -> None:
         if path in lora:
             terms.update(lora_saved(linears[path], N, r, e, lora_copy_bytes))
+            if lora_dropout:
+                terms.update(lora_dropout_saved(linears[path], N, e, input_hot, on_cpu))
 
     if full:
         embed["token ids"] += N * INDEX_BYTES
@@ -142,10 +157,10 @@ def decoder_saved_by_layer(shape: ModelShape, batch_size: int, seq_len: int, reg
         terms: Counter[str] = Counter()
         rmsnorm(terms, hot)  # input_layernorm
         x_hot = hot or full  # its output needs grad (its weight trains in full FT)
-        if any(trains(p) for p in QKV):
+        if any(keeps_input(p) for p in QKV):
             terms["linear input"] += N * C * e  # input_layernorm's output, shared by q/k/v
         for p in QKV:
-            lora_out(terms, p)
+            lora_out(terms, p, x_hot)
         q_hot, k_hot, v_hot = (x_hot or trains(p) for p in QKV)
         rope_saved = rope_saved or q_hot or k_hot
         attn_hot = q_hot or k_hot or v_hot
@@ -157,16 +172,16 @@ def decoder_saved_by_layer(shape: ModelShape, batch_size: int, seq_len: int, reg
             if (shape.sliding_window is not None and i in shape.sliding_layers and T > shape.sliding_window
                     and not native):
                 terms["attention mask"] += T * T * e
-        if trains("self_attn.o_proj") and (native or not attn_hot):
+        if keeps_input("self_attn.o_proj") and (native or not attn_hot):
             terms["linear input"] += N * A * e  # the attention output, not saved by attention itself
-        lora_out(terms, "self_attn.o_proj")
+        lora_out(terms, "self_attn.o_proj", attn_hot)
         hot = hot or attn_hot or trains("self_attn.o_proj")
         rmsnorm(terms, hot)  # post_attention_layernorm
         x_hot = hot or full
-        if any(trains(p) for p in GATE_UP):
+        if any(keeps_input(p) for p in GATE_UP):
             terms["linear input"] += N * C * e  # post_attention_layernorm's output, shared by gate/up
         for p in GATE_UP:
-            lora_out(terms, p)
+            lora_out(terms, p, x_hot)
         gate_hot, up_hot = (x_hot or trains(p) for p in GATE_UP)
         if gate_hot or (up_hot and fused_gate):
             terms["silu input"] += N * F * e
@@ -174,9 +189,9 @@ def decoder_saved_by_layer(shape: ModelShape, batch_size: int, seq_len: int, reg
             terms["up output"] += N * F * e
         if up_hot and not fused_gate:
             terms["silu output"] += N * F * e
-        if trains("mlp.down_proj"):
+        if keeps_input("mlp.down_proj"):
             terms["linear input"] += N * F * e  # the SwiGLU product
-        lora_out(terms, "mlp.down_proj")
+        lora_out(terms, "mlp.down_proj", gate_hot or up_hot)
         hot = hot or gate_hot or up_hot or trains("mlp.down_proj")
         blocks.append({"checkpointed block input": N * C * s} if grad_checkpoint else dict(terms))
     if rope_saved or grad_checkpoint:  # one cos and one sin for every layer (checkpointing holds them as inputs)
@@ -191,18 +206,20 @@ def decoder_saved_by_layer(shape: ModelShape, batch_size: int, seq_len: int, reg
 def saved_by_layer(shape: ModelShape, batch_size: int, seq_len: int, regime: str = "full", rank: int | None = None,
                    targets: str | Iterable[str] = ALL_LINEAR, act_bytes: int = 4, grad_checkpoint: bool = False, *,
                    stream_bytes: int | None = None, lora_copy_bytes: int = 0, on_cpu: bool = True,
-                   counted: int | None = None) -> SavedByLayer:
+                   counted: int | None = None, dropout: float = 0.0, lora_dropout: float = 0.0) -> SavedByLayer:
     """The exact model of this shape's family: MiniGPT (and GPT-2 imported into it) or the llama family."""
     fn = decoder_saved_by_layer if shape.family in LLAMA_FAMILIES else minigpt_saved_by_layer
     return fn(shape, batch_size, seq_len, regime, rank, targets, act_bytes, grad_checkpoint,
-              stream_bytes=stream_bytes, lora_copy_bytes=lora_copy_bytes, on_cpu=on_cpu, counted=counted)
+              stream_bytes=stream_bytes, lora_copy_bytes=lora_copy_bytes, on_cpu=on_cpu, counted=counted,
+              dropout=dropout, lora_dropout=lora_dropout)
 
 
 def exact_activation_bytes(shape: ModelShape, batch_size: int, seq_len: int, regime: str = "full",
                            rank: int | None = None, targets: str | Iterable[str] = ALL_LINEAR, act_bytes: int = 4,
                            grad_checkpoint: bool = False, *, stream_bytes: int | None = None,
-                           lora_copy_bytes: int = 0, on_cpu: bool = True, counted: int | None = None) -> int:
+                           lora_copy_bytes: int = 0, on_cpu: bool = True, counted: int | None = None,
+                           dropout: float = 0.0, lora_dropout: float = 0.0) -> int:
     """Total bytes saved for backward by one training forward of this shape (any family with an exact model)."""
     return saved_by_layer(shape, batch_size, seq_len, regime, rank, targets, act_bytes, grad_checkpoint,
                           stream_bytes=stream_bytes, lora_copy_bytes=lora_copy_bytes, on_cpu=on_cpu,
-                          counted=counted).total()
+                          counted=counted, dropout=dropout, lora_dropout=lora_dropout).total()

@@ -19,7 +19,8 @@ Per base parameter N and LoRA parameter P (bytes):
   planner/decoder_activations.py for llama, mistral and qwen2; checked by memory-check).
 - peak: with the exact activation model, the largest phase of a training step (planner/peak.py): what
   is alive at the worst moment of the forward, the backward or AdamW's step, transients included.
-  MemoryConfig.grad_checkpoint models each block recomputed in backward (it keeps only its input).
+  MemoryConfig.grad_checkpoint models each block recomputed in backward (it keeps only its input);
+  MemoryConfig.model_dropout and lora_dropout a run with dropout on a CPU (masks, attention's math path).
 - MemoryConfig.dtype (default fp16) is the float storage of LoRA/QLoRA's frozen weights, LoRA factors and
   grads and of the exact model's activations; "fp32" describes a plain fp32 run (minituner on CPU, or
   with bf16 autocast, which keeps fp32 weights). Adam's m and v are fp32 whatever it says. minituner's
@@ -63,6 +64,10 @@ class MemoryConfig:
     grad_checkpoint: bool = False  # each block recomputed in backward (exact model): it keeps only its input
     # exact model: targets per batch that count (None: all); the head and the loss run on those rows alone
     counted_targets: int | None = None
+    # exact model: the model's dropout (MiniGPT, GPT-2: attention, residual and embedding dropout) and LoRA's on its
+    # path's input; planned for a CPU run (there dropout keeps float noise, and attention takes SDPA's math path)
+    model_dropout: float = 0.0
+    lora_dropout: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("batch_size", "seq_len"):
@@ -83,6 +88,12 @@ class MemoryConfig:
         if self.counted_targets is not None and self.activations != "exact":
             raise InputError(f"counted_targets needs the exact activation model, not {self.activations!r} (the "
                              "estimates count every position)")
+        for name in ("model_dropout", "lora_dropout"):
+            value = getattr(self, name)
+            if not 0.0 <= value < 1.0:
+                raise InputError(f"{name} must be in [0, 1), got {value}")
+            if value and self.activations != "exact":
+                raise InputError(f"{name} needs the exact activation model, not {self.activations!r}")
 
 
 @dataclass(frozen=True)
@@ -205,7 +216,8 @@ def activation_bytes(shape: ModelShape, cfg: MemoryConfig, regime: Regime = Regi
                      targets: str | Iterable[str] = ALL_LINEAR) -> int:
     if cfg.activations == "exact":  # depends on the regime: what needs grad decides what is saved
         return exact_activation_bytes(shape, cfg.batch_size, cfg.seq_len, regime.name, regime.rank, targets,
-                                      DTYPE_BYTES[cfg.dtype], cfg.grad_checkpoint, counted=cfg.counted_targets)
+                                      DTYPE_BYTES[cfg.dtype], cfg.grad_checkpoint, counted=cfg.counted_targets,
+                                      dropout=cfg.model_dropout, lora_dropout=cfg.lora_dropout)
     fn = seed_activation_bytes if cfg.activations == "seed" else korthikanti_activation_bytes
     return fn(shape, cfg.batch_size, cfg.seq_len)
 
@@ -219,7 +231,8 @@ def regime_bytes(shape: ModelShape, regime: Regime, targets: str | Iterable[str]
         2 if regime.name == "full" else DTYPE_BYTES[cfg.dtype])
     peak = step_peak(shape, regime.name, regime.rank, targets, cfg.batch_size, cfg.seq_len, DTYPE_BYTES[cfg.dtype],
                      cfg.grad_checkpoint, weights=b.weights, grads=b.grads, optimizer=b.optimizer,
-                     grad_bytes=grad_bytes, counted=cfg.counted_targets)
+                     grad_bytes=grad_bytes, counted=cfg.counted_targets, dropout=cfg.model_dropout,
+                     lora_dropout=cfg.lora_dropout)
     return replace(b, peak=peak.bytes, peak_phase=peak.phase)
 
 

@@ -45,6 +45,13 @@ targets count (``counted``: an instruction batch's answers) the head and the los
   whose left operand is transposed, goes through PyTorch's fallback GEMM and its fp32 output buffer
   (``activations.bf16_gemm_fallback``): for the block's widest target the moment of that product, the
   residual stream's gradient + N·in·(e + 4) with the target's saved input still alive, when it is the larger.
+- backward, the last block's attention (the model's dropout, MiniGPT and GPT-2): SDPA's math path makes two
+  (B, h, T, T) fp32 gradients at the dropout (the dropped probabilities' and the probabilities') after its last
+  product freed the dropped probabilities it kept: W + O + the grads so far + A minus what the head and the
+  block's MLP half saved (freed by then) minus the dropped probabilities + those two gradients, v's gradient
+  N·C·4 and the residual stream's N·C·s (with checkpointing, the recomputed block's saved tensors on top). With
+  many heads over long windows and a small vocabulary this is the step's peak (measured: up to 15% above the
+  other phases).
 - forward, last block (gradient checkpointing only): W + O + G + A minus the head's + what the block would
   save, alive until it returns (without checkpointing this moment is below the loss's).
 - backward, embeddings (full FT): W + O + G + the embedding's dense gradient V·C·4, twice when tied
@@ -96,7 +103,8 @@ def minigpt_phases(shape: ModelShape, regime: str, rank: int | None, targets: st
                    batch_size: int, seq_len: int, act_bytes: int, grad_checkpoint: bool,
                    weights: int, grads: int, optimizer: int, grad_bytes: int, *, stream_bytes: int | None = None,
                    lora_copy_bytes: int = 0, on_cpu: bool = True, upcast: Collection[str] = (),
-                   counted: int | None = None) -> dict[str, dict[str, int]]:
+                   counted: int | None = None, dropout: float = 0.0, lora_dropout: float = 0.0
+                   ) -> dict[str, dict[str, int]]:
     """Live bytes per term at the worst moment of each phase of one MiniGPT (or GPT-2) training step."""
     shape, targets = as_minigpt(shape, targets)  # GPT-2 trains as the MiniGPT it imports into
     N, C, F = batch_size * seq_len, shape.d_model, shape.d_ff
@@ -105,14 +113,16 @@ def minigpt_phases(shape: ModelShape, regime: str, rank: int | None, targets: st
     block_grads = N * C * (stream_bytes or act_bytes) + N * F * act_bytes
     return step_phases(shape, regime, rank, targets, batch_size, seq_len, act_bytes, grad_checkpoint, weights, grads,
                        optimizer, grad_bytes, minigpt_saved_by_layer, block_grads, stream_bytes=stream_bytes,
-                       lora_copy_bytes=lora_copy_bytes, on_cpu=on_cpu, upcast=upcast, counted=counted)
+                       lora_copy_bytes=lora_copy_bytes, on_cpu=on_cpu, upcast=upcast, counted=counted,
+                       dropout=dropout, lora_dropout=lora_dropout)
 
 
 def llama_phases(shape: ModelShape, regime: str, rank: int | None, targets: str | Iterable[str],
                  batch_size: int, seq_len: int, act_bytes: int, grad_checkpoint: bool,
                  weights: int, grads: int, optimizer: int, grad_bytes: int, *, stream_bytes: int | None = None,
                  lora_copy_bytes: int = 0, on_cpu: bool = True, upcast: Collection[str] = (),
-                 counted: int | None = None) -> dict[str, dict[str, int]]:
+                 counted: int | None = None, dropout: float = 0.0, lora_dropout: float = 0.0
+                   ) -> dict[str, dict[str, int]]:
     """Live bytes per term at the worst moment of each phase of one llama / mistral / qwen2 (Decoder) step."""
     N, C, F = batch_size * seq_len, shape.d_model, shape.d_ff
     down_saved = regime == "full" or "mlp.down_proj" in lora_paths(shape, targets)
@@ -123,7 +133,8 @@ def llama_phases(shape: ModelShape, regime: str, rank: int | None, targets: str 
     block_grads = N * C * (stream_bytes or act_bytes) + mlp * act_bytes
     return step_phases(shape, regime, rank, targets, batch_size, seq_len, act_bytes, grad_checkpoint, weights, grads,
                        optimizer, grad_bytes, decoder_saved_by_layer, block_grads, stream_bytes=stream_bytes,
-                       lora_copy_bytes=lora_copy_bytes, on_cpu=on_cpu, upcast=upcast, counted=counted)
+                       lora_copy_bytes=lora_copy_bytes, on_cpu=on_cpu, upcast=upcast, counted=counted,
+                       dropout=dropout, lora_dropout=lora_dropout)
 
 
 def head_gradients(tokens: int, d_model: int, vocab: int, act_bytes: int) -> dict[str, int]:
@@ -147,13 +158,15 @@ def step_phases(shape: ModelShape, regime: str, rank: int | None, targets: str |
                 weights: int, grads: int, optimizer: int, grad_bytes: int,
                 saved_by_layer: Callable[..., SavedByLayer], block_grads: int, *, stream_bytes: int | None = None,
                 lora_copy_bytes: int = 0, on_cpu: bool = True, upcast: Collection[str] = (),
-                counted: int | None = None) -> dict[str, dict[str, int]]:
+                counted: int | None = None, dropout: float = 0.0, lora_dropout: float = 0.0
+                   ) -> dict[str, dict[str, int]]:
     """The phases of a step for a family's saved-tensor model and its last block's backward gradients (bytes).
 
     upcast: the paths of the block Linears of a 16-bit base computed in fp32 (LoRA or QLoRA) that are upcast per
     product (``upcast.UpcastLinear``: kept 16-bit, not quantized) into the same workspace NF4 dequantizes into.
     counted: the positions whose target counts (None: all), the rows the head and the loss run on."""
-    widths = {"stream_bytes": stream_bytes, "lora_copy_bytes": lora_copy_bytes, "on_cpu": on_cpu, "counted": counted}
+    widths = {"stream_bytes": stream_bytes, "lora_copy_bytes": lora_copy_bytes, "on_cpu": on_cpu, "counted": counted,
+              "dropout": dropout, "lora_dropout": lora_dropout}
     saved = saved_by_layer(shape, batch_size, seq_len, regime, rank, targets, act_bytes, grad_checkpoint, **widths)
     plain = saved_by_layer(shape, batch_size, seq_len, regime, rank, targets, act_bytes, **widths) \
         if grad_checkpoint else saved
@@ -202,6 +215,16 @@ def step_phases(shape: ModelShape, regime: str, rank: int | None, targets: str |
                                          "activations (before the head)": A - head_saved,
                                          "block's tensors during its forward": sum(plain.blocks[-1].values())}
     phases["backward: last block"] = block
+    if plain.attention_scores:  # attention with dropout: its backward at the dropout, the MLP's saves freed by then
+        scores = plain.attention_scores
+        recomputed = sum(plain.blocks[-1].values()) if grad_checkpoint else 0
+        phases["backward: last block's attention"] = {
+            **base, "grads so far (head, last block)": so_far,
+            "activations (head's, the block's MLP's and its dropped probabilities freed)":
+                A - head_saved + recomputed - plain.last_mlp_saved - scores,
+            "residual gradient": N * C * (stream_bytes or e),
+            "gradients of the dropped probabilities and the probabilities (h x T x T)": 2 * scores,
+            "v's gradient": N * C * FP32}
     if full:
         ids = sum(v for k, v in saved.embed.items() if "ids" in k)
         phases["backward: embeddings"] = {**base, "grads": grads, "activations (ids)": ids,
@@ -235,7 +258,7 @@ def step_peak(shape: ModelShape, regime: str, rank: int | None = None, targets: 
               batch_size: int = 16, seq_len: int = 32, act_bytes: int = 4, grad_checkpoint: bool = False, *,
               weights: int, grads: int, optimizer: int, grad_bytes: int = 4, stream_bytes: int | None = None,
               lora_copy_bytes: int = 0, on_cpu: bool = True, upcast: Collection[str] = (),
-              counted: int | None = None) -> Peak:
+              counted: int | None = None, dropout: float = 0.0, lora_dropout: float = 0.0) -> Peak:
     """The phase where a training step peaks and what is alive there (``PEAK_MODELS[shape.family]``).
 
     act_bytes, stream_bytes and lora_copy_bytes are the exact activation model's widths (e, s, c of
@@ -246,6 +269,6 @@ def step_peak(shape: ModelShape, regime: str, rank: int | None = None, targets: 
     phases = PEAK_MODELS[shape.family](shape, regime, rank, targets, batch_size, seq_len, act_bytes, grad_checkpoint,
                                        weights, grads, optimizer, grad_bytes, stream_bytes=stream_bytes,
                                        lora_copy_bytes=lora_copy_bytes, on_cpu=on_cpu, upcast=upcast,
-                                       counted=counted)
+                                       counted=counted, dropout=dropout, lora_dropout=lora_dropout)
     worst = max(phases, key=lambda k: sum(phases[k].values()))
     return Peak(worst, phases)

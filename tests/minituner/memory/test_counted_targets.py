@@ -262,10 +262,13 @@ def test_a_run_the_planner_does_not_model_says_why(hf_folder):
             (Regime("qlora", 4), "cpu", "int8_per_group_64", "not made for int8_per_group_64")]:
         plan, reason = plan_run(folder, regime, "all-linear", batch, False, "fp32", torch.device(device), scheme)
         assert plan is None and why in reason and describe_run_plan(plan, reason) == [f"memory plan: {reason}"]
+    plan, reason = plan_run(hf_folder("llama", attention_dropout=0.1), Regime("lora", 4), "all-linear", batch, False,
+                            "fp32", CPU)
+    assert plan is None and "attention dropout 0.1 is not modelled for the llama family" in reason
     plan, reason = plan_run(folder, Regime("lora", 4), "all-linear", batch, False, "fp32", CPU, lora_dropout=0.1)
-    assert plan is None and reason == "not made with LoRA dropout 0.1 (the planner models dropout-free runs)"
+    assert reason == "" and plan["lora_dropout"] == 0.1 and plan["model_dropout"] == 0.0  # planned (test_dropout.py)
     plan, reason = plan_run(hf_folder("gpt2"), Regime("lora", 4), "all-linear", batch, False, "fp32", CPU)
-    assert plan is None and "it trains with dropout 0.1 (config.json)" in reason  # GPT-2's resid_pdrop
+    assert reason == "" and plan["model_dropout"] == pytest.approx(0.1)  # GPT-2's resid_pdrop, planned
     plan, reason = plan_run(folder, Regime("lora", 4), "model.layers.0.self_attn.q_proj", batch, False, "fp32", CPU)
     assert plan is None and reason.startswith("not made, the planner cannot count this run: unknown LoRA target")
     plan, reason = plan_run(folder, Regime("lora", 4), ["q_proj", "v_proj"], batch, False, "fp32", CPU)
