@@ -12,7 +12,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-import psutil
 import torch
 
 from minigpt.distributed import world_size
@@ -23,6 +22,7 @@ from ..base_model import model_config, stored_dtype, stored_part_dtypes
 from ..planner.memory import Regime
 from ..planner.report import UNITS
 from ..sft import LargestBatch
+from .available import available_memory
 from .check import JSON_BUCKETS, CheckConfig, predict
 
 
@@ -82,13 +82,15 @@ def plan_run(folder: Path, regime: Regime, targets: str | list[str], batch: Larg
     except InputError as e:  # a Decoder's attention dropout, targets given as paths (the planner takes names)
         return None, f"not made, the planner cannot count this run: {e}"
     row = plan.pop("regimes")[0]
-    return {**plan, **row, "mean_counted": batch.mean_counted,
-            "available_bytes": psutil.virtual_memory().available}, ""
+    available = available_memory()
+    return {**plan, **row, "mean_counted": batch.mean_counted, "available_bytes": available.bytes,
+            "available_limit": available.limit}, ""
 
 
 def describe_run_plan(plan: dict | None, why: str) -> list[str]:
     """The lines finetune logs: the planned peak and what it is planned for, and a warning when what it adds to
-    the weights already loaded exceeds the memory available now."""
+    the weights already loaded exceeds the memory available now (``available.available_memory``: the system's, or a
+    cgroup's headroom where its memory limit leaves less)."""
     if plan is None:
         return [f"memory plan: {why}"]
     counted = counted_phrase(plan["batch_size"], plan["seq_len"], plan["counted_targets"])
@@ -97,9 +99,14 @@ def describe_run_plan(plan: dict | None, why: str) -> list[str]:
     lines = [f"memory plan: step peak {plan['peak'] / UNITS[unit]:,.2f} {unit} at the {plan['peak_phase']} "
              f"(planner/peak.py; the process itself comes on top) for the largest batch of the data, "
              f"{plan['batch_size']} x {plan['seq_len']}{counted}; {plan['available_bytes'] / UNITS['GiB']:,.1f} GiB "
-             "available now"]
+             f"available now{_limit(plan)}"]
     if plan["peak"] - plan["weights"] > plan["available_bytes"]:  # the weights are loaded already
         lines.append("warning: the planned peak, beyond the weights already loaded, exceeds the memory available "
-                     "now (psutil): lower --batch-size or --seq-len, "
+                     f"now{_limit(plan) or ' (psutil)'}: lower --batch-size or --seq-len, "
                      "or train with --grad-checkpoint or --qlora (minituner count --base ... --data ... compares them)")
     return lines
+
+
+def _limit(plan: dict) -> str:
+    limit = plan.get("available_limit", "the system's")
+    return "" if limit == "the system's" else f" under {limit}"
