@@ -2,13 +2,14 @@
 without gradient checkpointing.
 
     python benchmarks/memory_sweep.py           # writes benchmarks/memory_sweep.md and memory_sweep.png
-    python benchmarks/memory_sweep.py --quick   # three small points, to check that it runs
+    python benchmarks/memory_sweep.py --quick   # six small points, to check that it runs
 
 Each point is one `minituner memory-check --json` in a fresh process (so the peak is that run's alone)
 on MiniGPT (the `minigpt` preset), a GPT-2-124M-shaped model (GPT-2 small's config.json, random
 weights, imported into MiniGPT) and two small llama-family shapes built as ``minigpt.decoder.Decoder``
 (a llama with grouped-query attention and an untied head, a qwen2 with q/k/v biases and a tied head);
-full, LoRA and QLoRA; fp32 on CPU. `run(quick)` returns the same figures as a section of
+full, LoRA and QLoRA; instruction batches (some targets counted) and runs with dropout (the model's, as GPT-2
+trains, and LoRA's); fp32 on CPU. `run(quick)` returns the same figures as a section of
 benchmarks/RESULTS.md for benchmarks/run.py.
 """
 from __future__ import annotations
@@ -20,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -44,46 +46,73 @@ CONFIGS = {"gpt2-124m": GPT2_124M, "llama-gqa": LLAMA_GQA, "qwen2-bias": QWEN2_B
 # checkpoints written in bf16 (transformers' save_pretrained, random weights) and read with --base, as finetune
 # reads them: LoRA keeps their Linears, embedding and head bf16 and upcasts each per product (minituner.upcast)
 CHECKPOINTS = {"llama-gqa-bf16": LLAMA_GQA}
-# (model, regime, rank, batch, seq, grad_checkpoint[, counted targets]); rank is ignored for full fine-tuning
+
+
+@dataclass(frozen=True)
+class Point:
+    """One memory-check run; rank is ignored for full fine-tuning."""
+
+    model: str
+    regime: str
+    rank: int
+    batch: int
+    seq: int
+    grad_checkpoint: bool
+    counted: int | None = None  # targets per batch that count (None: all)
+    model_dropout: float = 0.0  # the model's dropout (MiniGPT, GPT-2: finetune trains GPT-2 with its config's 0.1)
+    lora_dropout: float = 0.0  # finetune --dropout
+
+
 POINTS = [
-    *[("minigpt", regime, 8, b, t, ck) for regime in ("full", "lora", "qlora") for b, t in ((8, 64), (32, 128))
+    *[Point("minigpt", regime, 8, b, t, ck) for regime in ("full", "lora", "qlora") for b, t in ((8, 64), (32, 128))
       for ck in (False, True)],
-    ("minigpt", "lora", 8, 4, 32, False),  # the smallest point: ~5 MiB in all
-    *[("minigpt", "lora", r, 16, 128, ck) for r in (4, 32) for ck in (False, True)],
-    ("gpt2-124m", "lora", 8, 1, 128, False),
-    *[("gpt2-124m", "lora", 8, 2, 256, ck) for ck in (False, True)],
-    ("gpt2-124m", "qlora", 8, 2, 256, False),
-    *[("gpt2-124m", "full", 8, 2, 128, ck) for ck in (False, True)],
-    *[("llama-gqa", regime, 8, 4, 128, ck) for regime in ("full", "lora", "qlora") for ck in (False, True)],
-    *[("llama-gqa", "lora", r, 8, 128, False) for r in (4, 32)],
-    *[("llama-gqa", "lora", 8, 2, 512, ck) for ck in (False, True)],
-    *[("qwen2-bias", regime, 8, 2, 256, ck) for regime in ("full", "lora", "qlora") for ck in (False, True)],
-    *[("llama-gqa-bf16", "lora", 8, 4, 128, ck) for ck in (False, True)],
-    ("llama-gqa-bf16", "qlora", 8, 4, 128, False),
+    Point("minigpt", "lora", 8, 4, 32, False),  # the smallest point: ~5 MiB in all
+    *[Point("minigpt", "lora", r, 16, 128, ck) for r in (4, 32) for ck in (False, True)],
+    Point("gpt2-124m", "lora", 8, 1, 128, False),
+    *[Point("gpt2-124m", "lora", 8, 2, 256, ck) for ck in (False, True)],
+    Point("gpt2-124m", "qlora", 8, 2, 256, False),
+    *[Point("gpt2-124m", "full", 8, 2, 128, ck) for ck in (False, True)],
+    *[Point("llama-gqa", regime, 8, 4, 128, ck) for regime in ("full", "lora", "qlora") for ck in (False, True)],
+    *[Point("llama-gqa", "lora", r, 8, 128, False) for r in (4, 32)],
+    *[Point("llama-gqa", "lora", 8, 2, 512, ck) for ck in (False, True)],
+    *[Point("qwen2-bias", regime, 8, 2, 256, ck) for regime in ("full", "lora", "qlora") for ck in (False, True)],
+    *[Point("llama-gqa-bf16", "lora", 8, 4, 128, ck) for ck in (False, True)],
+    Point("llama-gqa-bf16", "qlora", 8, 4, 128, False),
     # instruction batches: only some targets count (memory-check --counted-targets: the first positions get -100),
     # so the head and the loss run on those rows alone; the same points above count every target
-    ("gpt2-124m", "lora", 8, 2, 256, False, 128),
-    ("llama-gqa", "lora", 8, 4, 128, False, 256),
-    ("llama-gqa", "qlora", 8, 4, 128, True, 128),
-    ("qwen2-bias", "qlora", 8, 2, 256, False, 64),
+    Point("gpt2-124m", "lora", 8, 2, 256, False, 128),
+    Point("llama-gqa", "lora", 8, 4, 128, False, 256),
+    Point("llama-gqa", "qlora", 8, 4, 128, True, 128),
+    Point("qwen2-bias", "qlora", 8, 2, 256, False, 64),
+    # dropout: GPT-2 as finetune trains it (its config's 0.1: masks, attention's probabilities on SDPA's math path),
+    # and LoRA's (finetune --dropout); the same points above run without
+    *[Point("gpt2-124m", "lora", 8, 2, 256, ck, model_dropout=0.1) for ck in (False, True)],
+    Point("gpt2-124m", "full", 8, 2, 128, False, model_dropout=0.1),
+    Point("gpt2-124m", "qlora", 8, 2, 256, False, model_dropout=0.1, lora_dropout=0.05),
+    Point("minigpt", "lora", 8, 32, 128, True, model_dropout=0.1),
+    Point("llama-gqa", "lora", 8, 4, 128, False, lora_dropout=0.1),
+    Point("qwen2-bias", "qlora", 8, 2, 256, True, lora_dropout=0.1),
 ]
 # the same runs with glibc's malloc left as it is: how much the resident set keeps beyond the live tensors
-UNPINNED_POINTS = [("minigpt", "full", 8, 32, 128, False), ("minigpt", "lora", 8, 32, 128, False),
-                   ("gpt2-124m", "lora", 8, 2, 256, False)]
-QUICK_POINTS = [("minigpt", "full", 8, 8, 64, False), ("minigpt", "lora", 8, 8, 64, True),
-                ("gpt2-124m", "lora", 8, 1, 64, False), ("gpt2-124m", "lora", 8, 1, 64, False, 16),
-                ("llama-gqa", "qlora", 8, 2, 64, True)]
+UNPINNED_POINTS = [Point("minigpt", "full", 8, 32, 128, False), Point("minigpt", "lora", 8, 32, 128, False),
+                   Point("gpt2-124m", "lora", 8, 2, 256, False)]
+QUICK_POINTS = [Point("minigpt", "full", 8, 8, 64, False), Point("minigpt", "lora", 8, 8, 64, True),
+                Point("gpt2-124m", "lora", 8, 1, 64, False), Point("gpt2-124m", "lora", 8, 1, 64, False, 16),
+                Point("gpt2-124m", "lora", 8, 1, 64, False, model_dropout=0.1),
+                Point("llama-gqa", "qlora", 8, 2, 64, True)]
 
 
-def measure(model: str, regime: str, rank: int, batch: int, seq: int, ckpt: bool, counted: int | None,
-            configs: Path, pinned: bool = True) -> dict:
+def measure(point: Point, configs: Path, pinned: bool = True) -> dict:
     """One memory-check run in a fresh process (so the peak is that run's alone); its JSON."""
+    model = point.model
     source = (["--preset", "minigpt"] if model == "minigpt" else ["--base", str(configs / model)]
               if model in CHECKPOINTS else ["--config", str(configs / model / "config.json")])
-    cmd = [sys.executable, "-m", "minituner", "memory-check", *source, "--regime", regime, "--rank", str(rank),
-           "--batch-size", str(batch), "--seq-len", str(seq), "--device", "cpu", "--json",
-           *(["--grad-checkpoint"] if ckpt else []), *([] if pinned else ["--default-allocator"]),
-           *([] if counted is None else ["--counted-targets", str(counted)])]
+    cmd = [sys.executable, "-m", "minituner", "memory-check", *source, "--regime", point.regime, "--rank",
+           str(point.rank), "--batch-size", str(point.batch), "--seq-len", str(point.seq), "--device", "cpu", "--json",
+           *(["--grad-checkpoint"] if point.grad_checkpoint else []), *([] if pinned else ["--default-allocator"]),
+           *([] if point.counted is None else ["--counted-targets", str(point.counted)]),
+           *(["--model-dropout", str(point.model_dropout)] if point.model_dropout else []),
+           *(["--dropout", str(point.lora_dropout)] if point.lora_dropout else [])]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True)
     result = json.loads(out.stdout)
     result["details"]["model"] = model
@@ -108,14 +137,13 @@ def sweep(quick: bool = False) -> list[dict]:
             (cfg / name).mkdir()
             write_json(cfg / name / "config.json", config)
         for name, config in CHECKPOINTS.items():
-            if any(p[0] == name for p in (QUICK_POINTS if quick else POINTS)):
+            if any(p.model == name for p in (QUICK_POINTS if quick else POINTS)):
                 write_checkpoint(cfg / name, config)
         results = []
         for point, pinned in [(p, True) for p in (QUICK_POINTS if quick else POINTS)] + \
                 [(p, False) for p in ([] if quick else UNPINNED_POINTS)]:
             t0 = time.perf_counter()
-            model, regime, rank, batch, seq, ckpt, *rest = point  # rest: the counted targets, when given
-            results.append(measure(model, regime, rank, batch, seq, ckpt, rest[0] if rest else None, cfg, pinned))
+            results.append(measure(point, cfg, pinned))
             print(f"[memory_sweep] {point}{'' if pinned else ' glibc default'} {time.perf_counter() - t0:.1f}s",
                   file=sys.stderr, flush=True)
     return results
@@ -146,7 +174,18 @@ def unpinned_table(results: list[dict]) -> list[str]:
 
 def label(res: dict) -> str:
     d = res["details"]
-    return d["regime"] + ("" if d["rank"] is None else f" r={d['rank']}")
+    return d["regime"] + ("" if d["rank"] is None else f" r={d['rank']}") + dropout_cell(d)
+
+
+def dropout_cell(d: dict) -> str:
+    """", model dropout 0.1, LoRA dropout 0.05" for a run with dropout; "" without."""
+    parts = ([f"model dropout {d['model_dropout']:g}"] if d.get("model_dropout") else []) + (
+        [f"LoRA dropout {d['lora_dropout']:g}"] if d.get("lora_dropout") else [])
+    return "".join(f", {p}" for p in parts)
+
+
+def dropouts(d: dict) -> tuple[float, float]:
+    return d.get("model_dropout", 0.0), d.get("lora_dropout", 0.0)
 
 
 def batch_cell(d: dict) -> str:
@@ -185,37 +224,55 @@ def by_group(results: list[dict]) -> list[list[str]]:
             for (m, r, ck), v in groups.items()]
 
 
+def point_key(d: dict, leave_out: str) -> tuple:
+    """What identifies a run's point, but for one aspect of it."""
+    aspects = {"model": d["model"], "regime": d["regime"], "rank": d["rank"], "batch": (d["batch_size"], d["seq_len"]),
+               "grad_checkpoint": d["grad_checkpoint"], "counted": d["counted_targets"], "dropout": dropouts(d)}
+    del aspects[leave_out]
+    return tuple(aspects.values())
+
+
+def beside(results: list[dict], aspect: str, baseline) -> list[tuple[dict, dict]]:
+    """(run, the same point with `aspect` as baseline(details) wants it) for each run where it is not."""
+    plain = {point_key(r["details"], aspect): r for r in results if baseline(r["details"])}
+    return [(r, plain[point_key(r["details"], aspect)]) for r in results
+            if not baseline(r["details"]) and point_key(r["details"], aspect) in plain]
+
+
 def saving(results: list[dict]) -> list[str]:
     """Measured peak with and without checkpointing, for the points swept both ways."""
-    key = lambda d: (d["model"], d["regime"], d["rank"], d["batch_size"], d["seq_len"], d["counted_targets"])  # noqa
-    plain = {key(r["details"]): r for r in results if not r["details"]["grad_checkpoint"]}
     out = []
-    for r in results:
-        d = r["details"]
-        if d["grad_checkpoint"] and key(d) in plain:
-            before, after = plain[key(d)]["measured"]["peak"], r["measured"]["peak"]
-            out.append(f"{d['model']} {label(r)} {batch_cell(d)}: {before / MIB:,.1f} → "
-                       f"{after / MIB:,.1f} MiB ({100 * (after - before) / before:+.0f}%)")
+    for r, plain in beside(results, "grad_checkpoint", lambda d: not d["grad_checkpoint"]):
+        before, after = plain["measured"]["peak"], r["measured"]["peak"]
+        out.append(f"{r['details']['model']} {label(r)} {batch_cell(r['details'])}: {before / MIB:,.1f} → "
+                   f"{after / MIB:,.1f} MiB ({100 * (after - before) / before:+.0f}%)")
     return out
 
 
 def counted(results: list[dict]) -> list[str]:
     """For each instruction batch (some targets counted), the same point with every target counting: what the
     planner says and the run measures each way."""
-    key = lambda d: (d["model"], d["regime"], d["rank"], d["batch_size"], d["seq_len"], d["grad_checkpoint"])  # noqa
-    every = {key(r["details"]): r for r in results if r["details"]["counted_targets"] == r["details"]["batch_size"]
-             * r["details"]["seq_len"]}
     out = []
-    for r in results:
+    for r, every in beside(results, "counted", lambda d: d["counted_targets"] == d["batch_size"] * d["seq_len"]):
         d = r["details"]
-        other = every.get(key(d))
-        if other is None or other is r:
-            continue
-        p, m, p_all = r["predicted"]["peak"], r["measured"]["peak"], other["predicted"]["peak"]
+        p, m, p_all = r["predicted"]["peak"], r["measured"]["peak"], every["predicted"]["peak"]
         out.append(f"{d['model']} {label(r)} {batch_cell(d)}{', checkpointed' if d['grad_checkpoint'] else ''}: "
-                   f"measured {m / MIB:,.1f} MiB (every target counting: {other['measured']['peak'] / MIB:,.1f}); "
+                   f"measured {m / MIB:,.1f} MiB (every target counting: {every['measured']['peak'] / MIB:,.1f}); "
                    f"planned for the counted rows {p / MIB:,.1f} ({100 * (p - m) / m:+.1f}%), planned as if every "
                    f"target counted {p_all / MIB:,.1f} ({100 * (p_all - m) / m:+.1f}%)")
+    return out
+
+
+def with_dropout(results: list[dict]) -> list[str]:
+    """For each run with dropout, the same point without: what the planner says and the run measures each way."""
+    out = []
+    for r, plain in beside(results, "dropout", lambda d: dropouts(d) == (0.0, 0.0)):
+        d = r["details"]
+        p, m, p_none = r["predicted"]["peak"], r["measured"]["peak"], plain["predicted"]["peak"]
+        out.append(f"{d['model']} {label(r)}, {batch_cell(d)}{', checkpointed' if d['grad_checkpoint'] else ''}: "
+                   f"measured {m / MIB:,.1f} MiB (without dropout: {plain['measured']['peak'] / MIB:,.1f}); planned "
+                   f"with it {p / MIB:,.1f} ({100 * (p - m) / m:+.1f}%) at the {d['predicted_peak_phase']}, as "
+                   f"without it {p_none / MIB:,.1f} ({100 * (p_none - m) / m:+.1f}%)")
     return out
 
 
@@ -297,7 +354,8 @@ INTRO = ("`minituner memory-check --json` on each point (a fresh process each): 
          "pinned at 16 KiB (freed tensors go back to the system, as CUDA's allocated bytes count them), above "
          "the process's own memory (RSS minus live tensors before those steps; its growth since before the model "
          "was built is the baseline column). fp32 on CPU, MiB = 1024² bytes, AdamW, 2 steps, random tokens (every "
-         "target counting unless the batch column says how many do); "
+         "target counting unless the batch column says how many do), no dropout unless the regime column names it "
+         "(memory-check sets the model's dropout to `--model-dropout`, 0 by default); "
          "error = (predicted − measured) / measured. Plot: `benchmarks/memory_sweep.png`. Models: `minigpt` (the preset), "
          "`gpt2-124m` (GPT-2 small's config, imported into MiniGPT), `llama-gqa` (llama: d_model 256, 4 layers, 8 query "
          "/ 2 K/V heads, SwiGLU 688, vocab 4,096, untied) and `qwen2-bias` (qwen2: d_model 192, 3 layers, 6 / 2 heads, "
@@ -325,6 +383,12 @@ def markdown(results: list[dict], command: str) -> str:
                   "of the batch -100): the head and the loss run on the counted rows, and the planner plans them "
                   "(`count --data` finds the largest such batch of a data set); beside them the same point with "
                   "every target counting:", ""] + [f"- {s}" for s in instruction]
+    dropped = with_dropout(results)
+    if dropped:
+        lines += ["", "Dropout (memory-check `--model-dropout`: the model's, as finetune trains GPT-2 with its config's "
+                  "0.1; `--dropout`: LoRA's, as finetune's `--dropout`): masks, and attention on SDPA's math path "
+                  "with its (B, h, T, T) probabilities; beside each, the same point without dropout:", ""] + \
+            [f"- {s}" for s in dropped]
     lines += [""] + [f"- {s}" for s in summary(results)]
     if len(extra) > 2:
         lines += ["", "With glibc's malloc left as it is (`--default-allocator`, what a plain training process gets), "
@@ -348,7 +412,7 @@ def run(quick: bool = False):
              Goal("peak: smallest predicted / measured", min(ratios), 1 - GOAL / 100, True, "planner/peak.py")]
     intro = INTRO + "\n\n![predicted vs measured peak](memory_sweep.png)"
     return Section("Memory: the planner against measurement", intro, header, rows, goals,
-                   summary(results) + counted(results))
+                   summary(results) + counted(results) + with_dropout(results))
 
 
 def write(results: list[dict], command: str) -> None:
@@ -358,7 +422,7 @@ def write(results: list[dict], command: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="three small points")
+    parser.add_argument("--quick", action="store_true", help="six small points")
     args = parser.parse_args(argv)
     results = sweep(args.quick)
     write(results, "python benchmarks/memory_sweep.py" + (" --quick" if args.quick else ""))
