@@ -28,6 +28,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from minigpt.io import atomic_write_bytes, atomic_write_text, write_json  # noqa: E402
+from minituner.planner.activations import dropout_phrase  # noqa: E402
 
 MIB = 2**20
 GOAL = 10.0  # percent: the step's peak predicted within ±10% of the measurement
@@ -155,9 +156,7 @@ def pinned(results: list[dict]) -> list[dict]:
 
 def unpinned_table(results: list[dict]) -> list[str]:
     """The raw resident-set peak with glibc's default malloc beside the pinned run of the same point."""
-    key = lambda d: (d["model"], d["regime"], d["rank"], d["batch_size"], d["seq_len"], d["grad_checkpoint"],  # noqa
-                     d["counted_targets"])
-    same = {key(r["details"]): r for r in pinned(results)}
+    same = {point_key(r["details"]): r for r in pinned(results)}
     lines = ["| model | regime | batch × seq | peak predicted MiB | raw peak, pinned MiB | raw peak, glibc default MiB "
              "| error vs glibc default raw peak |", "|---|---|---|---|---|---|---|"]
     for r in results:
@@ -165,7 +164,7 @@ def unpinned_table(results: list[dict]) -> list[str]:
         if d.get("pinned", True):
             continue
         p, raw = r["predicted"]["peak"], d["peak_raw_bytes"]
-        other = same.get(key(d))
+        other = same.get(point_key(d))
         lines.append(f"| {d['model']} | {label(r)} | {d['batch_size']} × {d['seq_len']} | {p / MIB:,.2f} | "
                      f"{other['details']['peak_raw_bytes'] / MIB if other else float('nan'):,.2f} | {raw / MIB:,.2f} | "
                      f"{100 * (p - raw) / raw:+.1f}% |")
@@ -178,10 +177,8 @@ def label(res: dict) -> str:
 
 
 def dropout_cell(d: dict) -> str:
-    """", model dropout 0.1, LoRA dropout 0.05" for a run with dropout; "" without."""
-    parts = ([f"model dropout {d['model_dropout']:g}"] if d.get("model_dropout") else []) + (
-        [f"LoRA dropout {d['lora_dropout']:g}"] if d.get("lora_dropout") else [])
-    return "".join(f", {p}" for p in parts)
+    """", the model's dropout 0.1 and LoRA dropout 0.05" for a run with dropout; "" without."""
+    return dropout_phrase(*dropouts(d), ", ")
 
 
 def dropouts(d: dict) -> tuple[float, float]:
@@ -224,11 +221,11 @@ def by_group(results: list[dict]) -> list[list[str]]:
             for (m, r, ck), v in groups.items()]
 
 
-def point_key(d: dict, leave_out: str) -> tuple:
-    """What identifies a run's point, but for one aspect of it."""
+def point_key(d: dict, leave_out: str | None = None) -> tuple:
+    """What identifies a run's point (but for one aspect of it, when given)."""
     aspects = {"model": d["model"], "regime": d["regime"], "rank": d["rank"], "batch": (d["batch_size"], d["seq_len"]),
                "grad_checkpoint": d["grad_checkpoint"], "counted": d["counted_targets"], "dropout": dropouts(d)}
-    del aspects[leave_out]
+    aspects.pop(leave_out, None)
     return tuple(aspects.values())
 
 

@@ -17,6 +17,7 @@ from minituner.planner import (ALL_LINEAR, PRESETS, MemoryConfig, config_context
                                minigpt_vocab, plan, preset_shape)
 from minituner.planner.memory import (ACTIVATION_MODELS, FULL_PRECISIONS, MASTER_COPIES, QUANTIZE_CHOICES,
                                       best_activation_model)
+from minituner.planner.activations import dropout_phrase
 from minituner.planner.presets import MINIGPT_SIZES
 from minituner.planner.report import UNITS, describe, regime_table
 from minituner.sft import LargestBatch, SFTConfig
@@ -138,9 +139,11 @@ def finetune_table(run: dict, from_data: bool = False) -> str:
 
 
 def _dropouts(run: dict) -> str:
-    parts = ([f"the model's dropout {run['model_dropout']:g} (config.json; attention on SDPA's math path)"]
-             if run["model_dropout"] else []) + ([f"LoRA dropout {run['lora_dropout']:g}"] if run["lora_dropout"] else [])
-    return f"; {' and '.join(parts)}" if parts else ""
+    """The run's dropout: the model's from its config (with what it does to attention), LoRA's from --dropout."""
+    model = (f"the model's dropout {run['model_dropout']:g} (config.json; attention on SDPA's math path)"
+             if run["model_dropout"] else "")
+    return "; " + " and ".join(filter(None, [model, dropout_phrase(0.0, run["lora_dropout"])])) \
+        if model or run["lora_dropout"] else ""
 
 
 def _batch_origin(from_data: bool) -> str:

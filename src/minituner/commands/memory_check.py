@@ -45,9 +45,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "positions of the batch get -100, as an instruction batch's prompts and padding do")
     p.add_argument("--dropout", type=float, default=d.lora_dropout, metavar="P",
                    help="dropout on the LoRA path's input, as finetune's --dropout (default %(default)s)")
-    p.add_argument("--model-dropout", type=float, default=d.model_dropout, metavar="P",
-                   help="the model's own dropout (attention, residual, embeddings) in place of its config's: MiniGPT "
-                        "and GPT-2 (finetune trains a GPT-2 folder with its config's, 0.1) (default %(default)s)")
+    p.add_argument("--model-dropout", type=float, metavar="P",
+                   help="the model's own dropout (attention, residual, embeddings; MiniGPT and GPT-2) in place of its "
+                        "config's (default: with --base the config's, as finetune trains it: GPT-2's 0.1; else 0)")
     p.add_argument("--steps", type=positive_int, default=d.steps, help="training steps (default %(default)s)")
     p.add_argument("--seed", type=int, default=d.seed, help="seed of the random token batches (default %(default)s)")
     p.add_argument("--device", choices=DEVICES, default="auto", help="auto: cuda if available, else cpu")
@@ -85,7 +85,8 @@ def run(args: argparse.Namespace) -> int:
                         batch_size=args.batch_size, seq_len=args.seq_len, steps=args.steps, seed=args.seed,
                         precision=args.precision, allow_slow_bf16=args.allow_slow_bf16,
                         grad_checkpoint=args.grad_checkpoint, counted_targets=args.counted_targets,
-                        model_dropout=args.model_dropout, lora_dropout=args.dropout,
+                        model_dropout=args.model_dropout if args.model_dropout is not None or args.base else 0.0,
+                        lora_dropout=args.dropout,
                         pin_allocator=not args.default_allocator)
     result = memory_check(build, check, device, name)
     if args.json:

@@ -36,7 +36,18 @@ def _stat(path: Path, key: str) -> int:
         lines = path.read_text().splitlines()
     except OSError:
         return 0
-    return next((int(v) for k, v in (line.split() for line in lines if " " in line) if k == key), 0)
+    for line in lines:
+        name, _, value = line.partition(" ")
+        if name == key and value.strip().isdigit():
+            return int(value)
+    return 0
+
+
+def _is_dir(path: Path) -> bool:
+    try:
+        return path.is_dir()
+    except OSError:  # a folder this user may not enter
+        return False
 
 
 def _groups(proc_cgroup: Path, root: Path) -> list[tuple[Path, tuple[str, str, str]]]:
@@ -54,7 +65,7 @@ def _groups(proc_cgroup: Path, root: Path) -> list[tuple[Path, tuple[str, str, s
         elif "memory" in controllers.split(","):  # v1's memory controller
             found.append((root / "memory", path, ("memory.limit_in_bytes", "memory.usage_in_bytes",
                                                    "total_inactive_file")))
-    return [(mount / path.lstrip("/") if (mount / path.lstrip("/")).is_dir() else mount, names)
+    return [(mount / path.lstrip("/") if _is_dir(mount / path.lstrip("/")) else mount, names)
             for mount, path, names in found]
 
 

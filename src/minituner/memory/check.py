@@ -53,7 +53,7 @@ from .heap import pin_allocator
 from .stored_dtypes import EMBEDDING_PARTS, dtype_of, stored_dtypes
 from ..planner import (MemoryConfig, ModelShape, Regime, korthikanti_activation_bytes, minigpt_shape,
                        param_counts, regime_bytes, seed_activation_bytes)
-from ..planner.activations import PRECISION_WIDTHS, counted_rows, lora_paths
+from ..planner.activations import PRECISION_WIDTHS, check_dropout_range, counted_rows, dropout_phrase, lora_paths
 from ..planner.decoder_activations import exact_activation_bytes
 from ..planner.hf import decoder_shape
 from ..planner.peak import step_peak
@@ -85,7 +85,8 @@ class CheckConfig:
     grad_checkpoint: bool = False  # recompute each block in backward (model.grad_checkpoint)
     # positions per batch whose target counts (None: all); the others get -100, as an instruction batch's prompts
     counted_targets: int | None = None
-    model_dropout: float = 0.0  # the model's dropout in the check (replaces its config's; MiniGPT and GPT-2 only)
+    # the model's dropout in the check, replacing its config's (MiniGPT and GPT-2 only); None keeps the config's
+    model_dropout: float | None = 0.0
     lora_dropout: float = 0.0  # dropout on the LoRA path's input (LoRAConfig.dropout)
     pin_allocator: bool = True  # CPU: pin glibc's mmap threshold so the resident set follows the live tensors
 
@@ -98,11 +99,16 @@ class CheckConfig:
         if self.seq_len > block_size:
             raise InputError(f"seq_len {self.seq_len} exceeds the model's block_size {block_size}")
         counted_rows(self.batch_size * self.seq_len, self.counted_targets)  # 1 <= counted_targets <= batch x seq
-        for name in ("model_dropout", "lora_dropout"):
-            if not 0.0 <= getattr(self, name) < 1.0:
-                raise InputError(f"{name} must be in [0, 1), got {getattr(self, name)}")
+        if self.model_dropout is not None:
+            check_dropout_range(self.model_dropout, "the model's dropout")
+        check_dropout_range(self.lora_dropout, "LoRA dropout")
         if self.regime == "full" and self.lora_dropout:
-            raise InputError("lora_dropout needs a LoRA regime (lora or qlora), not full fine-tuning")
+            raise InputError("LoRA dropout needs a LoRA regime (lora or qlora), not full fine-tuning")
+
+
+def model_dropout(cfg: GPTConfig | DecoderConfig) -> float:
+    """The dropout a model trains with: MiniGPT's (GPT-2's resid_pdrop) or a Decoder's attention_dropout."""
+    return max(float(getattr(cfg, name, 0.0) or 0.0) for name in ("dropout", "attention_dropout"))
 
 
 def set_dropout(model: nn.Module, p: float) -> None:
@@ -343,7 +349,8 @@ def predict(cfg: GPTConfig | DecoderConfig, check: CheckConfig, name: str = "mod
     large as the largest of them (the head casts a few rows at a time)."""
     shape = model_shape(cfg, name)
     regime = Regime("full") if check.regime == "full" else Regime(check.regime, check.rank)
-    widths = {**PRECISION_WIDTHS[check.precision], "on_cpu": on_cpu, "dropout": check.model_dropout,
+    dropout = model_dropout(cfg) if check.model_dropout is None else check.model_dropout
+    widths = {**PRECISION_WIDTHS[check.precision], "on_cpu": on_cpu, "dropout": dropout,
               "lora_dropout": check.lora_dropout}
     mem = MemoryConfig(batch_size=check.batch_size, seq_len=check.seq_len, full_precision="fp32",
                        activations="exact", dtype="fp32", grad_checkpoint=check.grad_checkpoint)
@@ -398,10 +405,13 @@ def memory_check(build: Callable[[], nn.Module], check: CheckConfig, device: tor
     model = build()
     base_dtype = float_dtype(model)  # before the build for training casts anything
     stored = stored_dtypes((n, p.dtype, p.numel()) for n, p in model.named_parameters())  # part by part
+    if check.model_dropout is None:  # the config's, as finetune trains the model
+        check = replace(check, model_dropout=model_dropout(model.config))
     check.validate(model.config.block_size)
     if check.model_dropout and (isinstance(model.config, DecoderConfig) or device.type != "cpu"):
-        raise InputError("model dropout is planned for MiniGPT and GPT-2 on a CPU only (the llama family trains "
-                         "without it; on CUDA attention's dropout runs in fused kernels the exact model does not cover)")
+        raise InputError(f"the model's dropout ({check.model_dropout:g}) is planned for MiniGPT and GPT-2 on a CPU "
+                         "only (on CUDA attention's dropout runs in fused kernels the exact model does not cover); "
+                         "--model-dropout 0 measures the run without it")
     set_dropout(model, check.model_dropout)  # before LoRA wraps the Linears: LoRA's own dropout is its config's
     prepare(model, check, device)
     model.to(device).train()
@@ -487,12 +497,6 @@ def _counted_note(check: CheckConfig) -> str:
             "(the others -100, as an instruction batch's prompts)")
 
 
-def _dropout_note(check: CheckConfig) -> str:
-    parts = ([f"the model's dropout {check.model_dropout:g}"] if check.model_dropout else []) + (
-        [f"LoRA dropout {check.lora_dropout:g}"] if check.lora_dropout else [])
-    return f", {' and '.join(parts)}" if parts else ""
-
-
 def describe(result: CheckResult) -> str:
     c = result.check
     what = "full fine-tuning" if c.regime == "full" else f"{c.regime} r={c.rank} on {c.targets}"
@@ -503,7 +507,7 @@ def describe(result: CheckResult) -> str:
             f"{result.trainable_params:,} trainable ({what}); "
             f"batch {c.batch_size} x seq {c.seq_len}{_counted_note(c)}, {c.steps} AdamW steps on {result.device} "
             f"({c.precision}"
-            f"{', gradient checkpointing' if c.grad_checkpoint else ''}{_dropout_note(c)}"
+            f"{', gradient checkpointing' if c.grad_checkpoint else ''}{dropout_phrase(c.model_dropout or 0.0, c.lora_dropout, ', ')}"
             f"{_base_note(result.base_dtype, c)}).\n"
             f"Activations: {result.activation_note}. Adam step counters: {result.measured['optimizer_steps']:,} "
             f"bytes (not planned).\n"

@@ -23,18 +23,13 @@ from ..planner.memory import Regime
 from ..planner.report import UNITS
 from ..sft import LargestBatch
 from .available import available_memory
-from .check import JSON_BUCKETS, CheckConfig, predict
+from .check import JSON_BUCKETS, CheckConfig, model_dropout, predict
 
 
 def counted_phrase(batch_size: int, seq_len: int, counted: int) -> str:
     """"n of N targets counted" for a batch where not every target counts; "" where every one does."""
     every = batch_size * seq_len
     return "" if counted == every else f"{counted:,} of {every:,} targets counted"
-
-
-def model_dropout(cfg) -> float:
-    """The dropout a model trains with: MiniGPT's (GPT-2's resid_pdrop) or a Decoder's attention_dropout."""
-    return max(float(getattr(cfg, name, 0.0) or 0.0) for name in ("dropout", "attention_dropout"))
 
 
 def finetune_plan(folder: Path, regimes: Sequence[Regime], targets: str, batch_size: int, seq_len: int,
@@ -52,7 +47,7 @@ def finetune_plan(folder: Path, regimes: Sequence[Regime], targets: str, batch_s
                             grad_checkpoint=grad_checkpoint, counted_targets=counted_targets, precision=precision,
                             allow_slow_bf16=True,  # the plan of such a run, not the run: no refusal here
                             model_dropout=dropout, lora_dropout=lora_dropout if r.name != "full" else 0.0)
-        predicted, _, phase, _ = predict(cfg, check, base_dtype=parts or base_dtype)
+        predicted, _, phase, _ = predict(cfg, check, folder.name, base_dtype=parts or base_dtype)
         rows.append({"regime": r.label, **{k: predicted[k] for k in JSON_BUCKETS}, "peak_phase": phase})
     mixed = {} if len(set(parts.values())) < 2 else {
         "stored_dtypes": {part: str(d).removeprefix("torch.") for part, d in parts.items()}}

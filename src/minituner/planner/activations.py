@@ -134,12 +134,26 @@ def lora_saved(lin: LinearShape, tokens: int, rank: int, act_bytes: int, lora_co
     return saved
 
 
-def check_dropout(dropout: float, on_cpu: bool, what: str = "model dropout") -> None:
-    if not 0.0 <= dropout < 1.0:
-        raise InputError(f"{what} must be in [0, 1), got {dropout}")
+def check_dropout_range(p: float, what: str) -> None:
+    if not 0.0 <= p < 1.0:  # also refuses nan
+        raise InputError(f"{what} must be in [0, 1), got {p}")
+
+
+def check_dropout(dropout: float, lora_dropout: float, on_cpu: bool) -> None:
+    """The model's dropout is planned on a CPU (on CUDA SDPA's dropout runs in fused kernels not modelled here);
+    LoRA's on either (a CPU keeps a float noise, CUDA a bool mask)."""
+    check_dropout_range(dropout, "the model's dropout")
+    check_dropout_range(lora_dropout, "LoRA dropout")
     if dropout and not on_cpu:
-        raise InputError(f"{what} is planned for CPU runs only (on CUDA attention's dropout runs in fused kernels "
-                         "the exact model does not cover)")
+        raise InputError("the model's dropout is planned for CPU runs only (on CUDA attention's dropout runs in fused "
+                         "kernels the exact model does not cover)")
+
+
+def dropout_phrase(model_dropout: float, lora_dropout: float, lead: str = "") -> str:
+    """"the model's dropout 0.1 and LoRA dropout 0.05" (after `lead`) for a run with dropout; "" without."""
+    parts = ([f"the model's dropout {model_dropout:g}"] if model_dropout else []) + (
+        [f"LoRA dropout {lora_dropout:g}"] if lora_dropout else [])
+    return f"{lead}{' and '.join(parts)}" if parts else ""
 
 
 def lora_dropout_saved(lin: LinearShape, tokens: int, act_bytes: int, input_hot: bool, on_cpu: bool) -> Counter[str]:
@@ -171,16 +185,25 @@ def math_attention_saved(batch_size: int, seq_len: int, d_model: int, n_head: in
 
 
 @dataclass(frozen=True)
+class MathAttention:
+    """The last block's attention on SDPA's math path (the model's dropout), as planner/peak.py's phases need it."""
+
+    scores: int  # bytes of one (B, h, T, T) fp32 tensor: the probabilities, their noise, the dropped copy
+    kept: int  # how many of those three the block keeps for backward (0 to 3)
+    qk_hot: bool  # q or k needs grad: the backward makes the gradients of the dropped and the plain probabilities
+    v_hot: bool  # v needs grad: the dropped probabilities are kept, and v's gradient (N·C·4) is made
+    v_grad: int  # bytes of v's gradient
+    after: int  # what the block saves after its attention (o_proj on), freed before the attention's backward
+
+
+@dataclass(frozen=True)
 class SavedByLayer:
     """Bytes saved for backward, per term, where they are saved: before the blocks, in each block, after them."""
 
     embed: dict[str, int]  # the embedding lookups' indices (full FT only)
     blocks: tuple[dict[str, int], ...]  # one dict per block, in forward order
     head: dict[str, int]  # ln_f, the head's input (full FT), the loss
-    # attention with dropout (SDPA's math path): the last block's saves from its second norm on (freed before its
-    # attention's backward), and the (B, h, T, T) fp32 tensor size of its probabilities (0 where attention is fused)
-    last_mlp_saved: int = 0
-    attention_scores: int = 0
+    math_attention: MathAttention | None = None  # the last block's, where attention has dropout
 
     def total(self) -> int:
         return sum(self.embed.values()) + sum(sum(b.values()) for b in self.blocks) + sum(self.head.values())
@@ -259,7 +282,7 @@ def minigpt_saved_by_layer(shape: ModelShape, batch_size: int, seq_len: int, reg
     (``minigpt_saved_by_layer(...).blocks`` without checkpointing gives it).
     """
     check_exact(shape, regime)
-    check_dropout(dropout, on_cpu)
+    check_dropout(dropout, lora_dropout, on_cpu)
     shape, targets = as_minigpt(shape, targets)
     full = regime == "full"
     lora = frozenset() if full else lora_paths(shape, targets)
@@ -309,19 +332,20 @@ def minigpt_saved_by_layer(shape: ModelShape, batch_size: int, seq_len: int, reg
         q_hot, k_hot, v_hot = (ln1_hot or trains(p) for p in QKV)
         attn_hot = q_hot or k_hot or v_hot
         if unfused:
-            terms.update(math_attention_saved(batch_size, seq_len, C, h, q_hot, k_hot, v_hot))
+            attention = math_attention_saved(batch_size, seq_len, C, h, q_hot, k_hot, v_hot)
+            terms.update(attention)
         elif attn_hot:
             terms["attention q, k, v"] += 3 * N * C * e
             if not native:  # the fused kernel keeps its output; minigpt.native_attention does not
                 terms["attention output"] += N * C * e
             terms["attention logsumexp"] += h * N * FP32
+        before_o_proj = sum(terms.values())
         if keeps_input("attn.o_proj") and (native or unfused or not attn_hot):
             terms["linear input"] += N * C * e  # the attention output, not saved by attention itself
         lora_out(terms, "attn.o_proj", attn_hot)
         o_hot = attn_hot or trains("attn.o_proj")
         dropped(terms, o_hot, e)  # the attention's residual dropout
         hot = hot or o_hot
-        attention_half = sum(terms.values())
         layernorm(terms, hot or full)  # ln_2
         if keeps_input("mlp.fc1"):
             terms["linear input"] += N * C * e
@@ -335,14 +359,18 @@ def minigpt_saved_by_layer(shape: ModelShape, batch_size: int, seq_len: int, reg
         fc2_hot = fc1_hot or trains("mlp.fc2")
         dropped(terms, fc2_hot, e)  # the MLP's residual dropout
         hot = hot or fc2_hot
-        mlp_half = sum(terms.values()) - attention_half
+        after_attention = sum(terms.values()) - before_o_proj
         blocks.append({"checkpointed block input": N * C * s} if grad_checkpoint else dict(terms))
     layernorm(head, hot or full)  # ln_f
     if full:
         head["linear input"] += counted_rows(N, counted) * C * e  # the (tied) head trains: it keeps its input rows
     loss_saved(head, N, shape.vocab_size, e, counted)
-    scores = batch_size * h * seq_len * seq_len * FP32 if unfused and attn_hot else 0
-    return SavedByLayer(dict(embed), tuple(blocks), dict(head), mlp_half if scores else 0, scores)
+    math = None
+    if unfused:  # the last block's attention
+        scores = batch_size * h * seq_len * seq_len * FP32
+        kept = sum(v for k, v in attention.items() if "(h x T x T)" in k) // scores
+        math = MathAttention(scores, kept, q_hot or k_hot, v_hot, N * C * FP32, after_attention)
+    return SavedByLayer(dict(embed), tuple(blocks), dict(head), math)
 
 
 def minigpt_activation_terms(shape: ModelShape, batch_size: int, seq_len: int, regime: str = "full",

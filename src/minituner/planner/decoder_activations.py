@@ -112,9 +112,9 @@ def decoder_saved_by_layer(shape: ModelShape, batch_size: int, seq_len: int, reg
     LoRA's dropout on its path's input. The model's own attention dropout (``dropout``) is not modelled."""
     check_decoder(shape, regime)
     if dropout:
-        raise InputError(f"{shape.name}: attention dropout {dropout:g} is not modelled for the llama family (their "
-                         "checkpoints train with attention_dropout 0)")
-    check_dropout(lora_dropout, on_cpu, "LoRA dropout")
+        raise InputError(f"{shape.name}: the model's dropout ({dropout:g}) is not modelled for the llama family "
+                         "(llama, mistral and qwen2 checkpoints train without attention dropout)")
+    check_dropout(0.0, lora_dropout, on_cpu)
     full = regime == "full"
     lora = frozenset() if full else lora_paths(shape, targets)
     r = rank or 0

@@ -34,7 +34,7 @@ from dataclasses import dataclass, replace
 
 from minigpt.errors import InputError
 
-from .activations import counted_rows
+from .activations import check_dropout_range, counted_rows
 from .decoder_activations import EXACT_FAMILIES, exact_activation_bytes
 from .counts import ALL_LINEAR, check_rank, lora_trainable_params, parse_targets, resolve_targets, total_params
 from .peak import has_peak_model, step_peak
@@ -88,12 +88,10 @@ class MemoryConfig:
         if self.counted_targets is not None and self.activations != "exact":
             raise InputError(f"counted_targets needs the exact activation model, not {self.activations!r} (the "
                              "estimates count every position)")
-        for name in ("model_dropout", "lora_dropout"):
-            value = getattr(self, name)
-            if not 0.0 <= value < 1.0:
-                raise InputError(f"{name} must be in [0, 1), got {value}")
-            if value and self.activations != "exact":
-                raise InputError(f"{name} needs the exact activation model, not {self.activations!r}")
+        check_dropout_range(self.model_dropout, "the model's dropout")
+        check_dropout_range(self.lora_dropout, "LoRA dropout")
+        if (self.model_dropout or self.lora_dropout) and self.activations != "exact":
+            raise InputError(f"dropout needs the exact activation model, not {self.activations!r}")
 
 
 @dataclass(frozen=True)

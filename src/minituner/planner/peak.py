@@ -45,15 +45,18 @@ targets count (``counted``: an instruction batch's answers) the head and the los
   whose left operand is transposed, goes through PyTorch's fallback GEMM and its fp32 output buffer
   (``activations.bf16_gemm_fallback``): for the block's widest target the moment of that product, the
   residual stream's gradient + N·in·(e + 4) with the target's saved input still alive, when it is the larger.
-- backward, the last block's attention (the model's dropout, MiniGPT and GPT-2): SDPA's math path makes two
-  (B, h, T, T) fp32 gradients at the dropout (the dropped probabilities' and the probabilities') after its last
-  product freed the dropped probabilities it kept: W + O + the grads so far + A minus what the head and the
-  block's MLP half saved (freed by then) minus the dropped probabilities + those two gradients, v's gradient
-  N·C·4 and the residual stream's N·C·s (with checkpointing, the recomputed block's saved tensors on top). With
-  many heads over long windows and a small vocabulary this is the step's peak (measured: up to 15% above the
-  other phases).
+- the last block's attention with the model's dropout (MiniGPT and GPT-2; ``math_attention_phases``): SDPA's
+  math path makes three (B, h, T, T) fp32 tensors in its forward (the probabilities, their noise, the dropped
+  copy), kept or not: W + O + G + A minus what the head and the block after its attention saved, minus those of
+  the three it keeps, + all three (with checkpointing, in "forward, last block" below). Its backward, at the
+  dropout, makes two such gradients (the dropped and the plain probabilities') after its product with v freed
+  the dropped copy (when kept): W + O + the grads so far + A minus what the head and the block after its
+  attention saved (freed by then) + those two gradients, v's gradient N·C·4 and the residual stream's N·C·s
+  (with checkpointing, the recomputed block's saved tensors on top). With many heads over long windows and a
+  small vocabulary one of them is the step's peak (measured: 18% to 92% above the other phases).
 - forward, last block (gradient checkpointing only): W + O + G + A minus the head's + what the block would
-  save, alive until it returns (without checkpointing this moment is below the loss's).
+  save, alive until it returns, + with the model's dropout those of attention's three (B, h, T, T) tensors it
+  would not keep (without checkpointing this moment is below the loss's).
 - backward, embeddings (full FT): W + O + G + the embedding's dense gradient V·C·4, twice when tied
   (the lookup's gradient and the sum into the head's gradient).
 - optimizer step: W + G + O + 2 x the largest trainable tensor in fp32 (CPU AdamW runs the
@@ -75,8 +78,8 @@ from dataclasses import dataclass
 
 from minigpt.cross_entropy import chunk_rows
 
-from .activations import (FP32, LOSS_KEPT, SavedByLayer, as_minigpt, bf16_gemm_fallback, counted_rows,
-                          lora_paths, minigpt_saved_by_layer)
+from .activations import (FP32, LOSS_KEPT, MathAttention, SavedByLayer, as_minigpt, bf16_gemm_fallback,
+                          counted_rows, lora_paths, minigpt_saved_by_layer)
 from .decoder_activations import decoder_saved_by_layer
 from .counts import ALL_LINEAR, resolve_targets, total_params
 from .shapes import ModelShape
@@ -104,7 +107,7 @@ def minigpt_phases(shape: ModelShape, regime: str, rank: int | None, targets: st
                    weights: int, grads: int, optimizer: int, grad_bytes: int, *, stream_bytes: int | None = None,
                    lora_copy_bytes: int = 0, on_cpu: bool = True, upcast: Collection[str] = (),
                    counted: int | None = None, dropout: float = 0.0, lora_dropout: float = 0.0
-                   ) -> dict[str, dict[str, int]]:
+                ) -> dict[str, dict[str, int]]:
     """Live bytes per term at the worst moment of each phase of one MiniGPT (or GPT-2) training step."""
     shape, targets = as_minigpt(shape, targets)  # GPT-2 trains as the MiniGPT it imports into
     N, C, F = batch_size * seq_len, shape.d_model, shape.d_ff
@@ -122,7 +125,7 @@ def llama_phases(shape: ModelShape, regime: str, rank: int | None, targets: str 
                  weights: int, grads: int, optimizer: int, grad_bytes: int, *, stream_bytes: int | None = None,
                  lora_copy_bytes: int = 0, on_cpu: bool = True, upcast: Collection[str] = (),
                  counted: int | None = None, dropout: float = 0.0, lora_dropout: float = 0.0
-                   ) -> dict[str, dict[str, int]]:
+                ) -> dict[str, dict[str, int]]:
     """Live bytes per term at the worst moment of each phase of one llama / mistral / qwen2 (Decoder) step."""
     N, C, F = batch_size * seq_len, shape.d_model, shape.d_ff
     down_saved = regime == "full" or "mlp.down_proj" in lora_paths(shape, targets)
@@ -159,7 +162,7 @@ def step_phases(shape: ModelShape, regime: str, rank: int | None, targets: str |
                 saved_by_layer: Callable[..., SavedByLayer], block_grads: int, *, stream_bytes: int | None = None,
                 lora_copy_bytes: int = 0, on_cpu: bool = True, upcast: Collection[str] = (),
                 counted: int | None = None, dropout: float = 0.0, lora_dropout: float = 0.0
-                   ) -> dict[str, dict[str, int]]:
+                ) -> dict[str, dict[str, int]]:
     """The phases of a step for a family's saved-tensor model and its last block's backward gradients (bytes).
 
     upcast: the paths of the block Linears of a 16-bit base computed in fp32 (LoRA or QLoRA) that are upcast per
@@ -215,16 +218,13 @@ def step_phases(shape: ModelShape, regime: str, rank: int | None, targets: str |
                                          "activations (before the head)": A - head_saved,
                                          "block's tensors during its forward": sum(plain.blocks[-1].values())}
     phases["backward: last block"] = block
-    if plain.attention_scores:  # attention with dropout: its backward at the dropout, the MLP's saves freed by then
-        scores = plain.attention_scores
-        recomputed = sum(plain.blocks[-1].values()) if grad_checkpoint else 0
-        phases["backward: last block's attention"] = {
-            **base, "grads so far (head, last block)": so_far,
-            "activations (head's, the block's MLP's and its dropped probabilities freed)":
-                A - head_saved + recomputed - plain.last_mlp_saved - scores,
-            "residual gradient": N * C * (stream_bytes or e),
-            "gradients of the dropped probabilities and the probabilities (h x T x T)": 2 * scores,
-            "v's gradient": N * C * FP32}
+    if plain.math_attention is not None:
+        phases.update(math_attention_phases(plain.math_attention, base, grads, so_far, A - head_saved,
+                                            N * C * (stream_bytes or e), sum(plain.blocks[-1].values())
+                                            if grad_checkpoint else None))
+        if grad_checkpoint:  # the block's forward makes all three (B, h, T, T) tensors, kept or not
+            phases["forward: last block"]["attention probabilities, noise, dropped copy not kept"] = \
+                (3 - plain.math_attention.kept) * plain.math_attention.scores
     if full:
         ids = sum(v for k, v in saved.embed.items() if "ids" in k)
         phases["backward: embeddings"] = {**base, "grads": grads, "activations (ids)": ids,
@@ -233,6 +233,32 @@ def step_phases(shape: ModelShape, regime: str, rank: int | None, targets: str |
     phases["optimizer step"] = {**base, "grads": grads,
                                 "AdamW temporaries (sqrt, division)":
                                     2 * largest_trainable(shape, regime, rank, targets) * FP32}
+    return phases
+
+
+def math_attention_phases(att: MathAttention, base: dict[str, int], grads: int, so_far: int, before_head: int,
+                          residual: int, recomputed: int | None) -> dict[str, dict[str, int]]:
+    """The moments of the last block's attention on SDPA's math path (the model's dropout) that can be a step's
+    peak: its forward, while the probabilities, their noise and the dropped copy exist (kept or not); its backward
+    at the dropout, where the dropped copy is freed and the gradients of the dropped and the plain probabilities
+    exist (at the product with v when q and k need no grad). before_head: the activations but what the head saved;
+    residual: the residual stream's gradient; recomputed: the block's saved tensors, recomputed in backward under
+    checkpointing (None without)."""
+    backward = before_head + (recomputed or 0) - att.after  # what the block saved after its attention is freed by then
+    if att.qk_hot:
+        backward_terms = {"activations (the head's, the block's after its attention and the dropped copy freed)":
+                              backward - (att.scores if att.v_hot else 0),
+                          "gradients of the dropped and the plain probabilities (h x T x T)": 2 * att.scores}
+    else:
+        backward_terms = {"activations (the head's and the block's after its attention freed)": backward}
+    phases = {"backward: last block's attention": {
+        **base, "grads so far (head, last block)": so_far, **backward_terms, "residual gradient": residual,
+        "v's gradient": att.v_grad if att.v_hot else 0}}
+    if recomputed is None:  # without checkpointing; with it, "forward: last block" holds the block's forward
+        phases["forward: last block's attention"] = {
+            **base, "grads (last step's; zero_grad follows the forward)": grads,
+            "activations (before the block's attention)": before_head - att.after - att.kept * att.scores,
+            "attention probabilities, noise, dropped copy (h x T x T)": 3 * att.scores}
     return phases
 
 

@@ -4,6 +4,7 @@ Sizes are in MiB or GiB, 1024-based, with the unit in every column header.
 """
 from __future__ import annotations
 
+from .activations import dropout_phrase
 from .counts import KINDS, param_counts, resolve_targets, total_params
 from .memory import Plan
 from .shapes import ModelShape
@@ -89,8 +90,7 @@ def describe(plan: Plan, alpha: float | None = None) -> str:
         f"Activations: {act}, batch {c.batch_size}, seq {c.seq_len}"
         + (f", {c.counted_targets:,} of the {c.batch_size * c.seq_len:,} targets counted (the head and the loss run "
            "on those rows)" if c.counted_targets is not None else "")
-        + (f", the model's dropout {c.model_dropout:g}" if c.model_dropout else "")
-        + (f", LoRA dropout {c.lora_dropout:g}" if c.lora_dropout else "") + ". Sizes 1024-based.",
+        + dropout_phrase(c.model_dropout, c.lora_dropout, ", ") + ". Sizes 1024-based.",
     ]
     if s.family == "gpt2" and any(lin.name == "c_attn" for lin in wrapped) and any(r.regime.rank for r in plan.regimes):
         lora = {row.regime.rank: row.trainable_params for row in plan.regimes if row.regime.rank}  # rank -> PEFT's count

@@ -68,3 +68,20 @@ def test_a_limit_below_the_system_caps_it_and_the_plan_says_so(tmp_path):
     assert line.endswith(f"1.0 GiB available now under the cgroup memory limit of {tmp_path / 'fs'}")
     assert warning.startswith("warning: the planned peak, beyond the weights already loaded, exceeds the memory "
                               f"available now under the cgroup memory limit of {tmp_path / 'fs'}: lower")
+
+
+def test_unreadable_or_odd_files_are_no_limit(tmp_path, monkeypatch):
+    """A folder the user may not enter, a memory.stat line that is not 'key value': no limit read, nothing raised."""
+    proc = tmp_path / "cgroup"
+    proc.write_text("garbage line\n0::/locked/job\n")
+    root = tmp_path / "fs"
+    _write(root, memory__max=str(GIB), memory__current=str(GIB // 2), memory__stat="inactive_file\nfoo bar baz\n")
+    real_is_dir = Path.is_dir
+
+    def is_dir(self):
+        if self.name == "job":
+            raise PermissionError(13, "Permission denied", str(self))
+        return real_is_dir(self)
+
+    monkeypatch.setattr(Path, "is_dir", is_dir)
+    assert cgroup_headroom(proc, root) == (GIB // 2, root)  # the mount's own files, the stat ignored

@@ -264,7 +264,7 @@ def test_a_run_the_planner_does_not_model_says_why(hf_folder):
         assert plan is None and why in reason and describe_run_plan(plan, reason) == [f"memory plan: {reason}"]
     plan, reason = plan_run(hf_folder("llama", attention_dropout=0.1), Regime("lora", 4), "all-linear", batch, False,
                             "fp32", CPU)
-    assert plan is None and "attention dropout 0.1 is not modelled for the llama family" in reason
+    assert plan is None and "the model's dropout (0.1) is not modelled for the llama family" in reason
     plan, reason = plan_run(folder, Regime("lora", 4), "all-linear", batch, False, "fp32", CPU, lora_dropout=0.1)
     assert reason == "" and plan["lora_dropout"] == 0.1 and plan["model_dropout"] == 0.0  # planned (test_dropout.py)
     plan, reason = plan_run(hf_folder("gpt2"), Regime("lora", 4), "all-linear", batch, False, "fp32", CPU)

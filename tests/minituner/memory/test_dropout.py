@@ -83,7 +83,7 @@ def test_what_dropout_keeps_by_hand():
     assert "linear input" not in block  # q_proj's A reads its own dropped copy
     assert block["dropout noise"] == 2 * N * C * 2  # after o_proj and after fc2, bf16 like the block
     plain = minigpt_saved_by_layer(shape, B, T, "lora", 4, "q_proj", act_bytes=2, stream_bytes=4)
-    assert "attention probabilities (h x T x T)" not in plain.blocks[0] and plain.attention_scores == 0
+    assert "attention probabilities (h x T x T)" not in plain.blocks[0] and plain.math_attention is None
     full = minigpt_saved_by_layer(shape, B, T, "full", dropout=0.1)
     assert full.embed["dropout noise"] == N * C * 4  # the embeddings' dropout, in the stream's dtype
     dec = decoder_saved_by_layer(decoder_shape(QWEN2), 2, 8, "lora", 4, "o_proj", lora_dropout=0.1).blocks[1]
@@ -98,18 +98,25 @@ def test_dropout_plans_a_larger_peak_than_without():
     assert peaks[0] < peaks[1] < peaks[3] and peaks[0] < peaks[2] < peaks[3]
 
 
-def test_peak_within_ten_percent_where_attention_probabilities_dominate(tmp_path):
-    """16 heads over 512 positions and a small vocabulary, LoRA with the model's dropout and checkpointing: the last
-    block's attention backward, at the dropout, is the step's peak (planned 10.9% under without it; 1.4% over when
-    written)."""
-    write_json(tmp_path / "config.json", {"vocab_size": 256, "block_size": 512, "n_layer": 2, "n_head": 16,
-                                          "d_model": 256, "d_ff": 1024, "bias": True})
+@pytest.mark.parametrize("n_layer,targets,extra,phase", [
+    (2, "all-linear", ["--grad-checkpoint"], "backward: last block's attention"),
+    (1, "q_proj", [], "backward: last block's attention"),  # the dropped probabilities are not kept
+    (1, "v_proj", [], "forward: last block's attention"),  # neither are the probabilities: made, not kept
+    (1, "fc1", [], "forward: last block's attention"),  # attention records nothing, yet makes all three
+])
+def test_peak_within_ten_percent_where_attention_probabilities_dominate(tmp_path, n_layer, targets, extra, phase):
+    """16 heads over 512 positions and a small vocabulary, LoRA with the model's dropout: the last block's attention
+    (its backward at the dropout, or its forward, which makes the (B, h, T, T) tensors whether it keeps them or not)
+    is the step's peak. Within 10% in a fresh process (-3.8% to +0.8% when written; 18% to 92% under without these
+    moments)."""
+    write_json(tmp_path / "config.json", {"vocab_size": 256, "block_size": 512, "n_layer": n_layer, "n_head": 16,
+                                          "d_model": 128, "d_ff": 512, "bias": True})
     out = subprocess.run([sys.executable, "-m", "minituner", "memory-check", "--config", str(tmp_path / "config.json"),
-                          "--regime", "lora", "--batch-size", "2", "--seq-len", "512", "--model-dropout", "0.1",
-                          "--grad-checkpoint", "--device", "cpu", "--json"],
+                          "--regime", "lora", "--target", targets, "--batch-size", "2", "--seq-len", "512",
+                          "--model-dropout", "0.1", *extra, "--device", "cpu", "--json"],
                          capture_output=True, text=True, check=True, env={**os.environ, "PYTHONPATH": SRC})
     result = json.loads(out.stdout)
-    assert result["details"]["predicted_peak_phase"] == "backward: last block's attention"
+    assert result["details"]["predicted_peak_phase"] == phase
     assert result["details"]["model_dropout"] == 0.1
     assert abs(result["error"]["peak"]) <= 0.10, result["details"]
     assert result["error"]["activations"] == 0.0
@@ -121,21 +128,21 @@ def test_dropout_the_planner_does_not_model_is_refused():
     with pytest.raises(InputError, match="planned for CPU runs only"):
         step_peak(minigpt_shape(MINIGPT), "lora", 4, batch_size=2, seq_len=8, weights=0, grads=0, optimizer=0,
                   on_cpu=False, dropout=0.1)
-    with pytest.raises(InputError, match="lora_dropout needs the exact activation model"):
+    with pytest.raises(InputError, match="dropout needs the exact activation model"):
         MemoryConfig(activations="seed", lora_dropout=0.1)
-    with pytest.raises(InputError, match=r"model_dropout must be in \[0, 1\)"):
+    with pytest.raises(InputError, match=r"the model's dropout must be in \[0, 1\)"):
         MemoryConfig(activations="exact", model_dropout=1.0)
-    with pytest.raises(InputError, match="model dropout is planned for MiniGPT and GPT-2 on a CPU only"):
+    with pytest.raises(InputError, match=r"dropout \(0.1\) is planned for MiniGPT and GPT-2 on a CPU only"):
         memory_check(lambda: Decoder(QWEN2), CheckConfig(batch_size=2, seq_len=8, model_dropout=0.1), CPU)
-    with pytest.raises(InputError, match="lora_dropout needs a LoRA regime"):
+    with pytest.raises(InputError, match="LoRA dropout needs a LoRA regime"):
         CheckConfig(regime="full", lora_dropout=0.1).validate(64)
 
 
 @pytest.mark.parametrize("args,message", [
-    (["memory-check", "--base", "{llama}", "--model-dropout", "0.1"], "model dropout is planned for MiniGPT and GPT-2"),
-    (["memory-check", "--dropout", "1.5"], "lora_dropout must be in [0, 1)"),
+    (["memory-check", "--base", "{llama}", "--model-dropout", "0.1"], "is planned for MiniGPT and GPT-2 on a CPU only"),
+    (["memory-check", "--dropout", "1.5"], "LoRA dropout must be in [0, 1)"),
     (["count", "--base", "{llama}", "--model-dropout", "0.1"], "not modelled for the llama family"),
-    (["count", "--dropout", "-0.1"], "lora_dropout must be in [0, 1)"),
+    (["count", "--dropout", "-0.1"], "LoRA dropout must be in [0, 1)"),
     (["count", "--activations", "seed", "--dropout", "0.1"], "--dropout needs --activations exact"),
 ])
 def test_cli_refuses_bad_dropout_in_one_line(hf_folder, capsys, args, message):
