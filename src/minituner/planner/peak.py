@@ -167,7 +167,8 @@ def step_phases(shape: ModelShape, regime: str, rank: int | None, targets: str |
 
     upcast: the paths of the block Linears of a 16-bit base computed in fp32 (LoRA or QLoRA) that are upcast per
     product (``upcast.UpcastLinear``: kept 16-bit, not quantized) into the same workspace NF4 dequantizes into.
-    counted: the positions whose target counts (None: all), the rows the head and the loss run on."""
+    counted: the positions whose target counts (None: all), the rows the head and the loss run on. dropout: the
+    model's (MiniGPT and GPT-2, on a CPU); lora_dropout: LoRA's on its path's input."""
     widths = {"stream_bytes": stream_bytes, "lora_copy_bytes": lora_copy_bytes, "on_cpu": on_cpu, "counted": counted,
               "dropout": dropout, "lora_dropout": lora_dropout}
     saved = saved_by_layer(shape, batch_size, seq_len, regime, rank, targets, act_bytes, grad_checkpoint, **widths)
@@ -291,7 +292,8 @@ def step_peak(shape: ModelShape, regime: str, rank: int | None = None, targets: 
     planner/activations.py); ``PRECISION_WIDTHS[precision]`` holds them for an fp32 or a bf16 run. on_cpu False:
     a CUDA run, whose attention is SDPA's (planner/activations.py's bf16_compute_attention). upcast: the paths of
     a 16-bit base's block Linears upcast per product into the dequantization workspace under fp32 compute. counted:
-    the positions of the batch whose target counts (an instruction batch's answers; None: every position)."""
+    the positions of the batch whose target counts (an instruction batch's answers; None: every position). dropout:
+    the model's (MiniGPT and GPT-2: GPTConfig.dropout, on a CPU); lora_dropout: LoRA's (LoRAConfig.dropout)."""
     phases = PEAK_MODELS[shape.family](shape, regime, rank, targets, batch_size, seq_len, act_bytes, grad_checkpoint,
                                        weights, grads, optimizer, grad_bytes, stream_bytes=stream_bytes,
                                        lora_copy_bytes=lora_copy_bytes, on_cpu=on_cpu, upcast=upcast,
