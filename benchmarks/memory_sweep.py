@@ -382,9 +382,9 @@ def markdown(results: list[dict], command: str) -> str:
                   "every target counting:", ""] + [f"- {s}" for s in instruction]
     dropped = with_dropout(results)
     if dropped:
-        lines += ["", "Dropout (memory-check `--model-dropout`: the model's, as finetune trains GPT-2 with its config's "
-                  "0.1; `--dropout`: LoRA's, as finetune's `--dropout`): masks, and attention on SDPA's math path "
-                  "with its (B, h, T, T) probabilities; beside each, the same point without dropout:", ""] + \
+        lines += ["", "Dropout (memory-check `--model-dropout`: the model's, as finetune trains GPT-2 with its "
+                  "config's 0.1; `--dropout`: LoRA's, as finetune's `--dropout`): masks, and attention on SDPA's math "
+                  "path with its (B, h, T, T) probabilities; beside each, the same point without dropout:", ""] + \
             [f"- {s}" for s in dropped]
     lines += [""] + [f"- {s}" for s in summary(results)]
     if len(extra) > 2:

@@ -66,8 +66,8 @@ the LoRA factors (``lora_copy_bytes``: 0, or 2 under bf16 compute), the terms ar
   needs grad, the dropout's noise: as MiniGPT's (``planner/activations.py``, ``lora_dropout_saved``).
 
 Assumptions: attention dropout 0 (llama, mistral and qwen2 checkpoints train without it; a config with it is
-refused, and memory-check sets the model's dropout to its --model-dropout, 0), one float dtype from each norm to the residual
-add (e) and one for the stream (s): an fp32 run, or minituner.precision's bf16 compute (no autocast);
+refused; memory-check --model-dropout 0 measures such a model without it), one float dtype from each norm to the
+residual add (e) and one for the stream (s): an fp32 run, or minituner.precision's bf16 compute (no autocast);
 contiguous (B, T) inputs; biases change nothing here (their gradient is a sum of the output's); every target
 counts unless ``counted`` says how many do (``planner/activations.py`` says what a masked batch changes).
 """

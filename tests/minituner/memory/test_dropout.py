@@ -77,7 +77,8 @@ def test_what_dropout_keeps_by_hand():
     block = minigpt_saved_by_layer(shape, B, T, "lora", 4, "q_proj", act_bytes=2, stream_bytes=4,
                                    dropout=0.1, lora_dropout=0.1).blocks[0]
     assert block["attention q, k, v"] == 2 * N * C * 4  # k and v, fp32
-    assert block["attention probabilities (h x T x T)"] == block["attention dropout noise (h x T x T)"] == B * h * T * T * 4
+    scores = B * h * T * T * 4
+    assert block["attention probabilities (h x T x T)"] == block["attention dropout noise (h x T x T)"] == scores
     assert "attention dropped probabilities (h x T x T)" not in block and "attention logsumexp" not in block
     assert block["LoRA dropped input"] == N * C * 2 and "LoRA dropout mask" not in block
     assert "linear input" not in block  # q_proj's A reads its own dropped copy
