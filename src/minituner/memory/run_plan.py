@@ -73,7 +73,7 @@ def plan_run(folder: Path, regime: Regime, targets: str | list[str], batch: Larg
     names = targets if isinstance(targets, str) else ",".join(targets)
     try:
         plan = finetune_plan(folder, [regime], names, batch.batch_size, batch.seq_len, grad_checkpoint, batch.counted,
-                             precision, lora_dropout if regime.name != "full" else 0.0)
+                             precision, lora_dropout)
     except InputError as e:  # a Decoder's attention dropout, targets given as paths (the planner takes names)
         return None, f"not made, the planner cannot count this run: {e}"
     row = plan.pop("regimes")[0]
