@@ -177,6 +177,7 @@ def write_hf_folder(model: nn.Module, base_folder: str | Path, folder: str | Pat
     dtype = dtype or base_dtype(base_folder)
     if isinstance(model, Decoder):
         family = model.config.model_type
+        config["attention_dropout"] = model.config.attention_dropout  # as trained (finetune --model-dropout)
         tensors = merged_tensors(model)
         if model.config.tie_word_embeddings:
             tensors.pop("lm_head.weight", None)

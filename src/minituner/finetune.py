@@ -38,11 +38,13 @@ from miniquant import DEFAULT_QUANT_SCHEME
 from .base_model import (Tokenizer, base_config, base_kind, base_weights_file, base_weights_sha256, default_seq_len,
                          load_base)
 from .build import FULL_IN_BF16, build_for_training
+from .dropout import config_dropout, set_model_dropout
 from .adapter_io import ADAPTER_FILE, save_adapter
 from .export import write_hf_folder
 from .finetune_data import encode_domain, steps_for_epochs, training_data  # noqa: F401 (steps_for_epochs: API)
 from .lora import LoRAConfig, trainable_numel
 from .memory.run_plan import describe_run_plan, plan_run
+from .planner.activations import check_dropout_range
 from .planner.memory import Regime
 from .peft_format import save_peft_adapter
 from .qlora import check_scheme, logical_numel
@@ -76,6 +78,7 @@ class FinetuneConfig:
     format: str | None = None  # .jsonl/.json shape (sft.FORMATS); None: recognised per file from its fields
     train_on_inputs: bool = False  # instruction data: count prompt/user tokens in the loss too (default: answers only)
     overlong: str = "truncate"  # instruction data: an example longer than the block is "truncate"d or "drop"ped
+    model_dropout: float | None = None  # the model's own dropout while training; None: its config's (GPT-2's 0.1)
 
     def validate(self) -> None:
         if self.method not in ("lora", "full"):
@@ -85,6 +88,8 @@ class FinetuneConfig:
         if self.format is not None and self.format not in FORMATS:
             raise InputError(f"format must be one of {', '.join(FORMATS)}, got {self.format!r}")
         SFTConfig(self.train_on_inputs, self.overlong).validate()
+        if self.model_dropout is not None:
+            check_dropout_range(self.model_dropout, "the model's dropout")
         if self.epochs is not None and not (self.epochs > 0 and math.isfinite(self.epochs)):
             raise InputError(f"epochs must be a positive number, got {self.epochs}")
         if self.method == "lora":
@@ -152,6 +157,9 @@ def finetune(base: str | Path, out: str | Path, cfg: FinetuneConfig, progress: b
     model, tokenizer = load_base(base, device, torch.float32 if method == "full" else None, quantize)
     if tokenizer is None:
         raise InputError(f"{base}: no tokenizer.json beside the model")
+    dropout = config_dropout(model.config)  # the config's, unless cfg.model_dropout sets another
+    if cfg.model_dropout is not None:  # before LoRA wraps the Linears (LoRA's dropout is its own)
+        set_model_dropout(model, cfg.model_dropout)
     data = training_data(cfg.data, base, tokenizer, block, cfg.train, cfg.format,
                          SFTConfig(cfg.train_on_inputs, cfg.overlong), cfg.allow_unknown_chars, log)
     unk = data.unk_fraction  # fraction of characters that would be <unk>
@@ -159,7 +167,8 @@ def finetune(base: str | Path, out: str | Path, cfg: FinetuneConfig, progress: b
         log(f"warning: {unk:.1%} of the training characters are unknown to the base tokenizer (<unk>)")
     regime = Regime("full") if method == "full" else Regime(method, cfg.lora.r)
     memory_plan, why = plan_run(base, regime, cfg.lora.target_modules, data.largest, cfg.train.grad_checkpoint,
-                                cfg.train.precision, torch.device(device), cfg.quant_scheme, cfg.lora.dropout)
+                                cfg.train.precision, torch.device(device), cfg.quant_scheme, cfg.lora.dropout,
+                                cfg.model_dropout)
     for line in describe_run_plan(memory_plan, why):
         log(line)
     train_cfg = cfg.train
@@ -188,7 +197,10 @@ def finetune(base: str | Path, out: str | Path, cfg: FinetuneConfig, progress: b
 
     out.mkdir(parents=True, exist_ok=True)
     base_sha, base_bytes = base_weights_sha256(base)
-    fingerprint = {"base_sha256": base_sha, **{k: v for k, v in asdict(cfg).items() if k != "train"}}
+    # the model's dropout joins the run's identity only where it is not the config's (runs before the flag resume)
+    changed = {"model_dropout": cfg.model_dropout} if config_dropout(model.config) != dropout else {}
+    fingerprint = {"base_sha256": base_sha, **changed,
+                   **{k: v for k, v in asdict(cfg).items() if k not in ("train", "model_dropout")}}
     result = train(model, data.train_ids, data.val_ids, train_cfg, out_dir=out, progress=progress, resume=resume,
                    fingerprint=fingerprint, log=log, block_size=block, batches=data.batches,
                    val_loss=data.val_loss if data.batches else None, data_identity=data.data_identity)
@@ -232,6 +244,7 @@ def finetune(base: str | Path, out: str | Path, cfg: FinetuneConfig, progress: b
         config={"base": str(base), "data": cfg.data, "format": cfg.format, "train_on_inputs": cfg.train_on_inputs,
                 "overlong": cfg.overlong, "method": cfg.method, "epochs": cfg.epochs, "seq_len": block,
                 "init_adapter": cfg.init_adapter, "quant_scheme": cfg.quant_scheme,
+                "model_dropout": config_dropout(model.config),  # what it trained with (--model-dropout or config's)
                 "lora": lora_cfg.to_dict() if cfg.method == "lora" else None,
                 "train": asdict(train_cfg), "model": model.config.to_dict()},
         wall_time_s=time.perf_counter() - start,

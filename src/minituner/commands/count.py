@@ -66,10 +66,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "counts its answers only, and the head and the loss run on those rows alone")
     p.add_argument("--dropout", type=float, default=0.0, metavar="P",
                    help="exact model: dropout on the LoRA path's input, as finetune's --dropout (default %(default)s)")
-    p.add_argument("--model-dropout", type=float, default=0.0, metavar="P",
-                   help="exact model, MiniGPT and GPT-2: the model's own dropout in the planner's table, kept as a "
-                        "CPU run keeps it (default %(default)s); the table of the run finetune makes from --base "
-                        "takes the config's")
+    p.add_argument("--model-dropout", type=float, metavar="P",
+                   help="exact model, MiniGPT and GPT-2: the model's own dropout, as finetune's --model-dropout, "
+                        "kept as a CPU run keeps it (default: 0 in the planner's table; the config's in the table of "
+                        "the run finetune makes from --base)")
     p.add_argument("--data", metavar="SOURCE",
                    help="with --base: plan the largest batch finetune can draw from this data (.jsonl/.json "
                         "instruction or chat data read as finetune reads it; plain text fills --seq-len): its "
@@ -110,8 +110,9 @@ def _window(config: Path, seq_len: int | None) -> tuple[int, str | None]:
     return seq_len or min(MemoryConfig.seq_len, context), note
 
 
-def finetune_table(run: dict, from_data: bool = False) -> str:
-    """finetune_plan as a paragraph and a Markdown table (MiB, or GiB past 10 GiB)."""
+def finetune_table(run: dict, from_data: bool = False, dropout_from: str = "config.json") -> str:
+    """finetune_plan as a paragraph and a Markdown table (MiB, or GiB past 10 GiB); dropout_from: where the model's
+    dropout came from."""
     unit = "GiB" if max(r["peak"] for r in run["regimes"]) >= 10 * UNITS["GiB"] else "MiB"
     kept = ("" if run["base_dtype"] == "float32" else
             f"; a {run['base_dtype']} checkpoint: Linears not quantized, embeddings and head stay {run['base_dtype']}, "
@@ -125,7 +126,7 @@ def finetune_table(run: dict, from_data: bool = False) -> str:
                 + "), 16-bit parts cast to fp32 per product; full FT reads it in float32")
     lines = [f"As `finetune --base` runs it on CPU with --precision fp32 (its default): fp32 compute and activations"
              f"{kept}; QLoRA's targets in NF4 (blocks of 64, finetune's default scheme); LoRA factors, grads and "
-             f"AdamW fp32{_dropouts(run)}; batch {run['batch_size']} x seq {run['seq_len']}{_counted(run)}, "
+             f"AdamW fp32{_dropouts(run, dropout_from)}; batch {run['batch_size']} x seq {run['seq_len']}{_counted(run)}, "
              f"{_batch_origin(from_data)}. "
              "The step peak as "
              "`memory-check --base` predicts it (planner/peak.py); the process itself (Python, torch) comes on top.",
@@ -138,9 +139,10 @@ def finetune_table(run: dict, from_data: bool = False) -> str:
     return "\n".join(lines)
 
 
-def _dropouts(run: dict) -> str:
-    """The run's dropout: the model's from its config (with what it does to attention), LoRA's from --dropout."""
-    model = (f"the model's dropout {run['model_dropout']:g} (config.json; attention on SDPA's math path)"
+def _dropouts(run: dict, dropout_from: str) -> str:
+    """The run's dropout: the model's from its config or --model-dropout (with what it does to attention), LoRA's
+    from --dropout."""
+    model = (f"the model's dropout {run['model_dropout']:g} ({dropout_from}; attention on SDPA's math path)"
              if run["model_dropout"] else "")
     return "; " + " and ".join(filter(None, [model, dropout_phrase(0.0, run["lora_dropout"])])) \
         if model or run["lora_dropout"] else ""
@@ -218,7 +220,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = MemoryConfig(batch_size=batch_size, seq_len=seq_len, double_quant=args.double_quant,
                        full_precision=args.full_precision, activations=activations, quantize=args.quantize,
                        master_copy=args.master_copy, grad_checkpoint=args.grad_checkpoint, counted_targets=counted,
-                       model_dropout=args.model_dropout, lora_dropout=args.dropout)
+                       model_dropout=args.model_dropout or 0.0, lora_dropout=args.dropout)
     regimes = default_regimes(ranks)
     result = plan(shape, regimes, args.target or ALL_LINEAR, cfg)
     targets = ",".join(args.target) if args.target else ALL_LINEAR
@@ -226,7 +228,7 @@ def run(args: argparse.Namespace) -> int:
     if args.base is not None and note is None:  # a model finetune would refuse has no run to plan (noted already)
         try:
             finetune_run = finetune_plan(args.base, regimes, targets, batch_size, seq_len, args.grad_checkpoint,
-                                         counted, lora_dropout=args.dropout)
+                                         counted, lora_dropout=args.dropout, model_dropout=args.model_dropout)
         except InputError as e:  # no weights or damaged headers; GPT-2's own Linear names (finetune trains MiniGPT's)
             note = f"the run finetune makes from this folder is not planned: {e}"
     if args.json:
@@ -242,7 +244,8 @@ def run(args: argparse.Namespace) -> int:
         print(regime_table(result))
         if finetune_run:
             print()
-            print(finetune_table(finetune_run, from_data=batch is not None))
+            print(finetune_table(finetune_run, from_data=batch is not None,
+                                 dropout_from="--model-dropout" if args.model_dropout is not None else "config.json"))
     for line in (note, data_note):  # after the plan, which may still refuse the model for a reason of its own
         if line:
             print(f"note: {line}", file=sys.stderr)

@@ -46,6 +46,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rank", type=rank, default=lora.r, help="LoRA rank r (default %(default)s)")
     p.add_argument("--alpha", type=number, default=lora.alpha, help="lora_alpha; scaling = alpha/r (default %(default)s)")
     p.add_argument("--dropout", type=float, default=lora.dropout, help="dropout on the LoRA path (default %(default)s)")
+    p.add_argument("--model-dropout", type=number, metavar="P",
+                   help="the model's own dropout while training (attention, residual, embeddings; the llama family's "
+                        "attention) in place of its config's (default: the config's, GPT-2's 0.1; a full fine-tune's "
+                        "saved config records it)")
     p.add_argument("--target", default=ALL_LINEAR,
                    help="comma-separated module names (q_proj,v_proj), path suffixes, or all-linear (default)")
     p.add_argument("--use-rslora", action="store_true", help="scale by alpha/sqrt(r) instead of alpha/r")
@@ -109,7 +113,8 @@ def run(args: argparse.Namespace) -> int:
                          epochs=args.epochs, init_adapter=str(args.init_adapter) if args.init_adapter else None,
                          base_domain=None if args.base_domain.lower() == "none" else args.base_domain,
                          allow_unknown_chars=args.allow_unknown_chars, seq_len=args.seq_len,
-                         format=args.format, train_on_inputs=args.train_on_inputs, overlong=args.overlong)
+                         format=args.format, train_on_inputs=args.train_on_inputs, overlong=args.overlong,
+                         model_dropout=args.model_dropout)
     device = resolve_device(args.device, local_rank())
     check_precision(args.precision, device, args.allow_slow_bf16)  # refused before anything is loaded
     init_from_env(device)  # torchrun: join the process group (gloo on CPU, nccl on CUDA)

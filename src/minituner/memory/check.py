@@ -47,6 +47,7 @@ from miniquant.quantize import workspace_bytes
 
 from ..base_model import load_base
 from ..build import build_for_training, float_dtype
+from ..dropout import config_dropout, set_model_dropout
 from ..lora import ALL_LINEAR, LoRAConfig
 from .accounting import account, storage_bytes
 from .heap import pin_allocator
@@ -104,24 +105,6 @@ class CheckConfig:
         check_dropout_range(self.lora_dropout, "LoRA dropout")
         if self.regime == "full" and self.lora_dropout:
             raise InputError("LoRA dropout needs a LoRA regime (lora or qlora), not full fine-tuning")
-
-
-def model_dropout(cfg: GPTConfig | DecoderConfig) -> float:
-    """The dropout a model trains with: MiniGPT's (GPT-2's resid_pdrop) or a Decoder's attention_dropout."""
-    return max(float(getattr(cfg, name, 0.0) or 0.0) for name in ("dropout", "attention_dropout"))
-
-
-def set_dropout(model: nn.Module, p: float) -> None:
-    """The model's dropout set to p everywhere (its config's, every nn.Dropout, attention's dropout_p); LoRA's own
-    dropout is LoRAConfig's. The exact activation model covers a MiniGPT's dropout and a Decoder's without."""
-    for name in ("dropout", "attention_dropout"):  # MiniGPT's config field, the Decoder's
-        if hasattr(model.config, name):
-            setattr(model.config, name, p)
-    for m in model.modules():
-        if isinstance(m, nn.Dropout):
-            m.p = p
-        if hasattr(m, "dropout") and isinstance(m.dropout, float):  # attention's dropout_p
-            m.dropout = p
 
 
 def prepare(model: nn.Module, check: CheckConfig, device: torch.device) -> None:
@@ -349,7 +332,7 @@ def predict(cfg: GPTConfig | DecoderConfig, check: CheckConfig, name: str = "mod
     large as the largest of them (the head casts a few rows at a time)."""
     shape = model_shape(cfg, name)
     regime = Regime("full") if check.regime == "full" else Regime(check.regime, check.rank)
-    dropout = model_dropout(cfg) if check.model_dropout is None else check.model_dropout
+    dropout = config_dropout(cfg) if check.model_dropout is None else check.model_dropout
     widths = {**PRECISION_WIDTHS[check.precision], "on_cpu": on_cpu, "dropout": dropout,
               "lora_dropout": check.lora_dropout}
     mem = MemoryConfig(batch_size=check.batch_size, seq_len=check.seq_len, full_precision="fp32",
@@ -406,13 +389,13 @@ def memory_check(build: Callable[[], nn.Module], check: CheckConfig, device: tor
     base_dtype = float_dtype(model)  # before the build for training casts anything
     stored = stored_dtypes((n, p.dtype, p.numel()) for n, p in model.named_parameters())  # part by part
     if check.model_dropout is None:  # the config's, as finetune trains the model
-        check = replace(check, model_dropout=model_dropout(model.config))
+        check = replace(check, model_dropout=config_dropout(model.config))
     check.validate(model.config.block_size)
     if check.model_dropout and (isinstance(model.config, DecoderConfig) or device.type != "cpu"):
         raise InputError(f"the model's dropout ({check.model_dropout:g}) is planned for MiniGPT and GPT-2 on a CPU "
                          "only (on CUDA attention's dropout runs in fused kernels the exact model does not cover); "
                          "--model-dropout 0 measures the run without it")
-    set_dropout(model, check.model_dropout)  # before LoRA wraps the Linears: LoRA's own dropout is its config's
+    set_model_dropout(model, check.model_dropout)  # before LoRA wraps the Linears: LoRA's own dropout is its config's
     prepare(model, check, device)
     model.to(device).train()
     model.grad_checkpoint = check.grad_checkpoint

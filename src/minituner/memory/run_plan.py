@@ -23,7 +23,8 @@ from ..planner.memory import Regime
 from ..planner.report import UNITS
 from ..sft import LargestBatch
 from .available import available_memory
-from .check import JSON_BUCKETS, CheckConfig, model_dropout, predict
+from ..dropout import config_dropout
+from .check import JSON_BUCKETS, CheckConfig, predict
 
 
 def counted_phrase(batch_size: int, seq_len: int, counted: int) -> str:
@@ -34,13 +35,14 @@ def counted_phrase(batch_size: int, seq_len: int, counted: int) -> str:
 
 def finetune_plan(folder: Path, regimes: Sequence[Regime], targets: str, batch_size: int, seq_len: int,
                   grad_checkpoint: bool, counted_targets: int | None = None, precision: str = "fp32",
-                  lora_dropout: float = 0.0) -> dict:
+                  lora_dropout: float = 0.0, model_dropout: float | None = None) -> dict:
     """The run `finetune --base folder` makes on CPU at `precision`, regime by regime, as memory-check predicts it
     (bytes per bucket, the step's peak and its phase); the process itself is not included. The model trains with
-    its config's dropout (GPT-2's 0.1: masks, and attention's h·T² probabilities on SDPA's math path), LoRA with
-    `lora_dropout`. A Decoder whose config has attention dropout is an InputError (not modelled)."""
+    `model_dropout` (finetune's --model-dropout), by default its config's (GPT-2's 0.1: masks, and attention's h·T²
+    probabilities on SDPA's math path), LoRA with `lora_dropout`. A Decoder trained with attention dropout is an
+    InputError (not modelled)."""
     cfg, base_dtype, parts = model_config(folder), stored_dtype(folder), stored_part_dtypes(folder)
-    dropout = model_dropout(cfg)
+    dropout = config_dropout(cfg) if model_dropout is None else model_dropout
     rows = []
     for r in regimes:
         check = CheckConfig(regime=r.name, rank=r.rank or 1, targets=targets, batch_size=batch_size, seq_len=seq_len,
@@ -58,7 +60,7 @@ def finetune_plan(folder: Path, regimes: Sequence[Regime], targets: str, batch_s
 
 def plan_run(folder: Path, regime: Regime, targets: str | list[str], batch: LargestBatch, grad_checkpoint: bool,
              precision: str, device: torch.device, quant_scheme: str | None = None,
-             lora_dropout: float = 0.0) -> tuple[dict | None, str]:
+             lora_dropout: float = 0.0, model_dropout: float | None = None) -> tuple[dict | None, str]:
     """(the plan, "") of one finetune run at its data's largest batch, or (None, why) for a run the planner does
     not model: on CUDA (LoRA computes in the checkpoint's dtype there, AdamW runs foreach), under torchrun (each
     rank's shard and DDP's gradient buckets), with another quantization than NF4 in blocks of 64, for a llama-family
@@ -73,7 +75,7 @@ def plan_run(folder: Path, regime: Regime, targets: str | list[str], batch: Larg
     names = targets if isinstance(targets, str) else ",".join(targets)
     try:
         plan = finetune_plan(folder, [regime], names, batch.batch_size, batch.seq_len, grad_checkpoint, batch.counted,
-                             precision, lora_dropout)
+                             precision, lora_dropout, model_dropout)
     except InputError as e:  # a Decoder's attention dropout, targets given as paths (the planner takes names)
         return None, f"not made, the planner cannot count this run: {e}"
     row = plan.pop("regimes")[0]
@@ -96,9 +98,11 @@ def describe_run_plan(plan: dict | None, why: str) -> list[str]:
              f"{plan['batch_size']} x {plan['seq_len']}{counted}; {plan['available_bytes'] / UNITS['GiB']:,.1f} GiB "
              f"available now{_limit(plan)}"]
     if plan["peak"] - plan["weights"] > plan["available_bytes"]:  # the weights are loaded already
+        dropout = ", or without the model's dropout (--model-dropout 0)" if plan.get("model_dropout") else ""
         lines.append("warning: the planned peak, beyond the weights already loaded, exceeds the memory available "
                      f"now{_limit(plan) or ' (psutil)'}: lower --batch-size or --seq-len, "
-                     "or train with --grad-checkpoint or --qlora (minituner count --base ... --data ... compares them)")
+                     f"or train with --grad-checkpoint or --qlora{dropout} "
+                     "(minituner count --base ... --data ... compares them)")
     return lines
 
 
