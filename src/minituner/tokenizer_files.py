@@ -43,6 +43,11 @@ class HFTokenizer:
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self.eos_ids: list[int] = []  # end-of-sequence ids (set by the loader from generation_config/config)
 
+    @property
+    def backend(self):
+        """The ``tokenizers.Tokenizer`` it reads with (offsets, the ids it puts around text by itself)."""
+        return self._tok
+
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
 

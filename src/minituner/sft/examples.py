@@ -2,21 +2,28 @@
 
 An example is ``input_ids`` and ``labels`` of the same length, aligned as in Hugging Face (the model shifts):
 ``labels[i]`` is ``input_ids[i]`` where token i counts in the loss and -100 where it does not. By default only
-the completion, or each assistant turn, counts, together with the EOS that ends it (TRL's completion-only loss,
-axolotl's ``train_on_inputs: false``); ``train_on_inputs=True`` counts every token. ``labels[0]`` is always -100:
-no token predicts the first one. So for a prompt-completion record (with a prompt) the counted tokens are exactly
-``encode(completion) + encode(eos_token)``, and for a chat each assistant turn counts its content and the
-template's end-of-turn text up to and including the EOS token (what follows, e.g. ChatML's newline, does not).
+the completion, or each assistant turn, counts, together with the token that ends it (TRL's completion-only and
+assistant-only losses, axolotl's ``train_on_inputs: false``); ``train_on_inputs=True`` counts every token.
+``labels[0]`` is always -100: no token predicts the first one.
 
-How the answer's tokens are found: the pieces are rendered as strings and each piece is tokenized on its own,
-then concatenated (torchtune tokenizes message by message; TRL tokenizes the prompt on its own). For a chat, the
-prefix up to assistant turn k is the template rendered on the first k messages with ``add_generation_prompt``,
-which is exactly the string a model sees at inference before it answers; the template must render conversations
-prefix by prefix (every template that appends turns does), else the record is refused, named. With a character
-tokenizer pieces and the whole string tokenize identically; with BPE a merge across a piece boundary is not made,
-as it is not made at inference, where the prompt is tokenized alone. Text and prompt-completion records start with
-what the tokenizer itself puts before text (special_prefix: Llama's BOS), uncounted; chat templates write their own.
-A template that writes no EOS after an assistant turn still has the turn counted; SFTStats.without_eos says how often.
+How the answers are found (``record_answers``: the string and the character spans that count):
+- a text counts whole; a prompt-completion counts its completion. Either ends with the EOS (added only where it
+  does not end with it already), tokenized on its own as TRL appends the EOS id; they start with what the
+  tokenizer itself puts before text (``special_prefix``: Llama's BOS), uncounted, as ``tokenizer(text)`` in TRL;
+- a chat template that wraps answers in ``{% generation %}`` says where they are (transformers'
+  ``return_assistant_tokens_mask``, the mask TRL's assistant_only_loss trains on);
+- otherwise the answer of assistant turn k starts after the template rendered on the first k messages with
+  ``add_generation_prompt`` (exactly the string a model sees at inference before it answers) and ends after the
+  last end marker its turn writes: the EOS or one of the tokenizer's special tokens (``<|eot_id|>``,
+  ``<|im_end|>``, ``<end_of_turn>``), so ChatML's newline after ``<|im_end|>`` does not count. The template must
+  render conversations prefix by prefix (every template that only appends turns does), else the record is
+  refused, named. A turn with no end marker still counts; SFTStats.without_eos says how often. TRL's
+  conversational prompt-completion counts the completion's turns only (``Record.answers_from``).
+
+How they are tokenized: the whole string at once, as transformers' ``apply_chat_template(tokenize=True)`` and TRL
+do, so the ids are theirs (a SentencePiece tokenizer adds no "▁" at piece boundaries, BPE merges across them as
+there), and a token counts where its characters overlap an answer (``offset_encoder``). A tokenizer without
+offsets (MiniGPT's characters, where pieces and the whole tokenize alike) is encoded piece by piece.
 
 The EOS: HF tokenizers encode their ``eos_token`` text (``<|im_end|>``, ``<|eot_id|>``, ``</s>``) to one id.
 MiniGPT's character tokenizer has none: answers end with the text ``<|end|>`` (templates.DEFAULT_EOS), 7 tokens.
@@ -102,22 +109,33 @@ class SFTStats:
         return "warning: " + ", ".join(parts) + where
 
 
+Span = tuple[int, int]  # [start, end) in characters of a rendered record
+
+
+def _backend(tokenizer):
+    """The ``tokenizers.Tokenizer`` behind a tokenizer (itself, or minituner's HFTokenizer's), else None."""
+    try:
+        import tokenizers
+    except ImportError:
+        return None
+    if isinstance(tokenizer, tokenizers.Tokenizer):
+        return tokenizer
+    backend = getattr(tokenizer, "backend", None)
+    return backend if isinstance(backend, tokenizers.Tokenizer) else None
+
+
 def special_prefix(tokenizer) -> list[int]:
     """The ids a tokenizer puts before plain text by itself (Llama's BOS; [] for GPT-2, Qwen and MiniGPT).
 
     Text and prompt-completion records start with them, as ``tokenizer(text)`` starts in TRL; chat templates
     write their own BOS.
     """
-    try:
-        import tokenizers
-
-        if isinstance(tokenizer, tokenizers.Tokenizer):
-            with_special = tokenizer.encode("a", add_special_tokens=True).ids
-        elif hasattr(tokenizer, "apply_chat_template"):
-            with_special = tokenizer.encode("a", add_special_tokens=True)
-        else:
-            return []
-    except ImportError:
+    backend = _backend(tokenizer)
+    if backend is not None:
+        with_special = backend.encode("a", add_special_tokens=True).ids
+    elif hasattr(tokenizer, "apply_chat_template"):
+        with_special = tokenizer.encode("a", add_special_tokens=True)
+    else:
         return []
     plain = plain_encoder(tokenizer)("a")
     n = len(with_special) - len(plain)
@@ -126,20 +144,48 @@ def special_prefix(tokenizer) -> list[int]:
 
 def plain_encoder(tokenizer) -> Callable[[str], list[int]]:
     """text -> ids without added special tokens, for MiniGPT's CharTokenizer, transformers or `tokenizers`."""
-    try:
-        import tokenizers
-
-        if isinstance(tokenizer, tokenizers.Tokenizer):
-            return lambda s: tokenizer.encode(s, add_special_tokens=False).ids
-    except ImportError:
-        pass
+    backend = _backend(tokenizer)
+    if backend is not None:
+        return lambda s: backend.encode(s, add_special_tokens=False).ids
     if hasattr(tokenizer, "apply_chat_template"):  # a transformers tokenizer
         return lambda s: tokenizer.encode(s, add_special_tokens=False)
     return tokenizer.encode
 
 
-def chat_pieces(messages: list[dict], template: ChatTemplate, where: str = "") -> list[tuple[str, bool]]:
-    """The rendered conversation as (text, is_answer) pieces; their concatenation is template.render(messages)."""
+def offset_encoder(tokenizer) -> Callable[[str], tuple[list[int], list[Span]]] | None:
+    """text -> (ids, each id's character span) without added special tokens, for `tokenizers` and transformers'
+    fast tokenizers; None for a tokenizer that gives no offsets (MiniGPT's characters: pieces tokenize alike)."""
+    backend = _backend(tokenizer)
+    if backend is not None:
+        def encode(s: str):
+            e = backend.encode(s, add_special_tokens=False)
+            return e.ids, e.offsets
+        return encode
+    if hasattr(tokenizer, "apply_chat_template") and getattr(tokenizer, "is_fast", False):
+        def encode_fast(s: str):
+            e = tokenizer(s, add_special_tokens=False, return_offsets_mapping=True)
+            return e["input_ids"], [tuple(o) for o in e["offset_mapping"]]
+        return encode_fast
+    return None
+
+
+def _turn_end(turn: str, markers: Sequence[str]) -> int:
+    """Where an assistant turn's answer ends: after the last end marker the turn writes (the EOS, or a special
+    token such as <|im_end|>), so ChatML's newline after it does not count; the whole turn when there is none."""
+    ends = [i + len(m) for m in markers if m and (i := turn.rfind(m)) >= 0]  # the last: an answer may quote one
+    return max(ends) if ends else len(turn)
+
+
+def chat_answers(messages: list[dict], template: ChatTemplate, where: str = "",
+                 answers_from: int = 0) -> tuple[str, list[Span]]:
+    """The rendered conversation and the span of each assistant answer in it (its content and end of turn), from
+    message `answers_from` on (TRL's conversational prompt-completion: the completion's).
+
+    A template with {% generation %} blocks says where they are (transformers' assistant mask, what TRL's
+    assistant_only_loss trains on). Otherwise the prefix up to assistant turn k is the template rendered on the
+    first k messages with add_generation_prompt, the string a model sees at inference before it answers, and the
+    answer runs from there to the turn's end (``_turn_end``); a template that does not render conversations prefix
+    by prefix is refused, named."""
 
     def render(msgs: list[dict], add_generation_prompt: bool = False) -> str:
         try:
@@ -147,54 +193,114 @@ def chat_pieces(messages: list[dict], template: ChatTemplate, where: str = "") -
         except InputError as e:
             raise InputError(f"{where}: {e}") from None
 
+    if template.marks_answers:
+        try:
+            full, spans = template.render_answers(messages)
+        except InputError as e:
+            raise InputError(f"{where}: {e}") from None
+        before = sum(m["role"] == "assistant" for m in messages[:answers_from])  # the prompt's answers
+        if not before or len(spans) == sum(m["role"] == "assistant" for m in messages):  # one block per answer
+            return full, [(a, b) for a, b in spans[before:] if b > a]
     full = render(messages)
-    eos = template.eos_token
-    pieces, pos = [], 0
+    spans, pos = [], 0
     for k, m in enumerate(messages):
-        if m["role"] != "assistant":
+        if m["role"] != "assistant" or k < answers_from:
             continue
         before = render(messages[:k], add_generation_prompt=True)
         upto = render(messages[: k + 1])
-        turn = upto[len(before):]
-        cut = turn.rfind(eos)  # the last: an answer may quote the EOS text
-        end = len(before) + (cut + len(eos) if cut >= 0 else len(turn))
+        end = len(before) + _turn_end(upto[len(before):], template.end_markers)
         if not (upto.startswith(before) and full[:end] == upto[:end] and len(before) >= pos):
             raise InputError(f"{where}: the chat template does not render this conversation prefix by prefix "
-                             f"(at message {k}), so its assistant turns cannot be located")
-        pieces += [(full[pos:len(before)], False), (full[len(before):end], True)]
+                             f"(at message {k}), so its assistant turns cannot be located; a template that marks "
+                             "answers with {% generation %} needs no prefixes")
+        spans.append((len(before), end))
         pos = end
-    pieces.append((full[pos:], False))
-    return [(t, a) for t, a in pieces if t]
+    return full, spans
+
+
+def record_answers(record: Record, template: ChatTemplate) -> tuple[str, list[Span]]:
+    """The string a record trains on and the spans that count: a text + EOS, all of it; a prompt and its
+    completion + EOS, the completion; a chat, its answers (chat_answers). The EOS is added only where the text
+    does not end with it already (as TRL appends it)."""
+    eos = template.eos_token
+    if record.kind == "chat":
+        return chat_answers(list(record.messages), template, record.where, record.answers_from)
+    prompt, answer = ("", record.text) if record.kind == "text" else (record.prompt, record.completion)
+    text = prompt + answer + ("" if answer.endswith(eos) else eos)
+    return text, [(len(prompt), len(text))]
+
+
+def _pieces(text: str, spans: Sequence[Span]) -> list[tuple[str, bool]]:
+    pieces, pos = [], 0
+    for a, b in spans:
+        pieces += [(text[pos:a], False), (text[a:b], True)]
+        pos = b
+    pieces.append((text[pos:], False))
+    return [(t, answer) for t, answer in pieces if t]
+
+
+def chat_pieces(messages: list[dict], template: ChatTemplate, where: str = "") -> list[tuple[str, bool]]:
+    """The rendered conversation as (text, is_answer) pieces; their concatenation is template.render(messages)."""
+    return _pieces(*chat_answers(messages, template, where))
+
+
+def _body_and_tail(record: Record, template: ChatTemplate) -> tuple[str, list[Span], str]:
+    """record_answers split as tokenize_record encodes it: a chat whole (no tail); a text or completion without its
+    final EOS, which is encoded on its own so that it never merges into the last word (TRL appends the EOS id)."""
+    text, spans = record_answers(record, template)
+    if record.kind == "chat":
+        return text, spans, ""
+    eos = template.eos_token
+    body = text[:-len(eos)]
+    return body, [(a, min(b, len(body))) for a, b in spans if a < len(body)], eos
 
 
 def record_pieces(record: Record, template: ChatTemplate) -> list[tuple[str, bool]]:
-    """(text, is_answer) pieces of a record: text + EOS; prompt, completion + EOS; or the rendered chat."""
-    eos = template.eos_token
-    if record.kind == "text":
-        return [(record.text, True), (eos, True)]
-    if record.kind == "completion":
-        return [(record.prompt, False), (record.completion, True), (eos, True)]
-    return chat_pieces(list(record.messages), template, record.where)
+    """(text, is_answer) pieces of a record as tokenize_record encodes them: the answers cut out of the rendered
+    chat, or a text's or completion's pieces and then its EOS."""
+    body, spans, tail = _body_and_tail(record, template)
+    return _pieces(body, spans) + ([(tail, True)] if tail else [])
 
 
 def record_text(record: Record, template: ChatTemplate) -> str:
     """The whole string a record trains on (for checks such as characters a tokenizer never saw)."""
-    return "".join(t for t, _ in record_pieces(record, template))
+    return record_answers(record, template)[0]
+
+
+def _in_answer(a: int, b: int, spans: Sequence[Span]) -> bool:
+    """A token of characters [a, b) counts if it overlaps an answer (transformers' char_to_token marks a token that
+    straddles an answer's edge); a token of no characters, if it sits inside one."""
+    if a == b:
+        return any(s <= a < e for s, e in spans)
+    return any(a < e and b > s for s, e in spans)
 
 
 def tokenize_record(record: Record, encode: Callable[[str], list[int]], template: ChatTemplate,
-                    train_on_inputs: bool = False, prefix_ids: Sequence[int] = ()) -> Example:
-    """One record as an Example (untruncated); `prefix_ids` (special_prefix) start a text or prompt-completion."""
-    pieces = record_pieces(record, template)
+                    train_on_inputs: bool = False, prefix_ids: Sequence[int] = (),
+                    encode_offsets: Callable[[str], tuple[list[int], list[Span]]] | None = None) -> Example:
+    """One record as an Example (untruncated); `prefix_ids` (special_prefix) start a text or prompt-completion.
+
+    With `encode_offsets` (offset_encoder) the whole string is tokenized at once, as transformers'
+    apply_chat_template(tokenize=True) and TRL tokenize it, and a token counts where its characters overlap an
+    answer; without (MiniGPT's characters), piece by piece."""
+    text, spans, tail = _body_and_tail(record, template)
     ids: list[int] = [] if record.kind == "chat" else list(prefix_ids)
     labels: list[int] = [IGNORE] * len(ids)
-    for text, answer in pieces:
-        piece = list(encode(text))
-        ids += piece
-        labels += piece if (answer or train_on_inputs) else [IGNORE] * len(piece)
+    if encode_offsets is not None:
+        tokens, offsets = encode_offsets(text)
+        ids += tokens
+        labels += [t if train_on_inputs or _in_answer(a, b, spans) else IGNORE for t, (a, b) in zip(tokens, offsets)]
+    else:
+        for piece, answer in _pieces(text, spans):
+            piece_ids = list(encode(piece))
+            ids += piece_ids
+            labels += piece_ids if (answer or train_on_inputs) else [IGNORE] * len(piece_ids)
+    tail_ids = list(encode(tail)) if tail else []
+    ids += tail_ids
+    labels += tail_ids
     if labels:
         labels[0] = IGNORE  # nothing predicts the first token
-    without_eos = record.kind == "chat" and any(a and not t.endswith(template.eos_token) for t, a in pieces)
+    without_eos = record.kind == "chat" and any(not text[a:b].endswith(template.end_markers) for a, b in spans)
     return Example(ids, labels, record.where, without_eos)
 
 
@@ -209,11 +315,11 @@ def tokenize_records(records: Iterable[Record], tokenizer, template: ChatTemplat
     cfg.validate()
     if block_size < 1:
         raise InputError(f"block_size must be >= 1, got {block_size}")
-    encode, prefix = plain_encoder(tokenizer), special_prefix(tokenizer)
+    encode, prefix, offsets = plain_encoder(tokenizer), special_prefix(tokenizer), offset_encoder(tokenizer)
     limit = block_size + 1
     examples, stats = [], SFTStats()
     for record in records:
-        ex = tokenize_record(record, encode, template, cfg.train_on_inputs, prefix)
+        ex = tokenize_record(record, encode, template, cfg.train_on_inputs, prefix, offsets)
         stats.records += 1
         stats.without_eos += ex.without_eos
         stats.longest = max(stats.longest, len(ex.input_ids))

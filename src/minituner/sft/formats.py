@@ -4,7 +4,8 @@ The shapes are the ones TRL's SFTTrainer, axolotl and torchtune agree on:
 
 - ``text``: ``{"text": "..."}``, every token counts;
 - ``prompt-completion``: ``{"prompt": "...", "completion": "..."}`` (TRL's "conversational" variant, where both
-  are lists of messages, is read as a conversation);
+  are lists of messages, is read as one conversation whose completion's assistant turns alone count, as TRL's
+  completion-only loss counts them: an assistant turn inside the prompt is context);
 - ``messages``: ``{"messages": [{"role": "user", "content": "..."}, ...]}``, rendered with a chat template;
 - ``alpaca``: ``{"instruction": "...", "input": "..." (optional), "output": "..."}``, read as a conversation of
   one user turn (instruction, then a blank line and the input when there is one) and one assistant turn.
@@ -35,6 +36,7 @@ class Record:
     prompt: str | None = None
     completion: str | None = None
     messages: tuple[dict, ...] | None = None  # each {"role": str, "content": str, ...any other fields}
+    answers_from: int = 0  # a chat's assistant turns count from this message on (the completion's, after a prompt)
 
     @property
     def kind(self) -> str:
@@ -84,10 +86,11 @@ def _messages(value, where: str, key: str = "messages") -> tuple[dict, ...]:
     return tuple(out)
 
 
-def _conversation(messages: tuple[dict, ...], fmt: str, where: str) -> Record:
-    if not any(m["role"] == "assistant" for m in messages):
-        raise InputError(f"{where}: the conversation has no assistant turn (nothing to learn from)")
-    return Record(fmt, where, messages=messages)
+def _conversation(messages: tuple[dict, ...], fmt: str, where: str, answers_from: int = 0) -> Record:
+    if not any(m["role"] == "assistant" for m in messages[answers_from:]):
+        part = "the completion" if answers_from else "the conversation"
+        raise InputError(f"{where}: {part} has no assistant turn (nothing to learn from)")
+    return Record(fmt, where, messages=messages, answers_from=answers_from)
 
 
 def parse_record(obj, fmt: str, where: str) -> Record:
@@ -99,8 +102,9 @@ def parse_record(obj, fmt: str, where: str) -> Record:
     if fmt == "prompt-completion" and "prompt" in obj and "completion" in obj:
         prompt, completion = obj["prompt"], obj["completion"]
         if isinstance(prompt, list) or isinstance(completion, list):  # TRL's conversational prompt-completion
-            messages = _messages(prompt, where, "prompt") + _messages(completion, where, "completion")
-            return _conversation(messages, fmt, where)
+            prompt_messages = _messages(prompt, where, "prompt")
+            messages = prompt_messages + _messages(completion, where, "completion")
+            return _conversation(messages, fmt, where, answers_from=len(prompt_messages))
         prompt, completion = _string(obj, "prompt", where), _string(obj, "completion", where)
         if not completion.strip():
             raise InputError(f"{where}: empty completion (nothing to learn from)")

@@ -2,11 +2,14 @@
 
 The environment matches transformers' (``utils/chat_template_utils.py``): an immutable sandbox with
 ``trim_blocks`` and ``lstrip_blocks``, the ``loopcontrols`` extension and the ``{% generation %}`` tag (rendered
-as its body; we find answers by rendering prefixes instead), a ``tojson`` filter that does not escape
+as its body; ``ChatTemplate.render_answers`` returns where each such block landed in the text, the spans
+transformers' ``return_assistant_tokens_mask`` marks), a ``tojson`` filter that does not escape
 HTML and keeps non-ASCII (``json.dumps(ensure_ascii=False)``), and the globals ``raise_exception`` and
 ``strftime_now``. The template sees ``messages`` (keys holding None dropped, reasoning under all its names, as
 transformers 5 passes them), ``add_generation_prompt``, ``tools`` and ``documents`` (None), and the tokenizer's
-special tokens (``bos_token``, ``eos_token``, ...) as strings, like ``tokenizer.special_tokens_map``. Not copied:
+special tokens (``bos_token``, ``eos_token``, ...) as strings, like ``tokenizer.special_tokens_map``: from
+``tokenizer_config.json``, with ``special_tokens_map.json`` (older folders keep them there) taking precedence as in
+transformers. Not copied:
 transformers' stricter ``namespace``/``dict`` globals, which only make some unsafe templates fail. Where the
 template comes from follows transformers too: ``chat_template.jinja`` wins over ``chat_template`` in
 ``tokenizer_config.json``, which may be a string or a list of ``{"name", "template"}`` (``default`` is used).
@@ -25,6 +28,7 @@ A tokenizer without an EOS token (MiniGPT's characters) ends answers with DEFAUL
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from datetime import datetime
 from functools import lru_cache
@@ -34,6 +38,7 @@ from minigpt.errors import InputError
 
 TEMPLATE_FILE = "chat_template.jinja"
 TOKENIZER_CONFIG = "tokenizer_config.json"
+SPECIAL_TOKENS_MAP = "special_tokens_map.json"
 GENERATION_CONFIG = "generation_config.json"
 MODEL_CONFIG = "config.json"
 HF_TOKENIZER = "tokenizer.json"
@@ -62,13 +67,29 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
+GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
+
+
+@dataclass
+class _Answers:
+    """While a template renders: the text yielded so far and the (start, end) of each {% generation %} block."""
+    blocks: list[str] = field(default_factory=list)
+    spans: list[tuple[int, int]] = field(default_factory=list)
+
+
 def _generation_tag():
-    """``{% generation %}...{% endgeneration %}`` (transformers' assistant-mask tag), rendered as its body."""
+    """``{% generation %}...{% endgeneration %}`` (transformers' assistant-mask tag), rendered as its body; while
+    ``render_template`` tracks answers, each body's span in the output is recorded (as transformers'
+    AssistantTracker does: the text yielded before the block is all that precedes it)."""
     import jinja2.ext
     import jinja2.nodes
 
     class Generation(jinja2.ext.Extension):
         tags = {"generation"}
+
+        def __init__(self, environment):
+            super().__init__(environment)
+            environment.extend(answers=None)
 
         def parse(self, parser):
             lineno = next(parser.stream).lineno
@@ -76,7 +97,12 @@ def _generation_tag():
             return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
 
         def _body(self, caller):
-            return caller()
+            text = caller()
+            answers = self.environment.answers
+            if answers is not None:
+                start = sum(len(b) for b in answers.blocks)
+                answers.spans.append((start, start + len(text)))
+            return text
 
     return Generation
 
@@ -113,14 +139,25 @@ def _one_line(e: Exception) -> str:
     return " ".join(str(e).split())
 
 
-def render_template(source: str, messages: list[dict], add_generation_prompt: bool = False, **variables) -> str:
-    """Render a Jinja chat template; `variables` are the special tokens and any extra template arguments."""
+def render_template(source: str, messages: list[dict], add_generation_prompt: bool = False,
+                    answers: _Answers | None = None, **variables) -> str:
+    """Render a Jinja chat template; `variables` are the special tokens and any extra template arguments. With
+    `answers`, the spans of its {% generation %} blocks are recorded there."""
     import jinja2
 
+    template = compile_template(source)
+    context = {"tools": None, "documents": None, **variables}  # transformers always passes both
+    messages = [template_message(m) for m in messages]
     try:
-        context = {"tools": None, "documents": None, **variables}  # transformers always passes both
-        return compile_template(source).render(messages=[template_message(m) for m in messages],
-                                               add_generation_prompt=add_generation_prompt, **context)
+        if answers is None:
+            return template.render(messages=messages, add_generation_prompt=add_generation_prompt, **context)
+        template.environment.answers = answers
+        try:
+            for block in template.generate(messages=messages, add_generation_prompt=add_generation_prompt, **context):
+                answers.blocks.append(block)
+        finally:
+            template.environment.answers = None
+        return "".join(answers.blocks)
     except jinja2.TemplateError as e:
         raise InputError(f"the chat template refused the conversation: {_one_line(e)}") from None
 
@@ -181,6 +218,7 @@ class ChatTemplate:
     source: str  # the Jinja text
     special_tokens: dict = field(default_factory=lambda: {"eos_token": DEFAULT_EOS})  # bos_token, eos_token, ...
     origin: str = "default"  # a file path, or "default" for DEFAULT_TEMPLATE
+    special_texts: tuple[str, ...] = ()  # the tokenizer's special added tokens (<|im_end|>, <end_of_turn>, ...)
 
     @property
     def eos_token(self) -> str:
@@ -191,9 +229,26 @@ class ChatTemplate:
     def bos_token(self) -> str | None:
         return self.special_tokens.get("bos_token")
 
+    @property
+    def end_markers(self) -> tuple[str, ...]:
+        """Texts that can end an assistant turn: the EOS and the tokenizer's special tokens (a template's
+        end-of-turn token, <|im_end|> or <end_of_turn>, need not be the EOS)."""
+        return tuple(dict.fromkeys((self.eos_token, *self.special_texts)))
+
+    @property
+    def marks_answers(self) -> bool:
+        """Whether the template wraps answers in {% generation %} blocks (render_answers then finds them)."""
+        return bool(GENERATION_TAG.search(self.source))
+
     def render(self, messages: list[dict], add_generation_prompt: bool = False, **variables) -> str:
         """The string transformers' apply_chat_template(messages, tokenize=False, ...) returns."""
         return render_template(self.source, messages, add_generation_prompt, **{**self.special_tokens, **variables})
+
+    def render_answers(self, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
+        """The rendered conversation and the (start, end) of each {% generation %} block in it."""
+        answers = _Answers()
+        text = render_template(self.source, messages, False, answers, **self.special_tokens)
+        return text, answers.spans
 
 
 def default_template(eos_token: str | None = None, bos_token: str | None = None) -> ChatTemplate:
@@ -215,20 +270,38 @@ def _pick(value, path: Path) -> str:
     raise InputError(f"{path}: chat_template must be a string or a list of {{name, template}}")
 
 
+def _named_tokens(path: Path) -> dict[str, str]:
+    """The ``*_token`` entries of tokenizer_config.json or special_tokens_map.json, as strings."""
+    config = _read_json(path) if path.is_file() else {}
+    return {k: t for k, v in config.items() if k.endswith("_token") and (t := _token_text(v)) is not None}
+
+
+def _special_added_tokens(folder: Path) -> tuple[str, ...]:
+    """The texts of tokenizer.json's added tokens marked special."""
+    path = folder / HF_TOKENIZER
+    if not path.is_file():
+        return ()
+    added = _read_json(path).get("added_tokens", [])
+    return tuple(t["content"] for t in added if isinstance(t, dict) and t.get("special")
+                 and isinstance(t.get("content"), str) and t["content"])
+
+
 def load_chat_template(folder: str | Path) -> ChatTemplate:
     """The base folder's chat template and special tokens; DEFAULT_TEMPLATE when it has none (MiniGPT)."""
     folder = Path(folder)
     config_path = folder / TOKENIZER_CONFIG
     config = _read_json(config_path) if config_path.is_file() else {}
-    tokens = {k: t for k, v in config.items() if k.endswith("_token") and (t := _token_text(v)) is not None}
+    tokens = {**_named_tokens(config_path), **_named_tokens(folder / SPECIAL_TOKENS_MAP)}
     if "eos_token" not in tokens and (eos := _eos_from_model_configs(folder)):
         tokens["eos_token"] = eos
+    specials = _special_added_tokens(folder)
     jinja_path = folder / TEMPLATE_FILE
     if jinja_path.is_file():
         source, origin = jinja_path.read_text(encoding="utf-8"), str(jinja_path)
     elif config.get("chat_template") is not None:
         source, origin = _pick(config["chat_template"], config_path), str(config_path)
     else:
-        return default_template(tokens.get("eos_token"), tokens.get("bos_token"))
+        template = default_template(tokens.get("eos_token"), tokens.get("bos_token"))
+        return ChatTemplate(template.source, template.special_tokens, template.origin, specials)
     compile_template(source)  # a template that does not parse is refused when the folder is read
-    return ChatTemplate(source, tokens, origin)
+    return ChatTemplate(source, tokens, origin, specials)
