@@ -66,10 +66,10 @@ def test_an_answer_quoting_the_eos_text_counts_whole():
     assert counted_ids(ex) == TOK.encode("a <|end|> b<|end|>")
 
 
-def test_a_template_that_rewrites_earlier_turns_is_refused():
-    # renders only the last message: not prefix by prefix
+def test_a_template_whose_answers_cannot_be_located_is_refused():
+    # renders only the last message: not prefix by prefix, and an earlier answer appears nowhere
     t = ChatTemplate("{{ messages[-1]['content'] }}{% if add_generation_prompt %}>{% endif %}", {"eos_token": "."})
-    with pytest.raises(InputError, match=r"f:3: the chat template does not render this conversation prefix by prefix"):
+    with pytest.raises(InputError, match=r"f:3: the chat template renders this conversation neither prefix by prefix"):
         tokenize_record(Record("messages", "f:3", messages=CHAT), TOK.encode, t)
 
 

@@ -227,3 +227,26 @@ def test_a_chat_answer_stops_at_its_turns_end_token(tmp_path, family):
     model = Replay(ours.encode(f"Hello!{end}\nuser\nHi"))
     assert answer(model, ours, chat_template, "Hi") == "Hello!"
     assert hf.convert_tokens_to_ids(end) in model.stops
+
+
+# Qwen3's way: an assistant turn before the last question drops its thinking, so earlier turns change as the
+# conversation grows and prefixes do not render alike
+THINKING_TEMPLATE = ("{% for message in messages %}{% if message['role'] == 'assistant' %}"
+                     "{{ '<|im_start|>assistant\n' }}{% if loop.last %}{{ '<think>\n\n</think>\n\n' }}{% endif %}"
+                     "{{ message['content'] + '<|im_end|>\n' }}{% else %}"
+                     "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}{% endif %}"
+                     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+
+def test_a_template_that_rewrites_earlier_turns_is_located_by_a_marker(tmp_path):
+    hf, ours, template = folder_with(tmp_path, "base", byte_level(CHATML + ["<think>", "</think>"]),
+                                     THINKING_TEMPLATE, None, "<|im_end|>")
+    ex, stats = example(CHATS[1], ours, template)
+    assert ex.input_ids == hf.apply_chat_template(CHATS[1], tokenize=True, return_dict=False)
+    assert counted_text(hf, ex) == "Bonjour.<|im_end|>It is 4.<|im_end|>" and stats.without_eos == 0
+    # a template that shows an answer twice places it nowhere: refused, named
+    twice = THINKING_TEMPLATE.replace("{{ message['content'] + '<|im_end|>\n' }}",
+                                      "{{ message['content'] + message['content'] + '<|im_end|>\n' }}")
+    _, ours, template = folder_with(tmp_path, "twice", byte_level(CHATML), twice, None, "<|im_end|>")
+    with pytest.raises(Exception, match="x:1: the chat template renders this conversation neither prefix by prefix"):
+        example(CHATS[1], ours, template)

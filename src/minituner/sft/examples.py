@@ -15,9 +15,12 @@ How the answers are found (``record_answers``: the string and the character span
 - otherwise the answer of assistant turn k starts after the template rendered on the first k messages with
   ``add_generation_prompt`` (exactly the string a model sees at inference before it answers) and ends after the
   last end marker its turn writes: the EOS or one of the tokenizer's special tokens (``<|eot_id|>``,
-  ``<|im_end|>``, ``<end_of_turn>``), so ChatML's newline after ``<|im_end|>`` does not count. The template must
-  render conversations prefix by prefix (every template that only appends turns does), else the record is
-  refused, named. A turn with no end marker still counts; SFTStats.without_eos says how often. TRL's
+  ``<|im_end|>``, ``<end_of_turn>``), so ChatML's newline after ``<|im_end|>`` does not count. A template that
+  does not render conversations prefix by prefix (one that rewrites earlier turns as the conversation grows:
+  Mistral v0.3's system message, Qwen3's thinking) is rendered with each answer's content replaced by a marker,
+  which places the content; its answer is that content and the end marker after it (``_answers_by_marker``); a
+  conversation neither way locates is refused, named. A turn with no end marker still counts;
+  SFTStats.without_eos says how often. TRL's
   conversational prompt-completion counts the completion's turns only (``Record.answers_from``).
 
 How they are tokenized: the whole string at once, as transformers' ``apply_chat_template(tokenize=True)`` and TRL
@@ -210,12 +213,39 @@ def chat_answers(messages: list[dict], template: ChatTemplate, where: str = "",
         upto = render(messages[: k + 1])
         end = len(before) + _turn_end(upto[len(before):], template.end_markers)
         if not (upto.startswith(before) and full[:end] == upto[:end] and len(before) >= pos):
-            raise InputError(f"{where}: the chat template does not render this conversation prefix by prefix "
-                             f"(at message {k}), so its assistant turns cannot be located; a template that marks "
-                             "answers with {% generation %} needs no prefixes")
+            return full, _answers_by_marker(messages, full, render, template.end_markers, where, answers_from)
         spans.append((len(before), end))
         pos = end
     return full, spans
+
+
+ANSWER_MARKER = "MinituneRAnswerMarker7f3a9c"  # stands in for an answer's content (no space, no template syntax)
+
+
+def _answers_by_marker(messages: list[dict], full: str, render: Callable[[list[dict]], str],
+                       markers: Sequence[str], where: str, answers_from: int) -> list[Span]:
+    """The answers of a template that rewrites earlier turns as a conversation grows (Mistral v0.3 moves the system
+    message into the last user turn; Qwen3 drops earlier turns' thinking), so that prefixes do not render alike:
+    each assistant turn is rendered whole with its content replaced by ANSWER_MARKER; the text before and after the
+    marker must be the conversation's own, which places the content as the template renders it. The answer is that
+    content and the end marker right after it (whitespace between allowed)."""
+    spans: list[Span] = []
+    for k, m in enumerate(messages):
+        if m["role"] != "assistant" or k < answers_from:
+            continue
+        probe = render([*messages[:k], {**m, "content": ANSWER_MARKER}, *messages[k + 1:]])
+        start = probe.find(ANSWER_MARKER)
+        after = probe[start + len(ANSWER_MARKER):]
+        end = len(full) - len(after)
+        if (start < 0 or ANSWER_MARKER in after or ANSWER_MARKER in full or full[:start] != probe[:start]
+                or not full.endswith(after) or end < start or (spans and start < spans[-1][1])):
+            raise InputError(f"{where}: the chat template renders this conversation neither prefix by prefix nor "
+                             f"with assistant message {k} in one place, so its answers cannot be located; a "
+                             "template that marks answers with {% generation %} can be")
+        rest = full[end:]
+        found = [(i, len(mk)) for mk in markers if mk and (i := rest.find(mk)) >= 0 and not rest[:i].strip()]
+        spans.append((start, end + (min(found)[0] + min(found)[1] if found else 0)))
+    return spans
 
 
 def record_answers(record: Record, template: ChatTemplate) -> tuple[str, list[Span]]:
