@@ -63,6 +63,10 @@ def load_minigpt_folder(folder: str | Path, device: str | torch.device = "cpu") 
     missing = sorted(set(expected) - set(sd))
     unexpected = sorted(set(sd) - set(expected))
     wrong = sorted(k for k in set(sd) & set(expected) if sd[k].shape != expected[k].shape)
+    not_float = sorted(k for k in sd if not sd[k].is_floating_point())
+    if not_float:
+        raise InputError(f"{folder}/{WEIGHTS}: tensor {not_float[0]} holds {str(sd[not_float[0]].dtype)[6:]}, "
+                         "not floating-point weights")
     if missing or unexpected or wrong:
         raise InputError(
             f"{folder}/{WEIGHTS} does not fit its {CONFIG}: missing {missing[:5]}, "

@@ -14,3 +14,20 @@ def check_known_fields(cls: type, d: dict) -> None:
     unknown = sorted(set(d) - known)
     if unknown:
         raise InputError(f"unknown {cls.__name__} fields {unknown}; valid: {sorted(known)}")
+
+
+def check_config_values(cfg, positive: tuple[str, ...] = (), flags: tuple[str, ...] = (),
+                        choices: dict[str, object] | None = None) -> None:
+    """InputError naming the first field of `cfg` that is not a positive finite number (`positive`), not a bool
+    (`flags`: a JSON "false" string would read as true), or not one of its choices (`choices`: name -> valid)."""
+    for name in positive:
+        value = getattr(cfg, name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+            raise InputError(f"{name} must be a positive finite number, got {value!r}")
+    for name in flags:
+        if not isinstance(getattr(cfg, name), bool):
+            raise InputError(f"{name} must be true or false, got {getattr(cfg, name)!r}")
+    for name, valid in (choices or {}).items():
+        value = getattr(cfg, name)
+        if not isinstance(value, str) or value not in valid:
+            raise InputError(f"{name} must be one of {sorted(valid)}, got {value!r}")

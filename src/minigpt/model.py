@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from . import native_attention
-from .errors import InputError, check_known_fields
+from .errors import InputError, check_config_values, check_known_fields
 from .kv_cache import KVCache, LayerKV, attention_mask
 from .sampling import generate
 
@@ -57,10 +57,11 @@ class GPTConfig:
                 raise InputError(f"{name} must be a positive integer, got {value!r}")
         if self.d_model % self.n_head:
             raise InputError(f"n_head={self.n_head} does not divide d_model={self.d_model}")
-        if not 0.0 <= self.dropout < 1.0:
-            raise InputError(f"dropout must be in [0, 1), got {self.dropout}")
-        if self.activation not in ACTIVATIONS:
-            raise InputError(f"activation must be one of {sorted(ACTIVATIONS)}, got {self.activation!r}")
+        if isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float)) \
+                or not 0.0 <= self.dropout < 1.0:
+            raise InputError(f"dropout must be in [0, 1), got {self.dropout!r}")
+        check_config_values(self, positive=("layer_norm_eps",), flags=("bias", "tie_weights"),
+                            choices={"activation": ACTIVATIONS})
 
     def to_dict(self) -> dict:
         return asdict(self)

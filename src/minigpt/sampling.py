@@ -34,6 +34,9 @@ def generate(model: nn.Module, idx: torch.Tensor, max_new_tokens: int, temperatu
         else:  # the prompt on the first step, then only the token sampled last
             logits = model(idx[:, cache.length:], cache=cache)
         logits = logits[:, -1, :].float()  # (B, V)
+        if bool(torch.isnan(logits).any()) or bool(torch.isinf(logits).all(dim=-1).any()):
+            raise FloatingPointError("the model's logits are not finite (nan, or inf at every token): its weights "
+                                     "hold nan or inf, or its config's numbers make them (norm eps, rope theta)")
         if temperature <= 0:
             nxt = logits.argmax(dim=-1, keepdim=True)  # (B, 1)
         else:

@@ -191,12 +191,33 @@ def run_identity(cfg: TrainConfig, train_ids: torch.Tensor | None, val_ids: torc
     return {"config": config, "fingerprint": {**(fingerprint or {}), **data}}
 
 
+def resumed_progress(state, path: Path, steps: int) -> tuple[int, float, int, float, list]:
+    """(step, elapsed seconds, skipped steps, last val loss, resumes) of a checkpoint, each checked: a damaged
+    one is an InputError naming it, never a traceback or a run resumed from a step it cannot hold."""
+    info = state.info
+    try:
+        step, elapsed, skipped = int(state.step), float(info["elapsed_s"]), int(info["skipped_steps"])
+        val = float("nan") if info["val_loss"] is None else float(info["val_loss"])
+        resumes = list(info["resumes"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise InputError(f"{path}: damaged checkpoint info ({type(e).__name__}: {e}); --overwrite starts over") \
+            from None
+    if not 1 <= step <= steps:
+        raise InputError(f"{path}: records step {step}, outside this run's 1..{steps} (a damaged checkpoint); "
+                         "--overwrite starts over")
+    return step, elapsed, skipped, val, resumes
+
+
 def read_metrics(path: Path, upto: int) -> list[dict]:
     """The rows of metrics.jsonl for steps 1..upto; a row cut short by a kill, and every later row, is dropped."""
     rows: list[dict] = []
     if not path.is_file():
         return rows
-    for line in path.read_text(encoding="utf-8").splitlines():
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise InputError(f"{path}: not UTF-8 text (damaged); --overwrite starts over") from None
+    for line in text.splitlines():
         try:
             row = json.loads(line)
         except json.JSONDecodeError:
@@ -328,10 +349,9 @@ def train(
         state, path = found
         check_compatible(state.info, identity, path)
         restore(state, named, opt, gen, path)
-        first, elapsed, skipped = state.step, state.info["elapsed_s"], state.info["skipped_steps"]
-        loss_val = float("nan") if state.info["val_loss"] is None else state.info["val_loss"]
-        resumes = state.info["resumes"] + [{"step": first, "checkpoint": f"{CHECKPOINT_DIR}/{path.name}",
-                                            "sha256": sha256_file(path)}]
+        first, elapsed, skipped, loss_val, resumes = resumed_progress(state, path, cfg.steps)
+        resumes = resumes + [{"step": first, "checkpoint": f"{CHECKPOINT_DIR}/{path.name}",
+                              "sha256": sha256_file(path)}]
         history = read_metrics(Path(out_dir) / METRICS, first)
         log(f"resuming from {CHECKPOINT_DIR}/{path.name}: step {first} of {cfg.steps}")
     elif ckpt_dir is not None and writer:

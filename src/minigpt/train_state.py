@@ -235,6 +235,9 @@ def restore(state: TrainState, named_params: list[tuple[str, nn.Parameter]], opt
         unexpected = sorted(set(state.params) - set(names))[:3]
         raise InputError(f"{where} does not fit this model: missing {missing}, unexpected {unexpected}, "
                          f"wrong shape {wrong[:2]}")
+    bad = [n for n, t in state.params.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    if bad:
+        raise InputError(f"{where}: parameter {bad[0]} holds nan or inf (a damaged checkpoint); --overwrite starts over")
     with torch.no_grad():
         for n, p in named_params:
             p.copy_(state.params[n])
@@ -242,4 +245,10 @@ def restore(state: TrainState, named_params: list[tuple[str, nn.Parameter]], opt
         optimizer.load_state_dict(state.optimizer)
     except (ValueError, KeyError, RuntimeError) as e:
         raise InputError(f"{where}: optimizer state does not fit this run ({e})") from None
-    restore_rng(state.rng, batches)
+    try:
+        restore_rng(state.rng, batches)
+    except (TypeError, ValueError, KeyError, IndexError, RuntimeError) as e:  # InputError is a ValueError: kept
+        if isinstance(e, InputError):
+            raise
+        raise InputError(f"{where}: its random number states are damaged ({type(e).__name__}: "
+                         f"{' '.join(str(e).split())[:120]}); --overwrite starts over") from None

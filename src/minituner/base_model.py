@@ -48,8 +48,12 @@ def base_kind(folder: str | Path) -> str:
         raise InputError(f"{folder}: no such model folder (valid: {valid})")
     if not (folder / CONFIG).is_file():
         raise InputError(f"{folder}: not a model folder, no {CONFIG} (valid: {valid})")
-    kind = read_json(folder / CONFIG).get("model_type", "minigpt")
-    if kind not in KINDS:
+    config = read_json(folder / CONFIG)
+    if "model_type" not in config and ("architectures" in config or "hidden_size" in config):
+        raise InputError(f"{folder}/{CONFIG}: a Hugging Face config without model_type; add the one its family uses "
+                         f"({', '.join(k for k in KINDS if k != 'minigpt')})")
+    kind = config.get("model_type", "minigpt")
+    if not isinstance(kind, str) or kind not in KINDS:
         raise InputError(f"{folder}/{CONFIG}: model_type {kind!r} is not supported; valid: {', '.join(KINDS)}")
     return kind
 

@@ -40,6 +40,12 @@ def user_errors() -> tuple[type[BaseException], ...]:
     return (InputError, OSError, FloatingPointError)
 
 
+def out_of_memory(e: BaseException) -> bool:
+    """Whether an exception is the machine running out of memory (Python's, torch's CPU or CUDA allocator)."""
+    text = str(e)
+    return isinstance(e, MemoryError) or "can't allocate memory" in text or "out of memory" in text.lower()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -50,6 +56,12 @@ def main(argv: list[str] | None = None) -> int:
     except user_errors() as e:
         message = str(e).splitlines()[0] if str(e) else type(e).__name__
         print(f"minituner {args.command}: error: {message}", file=sys.stderr)
+        return EXIT_USAGE
+    except (MemoryError, RuntimeError) as e:  # torch's allocator raises RuntimeError (CPU) / OutOfMemoryError (CUDA)
+        if not out_of_memory(e):
+            raise
+        print(f"minituner {args.command}: error: out of memory ({' '.join(str(e).split())[:160]}); "
+              "minituner count plans what a run needs", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
         print("minituner: interrupted", file=sys.stderr)

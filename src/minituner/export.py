@@ -160,11 +160,17 @@ def _check_options(dtype: torch.dtype | None, max_shard_bytes: int) -> None:
         raise InputError(f"dtype must be one of {list(DTYPE_NAMES.values())}, got {dtype}")
 
 
-def check_out(out: Path, overwrite: bool) -> None:
-    """An existing OUT is refused unless `overwrite`; one that is not a folder always."""
+def check_out(out: Path, overwrite: bool, keep: tuple[str | Path, ...] = ()) -> None:
+    """An existing OUT is refused unless `overwrite`; one that is not a folder always; so is an OUT that is or holds
+    a path of `keep` (the base, the adapter) or the current folder, which replacing OUT would delete."""
     if out.exists() and not overwrite:
         raise InputError(f"{out}: already exists (pass --overwrite to replace it)")
     check_creatable(out)
+    target = out.resolve()
+    for path, what in [*((p, str(p)) for p in keep), (Path.cwd(), "the current folder")]:
+        held = Path(path).resolve()
+        if held == target or target in held.parents:
+            raise InputError(f"--out {out} is or holds {what}, which writing it would replace: choose another --out")
 
 
 def write_hf_folder(model: nn.Module, base_folder: str | Path, folder: str | Path, dtype: torch.dtype | None = None,
@@ -223,7 +229,7 @@ def export_merged(model: nn.Module, base_folder: str | Path, out: str | Path, dt
     dtype None: the base checkpoint's dtype. The model itself is not changed.
     """
     out = Path(out)
-    check_out(out, overwrite)
+    check_out(out, overwrite, (base_folder,))
     _check_options(dtype, max_shard_bytes)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".tmp-{out.name}."))
@@ -249,7 +255,12 @@ def run_manifest(adapter: str | Path) -> dict | None:
     adapter = Path(adapter)
     for folder in ([adapter] if adapter.is_dir() else []) + [adapter.parent]:
         if (folder / MANIFEST).is_file():
-            return read_json(folder / MANIFEST)
+            manifest = read_json(folder / MANIFEST)
+            config, sha = manifest.get("config", {}), manifest.get("base_sha256")
+            if not isinstance(config, dict) or not (sha is None or isinstance(sha, str)):
+                raise InputError(f"{folder / MANIFEST}: not a run's manifest ('config' must be an object, "
+                                 "'base_sha256' a string)")
+            return manifest
     return None
 
 
@@ -281,7 +292,7 @@ def export_adapter(base: str | Path, adapter: str | Path, out: str | Path, dtype
     The base must hold the weights the run trained on (``check_run_base``) unless `allow_other_base`.
     """
     out = Path(out)
-    check_out(out, overwrite)  # before any weight is read
+    check_out(out, overwrite, (base, adapter))  # before any weight is read
     _check_options(dtype, 1)
     if not allow_other_base:
         check_run_base(base, adapter)

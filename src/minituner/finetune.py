@@ -26,7 +26,8 @@ import torch.nn as nn
 
 from minigpt.base_folder import MANIFEST, WEIGHTS, WEIGHTS_INDEX, save_base
 from minigpt.decoder import Decoder
-from minigpt.run_dir import check_run_dir
+from minigpt.run_dir import check_run_dir, replacing_run
+from minigpt.train_state import CHECKPOINT_DIR
 from minigpt.data import FINETUNE_DATA, PRETRAIN_DATA
 from minigpt.device import check_precision
 from minigpt.distributed import barrier, is_writer
@@ -55,6 +56,10 @@ DEFAULT_DATA = FINETUNE_DATA
 BASE_DOMAIN = PRETRAIN_DATA  # val loss here before/after shows what fine-tuning forgets
 PEFT_DIR = "adapter_peft"
 RUN_MARKERS = (MANIFEST, "metrics.jsonl", ADAPTER_FILE, WEIGHTS, WEIGHTS_INDEX)  # any of these: the folder holds a run
+# what a run writes, which a new run in the same folder replaces (a full fine-tune writes a whole base folder)
+RUN_FILES = (*RUN_MARKERS, CHECKPOINT_DIR, PEFT_DIR, "loss_curve.png", "model-*-of-*.safetensors", "config.json",
+             "generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+             "chat_template.jinja")
 
 
 def default_train_config() -> TrainConfig:
@@ -149,6 +154,14 @@ def finetune(base: str | Path, out: str | Path, cfg: FinetuneConfig, progress: b
     barrier()  # every rank has checked the folder before rank 0 writes to it
     writer = is_writer()
     progress, log = progress and writer, log if writer else (lambda *a, **k: None)
+    with replacing_run(out, RUN_FILES, RUN_MARKERS, active=writer and not resume):  # a failed run leaves the folder as it was
+        return _finetune(base, out, cfg, progress, log, resume, device, allow_slow_bf16, heap_trims, bf16, start,
+                         writer)
+
+
+def _finetune(base: Path, out: Path, cfg: FinetuneConfig, progress: bool, log, resume: bool, device,
+              allow_slow_bf16: bool, heap_trims: bool, bf16, start: float, writer: bool) -> FinetuneResult:
+    """finetune's run once its folder is checked: load, build, train, write."""
     block = training_window(base, cfg.seq_len)  # from config.json, before any weight is read
     seed_everything(cfg.train.seed)
     method = "qlora" if cfg.quant_scheme else cfg.method
@@ -205,7 +218,7 @@ def finetune(base: str | Path, out: str | Path, cfg: FinetuneConfig, progress: b
                    fingerprint=fingerprint, log=log, block_size=block, batches=data.batches,
                    val_loss=data.val_loss if data.batches else None, data_identity=data.data_identity)
     if not math.isfinite(result.final_val_loss):
-        raise FloatingPointError(f"validation loss is {result.final_val_loss}; nothing was saved")
+        raise FloatingPointError(f"validation loss is {result.final_val_loss}; no adapter or model was written")
     base_after = domain_val_loss(model, tokenizer, cfg.base_domain, train_cfg, block) if cfg.base_domain else None
 
     if not writer:

@@ -158,7 +158,7 @@ def decoder_config_from_hf(cfg: dict, where: str = "config.json", check_rope: bo
     else:
         qkv_bias = o_bias = mlp_bias = False
     act = cfg.get("hidden_act", "silu")
-    if act not in ACTIVATIONS:
+    if not isinstance(act, str) or act not in ACTIVATIONS:
         raise InputError(f"{where}: hidden_act {act!r} is not supported; valid: {sorted(ACTIVATIONS)}")
     n_layer = config_int(cfg, "num_hidden_layers", dflt["num_hidden_layers"], where)
     max_pos = config_int(cfg, "max_position_embeddings", dflt["max_position_embeddings"], where)

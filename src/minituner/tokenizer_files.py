@@ -40,7 +40,8 @@ class HFTokenizer:
             self._tok = _Tokenizer.from_file(str(path))
         except Exception as e:  # the Rust side raises a bare Exception for a bad file
             raise InputError(f"{path}: not a readable Hugging Face tokenizer ({str(e).splitlines()[0]})") from None
-        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        ids = self._tok.get_vocab(with_added_tokens=True).values()
+        self.vocab_size = max(ids, default=-1) + 1  # the ids it can produce: a sparse vocabulary's largest counts
         self.eos_ids: list[int] = []  # end-of-sequence ids (set by the loader from generation_config/config)
 
     @property
@@ -82,7 +83,7 @@ def char_tokenizer_as_hf(tok: CharTokenizer) -> str:
 
 
 def load_tokenizer(folder: str | Path, vocab_size: int) -> tuple[Tokenizer | None, str]:
-    """The tokenizer beside a model, or None and the reason in words; more tokens than `vocab_size` is an InputError."""
+    """The tokenizer beside a model, or None and the reason in words; an id at or past `vocab_size` is an InputError."""
     path = Path(folder) / TOKENIZER
     if not path.is_file():
         if (Path(folder) / "vocab.json").is_file():
@@ -100,5 +101,6 @@ def load_tokenizer(folder: str | Path, vocab_size: int) -> tuple[Tokenizer | Non
     else:
         raise InputError(f"{path}: neither a {FORMAT} nor a Hugging Face tokenizer")
     if tok.vocab_size > vocab_size:
-        raise InputError(f"{path}: tokenizer has {tok.vocab_size} tokens but the model only {vocab_size}")
+        raise InputError(f"{path}: tokenizer has ids up to {tok.vocab_size - 1} but the model only {vocab_size} "
+                         "embedding rows")
     return tok, ""

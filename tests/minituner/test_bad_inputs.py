@@ -287,7 +287,7 @@ HF_CASES = {  # id -> (family, sharded, how to break the copy, extra flags, frag
                      "tensor model.layers.0.mlp.gate_proj.weight has shape (48, 32) in model.safetensors, "
                      "the config implies (50, 32)"),
     "tokenizer-larger-than-embedding": ("llama", False, _big_tokenizer, [],
-                                        "tokenizer has 77 tokens but the model only 40"),
+                                        "tokenizer has ids up to 159 but the model only 40"),
     "truncated-safetensors": ("llama", False, _truncate, [], "model.safetensors: not a readable safetensors file"),
     "seq-len-too-long": ("llama", False, lambda f: None, ["--seq-len", "65"],
                          "--seq-len 65 exceeds the model's context of 64 tokens"),

@@ -155,7 +155,7 @@ def test_hf_tokenizer_file(tmp_path):
     assert isinstance(tok, HFTokenizer) and tok.vocab_size == 5
     assert tok.encode("hello the weather") == [1, 3, 4]
     assert tok.decode([1, 2]) == "hello world"
-    with pytest.raises(InputError, match="5 tokens but the model only 4"):
+    with pytest.raises(InputError, match="ids up to 4 but the model only 4"):
         load_tokenizer(tmp_path, 4)
 
 

@@ -61,7 +61,7 @@ def test_tokenizer_and_eos_ids(hf_folder, tmp_path):
     assert eos_token_ids(folder) == [2, 7]
     (folder / "generation_config.json").unlink()
     assert eos_token_ids(folder) == [2]  # config.json's
-    with pytest.raises(InputError, match="tokenizer has 17 tokens but the model only 10"):
+    with pytest.raises(InputError, match="tokenizer has ids up to 16 but the model only 10"):
         load_hf_tokenizer(folder, 10)
 
 

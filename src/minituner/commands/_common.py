@@ -29,14 +29,40 @@ def non_negative_int(text: str) -> int:
     return _integer(text, 0, "an integer >= 0")
 
 
+FLOAT32_MAX = 3.4028234663852886e38  # a learning rate or scale beyond it overflows the optimizer's float32 tensors
+SEED_RANGE = (-2**63, 2**63 - 1)  # what torch.manual_seed takes
+
+
 def _finite_float(text: str, zero_allowed: bool) -> float:
     what = "a finite number >= 0" if zero_allowed else "a positive finite number"
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
-    if not (value >= 0 if zero_allowed else value > 0) or value == float("inf"):  # NaN fails both comparisons
-        raise argparse.ArgumentTypeError(f"expected {what}, got {text}")
+    if not (value >= 0 if zero_allowed else value > 0) or value > FLOAT32_MAX:  # NaN fails both comparisons
+        raise argparse.ArgumentTypeError(f"expected {what} (at most {FLOAT32_MAX:.4g}), got {text}")
+    return value
+
+
+def seed(text: str) -> int:
+    """A seed torch takes: an integer of 64 bits."""
+    low, high = SEED_RANGE
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer seed, got {text!r}") from None
+    if not low <= value <= high:
+        raise argparse.ArgumentTypeError(f"expected a seed between {low} and {high}, got {value}")
+    return value
+
+
+def text(value: str) -> str:
+    """A text argument: a terminal that is not UTF-8 hands Python bytes it cannot decode (lone surrogates)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise argparse.ArgumentTypeError(f"{value!a} holds bytes that are not UTF-8 text (is the terminal "
+                                         "set to UTF-8?)") from None
     return value
 
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -52,6 +53,9 @@ def run(args: argparse.Namespace) -> int:
     result = evaluate_data(model, tokenizer, args.base, args.data, args.split, args.format,
                            SFTConfig(args.train_on_inputs, args.overlong), args.batch_size,
                            log=lambda m: print(m, file=sys.stderr))
+    if not math.isfinite(result.loss):
+        raise FloatingPointError(f"the loss is {result.loss}: the model's logits are not finite (its weights, or "
+                                 "the adapter's, hold nan or inf, or its config's numbers make them)")
     if args.json:
         print(json.dumps(result.as_dict()))
     else:

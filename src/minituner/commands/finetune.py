@@ -13,7 +13,7 @@ from miniquant import DEFAULT_QUANT_SCHEME
 from ..finetune import BASE_DOMAIN, DEFAULT_DATA, FinetuneConfig, default_train_config, finetune
 from ..lora import ALL_LINEAR, LoRAConfig
 from ._common import (add_precision_arguments, add_run_arguments, add_sft_arguments, checkpoint_options,
-                      non_negative_float, non_negative_int, positive_float, positive_int)
+                      non_negative_float, non_negative_int, positive_float, positive_int, seed)
 
 HELP = ("fine-tune a base model with LoRA (default) or fully; writes adapter_final.safetensors, a PEFT folder, "
         "metrics.jsonl, loss_curve.png and manifest.json")
@@ -75,7 +75,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grad-clip", type=non_negative_float, default=d.grad_clip, help="max grad norm; 0 disables")
     p.add_argument("--eval-every", type=positive_int, default=d.eval_every,
                    help="steps between validation losses (default %(default)s; the last step is always evaluated)")
-    p.add_argument("--seed", type=int, default=d.seed,
+    p.add_argument("--seed", type=seed, default=d.seed,
                    help="seed of the LoRA init, data order and dropout (default %(default)s)")
     p.add_argument("--base-domain", default=BASE_DOMAIN,
                    help="also report val loss on this data before/after (forgetting); 'none' skips (default %(default)s)")

@@ -12,7 +12,7 @@ from ..adapter_io import load_adapter
 from ..base_model import load_base, load_tokenizer
 from ..sft import answer, load_chat_template
 from ..upcast import compute_in_fp32
-from ._common import non_negative_float, positive_int
+from ._common import non_negative_float, positive_int, seed, text
 
 HELP = ("print samples from a base model folder (minituner base, or Hugging Face gpt2/llama/mistral/qwen2 with its "
         "tokenizer; sampling stops at the eos id(s) of generation_config.json or config.json), optionally with a "
@@ -24,11 +24,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="model folder: MiniGPT, or Hugging Face gpt2, llama, mistral or qwen2 (default %(default)s)")
     p.add_argument("--adapter", type=Path, help="LoRA adapter: a finetune run folder, a PEFT folder or an adapter file")
     what = p.add_mutually_exclusive_group()
-    what.add_argument("--prompt", default="\n", help="text to continue (default: a newline)")
-    what.add_argument("--chat", metavar="QUESTION",
+    what.add_argument("--prompt", type=text, default="\n", help="text to continue (default: a newline)")
+    what.add_argument("--chat", type=text, metavar="QUESTION",
                       help="a user message, rendered with the base's chat template (or the default one); "
                            "prints the answer, cut at the end-of-turn token")
-    p.add_argument("--system", help="--chat: a system message before the question")
+    p.add_argument("--system", type=text, help="--chat: a system message before the question")
     p.add_argument("--max-new-tokens", type=positive_int, default=200,
                    help="tokens to sample at most; an eos id stops sooner (default %(default)s)")
     p.add_argument("--num-samples", type=positive_int, default=1, help="samples to print (default %(default)s)")
@@ -36,7 +36,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="sampling temperature; 0 is greedy (default 0.8 with --prompt, 0 with --chat)")
     p.add_argument("--top-k", type=positive_int, default=None,
                    help="sample from the k likeliest tokens only (default: all)")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed (default %(default)s)")
+    p.add_argument("--seed", type=seed, default=0, help="sampling seed (default %(default)s)")
 
 
 def run(args: argparse.Namespace) -> int:

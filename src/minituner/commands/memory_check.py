@@ -15,7 +15,7 @@ from ..lora import ALL_LINEAR
 from ..memory.check import REGIMES, CheckConfig, describe, format_table, load_model_folder, memory_check
 from ..planner import minigpt_vocab
 from ..planner.presets import MINIGPT_SIZES
-from ._common import add_precision_arguments, positive_float, positive_int
+from ._common import add_precision_arguments, positive_float, positive_int, seed
 
 HELP = ("build a model, train a few steps and print the planner's memory prediction beside the measurement "
         "(weights, grads, optimizer, activations, peak) with the error of each")
@@ -49,7 +49,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the model's own dropout (attention, residual, embeddings; MiniGPT and GPT-2) in place of its "
                         "config's (default: with --base the config's, as finetune trains it: GPT-2's 0.1; else 0)")
     p.add_argument("--steps", type=positive_int, default=d.steps, help="training steps (default %(default)s)")
-    p.add_argument("--seed", type=int, default=d.seed, help="seed of the random token batches (default %(default)s)")
+    p.add_argument("--seed", type=seed, default=d.seed, help="seed of the random token batches (default %(default)s)")
     p.add_argument("--device", choices=DEVICES, default="auto", help="auto: cuda if available, else cpu")
     add_precision_arguments(p, d.precision)
     p.add_argument("--grad-checkpoint", action="store_true",

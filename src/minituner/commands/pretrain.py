@@ -7,7 +7,7 @@ from pathlib import Path
 from minigpt.pretrain import DEFAULT_DATA, pretrain
 from minigpt.train import TrainConfig
 
-from ._common import add_run_arguments, checkpoint_options, positive_float, positive_int
+from ._common import add_run_arguments, checkpoint_options, positive_float, positive_int, seed
 
 HELP = "pretrain the base MiniGPT and write config.json, model.safetensors, tokenizer.json, manifest.json"
 
@@ -21,7 +21,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=positive_int, default=d.batch_size,
                    help="sequences per step (default %(default)s)")
     p.add_argument("--lr", type=positive_float, default=d.lr, help="peak learning rate of AdamW (default %(default)s)")
-    p.add_argument("--seed", type=int, default=d.seed, help="seed of the init and data order (default %(default)s)")
+    p.add_argument("--seed", type=seed, default=d.seed, help="seed of the init and data order (default %(default)s)")
     p.add_argument("--block-size", type=positive_int, default=128, help="context in characters (default %(default)s)")
     p.add_argument("--n-layer", type=positive_int, default=4, help="transformer blocks (default %(default)s)")
     p.add_argument("--n-head", type=positive_int, default=4,

@@ -392,8 +392,8 @@ def memory_check(build: Callable[[], nn.Module], check: CheckConfig, device: tor
         check = replace(check, model_dropout=config_dropout(model.config))
     check.validate(model.config.block_size)
     if check.model_dropout and (isinstance(model.config, DecoderConfig) or device.type != "cpu"):
-        raise InputError(f"the model's dropout ({check.model_dropout:g}) is planned for MiniGPT and GPT-2 on a CPU "
-                         "only (on CUDA attention's dropout runs in fused kernels the exact model does not cover); "
+        raise InputError(f"the model's dropout ({check.model_dropout:g}) is planned for MiniGPT and GPT-2, and on a "
+                         "CPU only (on CUDA attention's dropout runs in fused kernels the exact model does not cover); "
                          "--model-dropout 0 measures the run without it")
     set_model_dropout(model, check.model_dropout)  # before LoRA wraps the Linears: LoRA's own dropout is its config's
     prepare(model, check, device)

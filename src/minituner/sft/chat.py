@@ -4,6 +4,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from minigpt.errors import InputError
+
 from .examples import plain_encoder
 from .templates import ChatTemplate
 
@@ -35,6 +37,8 @@ def answer(model: nn.Module, tokenizer, template: ChatTemplate, user: str, syste
     """Sample the model's answer (greedy at temperature 0), stopping at a stop id (stop_ids), cut where it ends."""
     device = next(model.parameters()).device
     ids = plain_encoder(tokenizer)(chat_prompt(template, user, system))
+    if not ids:
+        raise InputError(f"the chat template ({template.origin}) renders the question as no text")
     idx = torch.tensor([ids], dtype=torch.long, device=device)
     out = model.generate(idx, max_new_tokens, temperature=temperature, top_k=top_k, generator=generator,
                          eos_id=stop_ids(tokenizer, template) or None)

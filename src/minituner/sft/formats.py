@@ -101,7 +101,11 @@ def parse_record(obj, fmt: str, where: str) -> Record:
         return _conversation(_messages(obj["messages"], where), fmt, where)
     if fmt == "prompt-completion" and "prompt" in obj and "completion" in obj:
         prompt, completion = obj["prompt"], obj["completion"]
-        if isinstance(prompt, list) or isinstance(completion, list):  # TRL's conversational prompt-completion
+        if isinstance(prompt, list) != isinstance(completion, list):
+            raise InputError(f"{where}: 'prompt' and 'completion' must both be strings, or both lists of "
+                             f"{{role, content}} messages (got a {type(prompt).__name__} and a "
+                             f"{type(completion).__name__})")
+        if isinstance(prompt, list):  # TRL's conversational prompt-completion
             prompt_messages = _messages(prompt, where, "prompt")
             messages = prompt_messages + _messages(completion, where, "completion")
             return _conversation(messages, fmt, where, answers_from=len(prompt_messages))
@@ -168,14 +172,33 @@ def _json_values(path: Path, text: str):
                                  "a .json file an array of objects") from None
 
 
+def _check_unicode(obj, where: str) -> None:
+    """A JSON \\ud800-style escape can make a string no UTF-8 encodes (a lone surrogate): refused, named."""
+    try:
+        json.dumps(obj, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InputError(f"{where}: a string holds {e.object[e.start:e.end]!a}, half of a UTF-16 surrogate pair, "
+                         "which is not text") from None
+    except RecursionError:
+        raise InputError(f"{where}: JSON nested too deeply to be a record") from None
+
+
 def read_file(path: str | Path, fmt: str | None = None) -> list[Record]:
     """The records of one .jsonl or .json file; the shape comes from its first record unless `fmt` forces it."""
     path = Path(path)
     if fmt is not None and fmt not in FORMATS:
         raise InputError(f"unknown data format {fmt!r}; valid: {', '.join(FORMATS)}")
     records: list[Record] = []
-    for line, obj in _json_values(path, _decode(path)):
+    values = _json_values(path, _decode(path))
+    while True:
+        try:
+            line, obj = next(values)
+        except StopIteration:
+            break
+        except RecursionError:  # json's decoder recurses once per nesting level
+            raise InputError(f"{path}: JSON nested too deeply to be a record") from None
         where = f"{path}:{line}"
+        _check_unicode(obj, where)
         if fmt is None:
             if not isinstance(obj, dict):
                 raise InputError(f"{where}: expected a JSON object, got {type(obj).__name__}")

@@ -160,6 +160,10 @@ def render_template(source: str, messages: list[dict], add_generation_prompt: bo
         return "".join(answers.blocks)
     except jinja2.TemplateError as e:
         raise InputError(f"the chat template refused the conversation: {_one_line(e)}") from None
+    except (ArithmeticError, LookupError, TypeError, ValueError, AttributeError, RecursionError) as e:
+        # a template's own mistake ({{ 1/0 }}, {{ "a" + 1 }}, a macro calling itself): the template is at fault
+        raise InputError(f"the chat template fails on this conversation: {type(e).__name__}: "
+                         f"{_one_line(e)[:200]}") from None
 
 
 def _token_text(value) -> str | None:
@@ -297,7 +301,10 @@ def load_chat_template(folder: str | Path) -> ChatTemplate:
     specials = _special_added_tokens(folder)
     jinja_path = folder / TEMPLATE_FILE
     if jinja_path.is_file():
-        source, origin = jinja_path.read_text(encoding="utf-8"), str(jinja_path)
+        try:
+            source, origin = jinja_path.read_text(encoding="utf-8"), str(jinja_path)
+        except UnicodeDecodeError as e:
+            raise InputError(f"{jinja_path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
     elif config.get("chat_template") is not None:
         source, origin = _pick(config["chat_template"], config_path), str(config_path)
     else:

@@ -1,0 +1,196 @@
+"""User mistakes found late (during a run, in a template, a checkpoint or a flag's range): one line on stderr, exit
+code 2, no traceback, and nothing already on disk lost: a failed run leaves its folder as it was, export never
+replaces the folders it reads."""
+import hashlib
+import json
+import random
+import shutil
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from safetensors.torch import load_file, save_file  # noqa: E402
+
+from minituner.cli import main  # noqa: E402
+
+TRAIN = ["--steps", "2", "--batch-size", "2", "--seq-len", "8", "--rank", "4", "--base-domain", "none",
+         "--no-progress"]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory, hf_words):
+    rng = random.Random(0)
+    path = tmp_path_factory.mktemp("data") / "words.txt"
+    path.write_text("\n\n".join(" ".join(rng.choice(hf_words) for _ in range(8)) for _ in range(200)))
+    return path
+
+
+def hashes(folder: Path) -> dict[str, str]:
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def one_line_error(capsys, code, needle: str) -> str:
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert needle in err, err
+    return err
+
+
+def copy_with(base: Path, folder: Path, config: dict | None = None, tensor: tuple[str, float] | None = None) -> Path:
+    """A copy of a base folder with config.json entries changed, or one tensor filled with a value."""
+    shutil.copytree(base, folder)
+    if config:
+        path = folder / "config.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), **config}))
+    if tensor:
+        weights = load_file(folder / "model.safetensors")
+        weights[tensor[0]].fill_(tensor[1])
+        save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    return folder
+
+
+def test_export_never_replaces_the_base_the_run_or_the_current_folder(hf_folder, data, tmp_path, capsys,
+                                                                      monkeypatch):
+    base = hf_folder("llama")
+    home = tmp_path / "project"
+    shutil.copytree(base, home / "base")
+    assert main(["finetune", "--base", str(home / "base"), "--data", str(data), "--out", str(home / "run"),
+                 *TRAIN]) == 0
+    (home / "notes.txt").write_text("mine")
+    capsys.readouterr()
+    before = hashes(home)
+    for out in (home, home / "base", home / "run"):
+        code = main(["export", "--base", str(home / "base"), "--adapter", str(home / "run"), "--out", str(out),
+                     "--overwrite"])
+        one_line_error(capsys, code, "which writing it would replace")
+    (home / "elsewhere").mkdir()
+    monkeypatch.chdir(home / "elsewhere")
+    code = main(["export", "--base", str(home / "base"), "--adapter", str(home / "run"), "--out", ".",
+                 "--overwrite"])
+    one_line_error(capsys, code, "the current folder")
+    assert hashes(home) == before
+
+
+def test_a_run_that_fails_leaves_its_folder_as_it_was(hf_folder, data, tmp_path, capsys):
+    base = hf_folder("llama")
+    nan_base = copy_with(base, tmp_path / "nan-base", tensor=("lm_head.weight", float("nan")))
+    run = tmp_path / "run"
+    assert main(["finetune", "--base", str(base), "--data", str(data), "--out", str(run), *TRAIN,
+                 "--checkpoint-every", "1"]) == 0
+    (run / "notes.txt").write_text("mine")
+    capsys.readouterr()
+    before = hashes(run)
+    code = main(["finetune", "--base", str(nan_base), "--data", str(data), "--out", str(run), *TRAIN, "--overwrite"])
+    one_line_error(capsys, code, "nan")
+    assert hashes(run) == before and not list(run.glob(".replaced-run.*"))  # the earlier run, whole
+    fresh = tmp_path / "fresh"
+    code = main(["finetune", "--base", str(nan_base), "--data", str(data), "--out", str(fresh), *TRAIN])
+    one_line_error(capsys, code, "nan")
+    assert not fresh.exists()  # nothing left that would refuse the next try
+    # a nan at a later step keeps the checkpoint the error names, for --resume --skip-nonfinite
+    late = tmp_path / "late"
+    code = main(["finetune", "--base", str(base), "--data", str(data), "--out", str(late), *TRAIN, "--steps", "3",
+                 "--checkpoint-every", "1", "--lr", "1e30"])
+    one_line_error(capsys, code, "the last good checkpoint is checkpoints/step-00000001.safetensors")
+    assert (late / "checkpoints" / "step-00000001.safetensors").is_file()
+    # a folder of the user's own files (no run in it): a failed run removes only what it wrote
+    own = tmp_path / "own"
+    own.mkdir()
+    (own / "config.json").write_text("{}")
+    code = main(["finetune", "--base", str(nan_base), "--data", str(data), "--out", str(own), *TRAIN])
+    one_line_error(capsys, code, "nan")
+    assert sorted(p.name for p in own.iterdir()) == ["config.json"]
+    # and a run that succeeds over an earlier one replaces it
+    assert main(["finetune", "--base", str(base), "--data", str(data), "--out", str(run), *TRAIN, "--overwrite"]) == 0
+    assert (run / "notes.txt").read_text() == "mine" and not list(run.glob(".replaced-run.*"))
+
+
+@pytest.mark.parametrize("template,needle", [
+    ("{{ 1/0 }}", "ZeroDivisionError"),
+    ("{{ 'a' + 1 }}", "TypeError"),
+    ("{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}", "RecursionError"),
+    ("{% if false %}x{% endif %}", "renders the question as no text"),
+])
+def test_a_chat_template_that_fails_is_one_line(hf_folder, tmp_path, capsys, template, needle):
+    base = tmp_path / "base"
+    shutil.copytree(hf_folder("llama"), base)
+    (base / "chat_template.jinja").write_text(template)
+    capsys.readouterr()
+    one_line_error(capsys, main(["generate", "--base", str(base), "--chat", "hello"]), needle)
+
+
+def test_nan_weights_and_config_numbers_that_make_nan(hf_folder, data, tmp_path, capsys):
+    base = hf_folder("llama")
+    nan = copy_with(base, tmp_path / "nan", tensor=("lm_head.weight", float("nan")))
+    capsys.readouterr()  # what building the fixture printed
+    one_line_error(capsys, main(["generate", "--base", str(nan), "--prompt", "hello"]), "not finite")
+    one_line_error(capsys, main(["generate", "--base", str(nan), "--prompt", "hello", "--temperature", "0"]),
+                   "not finite")
+    one_line_error(capsys, main(["eval", "--base", str(nan), "--data", str(data)]), "loss is nan")
+    for i, (config, needle) in enumerate([({"rms_norm_eps": 0}, "norm_eps must be a positive finite number"),
+                                          ({"rope_parameters": {"rope_theta": -1.0, "rope_type": "default"}},
+                                           "rope_theta must be a positive finite number"),
+                                          ({"hidden_act": ["silu"]}, "hidden_act ['silu'] is not supported"),
+                                          ({"model_type": ["llama"]}, "model_type ['llama'] is not supported")]):
+        folder = copy_with(base, tmp_path / f"config{i}", config=config)
+        one_line_error(capsys, main(["generate", "--base", str(folder), "--prompt", "hello"]), needle)
+
+
+def test_a_damaged_checkpoint_is_named_on_resume(hf_folder, data, tmp_path, capsys):
+    base = hf_folder("llama")
+    run = tmp_path / "run"
+    args = ["finetune", "--base", str(base), "--data", str(data), "--out", str(run), *TRAIN, "--checkpoint-every", "1"]
+    assert main(args) == 0
+    capsys.readouterr()
+    newest = sorted((run / "checkpoints").iterdir())[-1]
+    tensors = load_file(newest)
+    with open(newest, "rb") as f:  # the metadata (info, RNG states) as written
+        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+    metadata = header["__metadata__"]
+    state = json.loads(metadata["state"])
+    for info in ({k: v for k, v in state["info"].items() if k != "elapsed_s"}, {**state["info"], "val_loss": "low"}):
+        save_file(tensors, newest, metadata={**metadata, "state": json.dumps({**state, "info": info})})
+        one_line_error(capsys, main([*args, "--resume"]), "damaged checkpoint info")
+    save_file(tensors, newest, metadata={**metadata, "state": json.dumps({**state, "step": 10**6})})
+    one_line_error(capsys, main([*args, "--resume"]), "outside this run's 1..2")
+    nan = {k: (torch.full_like(v, float("nan")) if "lora_A" in k else v) for k, v in tensors.items()}
+    save_file(nan, newest, metadata=metadata)
+    one_line_error(capsys, main([*args, "--resume"]), "holds nan or inf")
+
+
+@pytest.mark.parametrize("flag,value", [("--seed", str(2**70)), ("--lr", "1e39")])
+def test_numbers_beyond_what_torch_holds_are_refused_by_the_parser(hf_folder, data, tmp_path, capsys, flag, value):
+    with pytest.raises(SystemExit) as exit_:
+        main(["finetune", "--base", str(hf_folder("llama")), "--data", str(data), "--out", str(tmp_path / "run"),
+              *TRAIN, flag, value])
+    assert exit_.value.code == 2 and "error: argument " + flag in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+
+def test_text_that_is_not_unicode_is_named(hf_folder, tmp_path, capsys):
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps({"prompt": "the \ud800", "completion": "wind"}, ensure_ascii=True) + "\n")
+    base = hf_folder("llama")
+    capsys.readouterr()
+    one_line_error(capsys, main(["eval", "--base", str(base), "--data", str(path)]), "d.jsonl:1: a string holds")
+    deep = tmp_path / "deep.jsonl"
+    deep.write_text("[" * 100_000 + "]" * 100_000 + "\n")
+    one_line_error(capsys, main(["eval", "--base", str(base), "--data", str(deep)]), "nested too deeply")
+    with pytest.raises(SystemExit) as exit_:
+        main(["generate", "--base", str(base), "--prompt", "the \udcff"])
+    assert exit_.value.code == 2 and "not UTF-8 text" in capsys.readouterr().err
+
+
+def test_a_sparse_vocabulary_past_the_embedding_is_refused(hf_folder, tmp_path, capsys):
+    base = tmp_path / "base"
+    shutil.copytree(hf_folder("llama"), base)
+    tokenizer = json.loads((base / "tokenizer.json").read_text())
+    vocab = tokenizer["model"]["vocab"]
+    vocab[next(iter(w for w in vocab if w not in ("[UNK]", "<s>", "</s>")))] = 500  # one id far past 40 rows
+    (base / "tokenizer.json").write_text(json.dumps(tokenizer))
+    capsys.readouterr()
+    one_line_error(capsys, main(["generate", "--base", str(base), "--prompt", "hello"]), "ids up to 500")
