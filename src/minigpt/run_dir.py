@@ -47,12 +47,12 @@ def check_run_dir(out: Path, markers: tuple[str, ...], overwrite: bool = False, 
 @contextmanager
 def replacing_run(out: Path, patterns: Sequence[str], markers: Sequence[str], active: bool = True) -> Iterator[None]:
     """While a new run (not a resume) writes into `out`: if `out` holds an earlier run (one of `markers`, or
-    checkpoints), the files matching `patterns` wait in a hidden folder ``out/.replaced-run.*``. If the new run
-    fails with a user error (InputError, FloatingPointError: a bad input found late, a loss that turned nan), the
-    files it wrote are removed and the earlier ones come back (a folder it created is removed whole): the folder is
-    as it was; unless it wrote a checkpoint to resume from (a nan at a late step names it), when both stay. Once
-    it succeeds, the earlier run's files are deleted. A kill or Ctrl-C leaves both, nothing lost.
-    Files that are not a run's (no marker beside them) are never moved or removed. `active` False (a resume, a
+    checkpoints), its files (those matching `patterns`) wait in a hidden folder ``out/.replaced-run.*``. If the new
+    run fails before writing a checkpoint (a user error found late, a NaN at the first step, out of memory or disk,
+    Ctrl-C), what it wrote (every entry of `out` that was not there before it) is removed and the earlier files
+    come back (a folder it created is removed whole): the folder is as it was. A run that fails after a checkpoint
+    keeps it for --resume, and the earlier run stays in the hidden folder. Once the new run succeeds, the earlier
+    run's files are deleted. Files that are not a run's are never moved or removed. `active` False (a resume, a
     rank other than 0) does nothing."""
     out = Path(out)
     if not active:
@@ -60,19 +60,21 @@ def replacing_run(out: Path, patterns: Sequence[str], markers: Sequence[str], ac
         return
     existed = out.exists()
     held = existed and any((out / m).exists() for m in (*markers, CHECKPOINT_DIR))
-    kept = set() if held or not existed else set(_matching(out, patterns))  # not a run's: left alone
     aside = Path(tempfile.mkdtemp(dir=out, prefix=".replaced-run.")) if held else None
     for path in _matching(out, patterns) if held else []:
         os.replace(path, aside / path.name)
+    before = set(out.iterdir()) if existed else set()  # the user's own files, and the hidden folder
     try:
         yield
-    except (InputError, FloatingPointError):
-        if list_checkpoints(out / CHECKPOINT_DIR):  # the new run can go on (--resume, --skip-nonfinite): kept,
-            raise  # and the earlier run's files stay in the hidden folder
+    except BaseException as e:
+        if list_checkpoints(out / CHECKPOINT_DIR):  # the new run can go on (--resume, --skip-nonfinite): kept
+            if aside is not None and isinstance(e, (InputError, FloatingPointError)) and e.args:
+                e.args = (f"{e.args[0]}; the run it replaced waits in {aside}",)
+            raise
         if not existed:
             shutil.rmtree(out, ignore_errors=True)
         else:
-            for path in set(_matching(out, patterns)) - kept:
+            for path in set(out.iterdir()) - before:
                 shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
             if aside is not None:
                 for path in aside.iterdir():

@@ -56,10 +56,10 @@ DEFAULT_DATA = FINETUNE_DATA
 BASE_DOMAIN = PRETRAIN_DATA  # val loss here before/after shows what fine-tuning forgets
 PEFT_DIR = "adapter_peft"
 RUN_MARKERS = (MANIFEST, "metrics.jsonl", ADAPTER_FILE, WEIGHTS, WEIGHTS_INDEX)  # any of these: the folder holds a run
-# what a run writes, which a new run in the same folder replaces (a full fine-tune writes a whole base folder)
-RUN_FILES = (*RUN_MARKERS, CHECKPOINT_DIR, PEFT_DIR, "loss_curve.png", "model-*-of-*.safetensors", "config.json",
-             "generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-             "chat_template.jinja")
+# what a run writes, which a new run in the same folder replaces; a full fine-tune writes a whole base folder
+LORA_RUN_FILES = (*RUN_MARKERS, CHECKPOINT_DIR, PEFT_DIR, "loss_curve.png")
+FULL_RUN_FILES = (*LORA_RUN_FILES, "model-*-of-*.safetensors", "config.json", "generation_config.json",
+                  "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
 
 def default_train_config() -> TrainConfig:
@@ -154,7 +154,8 @@ def finetune(base: str | Path, out: str | Path, cfg: FinetuneConfig, progress: b
     barrier()  # every rank has checked the folder before rank 0 writes to it
     writer = is_writer()
     progress, log = progress and writer, log if writer else (lambda *a, **k: None)
-    with replacing_run(out, RUN_FILES, RUN_MARKERS, active=writer and not resume):  # a failed run leaves the folder as it was
+    full = (out / WEIGHTS).exists() or (out / WEIGHTS_INDEX).exists()  # the earlier run, if any, was a full FT
+    with replacing_run(out, FULL_RUN_FILES if full else LORA_RUN_FILES, RUN_MARKERS, active=writer and not resume):  # a failed run leaves the folder as it was
         return _finetune(base, out, cfg, progress, log, resume, device, allow_slow_bf16, heap_trims, bf16, start,
                          writer)
 

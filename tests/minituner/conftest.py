@@ -80,6 +80,17 @@ def hf_folder(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def data(tmp_path_factory):
+    """Plain text over the fixture tokenizer's words: 300 paragraphs of 8 words (a module may define its own)."""
+    import random
+
+    rng = random.Random(0)
+    path = tmp_path_factory.mktemp("data") / "words.txt"
+    path.write_text("\n\n".join(" ".join(rng.choice(WORDS) for _ in range(8)) for _ in range(300)))
+    return path
+
+
+@pytest.fixture(scope="session")
 def hf_words() -> list[str]:
     """The words the fixture tokenizer knows (each one token)."""
     return list(WORDS)

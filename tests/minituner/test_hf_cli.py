@@ -1,7 +1,6 @@
 """Every command on tiny llama / mistral / qwen2 folders, through the CLI: finetune (LoRA, QLoRA, full),
 the PEFT folder in PEFT, export, generate stopping at eos, count --base."""
 import json
-import random
 import shutil
 import warnings
 
@@ -16,15 +15,6 @@ from minituner.base_model import load_base  # noqa: E402
 from minituner.cli import main  # noqa: E402
 
 IDS = torch.randint(0, 40, (2, 11), generator=torch.Generator().manual_seed(4))
-
-
-@pytest.fixture(scope="module")
-def data(tmp_path_factory, hf_words):
-    """Plain text over the fixture tokenizer's words: 300 paragraphs of 8 words."""
-    rng = random.Random(0)
-    path = tmp_path_factory.mktemp("data") / "words.txt"
-    path.write_text("\n\n".join(" ".join(rng.choice(hf_words) for _ in range(8)) for _ in range(300)))
-    return path
 
 
 def finetune(base, data, out, *extra, checkpoint_every=0, steps=3):

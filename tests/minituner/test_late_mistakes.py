@@ -3,7 +3,6 @@ code 2, no traceback, and nothing already on disk lost: a failed run leaves its 
 replaces the folders it reads."""
 import hashlib
 import json
-import random
 import shutil
 from pathlib import Path
 
@@ -18,14 +17,6 @@ from minituner.cli import main  # noqa: E402
 
 TRAIN = ["--steps", "2", "--batch-size", "2", "--seq-len", "8", "--rank", "4", "--base-domain", "none",
          "--no-progress"]
-
-
-@pytest.fixture(scope="module")
-def data(tmp_path_factory, hf_words):
-    rng = random.Random(0)
-    path = tmp_path_factory.mktemp("data") / "words.txt"
-    path.write_text("\n\n".join(" ".join(rng.choice(hf_words) for _ in range(8)) for _ in range(200)))
-    return path
 
 
 def hashes(folder: Path) -> dict[str, str]:
@@ -194,3 +185,22 @@ def test_a_sparse_vocabulary_past_the_embedding_is_refused(hf_folder, tmp_path, 
     (base / "tokenizer.json").write_text(json.dumps(tokenizer))
     capsys.readouterr()
     one_line_error(capsys, main(["generate", "--base", str(base), "--prompt", "hello"]), "ids up to 500")
+
+
+@pytest.mark.parametrize("failure", [RuntimeError("DefaultCPUAllocator: can't allocate memory"), MemoryError(),
+                                     OSError(28, "No space left on device"), KeyboardInterrupt()])
+def test_any_failure_before_a_checkpoint_brings_the_earlier_run_back(tmp_path, failure):
+    from minigpt.run_dir import replacing_run
+    from minituner.finetune import LORA_RUN_FILES, RUN_MARKERS
+
+    out = tmp_path / "run"
+    out.mkdir()
+    for name, text in (("manifest.json", "{}"), ("metrics.jsonl", "old"), ("notes.txt", "mine")):
+        (out / name).write_text(text)
+    before = hashes(out)
+    with pytest.raises(type(failure)):
+        with replacing_run(out, LORA_RUN_FILES, RUN_MARKERS):
+            (out / "metrics.jsonl").write_text("new")
+            (out / "loss_curve.png").write_text("new")
+            raise failure
+    assert hashes(out) == before and not list(out.glob(".replaced-run.*"))

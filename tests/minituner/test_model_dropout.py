@@ -2,7 +2,6 @@
 trains, part of the run's identity only where it differs from the config's, recorded in a full fine-tune's
 config.json; count --base plans the same run."""
 import json
-import random
 
 import pytest
 
@@ -18,14 +17,6 @@ from minituner.finetune import FinetuneConfig, finetune  # noqa: E402
 from minituner.lora import LoRAConfig, LoRALinear  # noqa: E402
 
 WINDOW = ["--rank", "4", "--batch-size", "2", "--seq-len", "8"]
-
-
-@pytest.fixture(scope="module")
-def data(tmp_path_factory, hf_words):
-    rng = random.Random(0)
-    path = tmp_path_factory.mktemp("data") / "words.txt"
-    path.write_text("\n\n".join(" ".join(rng.choice(hf_words) for _ in range(8)) for _ in range(200)))
-    return path
 
 
 def run(base, data, out, model_dropout=None, method="lora", steps=2, resume=False, checkpoint_every=0):

@@ -243,7 +243,9 @@ def test_a_template_that_rewrites_earlier_turns_is_located_by_a_marker(tmp_path)
                                      THINKING_TEMPLATE, None, "<|im_end|>")
     ex, stats = example(CHATS[1], ours, template)
     assert ex.input_ids == hf.apply_chat_template(CHATS[1], tokenize=True, return_dict=False)
-    assert counted_text(hf, ex) == "Bonjour.<|im_end|>It is 4.<|im_end|>" and stats.without_eos == 0
+    # the answer starts where the generation prompt ends: the last turn's thinking block is the model's to write
+    assert counted_text(hf, ex) == "Bonjour.<|im_end|><think>\n\n</think>\n\nIt is 4.<|im_end|>"
+    assert stats.without_eos == 0
     # a template that shows an answer twice places it nowhere: refused, named
     twice = THINKING_TEMPLATE.replace("{{ message['content'] + '<|im_end|>\n' }}",
                                       "{{ message['content'] + message['content'] + '<|im_end|>\n' }}")

@@ -219,33 +219,67 @@ def chat_answers(messages: list[dict], template: ChatTemplate, where: str = "",
     return full, spans
 
 
-ANSWER_MARKER = "MinituneRAnswerMarker7f3a9c"  # stands in for an answer's content (no space, no template syntax)
+ANSWER_MARKER = "MinituneRAnswerMarker7f3a9c"  # marks an answer's content (no space, no template syntax)
 
 
-def _answers_by_marker(messages: list[dict], full: str, render: Callable[[list[dict]], str],
+def _answers_by_marker(messages: list[dict], full: str, render: Callable[..., str],
                        markers: Sequence[str], where: str, answers_from: int) -> list[Span]:
     """The answers of a template that rewrites earlier turns as a conversation grows (Mistral v0.3 moves the system
-    message into the last user turn; Qwen3 drops earlier turns' thinking), so that prefixes do not render alike:
-    each assistant turn is rendered whole with its content replaced by ANSWER_MARKER; the text before and after the
-    marker must be the conversation's own, which places the content as the template renders it. The answer is that
-    content and the end marker right after it (whitespace between allowed)."""
+    message into the last user turn; Qwen3 drops earlier turns' thinking), so that prefixes do not render alike.
+    Each assistant turn is rendered whole with ANSWER_MARKER after its content (where the content ends) and, where
+    needed, in place of it (where it starts). An answer starts after the template's generation prompt (the text
+    add_generation_prompt appends: a Qwen3 answer's thinking counts) or, for a template without one, where its
+    content starts; it ends with its content and the end marker right after it (whitespace between allowed)."""
     spans: list[Span] = []
     for k, m in enumerate(messages):
         if m["role"] != "assistant" or k < answers_from:
             continue
-        probe = render([*messages[:k], {**m, "content": ANSWER_MARKER}, *messages[k + 1:]])
-        start = probe.find(ANSWER_MARKER)
-        after = probe[start + len(ANSWER_MARKER):]
-        end = len(full) - len(after)
-        if (start < 0 or ANSWER_MARKER in after or ANSWER_MARKER in full or full[:start] != probe[:start]
-                or not full.endswith(after) or end < start or (spans and start < spans[-1][1])):
+        end = _content_end(messages, k, full, render)
+        start = None if end is None else _answer_start(messages, k, full, render, end)
+        if start is None or end is None or start > end or (spans and start < spans[-1][1]):
             raise InputError(f"{where}: the chat template renders this conversation neither prefix by prefix nor "
                              f"with assistant message {k} in one place, so its answers cannot be located; a "
                              "template that marks answers with {% generation %} can be")
         rest = full[end:]
         found = [(i, len(mk)) for mk in markers if mk and (i := rest.find(mk)) >= 0 and not rest[:i].strip()]
-        spans.append((start, end + (min(found)[0] + min(found)[1] if found else 0)))
+        spans.append((start, end + (sum(min(found)) if found else 0)))
     return spans
+
+
+def _with_content(messages: list[dict], k: int, content: str) -> list[dict]:
+    return [*messages[:k], {**messages[k], "content": content}, *messages[k + 1:]]
+
+
+def _content_end(messages: list[dict], k: int, full: str, render: Callable[..., str]) -> int | None:
+    """Where message k's content ends in `full`: the marker after it must leave the rendering otherwise unchanged;
+    else the marker in its place must leave the text after it unchanged."""
+    if ANSWER_MARKER in full:
+        return None
+    probe = render(_with_content(messages, k, messages[k]["content"] + ANSWER_MARKER))
+    at = probe.find(ANSWER_MARKER)
+    if at >= 0 and probe[:at] + probe[at + len(ANSWER_MARKER):] == full:
+        return at
+    probe = render(_with_content(messages, k, ANSWER_MARKER))
+    at = probe.find(ANSWER_MARKER)
+    after = probe[at + len(ANSWER_MARKER):]
+    if at < 0 or ANSWER_MARKER in after or full[:at] != probe[:at] or not full.endswith(after):
+        return None
+    return len(full) - len(after)
+
+
+def _answer_start(messages: list[dict], k: int, full: str, render: Callable[..., str], end: int) -> int | None:
+    """Where answer k starts in `full`: after the last generation prompt before its content's end, or (a template
+    without one) where the marker in place of its content lands."""
+    try:
+        plain, prompted = render(messages[:k]), render(messages[:k], add_generation_prompt=True)
+    except InputError:  # a template that refuses a conversation ending in a user turn
+        plain = prompted = ""
+    prompt = prompted[len(plain):] if prompted.startswith(plain) else ""
+    if prompt and (at := full.rfind(prompt, 0, end)) >= 0:
+        return at + len(prompt)
+    probe = render(_with_content(messages, k, ANSWER_MARKER))
+    at = probe.find(ANSWER_MARKER)
+    return at if at >= 0 and full[:at] == probe[:at] else None
 
 
 def record_answers(record: Record, template: ChatTemplate) -> tuple[str, list[Span]]:

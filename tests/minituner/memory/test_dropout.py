@@ -133,14 +133,14 @@ def test_dropout_the_planner_does_not_model_is_refused():
         MemoryConfig(activations="seed", lora_dropout=0.1)
     with pytest.raises(InputError, match=r"the model's dropout must be in \[0, 1\)"):
         MemoryConfig(activations="exact", model_dropout=1.0)
-    with pytest.raises(InputError, match=r"dropout \(0.1\) is planned for MiniGPT and GPT-2 on a CPU only"):
+    with pytest.raises(InputError, match=r"dropout \(0.1\) is planned for MiniGPT and GPT-2, and on a CPU only"):
         memory_check(lambda: Decoder(QWEN2), CheckConfig(batch_size=2, seq_len=8, model_dropout=0.1), CPU)
     with pytest.raises(InputError, match="LoRA dropout needs a LoRA regime"):
         CheckConfig(regime="full", lora_dropout=0.1).validate(64)
 
 
 @pytest.mark.parametrize("args,message", [
-    (["memory-check", "--base", "{llama}", "--model-dropout", "0.1"], "is planned for MiniGPT and GPT-2 on a CPU only"),
+    (["memory-check", "--base", "{llama}", "--model-dropout", "0.1"], "is planned for MiniGPT and GPT-2, and on a CPU only"),
     (["memory-check", "--dropout", "1.5"], "LoRA dropout must be in [0, 1)"),
     (["count", "--base", "{llama}", "--model-dropout", "0.1"], "not modelled for the llama family"),
     (["count", "--dropout", "-0.1"], "LoRA dropout must be in [0, 1)"),
