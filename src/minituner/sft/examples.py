@@ -17,8 +17,8 @@ How the answers are found (``record_answers``: the string and the character span
   last end marker its turn writes: the EOS or one of the tokenizer's special tokens (``<|eot_id|>``,
   ``<|im_end|>``, ``<end_of_turn>``), so ChatML's newline after ``<|im_end|>`` does not count. A template that
   does not render conversations prefix by prefix (one that rewrites earlier turns as the conversation grows:
-  Mistral v0.3's system message, Qwen3's thinking) is rendered with each answer's content replaced by a marker,
-  which places the content; its answer is that content and the end marker after it (``_answers_by_marker``); a
+  Mistral v0.3's system message, Qwen3's thinking) is rendered with a marker after each answer's content, which
+  places its end; the answer starts after the generation prompt as above (``_answers_by_marker``); a
   conversation neither way locates is refused, named. A turn with no end marker still counts;
   SFTStats.without_eos says how often. TRL's
   conversational prompt-completion counts the completion's turns only (``Record.answers_from``).
