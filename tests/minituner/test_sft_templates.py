@@ -6,7 +6,8 @@ import os
 import pytest
 
 from minigpt.errors import InputError
-from minituner.sft.examples import IGNORE, plain_encoder, special_prefix, tokenize_record, tokenize_records
+from minituner.sft.encoders import plain_encoder, special_prefix
+from minituner.sft.examples import IGNORE, tokenize_record, tokenize_records
 from minituner.sft.formats import Record
 from minituner.sft.templates import (DEFAULT_EOS, DEFAULT_TEMPLATE, ChatTemplate, default_template,
                                      load_chat_template, render_template)

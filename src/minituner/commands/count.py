@@ -126,7 +126,8 @@ def finetune_table(run: dict, from_data: bool = False, dropout_from: str = "conf
                 + "), 16-bit parts cast to fp32 per product; full FT reads it in float32")
     lines = [f"As `finetune --base` runs it on CPU with --precision fp32 (its default): fp32 compute and activations"
              f"{kept}; QLoRA's targets in NF4 (blocks of 64, finetune's default scheme); LoRA factors, grads and "
-             f"AdamW fp32{_dropouts(run, dropout_from)}; batch {run['batch_size']} x seq {run['seq_len']}{_counted(run)}, "
+             f"AdamW fp32{_dropouts(run, dropout_from)}; "
+             f"batch {run['batch_size']} x seq {run['seq_len']}{_counted(run)}, "
              f"{_batch_origin(from_data)}. "
              "The step peak as "
              "`memory-check --base` predicts it (planner/peak.py); the process itself (Python, torch) comes on top.",

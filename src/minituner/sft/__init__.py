@@ -1,7 +1,8 @@
 """Supervised fine-tuning data: JSONL/JSON instruction and chat sets, chat templates, answer-only loss masks.
 
-formats (read and check records) -> templates (render chats as transformers does) -> examples (tokens and
-labels, -100 outside the answers) -> batches (padded (x, y) batches, evaluation over the counted tokens).
+formats (read and check records) -> templates (render chats as transformers does) -> answers (where a chat's
+answers are) -> examples (tokens and labels, -100 outside the answers; encoders: the tokenizers it meets) ->
+batches (padded (x, y) batches, evaluation over the counted tokens).
 builtin holds ``builtin:forecast-qa``; load ties them together for a command's ``--data``; chat asks a model a
 question through the template.
 """
@@ -9,8 +10,9 @@ from .batches import (EvalResult, ExampleSampler, LargestBatch, collate, evaluat
                       largest_batch)
 from .builtin import builtin_records, forecast_qa
 from .chat import answer, chat_prompt, cut_answer
-from .examples import (IGNORE, Example, SFTConfig, SFTStats, examples_sha256, plain_encoder, record_pieces,
-                       record_text, special_prefix, tokenize_record, tokenize_records)
+from .encoders import plain_encoder, special_prefix
+from .examples import (IGNORE, Example, SFTConfig, SFTStats, examples_sha256, record_pieces, record_text,
+                       tokenize_record, tokenize_records)
 from .formats import FORMATS, Record, read_file, read_records, split_records
 from .load import SFTData, is_sft_source, load_records, prepare_eval, prepare_sft
 from .templates import DEFAULT_EOS, DEFAULT_TEMPLATE, ChatTemplate, default_template, load_chat_template

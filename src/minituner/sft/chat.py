@@ -6,7 +6,7 @@ import torch.nn as nn
 
 from minigpt.errors import InputError
 
-from .examples import plain_encoder
+from .encoders import plain_encoder
 from .templates import ChatTemplate
 
 
