@@ -45,18 +45,24 @@ def check_run_dir(out: Path, markers: tuple[str, ...], overwrite: bool = False, 
 
 
 @contextmanager
-def replacing_run(out: Path, patterns: Sequence[str], markers: Sequence[str], active: bool = True) -> Iterator[None]:
+def replacing_run(out: Path, patterns: Sequence[str], markers: Sequence[str], active: bool = True,
+                  resuming: bool = False) -> Iterator[None]:
     """While a new run (not a resume) writes into `out`: if `out` holds an earlier run (one of `markers`, or
     checkpoints), its files (those matching `patterns`) wait in a hidden folder ``out/.replaced-run.*``. If the new
     run fails before writing a checkpoint (a user error found late, a NaN at the first step, out of memory or disk,
     Ctrl-C), what it wrote (every entry of `out` that was not there before it) is removed and the earlier files
     come back (a folder it created is removed whole): the folder is as it was. A run that fails after a checkpoint
     keeps it for --resume, and the earlier run stays in the hidden folder. Once the new run succeeds, the earlier
-    run's files are deleted. Files that are not a run's are never moved or removed. `active` False (a resume, a
-    rank other than 0) does nothing."""
+    run's files are deleted, as they are when a `resuming` run (one killed after its checkpoint) succeeds. Files
+    that are not a run's are never moved or removed. `active` False (a rank other than 0) does nothing."""
     out = Path(out)
     if not active:
         yield
+        return
+    if resuming:  # the run that replaced an earlier one (killed, then resumed): once it succeeds, that one goes
+        yield
+        for old in out.glob(".replaced-run.*"):
+            shutil.rmtree(old, ignore_errors=True)
         return
     existed = out.exists()
     held = existed and any((out / m).exists() for m in (*markers, CHECKPOINT_DIR))

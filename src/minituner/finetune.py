@@ -156,7 +156,7 @@ def finetune(base: str | Path, out: str | Path, cfg: FinetuneConfig, progress: b
     progress, log = progress and writer, log if writer else (lambda *a, **k: None)
     full = (out / WEIGHTS).exists() or (out / WEIGHTS_INDEX).exists()  # the earlier run, if any, was a full FT
     files = FULL_RUN_FILES if full else LORA_RUN_FILES
-    with replacing_run(out, files, RUN_MARKERS, active=writer and not resume):  # a failed run leaves it as it was
+    with replacing_run(out, files, RUN_MARKERS, active=writer, resuming=resume):  # a failed run leaves it as it was
         return _finetune(base, out, cfg, progress, log, resume, device, allow_slow_bf16, heap_trims, bf16, start,
                          writer)
 

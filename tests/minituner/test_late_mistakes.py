@@ -204,3 +204,26 @@ def test_any_failure_before_a_checkpoint_brings_the_earlier_run_back(tmp_path, f
             (out / "loss_curve.png").write_text("new")
             raise failure
     assert hashes(out) == before and not list(out.glob(".replaced-run.*"))
+
+
+def test_a_resumed_replacement_deletes_the_run_it_replaced_once_it_succeeds(tmp_path):
+    from minigpt.run_dir import replacing_run
+    from minituner.finetune import LORA_RUN_FILES, RUN_MARKERS
+
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "manifest.json").write_text("old")
+    with pytest.raises(KeyboardInterrupt):  # killed after a checkpoint: both stay
+        with replacing_run(out, LORA_RUN_FILES, RUN_MARKERS):
+            (out / "checkpoints").mkdir()
+            (out / "checkpoints" / "step-00000001.safetensors").write_text("new")
+            raise KeyboardInterrupt
+    (aside,) = out.glob(".replaced-run.*")
+    assert (aside / "manifest.json").read_text() == "old"
+    with pytest.raises(FloatingPointError):  # a resume that fails keeps it
+        with replacing_run(out, LORA_RUN_FILES, RUN_MARKERS, resuming=True):
+            raise FloatingPointError("nan")
+    assert aside.is_dir()
+    with replacing_run(out, LORA_RUN_FILES, RUN_MARKERS, resuming=True):
+        (out / "manifest.json").write_text("new")
+    assert not aside.exists() and (out / "manifest.json").read_text() == "new"
