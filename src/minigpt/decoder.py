@@ -131,8 +131,9 @@ class DecoderConfig:
             raise InputError(f"num_key_value_heads={self.n_kv_head} does not divide num_attention_heads={self.n_head}")
         if self.positions == "rope" and self.head_dim % 2:
             raise InputError(f"head_dim={self.head_dim} must be even for rotary positions")
-        check_config_values(self, positive=("norm_eps", "rope_theta", "rope_factor", "rope_low_freq_factor",
-                                            "rope_high_freq_factor", "rope_original_max_position_embeddings"),
+        check_config_values(self, fractions=("attention_dropout",),
+                            positive=("norm_eps", "rope_theta", "rope_factor", "rope_low_freq_factor",
+                                      "rope_high_freq_factor", "rope_original_max_position_embeddings"),
                             flags=("qkv_bias", "o_bias", "mlp_bias", "tie_word_embeddings"),
                             choices={"norm": NORMS, "positions": POSITIONS, "mlp": MLPS, "activation": ACTIVATIONS,
                                      "rope_type": ROPE_TYPES})
@@ -140,9 +141,6 @@ class DecoderConfig:
             raise InputError(f"sliding_window must be a positive integer or null, got {self.sliding_window!r}")
         if any(not 0 <= i < self.n_layer for i in self.sliding_layers):
             raise InputError(f"sliding_layers {self.sliding_layers} name layers outside 0..{self.n_layer - 1}")
-        if isinstance(self.attention_dropout, bool) or not isinstance(self.attention_dropout, (int, float)) \
-                or not 0.0 <= self.attention_dropout < 1.0:
-            raise InputError(f"attention_dropout must be in [0, 1), got {self.attention_dropout}")
 
     def to_dict(self) -> dict:
         return asdict(self)

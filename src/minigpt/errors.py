@@ -17,9 +17,14 @@ def check_known_fields(cls: type, d: dict) -> None:
 
 
 def check_config_values(cfg, positive: tuple[str, ...] = (), flags: tuple[str, ...] = (),
-                        choices: dict[str, object] | None = None) -> None:
+                        choices: dict[str, object] | None = None, fractions: tuple[str, ...] = ()) -> None:
     """InputError naming the first field of `cfg` that is not a positive finite number (`positive`), not a bool
-    (`flags`: a JSON "false" string would read as true), or not one of its choices (`choices`: name -> valid)."""
+    (`flags`: a JSON "false" string would read as true), not one of its choices (`choices`: name -> valid), or not
+    a number in [0, 1) (`fractions`: dropout rates)."""
+    for name in fractions:
+        value = getattr(cfg, name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
+            raise InputError(f"{name} must be in [0, 1), got {value!r}")
     for name in positive:
         value = getattr(cfg, name)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):

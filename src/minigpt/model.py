@@ -57,10 +57,7 @@ class GPTConfig:
                 raise InputError(f"{name} must be a positive integer, got {value!r}")
         if self.d_model % self.n_head:
             raise InputError(f"n_head={self.n_head} does not divide d_model={self.d_model}")
-        if isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float)) \
-                or not 0.0 <= self.dropout < 1.0:
-            raise InputError(f"dropout must be in [0, 1), got {self.dropout!r}")
-        check_config_values(self, positive=("layer_norm_eps",), flags=("bias", "tie_weights"),
+        check_config_values(self, fractions=("dropout",), positive=("layer_norm_eps",), flags=("bias", "tie_weights"),
                             choices={"activation": ACTIVATIONS})
 
     def to_dict(self) -> dict:
