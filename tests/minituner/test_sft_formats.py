@@ -4,7 +4,8 @@ import json
 import pytest
 
 from minigpt.errors import InputError
-from minituner.sft.formats import FORMATS, is_structured, read_file, read_records, split_records
+from minituner.sft.files import is_structured, read_file, read_records
+from minituner.sft.formats import FORMATS, split_records
 
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi?"},
         {"role": "assistant", "content": "Hello."}]

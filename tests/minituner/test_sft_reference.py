@@ -16,7 +16,8 @@ from tokenizers import Regex, decoders, models, normalizers, pre_tokenizers, pro
 
 from minituner.sft.chat import answer, chat_prompt  # noqa: E402
 from minituner.sft.examples import IGNORE, SFTConfig, tokenize_records  # noqa: E402
-from minituner.sft.formats import Record, read_file  # noqa: E402
+from minituner.sft.files import read_file  # noqa: E402
+from minituner.sft.formats import Record  # noqa: E402
 from minituner.sft.templates import load_chat_template  # noqa: E402
 from minituner.tokenizer_files import load_tokenizer  # noqa: E402
 

@@ -1,6 +1,6 @@
 """Supervised fine-tuning data: JSONL/JSON instruction and chat sets, chat templates, answer-only loss masks.
 
-formats (read and check records) -> templates (render chats as transformers does) -> answers (where a chat's
+files (find and read the records on disk; formats: the shapes a record takes, and the splits) -> templates (render chats as transformers does) -> answers (where a chat's
 answers are) -> examples (tokens and labels, -100 outside the answers; encoders: the tokenizers it meets) ->
 batches (padded (x, y) batches, evaluation over the counted tokens).
 builtin holds ``builtin:forecast-qa``; load ties them together for a command's ``--data``; chat asks a model a
@@ -13,7 +13,8 @@ from .chat import answer, chat_prompt, cut_answer
 from .encoders import plain_encoder, special_prefix
 from .examples import (IGNORE, Example, SFTConfig, SFTStats, examples_sha256, record_pieces, record_text,
                        tokenize_record, tokenize_records)
-from .formats import FORMATS, Record, read_file, read_records, split_records
+from .files import read_file, read_records
+from .formats import FORMATS, Record, split_records
 from .load import SFTData, is_sft_source, load_records, prepare_eval, prepare_sft
 from .templates import DEFAULT_EOS, DEFAULT_TEMPLATE, ChatTemplate, default_template, load_chat_template
 

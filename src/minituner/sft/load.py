@@ -8,7 +8,8 @@ from minigpt.errors import InputError
 
 from .builtin import BUILTIN_SFT, SPLITS, builtin_records
 from .examples import Example, SFTConfig, SFTStats, tokenize_records
-from .formats import Record, is_structured, read_records, split_records
+from .files import is_structured, read_records
+from .formats import Record, split_records
 from .templates import ChatTemplate
 
 BUILTIN_PREFIX = "builtin:"
