@@ -53,6 +53,36 @@ def test_alpaca_shape_with_and_without_input(tmp_path):
     assert b.messages == c.messages == ({"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "hi"})
 
 
+def test_sharegpt_shape_reads_as_messages(tmp_path):
+    rows = [{"conversations": [{"from": "system", "value": "Be brief."}, {"from": "human", "value": "Hi?"},
+                               {"from": "gpt", "value": "Hello."}], "id": "x1"},
+            {"system": "Be brief.", "conversations": [{"from": "Human", "value": "Hi?"},
+                                                      {"from": "GPT", "value": "Hello.", "weight": 1}]},
+            {"conversations": [{"role": "user", "content": "Hi?"}, {"role": "assistant", "content": "Hello."}]}]
+    a, b, c = read_file(write_jsonl(tmp_path / "a.jsonl", rows))
+    assert (a.format, a.kind) == ("sharegpt", "chat") and list(a.messages) == CHAT
+    assert list(b.messages) == CHAT[:2] + [{**CHAT[2], "weight": 1}]  # the system field is the first turn
+    assert list(c.messages) == CHAT[1:]
+    tool = {"conversations": [{"from": "human", "value": "Weather?"}, {"from": "observation", "value": "rain"},
+                              {"from": "gpt", "value": "Rain."}], "system": ""}
+    (t,) = read_file(write_jsonl(tmp_path / "t.jsonl", [tool]))
+    assert [m["role"] for m in t.messages] == ["user", "tool", "assistant"]
+
+
+def test_sharegpt_renders_as_the_same_messages(tmp_path):
+    """Through the template and the tokenizer a ShareGPT record and its messages twin are the same example."""
+    from minigpt.tokenizer import CharTokenizer
+    from minituner.sft import default_template, tokenize_records
+
+    share = {"conversations": [{"from": "human", "value": "Hi?"}, {"from": "gpt", "value": "Hello."}]}
+    (a,) = read_file(write_jsonl(tmp_path / "a.jsonl", [share]))
+    (b,) = read_file(write_jsonl(tmp_path / "b.jsonl", [{"messages": CHAT[1:]}]))
+    tok = CharTokenizer.train("User: Assistant: Hi?Hello.\n<|end|>")
+    (ea,), _ = tokenize_records([a], tok, default_template(), 64)
+    (eb,), _ = tokenize_records([b], tok, default_template(), 64)
+    assert (ea.input_ids, ea.labels) == (eb.input_ids, eb.labels) and sum(t >= 0 for t in ea.labels) > 5
+
+
 def test_json_array_has_line_numbers(tmp_path):
     p = tmp_path / "a.json"
     p.write_text('[\n  {"prompt": "a", "completion": "b"},\n  {"prompt": "c",\n   "completion": "d"}\n]\n')
@@ -97,7 +127,7 @@ def test_forced_format(tmp_path):
         read_file(p, "alpaca")
     with pytest.raises(InputError, match="unknown data format 'csv'"):
         read_file(p, "csv")
-    assert set(FORMATS) == {"text", "prompt-completion", "messages", "alpaca"}
+    assert set(FORMATS) == {"text", "prompt-completion", "messages", "alpaca", "sharegpt"}
 
 
 @pytest.mark.parametrize("rows, message", [
@@ -119,6 +149,15 @@ def test_forced_format(tmp_path):
     ([{"messages": [{"role": "bot", "content": "hi"}]}], r"a\.jsonl:1: messages\[0\] has role 'bot'"),
     ([{"messages": []}], r"a\.jsonl:1: 'messages' must be a non-empty list"),
     ([[1, 2]], r"a\.jsonl:1: expected a JSON object, got list"),
+    ([{"conversations": [{"from": "human", "value": "hi"}, {"from": "bot", "value": "ok"}]}],
+     r"a\.jsonl:1: conversations\[1\] is from 'bot'; speakers are system, human"),
+    ([{"conversations": [{"from": "human", "text": "hi"}]}],
+     r"a\.jsonl:1: conversations\[0\] must be an object with string 'from' and 'value' \(found from, text\)"),
+    ([{"conversations": "hi"}], r"a\.jsonl:1: 'conversations' must be a non-empty list"),
+    ([{"conversations": [{"from": "human", "value": "hi"}]}], r"a\.jsonl:1: the conversation has no assistant"),
+    ([{"system": "s", "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": " "}]}],
+     r"a\.jsonl:1: conversations\[1\] is an empty assistant"),
+    ([{"system": 3, "conversations": [{"from": "gpt", "value": "a"}]}], r"a\.jsonl:1: field 'system' must be a string"),
 ])
 def test_bad_records_are_refused_with_file_and_line(tmp_path, rows, message):
     with pytest.raises(InputError, match=message):

@@ -8,7 +8,11 @@ The shapes are the ones TRL's SFTTrainer, axolotl and torchtune agree on:
   completion-only loss counts them: an assistant turn inside the prompt is context);
 - ``messages``: ``{"messages": [{"role": "user", "content": "..."}, ...]}``, rendered with a chat template;
 - ``alpaca``: ``{"instruction": "...", "input": "..." (optional), "output": "..."}``, read as a conversation of
-  one user turn (instruction, then a blank line and the input when there is one) and one assistant turn.
+  one user turn (instruction, then a blank line and the input when there is one) and one assistant turn;
+- ``sharegpt``: ``{"conversations": [{"from": "human", "value": "..."}, {"from": "gpt", "value": "..."}, ...],
+  "system": "..." (optional)}``, as FastChat, axolotl and LLaMA-Factory write it, read as ``messages`` with the
+  roles of SHAREGPT_ROLES (turns written ``{"role", "content"}`` are read too; a ``system`` field becomes the
+  first turn).
 
 The shape is recognised per file from the fields of its first record (or forced with ``fmt``); every record of
 the file must then fit it. Fields beyond the shape's are ignored. Mistakes name the file and the line
@@ -20,8 +24,12 @@ from dataclasses import dataclass
 
 from minigpt.errors import InputError
 
-FORMATS = ("text", "prompt-completion", "messages", "alpaca")
+FORMATS = ("text", "prompt-completion", "messages", "alpaca", "sharegpt")
 ROLES = ("system", "user", "assistant", "tool")
+# ShareGPT's speaker names (FastChat, axolotl's defaults, LLaMA-Factory's tags) -> chat template roles
+SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+                  "chatgpt": "assistant", "bard": "assistant", "bing": "assistant", "model": "assistant",
+                  "tool": "tool", "observation": "tool", "function_response": "tool"}
 
 
 @dataclass(frozen=True)
@@ -43,9 +51,12 @@ class Record:
 
 
 def detect_format(obj: dict) -> str | None:
-    """The shape a record's fields fit, or None; `messages` wins over `prompt`/`completion`, then alpaca, then text."""
+    """The shape a record's fields fit, or None; `messages` wins over `conversations` (sharegpt), then
+    `prompt`/`completion`, then alpaca, then text."""
     if "messages" in obj:
         return "messages"
+    if "conversations" in obj:
+        return "sharegpt"
     if "prompt" in obj and "completion" in obj:
         return "prompt-completion"
     if "instruction" in obj and "output" in obj:
@@ -84,6 +95,33 @@ def _messages(value, where: str, key: str = "messages") -> tuple[dict, ...]:
     return tuple(out)
 
 
+def _sharegpt(obj: dict, where: str) -> tuple[dict, ...]:
+    """ShareGPT's turns as messages: `from`/`value` (or `role`/`content`), speakers mapped by SHAREGPT_ROLES."""
+    turns = obj["conversations"]
+    if not isinstance(turns, list) or not turns:
+        raise InputError(f"{where}: 'conversations' must be a non-empty list of {{from, value}} objects")
+    messages = []
+    for i, t in enumerate(turns):
+        keys = ("from", "value") if isinstance(t, dict) and "from" in t else ("role", "content")
+        if not isinstance(t, dict) or not isinstance(t.get(keys[0]), str) or not isinstance(t.get(keys[1]), str):
+            found = _fields(t) if isinstance(t, dict) else type(t).__name__
+            raise InputError(f"{where}: conversations[{i}] must be an object with string 'from' and 'value' "
+                             f"(found {found})")
+        role = SHAREGPT_ROLES.get(t[keys[0]].lower())
+        if role is None:
+            raise InputError(f"{where}: conversations[{i}] is from {t[keys[0]]!r}; speakers are "
+                             f"{', '.join(SHAREGPT_ROLES)}")
+        extra = {k: v for k, v in t.items() if k not in keys}  # other fields (name, ...) reach the template
+        messages.append({**extra, "role": role, "content": t[keys[1]]})
+    system = obj.get("system")
+    if system is not None and not isinstance(system, str):
+        raise InputError(f"{where}: field 'system' must be a string, got {type(system).__name__}")
+    checked = _messages(messages, where, "conversations")  # before the system turn: indices as in the file
+    if system and checked[0]["role"] != "system":
+        return ({"role": "system", "content": system}, *checked)
+    return checked
+
+
 def _conversation(messages: tuple[dict, ...], fmt: str, where: str, answers_from: int = 0) -> Record:
     if not any(m["role"] == "assistant" for m in messages[answers_from:]):
         part = "the completion" if answers_from else "the conversation"
@@ -97,6 +135,8 @@ def parse_record(obj, fmt: str, where: str) -> Record:
         raise InputError(f"{where}: expected a JSON object, got {type(obj).__name__}")
     if fmt == "messages" and "messages" in obj:
         return _conversation(_messages(obj["messages"], where), fmt, where)
+    if fmt == "sharegpt" and "conversations" in obj:
+        return _conversation(_sharegpt(obj, where), fmt, where)
     if fmt == "prompt-completion" and "prompt" in obj and "completion" in obj:
         prompt, completion = obj["prompt"], obj["completion"]
         if isinstance(prompt, list) != isinstance(completion, list):
@@ -125,7 +165,7 @@ def parse_record(obj, fmt: str, where: str) -> Record:
             raise InputError(f"{where}: empty text")
         return Record(fmt, where, text=text)
     found = detect_format(obj)
-    why = f"it looks like {found}" if found else "it fits none of text, prompt-completion, messages, alpaca"
+    why = f"it looks like {found}" if found else f"it fits none of {', '.join(FORMATS)}"
     raise InputError(f"{where}: fields found: {_fields(obj)}; expected {fmt} ({why})")
 
 
@@ -142,7 +182,7 @@ def first_format(obj, where: str) -> str:
     fmt = detect_format(obj)
     if fmt is None:
         raise InputError(f"{where}: fields found: {_fields(obj)}; a record needs 'text', 'prompt' and "
-                         "'completion', 'messages', or 'instruction' and 'output'")
+                         "'completion', 'messages', 'conversations', or 'instruction' and 'output'")
     return fmt
 
 
