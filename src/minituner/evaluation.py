@@ -1,8 +1,8 @@
 """`minituner eval`'s numbers: mean loss over the counted tokens of a data set, its perplexity, and the counts.
 
-Instruction data (.jsonl/.json, builtin:forecast-qa) counts what training counts (by default the answers and
-their EOS; ``train_on_inputs`` every token); plain text counts every token of non-overlapping windows of the
-context length (the tail shorter than a window is left out).
+Instruction data (.jsonl/.json/.parquet/.arrow, builtin:forecast-qa) counts what training counts (by default the
+answers and their EOS; ``train_on_inputs`` every token); plain text counts every token of non-overlapping windows of
+the context length (the tail shorter than a window is left out).
 """
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ def evaluate_data(model: nn.Module, tokenizer, base: str | Path, source: str, sp
     block = block_size or model.config.block_size
     if not is_sft_source(source):
         if fmt is not None:
-            raise InputError(f"--format applies to .jsonl/.json data, not to {source} (plain text)")
+            raise InputError(f"--format applies to .jsonl/.json/.parquet/.arrow data, not to {source} (plain text)")
         ids = torch.tensor(tokenizer.encode(text_split(source, split)), dtype=torch.long)
         return evaluate_text(model, ids, block, batch_size)
     template = load_chat_template(base)

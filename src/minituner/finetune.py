@@ -1,7 +1,7 @@
 """Fine-tune a base folder (MiniGPT, GPT-2, Llama, Mistral, Qwen2) with LoRA, QLoRA or fully (minigpt.train.train).
 
-The data is plain text, or instruction and chat data (.jsonl/.json, builtin:forecast-qa) trained on the answers
-only (finetune_data).
+The data is plain text, or instruction and chat data (.jsonl/.json/.parquet/.arrow, builtin:forecast-qa) trained on
+the answers only (finetune_data).
 
 A LoRA run writes ``adapter_final.safetensors`` (minituner-lora-v1, see adapter_io), ``adapter_peft/``
 (a PEFT folder), ``metrics.jsonl``, ``loss_curve.png`` and ``manifest.json`` (sha256 of base and adapter).
@@ -69,7 +69,7 @@ def default_train_config() -> TrainConfig:
 
 @dataclass
 class FinetuneConfig:
-    data: str = DEFAULT_DATA  # builtin:NAME, a text file or folder, or .jsonl/.json instruction data (file or folder)
+    data: str = DEFAULT_DATA  # builtin:NAME, a text file or folder, or instruction data (.jsonl/.json/.parquet/.arrow)
     method: str = "lora"  # "lora" (train adapters only) or "full" (every parameter)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     train: TrainConfig = field(default_factory=default_train_config)
@@ -80,7 +80,7 @@ class FinetuneConfig:
     quant_scheme: str | None = None  # QLoRA: quantize the LoRA targets (e.g. nf4_per_group_64) first; None: LoRA
     allow_unknown_chars: bool = False  # train on characters the base tokenizer never saw (as <unk>) instead of refusing
     seq_len: int | None = None  # training window in tokens; None: MiniGPT's block size, else min(context, 512)
-    format: str | None = None  # .jsonl/.json shape (sft.FORMATS); None: recognised per file from its fields
+    format: str | None = None  # a data file's shape (sft.FORMATS); None: recognised per file from its fields
     train_on_inputs: bool = False  # instruction data: count prompt/user tokens in the loss too (default: answers only)
     overlong: str = "truncate"  # instruction data: an example longer than the block is "truncate"d or "drop"ped
     model_dropout: float | None = None  # the model's own dropout while training; None: its config's (GPT-2's 0.1)

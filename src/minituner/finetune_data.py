@@ -22,7 +22,7 @@ from minigpt.train import TrainConfig, evaluate
 
 from .base_model import base_tokenizer
 from .sft import (ExampleSampler, LargestBatch, SFTConfig, evaluate_examples, examples_sha256, is_sft_source,
-                  largest_batch, load_chat_template, load_records, prepare_sft, record_pieces)
+                  largest_batch, load_chat_template, load_records, prepare_sft, record_pieces, split_names)
 
 
 @dataclass
@@ -105,10 +105,13 @@ def sft_data(source: str, base: Path, tokenizer, block_size: int, train_cfg: Tra
         if warning:
             log(warning.replace("warning: ", f"warning: {name}: ", 1))
     val, batch_size = data.val, train_cfg.batch_size
-    formats = sorted({r.format for r in records})
+    formats, named = sorted({r.format for r in records}), split_names(records)
+    carved = "" if "val" in named else " (val carved from train)"
+    splits = f"; splits as its files name them: {', '.join(named)}{carved}" if named else ""
     return TrainingData(
         f"{len(data.train):,} train / {len(data.val):,} val examples ({', '.join(formats)}; "
-        f"{data.train_stats.counted_tokens:,} counted train tokens) from {source}; chat template: {template.origin}",
+        f"{data.train_stats.counted_tokens:,} counted train tokens) from {source}{splits}; "
+        f"chat template: {template.origin}",
         len(data.train), batch_size,
         lambda m: evaluate_examples(m, val, batch_size).loss,
         batches=ExampleSampler(data.train), unk_fraction=unk,
@@ -116,7 +119,8 @@ def sft_data(source: str, base: Path, tokenizer, block_size: int, train_cfg: Tra
         data_identity={"train_examples_sha256": examples_sha256(data.train),
                        "val_examples_sha256": examples_sha256(data.val)},
         results={"train_tokens": data.train_stats.tokens, "val_tokens": data.val_stats.tokens,
-                 "sft": {"formats": formats, "template": template.origin, "eos_token": template.eos_token,
+                 "sft": {"formats": formats, **({"named_splits": named} if named else {}),
+                         "template": template.origin, "eos_token": template.eos_token,
                          "train_on_inputs": sft_cfg.train_on_inputs, "overlong": sft_cfg.overlong,
                          "train": data.train_stats.as_dict(), "val": data.val_stats.as_dict()}})
 
@@ -130,7 +134,7 @@ def largest_data_batch(source: str, base: Path, window: int, batch_size: int, fm
     size. Plain text: windows of `window` tokens whose every target counts."""
     if not is_sft_source(source):
         if fmt is not None:
-            raise InputError(f"--format applies to .jsonl/.json data, not to {source} (plain text)")
+            raise InputError(f"--format applies to .jsonl/.json/.parquet/.arrow data, not to {source} (plain text)")
         docs = load_documents(source)
         return text_batch(batch_size, window), _refusal(["\n\n".join(docs)], base_tokenizer(base), source)
     tokenizer, template = base_tokenizer(base), load_chat_template(base)
@@ -155,5 +159,5 @@ def training_data(source: str, base: Path, tokenizer, block_size: int, train_cfg
     if is_sft_source(source):
         return sft_data(source, base, tokenizer, block_size, train_cfg, fmt, sft_cfg or SFTConfig(), allow_unknown, log)
     if fmt is not None:
-        raise InputError(f"--format applies to .jsonl/.json data, not to {source} (plain text)")
+        raise InputError(f"--format applies to .jsonl/.json/.parquet/.arrow data, not to {source} (plain text)")
     return text_data(source, tokenizer, block_size, train_cfg, allow_unknown)

@@ -86,6 +86,34 @@ def test_finetune_on_each_shape_reports_what_it_counted(root, tmp_path, capsys, 
     assert len(rows) == 3 and rows[-1]["val_loss"] > 0
 
 
+def test_a_hub_style_folder_trains_on_train_and_validates_on_validation(root, tmp_path, capsys):
+    """data/train-*.parquet and data/validation-*.parquet (a README beside them): the splits their names give."""
+    datasets = pytest.importorskip("datasets")
+    chats = SHAPES["chat.jsonl"]
+    folder = tmp_path / "hub" / "data"
+    folder.mkdir(parents=True)
+    datasets.Dataset.from_list(chats[:24]).to_parquet(str(folder / "train-00000-of-00001.parquet"))
+    datasets.Dataset.from_list(chats[24:27]).to_parquet(str(folder / "validation-00000-of-00001.parquet"))
+    datasets.Dataset.from_list(chats[27:]).to_parquet(str(folder / "test-00000-of-00001.parquet"))
+    (tmp_path / "hub" / "README.md").write_text("# dataset card\n")
+    out = tmp_path / "run"
+    code, stdout, err = cli(capsys, "finetune", "--base", root / "base", "--data", tmp_path / "hub", "--out", out,
+                            *TRAIN)
+    assert code == 0, err
+    assert "24 train / 3 val examples (messages;" in stdout and "splits as its files name them: train, val, test" in stdout
+    sft = json.loads((out / "manifest.json").read_text())["results"]["sft"]
+    assert sft["named_splits"] == ["train", "val", "test"] and sft["val"]["examples"] == 3
+    code, stdout, err = cli(capsys, "eval", "--base", root / "base", "--data", tmp_path / "hub", "--split", "test",
+                            "--json")
+    assert code == 0 and json.loads(stdout)["examples"] == 3, err
+    (folder / "train-00000-of-00001.parquet").unlink()
+    code, _, err = cli(capsys, "finetune", "--base", root / "base", "--data", tmp_path / "hub", "--out", out,
+                       "--overwrite", *TRAIN)
+    assert code == 2 and err.count("\n") == 1
+    assert "its files name the val and test splits but no train split" in err
+    assert (out / ADAPTER_FILE).is_file()  # the earlier run is still there
+
+
 def test_eval_counts_the_answers_and_their_eos_only(root, capsys):
     tok = load_base(root / "base")[1]
     code, stdout, err = cli(capsys, "eval", "--base", root / "base", "--data", root / "pc.jsonl", "--json")
@@ -168,7 +196,7 @@ def test_bad_data_is_refused_in_one_line_naming_the_line(root, tmp_path, capsys,
 def test_flags_that_do_not_fit_the_data_are_refused(root, tmp_path, capsys):
     code, _, err = cli(capsys, "finetune", "--base", root / "base", "--data", root / "plain.txt", "--out",
                        tmp_path / "run", "--format", "messages", *TRAIN)
-    assert code == 2 and "--format applies to .jsonl/.json data" in err
+    assert code == 2 and "--format applies to .jsonl/.json/.parquet/.arrow data" in err
     code, _, err = cli(capsys, "eval", "--base", root / "base", "--data", root / "pc.jsonl", "--format", "messages")
     assert code == 2 and "pc.jsonl:1" in err
     code, _, err = cli(capsys, "generate", "--base", root / "base", "--chat", " ")

@@ -104,7 +104,7 @@ def test_folder_reads_files_in_order_each_its_own_shape(tmp_path):
     assert [r.format for r in recs] == ["text", "text", "messages"]
     assert is_structured(tmp_path) and is_structured(tmp_path / "a.jsonl") and not is_structured(tmp_path / "notes.csv")
     (tmp_path / "notes.txt").write_text("would be skipped")
-    with pytest.raises(InputError, match=r"holds .jsonl/.json files and text files \(notes.txt\)"):
+    with pytest.raises(InputError, match=r"holds data files and text files \(notes.txt\)"):
         read_records(tmp_path)
     hidden_only = tmp_path / "h"
     hidden_only.mkdir()
@@ -198,7 +198,7 @@ def test_empty_and_missing(tmp_path):
     with pytest.raises(InputError, match="not found"):
         read_records(tmp_path / "missing.jsonl")
     (tmp_path / "d").mkdir()
-    with pytest.raises(InputError, match="no .jsonl or .json files"):
+    with pytest.raises(InputError, match="no .jsonl, .json, .parquet or .arrow files"):
         read_records(tmp_path / "d")
 
 

@@ -115,7 +115,7 @@ def add_precision_arguments(p: argparse.ArgumentParser, default: str = "fp32") -
 def add_sft_arguments(p: argparse.ArgumentParser) -> None:
     """--format, --train-on-inputs and --overlong: how instruction data is read (finetune, and count --data)."""
     p.add_argument("--format", choices=FORMATS,
-                   help=".jsonl/.json shape (default: recognised per file from its fields)")
+                   help="a data file's shape (default: recognised per file from its fields)")
     p.add_argument("--train-on-inputs", action="store_true",
                    help="instruction data: count the prompt, system and user tokens in the loss too "
                         "(default: only completions and assistant turns, with their EOS)")

@@ -71,8 +71,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "kept as a CPU run keeps it (default: 0 in the planner's table; the config's in the table of "
                         "the run finetune makes from --base)")
     p.add_argument("--data", metavar="SOURCE",
-                   help="with --base: plan the largest batch finetune can draw from this data (.jsonl/.json "
-                        "instruction or chat data read as finetune reads it; plain text fills --seq-len): its "
+                   help="with --base: plan the largest batch finetune can draw from this data (.jsonl, .json, "
+                        ".parquet or .arrow instruction or chat data read as finetune reads it; plain text fills "
+                        "--seq-len): its "
                         "longest example and its most-counted example in every row; --seq-len is then the "
                         "training window (default finetune's)")
     add_sft_arguments(p)

@@ -26,10 +26,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base", type=Path, default=Path("artifacts/base"), help="base model folder (default %(default)s)")
     p.add_argument("--adapter", type=Path, help="LoRA adapter: a finetune run folder, a PEFT folder or an adapter file")
     p.add_argument("--data", required=True,
-                   help="text file or folder, .jsonl/.json instruction or chat data, or builtin:NAME")
+                   help="text file or folder, .jsonl/.json/.parquet/.arrow instruction or chat data, or builtin:NAME")
     p.add_argument("--split", choices=SPLITS, default="all",
                    help="evaluate one split as finetune splits the data, or all of it (default %(default)s)")
-    p.add_argument("--format", choices=FORMATS, help=".jsonl/.json shape (default: recognised per file)")
+    p.add_argument("--format", choices=FORMATS, help="a data file's shape (default: recognised per file)")
     p.add_argument("--train-on-inputs", action="store_true",
                    help="instruction data: count the prompt and user tokens too (default: answers only)")
     p.add_argument("--overlong", choices=OVERLONG, default="truncate",

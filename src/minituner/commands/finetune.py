@@ -39,7 +39,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base", type=Path, default=Path("artifacts/base"),
                    help="base model folder: minituner, or Hugging Face gpt2/llama/mistral/qwen2 (default %(default)s)")
     p.add_argument("--data", default=DEFAULT_DATA,
-                   help="text file or folder; .jsonl/.json instruction or chat data (file or folder); or builtin:NAME "
+                   help="text file or folder; .jsonl/.json/.parquet/.arrow instruction or chat data (file or "
+                        "folder); or builtin:NAME "
                         "(forecasts: text, forecast-qa: questions and answers) (default %(default)s)")
     add_sft_arguments(p)
     p.add_argument("--out", type=Path, required=True, help="run folder to write")

@@ -1,8 +1,9 @@
 """Supervised fine-tuning data: JSONL/JSON instruction and chat sets, chat templates, answer-only loss masks.
 
-files (find and read the records on disk; formats: the shapes a record takes, and the splits) -> templates (render chats as transformers does) -> answers (where a chat's
-answers are) -> examples (tokens and labels, -100 outside the answers; encoders: the tokenizers it meets) ->
-batches (padded (x, y) batches, evaluation over the counted tokens).
+files (find and read the records on disk: JSON lines, JSON, Parquet, Arrow) -> formats (the shapes a record
+takes, and the splits) -> templates (render chats as transformers does) -> answers (where a chat's answers are)
+-> examples (tokens and labels, -100 outside the answers; encoders: the tokenizers it meets) -> batches (padded
+(x, y) batches, evaluation over the counted tokens).
 builtin holds ``builtin:forecast-qa``; load ties them together for a command's ``--data``; chat asks a model a
 question through the template.
 """
@@ -15,7 +16,7 @@ from .examples import (IGNORE, Example, SFTConfig, SFTStats, examples_sha256, re
                        tokenize_record, tokenize_records)
 from .files import read_file, read_records
 from .formats import FORMATS, Record, split_records
-from .load import SFTData, is_sft_source, load_records, prepare_eval, prepare_sft
+from .load import SFTData, is_sft_source, load_records, prepare_eval, prepare_sft, split_names
 from .templates import DEFAULT_EOS, DEFAULT_TEMPLATE, ChatTemplate, default_template, load_chat_template
 
 __all__ = [
@@ -24,5 +25,6 @@ __all__ = [
     "cut_answer", "default_template", "evaluate_examples", "examples_sha256", "forecast_qa", "is_sft_source",
     "iter_batches", "largest_batch",
     "load_chat_template", "load_records", "plain_encoder", "prepare_eval", "prepare_sft", "read_file", "read_records",
-    "record_pieces", "record_text", "special_prefix", "split_records", "tokenize_record", "tokenize_records",
+    "record_pieces", "record_text", "special_prefix", "split_names", "split_records", "tokenize_record",
+    "tokenize_records",
 ]

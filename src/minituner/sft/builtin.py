@@ -20,7 +20,7 @@ import re
 from minigpt.data import forecast_documents
 from minigpt.errors import InputError
 
-from .formats import Record, split_records
+from .formats import SPLITS, Record, split_records
 
 BULLETIN = re.compile(r"^(?P<bulletin>(?P<place>[^,]+), (?P<date>\d+ \w+): wind (?P<direction>[a-z-]+) "
                       r"(?P<force>\d+(?: to \d+)?), (?P<weather>[^,]+), (?P<temperature>-?\d+ C)), pressure ")
@@ -32,7 +32,6 @@ QUESTIONS = {  # field of BULLETIN -> question
     "place": "Which place is it for?",
     "date": "What is the date?",
 }
-SPLITS = ("train", "val", "test")
 
 
 def forecast_qa(n: int = 4000, seed: int = 28) -> list[Record]:

@@ -26,6 +26,7 @@ from minigpt.errors import InputError
 
 FORMATS = ("text", "prompt-completion", "messages", "alpaca", "sharegpt")
 ROLES = ("system", "user", "assistant", "tool")
+SPLITS = ("train", "val", "test")
 # ShareGPT's speaker names (FastChat, axolotl's defaults, LLaMA-Factory's tags) -> chat template roles
 SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                   "chatgpt": "assistant", "bard": "assistant", "bing": "assistant", "model": "assistant",
@@ -43,6 +44,7 @@ class Record:
     completion: str | None = None
     messages: tuple[dict, ...] | None = None  # each {"role": str, "content": str, ...any other fields}
     answers_from: int = 0  # a chat's assistant turns count from this message on (the completion's, after a prompt)
+    split: str | None = None  # the split (one of SPLITS) its file's name gives, as Hugging Face datasets names them
 
     @property
     def kind(self) -> str:
@@ -186,11 +188,10 @@ def first_format(obj, where: str) -> str:
     return fmt
 
 
-def split_records(records: list[Record], period: int = 20) -> dict[str, list[Record]]:
-    """Deterministic split as minigpt.data.split_documents: of every `period` records one goes to val, one to test.
-
-    With fewer than `period` records there is no test split and one record in five (at least one) is val.
-    """
+def _carved(records: list[Record], period: int, with_test: bool = True) -> dict[str, list[Record]]:
+    """Deterministic split as minigpt.data.split_documents: of every `period` records one goes to val, one to test
+    (to train when `with_test` is False). With fewer than `period` records there is no test split and one record
+    in five (at least one) is val."""
     if len(records) < 2:
         raise InputError(f"{len(records)} record(s): at least 2 are needed for a train and a val split")
     if len(records) < period:
@@ -201,5 +202,21 @@ def split_records(records: list[Record], period: int = 20) -> dict[str, list[Rec
     parts: dict[str, list[Record]] = {"train": [], "val": [], "test": []}
     for i, r in enumerate(records):
         k = i % period
-        parts["val" if k == period - 2 else "test" if k == period - 1 else "train"].append(r)
+        parts["val" if k == period - 2 else "test" if k == period - 1 and with_test else "train"].append(r)
     return parts
+
+
+def split_records(records: list[Record], period: int = 20) -> dict[str, list[Record]]:
+    """Train, val and test records.
+
+    Records whose files name their split (``Record.split``, as Hugging Face datasets names them) keep it; a val
+    split the files do not give is carved out of train (one record in `period`), and so is a test split. Records
+    without one are carved whole: of every `period` one goes to val and one to test. A data set whose files name
+    no train split gets an empty one (evaluation can still read its other splits)."""
+    if all(r.split is None for r in records):
+        return _carved(records, period)
+    named = {s: [r for r in records if r.split == s] for s in SPLITS}
+    if named["train"] and not named["val"]:
+        carved = _carved(named["train"], period, with_test=not named["test"])
+        return {**carved, "test": named["test"] or carved["test"]}
+    return named

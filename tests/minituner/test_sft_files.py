@@ -1,0 +1,176 @@
+"""Instruction data as the Hub serves it and `datasets` saves it: .parquet and .arrow files, folders whose file names
+give the splits, read as Hugging Face `datasets` reads them (the tests write every file with `datasets` itself)."""
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from minigpt.errors import InputError
+from minituner.sft import split_records
+from minituner.sft.files import data_files, is_structured, read_file, read_records, split_named
+
+datasets = pytest.importorskip("datasets")
+
+CHATS = [{"messages": [{"role": "user", "content": f"wind {i}?"}, {"role": "assistant", "content": f"force {i % 7}"}],
+          "source": None if i % 3 else "ship", "id": i} for i in range(40)]
+
+
+@pytest.fixture(autouse=True)
+def offline_quiet(monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf-cache"))
+    datasets.disable_progress_bars()
+
+
+def write_jsonl(path, rows):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return path
+
+
+def content(records):
+    """What a record holds, without where it was read."""
+    return [(r.format, r.text, r.prompt, r.completion, r.messages, r.split) for r in records]
+
+
+def test_parquet_and_arrow_read_as_their_jsonl_twin(tmp_path):
+    twin = read_file(write_jsonl(tmp_path / "chats.jsonl", CHATS))
+    ds = datasets.Dataset.from_list(CHATS)
+    ds.to_parquet(str(tmp_path / "chats.parquet"))
+    ds.save_to_disk(str(tmp_path / "saved"))  # data-00000-of-00001.arrow (an IPC stream), state.json, dataset_info.json
+    parquet = read_file(tmp_path / "chats.parquet")
+    saved = read_records(tmp_path / "saved")
+    assert content(parquet) == content(saved) == content(twin)
+    assert parquet[3].where == f"{tmp_path / 'chats.parquet'}:row 4"
+    assert [p.name for p, _ in data_files(tmp_path / "saved")] == ["data-00000-of-00001.arrow"]
+    assert is_structured(tmp_path / "saved") and is_structured(tmp_path / "chats.parquet")
+
+
+def test_arrow_file_format_and_every_shape(tmp_path):
+    import pyarrow as pa
+
+    rows = [{"instruction": "Add.", "input": None, "output": "4"}, {"instruction": "Say hi.", "input": "x", "output": "hi"}]
+    table = pa.Table.from_pylist(rows)
+    with pa.OSFile(str(tmp_path / "a.arrow"), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
+        writer.write_table(table)  # the IPC file format (Feather v2), not datasets' stream
+    a, b = read_file(tmp_path / "a.arrow")
+    assert a.format == "alpaca" and a.messages[0]["content"] == "Add." and b.messages[0]["content"] == "Say hi.\n\nx"
+    share = [{"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "ho"}]}]
+    datasets.Dataset.from_list(share).to_parquet(str(tmp_path / "s.parquet"))
+    assert read_file(tmp_path / "s.parquet")[0].messages[1] == {"role": "assistant", "content": "ho"}
+
+
+LAYOUTS = [  # file -> rows; datasets.load_dataset on the folder decides the splits we must match
+    {"train.jsonl": 12, "test.jsonl": 5},
+    {"chats_training.jsonl": 9, "chats_eval.jsonl": 4, "dev.jsonl": 3},
+    {"x/train/a.jsonl": 6, "x/train/b.jsonl": 2, "x/valid/c.jsonl": 3},
+    {"data/train-00000-of-00002.parquet": 7, "data/train-00001-of-00002.parquet": 4,
+     "data/validation-00000-of-00001.parquet": 3, "data/test-00000-of-00001.parquet": 2, "README.md": 0},
+]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda d: ",".join(d))
+def test_split_names_match_datasets(tmp_path, layout):
+    root, start = tmp_path / "data-set", 0
+    for name, n in layout.items():
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        rows = [{"text": f"row {i}"} for i in range(start, start + n)]
+        start += n
+        if name.endswith(".parquet"):
+            datasets.Dataset.from_list(rows).to_parquet(str(path))
+        elif name.endswith(".md"):
+            path.write_text("---\nlicense: mit\n---\n# A dataset card, not data\n")
+        else:
+            write_jsonl(path, rows)
+    theirs = datasets.load_dataset(str(root), cache_dir=str(tmp_path / "cache"))
+    ours = {}
+    for r in read_records(root):
+        ours.setdefault({"val": "validation"}.get(r.split, r.split), []).append(r.text)
+    assert ours == {split: theirs[split]["text"] for split in theirs}
+
+
+def test_split_records_honours_the_named_splits(tmp_path):
+    rows = [{"text": f"row {i}"} for i in range(60)]
+    write_jsonl(tmp_path / "a" / "train.jsonl", rows[:40])
+    write_jsonl(tmp_path / "a" / "test.jsonl", rows[40:50])
+    parts = split_records(read_records(tmp_path / "a"))
+    # no val file: val carved from train (one in 20), the test slot left to train as test.jsonl is the test split
+    assert [len(parts[s]) for s in ("train", "val", "test")] == [38, 2, 10]
+    assert {r.text for r in parts["test"]} == {f"row {i}" for i in range(40, 50)}
+    write_jsonl(tmp_path / "a" / "validation.jsonl", rows[50:])
+    parts = split_records(read_records(tmp_path / "a"))
+    assert [len(parts[s]) for s in ("train", "val", "test")] == [40, 10, 10]
+    write_jsonl(tmp_path / "b" / "train.jsonl", rows)  # one named split alone: carved as an unnamed file is
+    assert ({s: [r.text for r in v] for s, v in split_records(read_records(tmp_path / "b")).items()}
+            == {s: [r.text for r in v] for s, v in split_records(read_file(tmp_path / "b" / "train.jsonl")).items()})
+
+
+def test_a_datasetdict_saved_to_disk(tmp_path):
+    ds = datasets.Dataset.from_list(CHATS)
+    datasets.DatasetDict({"train": ds.select(range(30)), "validation": ds.select(range(30, 36)),
+                          "test": ds.select(range(36, 40))}).save_to_disk(str(tmp_path / "dd"))
+    parts = split_records(read_records(tmp_path / "dd"))
+    assert [len(parts[s]) for s in ("train", "val", "test")] == [30, 6, 4]
+    assert parts["test"][0].messages[0]["content"] == "wind 36?"
+
+
+@pytest.mark.parametrize("files, message", [
+    ({"train.jsonl": 3, "more.jsonl": 3}, r"train.jsonl is in the train split by its name, but more.jsonl names none"),
+    ({"train_test.jsonl": 3}, r"'train_test' names two splits \(test, train\)"),
+    ({"train.jsonl": 3, "notes.txt": 0}, r"holds data files and text files \(notes.txt\)"),
+])
+def test_ambiguous_folders_are_refused(tmp_path, files, message):
+    for name, n in files.items():
+        write_jsonl(tmp_path / name, [{"text": f"r{i}"} for i in range(n)])
+    with pytest.raises(InputError, match=message):
+        read_records(tmp_path)
+
+
+def test_names_that_are_not_split_words():
+    for name in ("devops.jsonl", "retrain/x.jsonl", "contest-2024.jsonl", "Train.jsonl", "chats.jsonl"):
+        assert split_named(Path(name)) is None, name  # whole words only, and as datasets matches: case-sensitive
+    assert split_named(Path("a/validation_set/x.jsonl")) == "val"
+    assert split_named(Path("train/eval_notes.jsonl")) == "train"  # folder names first
+
+
+def test_damaged_tables_are_one_line(tmp_path):
+    datasets.Dataset.from_list(CHATS).to_parquet(str(tmp_path / "a.parquet"))
+    data = (tmp_path / "a.parquet").read_bytes()
+    (tmp_path / "cut.parquet").write_bytes(data[: len(data) // 2])
+    with pytest.raises(InputError, match=r"cut\.parquet: not a readable Parquet file"):
+        read_file(tmp_path / "cut.parquet")
+    (tmp_path / "fake.arrow").write_text('{"text": "json, not arrow"}\n')
+    with pytest.raises(InputError, match=r"fake\.arrow: not a readable Arrow file"):
+        read_file(tmp_path / "fake.arrow")
+    datasets.Dataset.from_list([{"q": "a", "a": "b"}]).to_parquet(str(tmp_path / "odd.parquet"))
+    with pytest.raises(InputError, match=r"odd\.parquet:row 1: fields found: a, q; a record needs"):
+        read_file(tmp_path / "odd.parquet")
+    datasets.Dataset.from_list([{"text": b"bytes"}]).to_parquet(str(tmp_path / "bin.parquet"))
+    with pytest.raises(InputError, match=r"bin\.parquet:row 1: field 'text' must be a string, got bytes"):
+        read_file(tmp_path / "bin.parquet")
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"text": pa.array([], pa.string())}), str(tmp_path / "empty.parquet"))
+    with pytest.raises(InputError, match=r"empty\.parquet: no records"):
+        read_file(tmp_path / "empty.parquet")
+
+
+def test_without_pyarrow_the_message_says_what_to_install(tmp_path, monkeypatch):
+    import builtins
+
+    datasets.Dataset.from_list(CHATS).to_parquet(str(tmp_path / "a.parquet"))
+    real_import = builtins.__import__
+
+    def no_pyarrow(name, *args, **kwargs):
+        if name.split(".")[0] == "pyarrow":
+            raise ImportError(name)
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_pyarrow)
+    with pytest.raises(InputError, match=r"reading \.parquet files needs pyarrow \(pip install pyarrow\)"):
+        read_file(tmp_path / "a.parquet")
+    assert os.path.exists(tmp_path / "a.parquet")
