@@ -62,6 +62,7 @@ class Point:
     counted: int | None = None  # targets per batch that count (None: all)
     model_dropout: float = 0.0  # the model's dropout (MiniGPT, GPT-2: finetune trains GPT-2 with its config's 0.1)
     lora_dropout: float = 0.0  # finetune --dropout
+    grad_accum: int = 1  # batches per step, their gradients adding up (finetune --grad-accum)
 
 
 POINTS = [
@@ -93,6 +94,12 @@ POINTS = [
     Point("minigpt", "lora", 8, 32, 128, True, model_dropout=0.1),
     Point("llama-gqa", "lora", 8, 4, 128, False, lora_dropout=0.1),
     Point("qwen2-bias", "qlora", 8, 2, 256, True, lora_dropout=0.1),
+    # gradient accumulation: every backward after the first holds all the gradients (full FT: as many as weights);
+    # the same points above run with one batch a step
+    Point("gpt2-124m", "full", 8, 2, 128, False, grad_accum=3),
+    Point("gpt2-124m", "lora", 8, 2, 256, False, grad_accum=3),
+    Point("llama-gqa", "full", 8, 4, 128, True, grad_accum=2),
+    Point("llama-gqa", "qlora", 8, 4, 128, False, grad_accum=4),
 ]
 # the same runs with glibc's malloc left as it is: how much the resident set keeps beyond the live tensors
 UNPINNED_POINTS = [Point("minigpt", "full", 8, 32, 128, False), Point("minigpt", "lora", 8, 32, 128, False),
@@ -113,7 +120,8 @@ def measure(point: Point, configs: Path, pinned: bool = True) -> dict:
            *(["--grad-checkpoint"] if point.grad_checkpoint else []), *([] if pinned else ["--default-allocator"]),
            *([] if point.counted is None else ["--counted-targets", str(point.counted)]),
            *(["--model-dropout", str(point.model_dropout)] if point.model_dropout else []),
-           *(["--dropout", str(point.lora_dropout)] if point.lora_dropout else [])]
+           *(["--dropout", str(point.lora_dropout)] if point.lora_dropout else []),
+           *(["--grad-accum", str(point.grad_accum)] if point.grad_accum > 1 else [])]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True)
     result = json.loads(out.stdout)
     result["details"]["model"] = model
@@ -189,7 +197,9 @@ def batch_cell(d: dict) -> str:
     """batch × seq, and how many targets count when not all do."""
     every = d["batch_size"] * d["seq_len"]
     counted = d["counted_targets"]
-    return f"{d['batch_size']} × {d['seq_len']}" + ("" if counted == every else f", {counted:,} counted")
+    accum = d.get("grad_accum", 1)
+    return (f"{d['batch_size']} × {d['seq_len']}" + ("" if counted == every else f", {counted:,} counted")
+            + (f", {accum} a step" if accum > 1 else ""))
 
 
 def table(results: list[dict]) -> tuple[list[str], list[list[str]]]:
@@ -224,7 +234,8 @@ def by_group(results: list[dict]) -> list[list[str]]:
 def point_key(d: dict, leave_out: str | None = None) -> tuple:
     """What identifies a run's point (but for one aspect of it, when given)."""
     aspects = {"model": d["model"], "regime": d["regime"], "rank": d["rank"], "batch": (d["batch_size"], d["seq_len"]),
-               "grad_checkpoint": d["grad_checkpoint"], "counted": d["counted_targets"], "dropout": dropouts(d)}
+               "grad_checkpoint": d["grad_checkpoint"], "counted": d["counted_targets"], "dropout": dropouts(d),
+               "grad_accum": d.get("grad_accum", 1)}
     aspects.pop(leave_out, None)
     return tuple(aspects.values())
 
@@ -270,6 +281,19 @@ def with_dropout(results: list[dict]) -> list[str]:
                    f"measured {m / MIB:,.1f} MiB (without dropout: {plain['measured']['peak'] / MIB:,.1f}); planned "
                    f"with it {p / MIB:,.1f} ({100 * (p - m) / m:+.1f}%) at the {d['predicted_peak_phase']}, as "
                    f"without it {p_none / MIB:,.1f} ({100 * (p_none - m) / m:+.1f}%)")
+    return out
+
+
+def accumulated(results: list[dict]) -> list[str]:
+    """For each run with gradient accumulation, the same point with one batch a step: planned and measured."""
+    out = []
+    for r, one in beside(results, "grad_accum", lambda d: d.get("grad_accum", 1) == 1):
+        d = r["details"]
+        p, m = r["predicted"]["peak"], r["measured"]["peak"]
+        out.append(f"{d['model']} {label(r)}, {batch_cell(d)}{', checkpointed' if d['grad_checkpoint'] else ''}: "
+                   f"measured {m / MIB:,.1f} MiB (one batch a step: {one['measured']['peak'] / MIB:,.1f}); planned "
+                   f"{p / MIB:,.1f} ({100 * (p - m) / m:+.1f}%) at the {d['predicted_peak_phase']}, as one batch a "
+                   f"step {one['predicted']['peak'] / MIB:,.1f} ({100 * (one['predicted']['peak'] - m) / m:+.1f}%)")
     return out
 
 
@@ -351,7 +375,8 @@ INTRO = ("`minituner memory-check --json` on each point (a fresh process each): 
          "pinned at 16 KiB (freed tensors go back to the system, as CUDA's allocated bytes count them), above "
          "the process's own memory (RSS minus live tensors before those steps; its growth since before the model "
          "was built is the baseline column). fp32 on CPU, MiB = 1024² bytes, AdamW, 2 steps, random tokens (every "
-         "target counting unless the batch column says how many do), no dropout unless the regime column names it "
+         "target counting unless the batch column says how many do; one batch a step unless it says how many), no "
+         "dropout unless the regime column names it "
          "(memory-check sets the model's dropout to `--model-dropout`, 0 by default); "
          "error = (predicted − measured) / measured. Plot: `benchmarks/memory_sweep.png`. Models: `minigpt` (the preset), "
          "`gpt2-124m` (GPT-2 small's config, imported into MiniGPT), `llama-gqa` (llama: d_model 256, 4 layers, 8 query "
@@ -386,6 +411,11 @@ def markdown(results: list[dict], command: str) -> str:
                   "config's 0.1; `--dropout`: LoRA's, as finetune's `--dropout`): masks, and attention on SDPA's math "
                   "path with its (B, h, T, T) probabilities; beside each, the same point without dropout:", ""] + \
             [f"- {s}" for s in dropped]
+    accumulating = accumulated(results)
+    if accumulating:
+        lines += ["", "Gradient accumulation (memory-check `--grad-accum N`, as finetune's: N batches a step, their "
+                  "gradients adding up): every backward after the first holds all the gradients, added into; beside "
+                  "each, the same point with one batch a step:", ""] + [f"- {s}" for s in accumulating]
     lines += [""] + [f"- {s}" for s in summary(results)]
     if len(extra) > 2:
         lines += ["", "With glibc's malloc left as it is (`--default-allocator`, what a plain training process gets), "
@@ -409,7 +439,7 @@ def run(quick: bool = False):
              Goal("peak: smallest predicted / measured", min(ratios), 1 - GOAL / 100, True, "planner/peak.py")]
     intro = INTRO + "\n\n![predicted vs measured peak](memory_sweep.png)"
     return Section("Memory: the planner against measurement", intro, header, rows, goals,
-                   summary(results) + counted(results) + with_dropout(results))
+                   summary(results) + counted(results) + with_dropout(results) + accumulated(results))
 
 
 def write(results: list[dict], command: str) -> None:

@@ -36,7 +36,8 @@ from .io import atomic_write_text, sha256_file
 @dataclass
 class TrainConfig:
     steps: int = 1500  # optimizer steps
-    batch_size: int = 32  # sequences per step
+    batch_size: int = 32  # sequences per forward and backward (a micro-batch; the global one under torchrun)
+    grad_accum: int = 1  # micro-batches whose gradients add up to one optimizer step (gradient accumulation)
     lr: float = 3e-3  # peak learning rate
     min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
     warmup_steps: int = 50  # linear warmup from 0
@@ -53,8 +54,8 @@ class TrainConfig:
     grad_checkpoint: bool = False  # recompute each block in backward (model.grad_checkpoint): less memory, same result
 
     def validate(self) -> None:
-        if self.steps < 1 or self.batch_size < 1:
-            raise InputError("steps and batch_size must be >= 1")
+        if self.steps < 1 or self.batch_size < 1 or self.grad_accum < 1:
+            raise InputError("steps, batch_size and grad_accum must be >= 1")
         if self.checkpoint_every < 0 or self.keep_checkpoints < 1:
             raise InputError("checkpoint_every must be >= 0 and keep_checkpoints >= 1")
         if not self.lr > 0 or not math.isfinite(self.lr):
@@ -93,11 +94,13 @@ def lm_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 def counted_loss(counted: int, ranks: int) -> Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]:
-    """A loss_fn for one rank's shard of a global batch with `counted` counted targets over `ranks` processes.
+    """A loss_fn for one rank's shard of one micro-batch of a step whose micro-batches (all ranks' shards) count
+    `counted` targets in all, over `ranks` processes.
 
-    Each rank returns (sum of its shard's token losses) / counted * ranks, so DDP's mean of the ranks'
-    gradients is the gradient of the global batch's mean loss even when the shards count different numbers
-    of tokens (masked labels); lm_loss on each shard would weigh a short shard's tokens more.
+    Each call returns (sum of its shard's token losses) / counted * ranks, so DDP's mean of the ranks' gradients,
+    summed over the micro-batches, is the gradient of the step's mean loss even when shards and micro-batches
+    count different numbers of tokens (masked labels, padding): lm_loss on each would weigh a short one's tokens
+    more (the gradient-accumulation loss that transformers fixed in 4.46 by passing num_items_in_batch).
     """
 
     def loss_fn(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -185,7 +188,8 @@ def run_identity(cfg: TrainConfig, train_ids: torch.Tensor | None, val_ids: torc
     """What a checkpoint must share with the run that resumes it: the config (checkpoint options aside),
     the data (the sha256 of train_ids and val_ids, or the caller's `data_identity`, e.g. the sha256 of
     tokenized examples) and the caller's fingerprint of the model (e.g. the base's sha256)."""
-    config = {k: v for k, v in asdict(cfg).items() if k not in RESUME_FREE}
+    # grad_accum joins only where it accumulates: checkpoints of runs from before it resume
+    config = {k: v for k, v in asdict(cfg).items() if k not in RESUME_FREE and (k, v) != ("grad_accum", 1)}
     data = data_identity if data_identity is not None else {
         "train_ids_sha256": tensor_sha256(train_ids), "val_ids_sha256": tensor_sha256(val_ids)}
     return {"config": config, "fingerprint": {**(fingerprint or {}), **data}}
@@ -236,46 +240,54 @@ def grad_norm(params: list[nn.Parameter], clip: float) -> torch.Tensor:
     return torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
 
 
-def backward_checked(loss: torch.Tensor, params: list[nn.Parameter], clip: float,
-                     reported: torch.Tensor | None = None) -> str | None:
-    """Backpropagate and clip; return what was not finite (loss or gradients), or None for a good step.
-
-    `reported` is the loss every rank decides on (the mean over ranks under torchrun; default `loss`)."""
-    reported = loss if reported is None else reported
-    if not torch.isfinite(reported):
-        return f"non-finite loss ({reported.item()})"
-    loss.backward()
-    norm = grad_norm(params, clip)
-    return None if torch.isfinite(norm) else f"non-finite gradients (norm {norm.item()})"
-
-
 def adamw(params: list[nn.Parameter], lr: float, weight_decay: float = 0.0) -> torch.optim.AdamW:
     """The optimizer of every training loop here: AdamW with betas (0.9, 0.95)."""
     return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay)
 
 
-def train_step(model: nn.Module, opt: torch.optim.Optimizer, params: list[nn.Parameter], x: torch.Tensor,
-               y: torch.Tensor, clip: float, loss_fn: Callable | None = None,
+def train_step(model: nn.Module, opt: torch.optim.Optimizer, params: list[nn.Parameter],
+               micro_batches: list[tuple[torch.Tensor, torch.Tensor]], clip: float, loss_fn: Callable | None = None,
                reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
                forward_context: contextlib.AbstractContextManager | None = None,
                on_phase: Callable[[str], None] | None = None) -> tuple[torch.Tensor, str | None]:
-    """One step of the loop: forward, backward, clip, finite check, update (bf16 compute lives in the modules).
+    """One optimizer step of the loop: forward and backward of each micro-batch (x, y), the gradients adding up,
+    then clip, finite check and update (bf16 compute lives in the modules).
 
-    Returns the loss every rank reports (`reduce`d, default the local loss, detached) and what was not finite
-    (None for a good step; otherwise the weights are not updated). `forward_context` wraps the forward pass
-    (e.g. to watch saved tensors); `on_phase(name)` is called at the end of each phase: "forward" (the loss
-    exists), "backward" (the gradients are final, before the update) and "optimizer step" (a good step only).
+    With one micro-batch the loss is `loss_fn` (default lm_loss); with more, `loss_fn` must weigh each so that
+    their losses sum to the step's (``counted_loss``). Returns the loss every rank reports (each micro-batch's
+    `reduce`d, default the local loss, detached, summed) and what was not finite (None for a good step; otherwise
+    the weights are not updated). Under DDP the gradients are synchronised once, in the last micro-batch's
+    backward (``no_sync`` before). `forward_context` wraps each forward (e.g. to watch saved tensors);
+    `on_phase(name)` is called at the end of each phase of each micro-batch: "forward" (its loss exists),
+    "backward" (its gradients are added; after the last, clipped and final, before the update) and "optimizer
+    step" (a good step only). The last step's gradients are set to None after the first forward.
     """
+    if len(micro_batches) > 1 and loss_fn is None:
+        raise ValueError("accumulating micro-batches needs a loss_fn whose losses sum to the step's (counted_loss)")
     phase = on_phase or (lambda name: None)
     device = params[0].device
-    with forward_context or contextlib.nullcontext():
-        loss = (loss_fn or lm_loss)(model, x.to(device), y.to(device))
-    reported = loss.detach() if reduce is None else reduce(loss.detach())
-    phase("forward")
-    opt.zero_grad(set_to_none=True)
-    problem = backward_checked(loss, params, clip, reported)
-    del loss  # the graph is freed by backward; the tensor itself is not needed past this point
-    phase("backward")
+    reported, problem = torch.zeros(()), None
+    for i, (x, y) in enumerate(micro_batches):
+        last = i == len(micro_batches) - 1
+        with forward_context or contextlib.nullcontext():
+            loss = (loss_fn or lm_loss)(model, x.to(device), y.to(device))
+        mine = loss.detach() if reduce is None else reduce(loss.detach())
+        reported = mine if i == 0 else reported + mine
+        phase("forward")
+        if i == 0:
+            opt.zero_grad(set_to_none=True)
+        if not torch.isfinite(mine):
+            problem = f"non-finite loss ({mine.item()})"
+            break
+        sync = contextlib.nullcontext() if last or not hasattr(model, "no_sync") else model.no_sync()
+        with sync:
+            loss.backward()
+        del loss  # the graph is freed by backward; the tensor itself is not needed past this point
+        if last:
+            norm = grad_norm(params, clip)
+            if not torch.isfinite(norm):
+                problem = f"non-finite gradients (norm {norm.item()})"
+        phase("backward")
     if problem is None:
         opt.step()
         phase("optimizer step")
@@ -312,7 +324,8 @@ def train(
     The data is random windows of train_ids (sample_batch) evaluated on fixed windows of val_ids, or, for
     other data (e.g. padded instruction examples), `batches(batch_size, generator) -> (x, y)` (the global
     batch; y = -100 where a target does not count), `val_loss(model) -> float` and `data_identity` (what
-    identifies the data in checkpoints), which replace train_ids and val_ids (then None).
+    identifies the data in checkpoints), which replace train_ids and val_ids (then None). Each step draws
+    cfg.grad_accum such batches and adds up their gradients, every counted target weighing the same.
     resume=True continues from the newest checkpoint in out_dir/checkpoints, which must come from a run with
     the same config (checkpoint options aside), data and `fingerprint`; otherwise old checkpoints are removed.
     Under torchrun (minigpt.distributed) each rank trains on its shard of the global batch and rank 0 writes.
@@ -375,15 +388,16 @@ def train(
             for group in opt.param_groups:
                 group["lr"] = lr
             tic = time.perf_counter()
-            x, y = draw(cfg.batch_size, gen)  # the global batch, drawn alike on every rank
-            loss_fn = None  # lm_loss; masked targets under torchrun: weigh by the global batch's counted tokens
-            if batches is not None and ranks > 1:
-                loss_fn = counted_loss(max(1, int((y != IGNORE_INDEX).sum())), ranks)
-            x, y = shard(x, y)  # this rank's rows
-            reported, problem = train_step(step_model, opt, params, x, y, cfg.grad_clip, loss_fn,
-                                           reduce=mean_across_ranks)  # reported: the global batch's loss
+            micro = [draw(cfg.batch_size, gen) for _ in range(cfg.grad_accum)]  # global batches, alike on every rank
+            tokens = sum(x.numel() for x, _ in micro)  # the step's, every rank's
+            loss_fn = None  # lm_loss; else weigh every target by the step's counted targets (all ranks, micro-batches)
+            if cfg.grad_accum > 1 or (batches is not None and ranks > 1):
+                loss_fn = counted_loss(max(1, sum(int((y != IGNORE_INDEX).sum()) for _, y in micro)), ranks)
+            micro = [shard(x, y) for x, y in micro]  # this rank's rows
+            reported, problem = train_step(step_model, opt, params, micro, cfg.grad_clip, loss_fn,
+                                           reduce=mean_across_ranks)  # reported: the step's loss
             loss_now = reported.item()  # waits for the device: the step is done
-            timing = step_timing(time.perf_counter() - tic, cfg.batch_size * x.size(1))  # the global batch's tokens
+            timing = step_timing(time.perf_counter() - tic, tokens)
             if problem is None:
                 row = {"step": step + 1, "lr": lr, "train_loss": loss_now, **timing}
             elif cfg.skip_nonfinite:

@@ -73,8 +73,8 @@ class FinetuneConfig:
     method: str = "lora"  # "lora" (train adapters only) or "full" (every parameter)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     train: TrainConfig = field(default_factory=default_train_config)
-    epochs: float | None = None  # if set, steps = ceil(epochs · train tokens / (batch_size · block_size));
-    # for instruction data ceil(epochs · train examples / batch_size)
+    epochs: float | None = None  # if set, steps = ceil(epochs · train tokens / (batch_size · grad_accum · block));
+    # for instruction data ceil(epochs · train examples / (batch_size · grad_accum))
     init_adapter: str | None = None  # start LoRA from this adapter (file, run folder or PEFT folder)
     base_domain: str | None = BASE_DOMAIN  # also report val loss here before/after (forgetting); None skips
     quant_scheme: str | None = None  # QLoRA: quantize the LoRA targets (e.g. nf4_per_group_64) first; None: LoRA
@@ -183,12 +183,12 @@ def _finetune(base: Path, out: Path, cfg: FinetuneConfig, progress: bool, log, r
     regime = Regime("full") if method == "full" else Regime(method, cfg.lora.r)
     memory_plan, why = plan_run(base, regime, cfg.lora.target_modules, data.largest, cfg.train.grad_checkpoint,
                                 cfg.train.precision, torch.device(device), cfg.quant_scheme, cfg.lora.dropout,
-                                cfg.model_dropout)
+                                cfg.model_dropout, cfg.train.grad_accum)
     for line in describe_run_plan(memory_plan, why):
         log(line)
     train_cfg = cfg.train
     if cfg.epochs is not None:  # the steps of the passes; warm-up and the eval interval at most that many, as --steps
-        steps = data.steps_for_epochs(cfg.epochs)
+        steps = data.steps_for_epochs(cfg.epochs, cfg.train.grad_accum)
         train_cfg = TrainConfig(**{**asdict(train_cfg), "steps": steps,
                                    "warmup_steps": min(train_cfg.warmup_steps, steps),
                                    "eval_every": min(train_cfg.eval_every, steps)})

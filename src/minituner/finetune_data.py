@@ -31,7 +31,7 @@ class TrainingData:
 
     description: str  # one line for the log: how much data, from where
     train_size: int  # what --epochs counts: train tokens (text) or train examples (instruction data)
-    per_step: int  # how much of train_size one optimizer step consumes
+    per_step: int  # how much of train_size one batch consumes (a step: grad_accum of them)
     val_loss: Callable[[nn.Module], float]  # validation loss (nats per counted token)
     train_ids: torch.Tensor | None = None  # text: token ids, windows drawn by sample_batch
     val_ids: torch.Tensor | None = None
@@ -41,8 +41,9 @@ class TrainingData:
     unk_fraction: float = 0.0  # fraction of the characters the base tokenizer never saw
     results: dict = field(default_factory=dict)  # figures for manifest.json["results"]
 
-    def steps_for_epochs(self, epochs: float) -> int:
-        return steps_for_epochs(epochs, self.train_size, self.per_step)
+    def steps_for_epochs(self, epochs: float, grad_accum: int = 1) -> int:
+        """Optimizer steps for `epochs` passes, each step `grad_accum` batches."""
+        return steps_for_epochs(epochs, self.train_size, self.per_step * grad_accum)
 
 
 def steps_for_epochs(epochs: float, train_size: int, batch_size: int, block_size: int = 1) -> int:

@@ -44,7 +44,7 @@ def test_default_is_the_seeds_five_regimes_for_minigpt(capsys):
 def test_json_contract_is_exact(capsys):
     d = count_json(capsys, "--preset", "llama-7b", "--rank", "8", "--rank", "16", "--target", "q_proj,v_proj")
     assert list(d) == ["model", "total_params", "regimes", "batch"]
-    assert d["batch"] == {"batch_size": 16, "seq_len": 32, "counted_targets": 16 * 32}  # every target counts
+    assert d["batch"] == {"batch_size": 16, "seq_len": 32, "counted_targets": 16 * 32, "grad_accum": 1}  # all count
     assert [(r["name"], r["rank"]) for r in d["regimes"]] == [
         ("full", None), ("lora", 8), ("lora", 16), ("qlora", 8), ("qlora", 16)]
     for r in d["regimes"]:

@@ -204,3 +204,24 @@ def test_gpt2_shape_is_planned_as_the_minigpt_it_imports_into(tmp_path):
         assert regime_bytes(gpt2, r, t_gpt2, cfg).activations == regime_bytes(mini, r, t_mini, cfg).activations
     assert regime_bytes(gpt2, Regime("full"), "all-linear", cfg).peak == regime_bytes(mini, Regime("full"),
                                                                                        "all-linear", cfg).peak
+
+
+@pytest.mark.parametrize("regime, rank", [("full", None), ("lora", 4)])
+def test_grad_accum_holds_every_gradient_in_each_backward(regime, rank):
+    """After the first micro-batch every backward adds into the step's gradients: all of G in place of the grads a
+    batch's backward has made so far; full FT's embeddings hold one more V x C gradient (the new one)."""
+    shape = minigpt_shape(GPTConfig(**TINY))
+    one, b = phases(shape, regime, rank)
+    many = step_peak(shape, regime, rank, "all-linear", B, T, 4, False, weights=b.weights, grads=b.grads,
+                     optimizer=b.optimizer, grad_accum=3)
+    for name, terms in one.phases.items():
+        total, added = sum(terms.values()), sum(many.phases[name].values())
+        if name == "backward: embeddings":
+            assert added == total + shape.vocab_size * shape.d_model * 4
+        elif name.startswith("backward"):
+            assert added == total - terms.get("grads so far (head, last block)", 0) + b.grads
+        else:  # forwards and the optimizer step already run beside a full set of gradients
+            assert added == total
+    assert MemoryConfig(grad_accum=2).grad_accum == 2
+    with pytest.raises(Exception, match="grad_accum must be a positive integer"):
+        MemoryConfig(grad_accum=0)

@@ -209,3 +209,23 @@ def test_epochs_count_examples(root, tmp_path, capsys):
     code, _, err = cli(capsys, "finetune", "--base", root / "base", "--data", root / "pc.jsonl", "--out", out, *argv)
     assert code == 0, err
     assert json.loads((out / "manifest.json").read_text())["results"]["steps"] == 4  # ceil(0.5 · 28 examples / 4)
+
+
+def test_grad_accum_steps_count_every_batch_they_add_up(root, tmp_path, capsys):
+    out = tmp_path / "run"
+    argv = flags(steps=None, epochs=1, grad_accum=2)
+    code, stdout, err = cli(capsys, "finetune", "--base", root / "base", "--data", root / "pc.jsonl", "--out", out,
+                            *argv)
+    assert code == 0, err
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["results"]["steps"] == 4  # ceil(1 · 28 examples / (4 x 2))
+    assert manifest["config"]["train"]["grad_accum"] == 2
+    plan = manifest["results"]["memory_plan"]
+    assert plan["grad_accum"] == 2 and "2 of them a step (gradient accumulation)" in stdout
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 4 and all(r["tokens_per_s"] > 0 for r in rows)
+    with pytest.raises(SystemExit) as exit_:
+        cli(capsys, "finetune", "--base", root / "base", "--data", root / "pc.jsonl", "--out", tmp_path / "bad",
+            *flags(grad_accum=0))
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "--grad-accum: expected a positive integer, got 0" in err and err.count("\n") == 1

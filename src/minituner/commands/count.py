@@ -44,6 +44,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=positive_int,
                    help=f"sequences per step (default {MemoryConfig.batch_size}, the seed's; with --data "
                         f"{default_train_config().batch_size}, finetune's)")
+    p.add_argument("--grad-accum", type=positive_int, default=1, metavar="N",
+                   help="exact model: N batches per step, their gradients adding up, as finetune's --grad-accum "
+                        "(each backward after the first holds every gradient; default %(default)s)")
     p.add_argument("--seq-len", type=positive_int,
                    help=f"tokens per sequence (default {MemoryConfig.seq_len}, the seed's; with --config or --base "
                         "at most the model's context, as finetune and memory-check require)")
@@ -128,7 +131,7 @@ def finetune_table(run: dict, from_data: bool = False, dropout_from: str = "conf
     lines = [f"As `finetune --base` runs it on CPU with --precision fp32 (its default): fp32 compute and activations"
              f"{kept}; QLoRA's targets in NF4 (blocks of 64, finetune's default scheme); LoRA factors, grads and "
              f"AdamW fp32{_dropouts(run, dropout_from)}; "
-             f"batch {run['batch_size']} x seq {run['seq_len']}{_counted(run)}, "
+             f"batch {run['batch_size']} x seq {run['seq_len']}{_counted(run)}{_accumulated(run)}, "
              f"{_batch_origin(from_data)}. "
              "The step peak as "
              "`memory-check --base` predicts it (planner/peak.py); the process itself (Python, torch) comes on top.",
@@ -154,6 +157,11 @@ def _batch_origin(from_data: bool) -> str:
     if from_data:
         return "the largest batch of --data (above)"
     return "count's --batch-size and --seq-len (finetune's defaults differ: give both the ones you will train with)"
+
+
+def _accumulated(run: dict) -> str:
+    n = run.get("grad_accum", 1)
+    return f", {n} batches a step (gradient accumulation)" if n > 1 else ""
 
 
 def _counted(run: dict) -> str:
@@ -208,6 +216,7 @@ def run(args: argparse.Namespace) -> int:
         seq_len, note = args.seq_len or MemoryConfig.seq_len, None
     activations = args.activations or best_activation_model(shape)
     for flag, given in (("--grad-checkpoint", args.grad_checkpoint), ("--counted-targets", args.counted_targets),
+                        ("--grad-accum", args.grad_accum > 1),
                         ("--data", args.data), ("--dropout", args.dropout), ("--model-dropout", args.model_dropout)):
         if given and activations != "exact":
             if args.activations:
@@ -222,7 +231,8 @@ def run(args: argparse.Namespace) -> int:
     cfg = MemoryConfig(batch_size=batch_size, seq_len=seq_len, double_quant=args.double_quant,
                        full_precision=args.full_precision, activations=activations, quantize=args.quantize,
                        master_copy=args.master_copy, grad_checkpoint=args.grad_checkpoint, counted_targets=counted,
-                       model_dropout=args.model_dropout or 0.0, lora_dropout=args.dropout)
+                       model_dropout=args.model_dropout or 0.0, lora_dropout=args.dropout,
+                       grad_accum=args.grad_accum)
     regimes = default_regimes(ranks)
     result = plan(shape, regimes, args.target or ALL_LINEAR, cfg)
     targets = ",".join(args.target) if args.target else ALL_LINEAR
@@ -230,12 +240,14 @@ def run(args: argparse.Namespace) -> int:
     if args.base is not None and note is None:  # a model finetune would refuse has no run to plan (noted already)
         try:
             finetune_run = finetune_plan(args.base, regimes, targets, batch_size, seq_len, args.grad_checkpoint,
-                                         counted, lora_dropout=args.dropout, model_dropout=args.model_dropout)
+                                         counted, lora_dropout=args.dropout, model_dropout=args.model_dropout,
+                                         grad_accum=args.grad_accum)
         except InputError as e:  # no weights or damaged headers; GPT-2's own Linear names (finetune trains MiniGPT's)
             note = f"the run finetune makes from this folder is not planned: {e}"
     if args.json:
         data = {"data": {"source": args.data, **asdict(batch)}} if batch is not None else {}
-        batch_json = {"batch_size": batch_size, "seq_len": seq_len, "counted_targets": counted or batch_size * seq_len}
+        batch_json = {"batch_size": batch_size, "seq_len": seq_len, "counted_targets": counted or batch_size * seq_len,
+                      "grad_accum": args.grad_accum}
         print(json.dumps({**result.to_dict(), "batch": batch_json, **data,
                           **({"finetune_cpu": finetune_run} if finetune_run else {})}, indent=2))
     else:

@@ -63,7 +63,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     length.add_argument("--steps", type=positive_int, help=f"optimizer steps (default {d.steps})")
     length.add_argument("--epochs", type=positive_float, help="passes over the training split instead of --steps")
     p.add_argument("--batch-size", type=positive_int, default=d.batch_size,
-                   help="sequences per optimizer step (default %(default)s; on a CPU, 1 for a 1B model)")
+                   help="sequences per forward and backward (default %(default)s; on a CPU, 1 for a 1B model)")
+    p.add_argument("--grad-accum", type=positive_int, default=d.grad_accum, metavar="N",
+                   help="gradient accumulation: N batches of --batch-size per optimizer step, their gradients "
+                        "adding up (transformers' gradient_accumulation_steps): the step of N x --batch-size "
+                        "sequences in the memory of one batch (default %(default)s)")
     p.add_argument("--seq-len", type=positive_int, metavar="N",
                    help="training window in tokens (default: a MiniGPT base's block size; for a Hugging Face base the "
                         "smaller of its context and 512); longer than the model's context is refused")
@@ -103,7 +107,8 @@ def run(args: argparse.Namespace) -> int:
         raise InputError("--qlora / --quant-scheme train LoRA on a quantized base, not --full")
     d = default_train_config()
     steps = args.steps or d.steps
-    train = TrainConfig(steps=steps, batch_size=args.batch_size, lr=args.lr, warmup_steps=min(args.warmup_steps, steps),
+    train = TrainConfig(steps=steps, batch_size=args.batch_size, grad_accum=args.grad_accum, lr=args.lr,
+                        warmup_steps=min(args.warmup_steps, steps),
                         schedule=args.schedule, grad_clip=args.grad_clip, eval_every=min(args.eval_every, steps),
                         eval_batches=d.eval_batches, seed=args.seed, precision=args.precision,
                         grad_checkpoint=args.grad_checkpoint, **checkpoint_options(args))

@@ -40,6 +40,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="sequences per step (default %(default)s)")
     p.add_argument("--seq-len", type=positive_int, default=d.seq_len,
                    help="tokens per sequence, at most the model's context (default %(default)s)")
+    p.add_argument("--grad-accum", type=positive_int, default=d.grad_accum, metavar="N",
+                   help="batches per step, their gradients adding up, as finetune's --grad-accum (default "
+                        "%(default)s)")
     p.add_argument("--counted-targets", type=positive_int, metavar="N",
                    help="targets per batch that count in the loss, at most batch x seq (default: all); the first "
                         "positions of the batch get -100, as an instruction batch's prompts and padding do")
@@ -82,7 +85,8 @@ def run(args: argparse.Namespace) -> int:
                 return Decoder(cfg) if isinstance(cfg, DecoderConfig) else MiniGPT(cfg)
 
     check = CheckConfig(regime=args.regime, rank=args.rank, alpha=args.alpha, targets=args.target,
-                        batch_size=args.batch_size, seq_len=args.seq_len, steps=args.steps, seed=args.seed,
+                        batch_size=args.batch_size, seq_len=args.seq_len, grad_accum=args.grad_accum,
+                        steps=args.steps, seed=args.seed,
                         precision=args.precision, allow_slow_bf16=args.allow_slow_bf16,
                         grad_checkpoint=args.grad_checkpoint, counted_targets=args.counted_targets,
                         model_dropout=args.model_dropout if args.model_dropout is not None or args.base else 0.0,

@@ -108,7 +108,7 @@ def measure_training(model: nn.Module, batches: Iterable[tuple[torch.Tensor, tor
     opt = adamw(params, lr)
     losses = []
     for x, y in batches:  # minigpt.train's step, without clipping
-        loss, problem = train_step(model, opt, params, x, y, clip=0.0, loss_fn=loss_fn)
+        loss, problem = train_step(model, opt, params, [(x, y)], clip=0.0, loss_fn=loss_fn)
         if problem is not None:
             raise FloatingPointError(f"{problem} at step {len(losses) + 1}")
         losses.append(loss.item())

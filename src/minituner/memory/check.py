@@ -42,7 +42,7 @@ from minigpt.decoder import DecoderConfig
 from minigpt.device import check_precision
 from minigpt.errors import InputError
 from minigpt.model import GPTConfig, MiniGPT, block_list
-from minigpt.train import IGNORE_INDEX, adamw, lm_loss, train_step
+from minigpt.train import IGNORE_INDEX, adamw, counted_loss, lm_loss, train_step
 from miniquant.quantize import workspace_bytes
 
 from ..base_model import load_base
@@ -79,6 +79,7 @@ class CheckConfig:
     targets: str = ALL_LINEAR  # LoRA targets (and, for qlora, the Linears stored in NF4)
     batch_size: int = 4
     seq_len: int = 64
+    grad_accum: int = 1  # micro-batches of batch_size per step, their gradients adding up (gradient accumulation)
     steps: int = 2  # training steps; Adam's state exists from the first one
     seed: int = 0
     precision: str = "fp32"  # "fp32" or "bf16" (frozen base in bf16, LoRA masters fp32: minituner.precision)
@@ -94,7 +95,7 @@ class CheckConfig:
     def validate(self, block_size: int) -> None:
         if self.regime not in REGIMES:
             raise InputError(f"regime must be one of {', '.join(REGIMES)}, got {self.regime!r}")
-        for name in ("batch_size", "seq_len", "steps"):
+        for name in ("batch_size", "seq_len", "grad_accum", "steps"):
             if getattr(self, name) < 1:
                 raise InputError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.seq_len > block_size:
@@ -304,7 +305,7 @@ class CheckResult:
         details = {
             "model": self.name, "device": self.device, "regime": c.regime, "rank": None if c.regime == "full" else c.rank,
             "targets": c.targets, "batch_size": c.batch_size, "seq_len": c.seq_len, "steps": c.steps,
-            "counted_targets": c.counted_targets or c.batch_size * c.seq_len,
+            "counted_targets": c.counted_targets or c.batch_size * c.seq_len, "grad_accum": c.grad_accum,
             "model_dropout": c.model_dropout, "lora_dropout": c.lora_dropout,
             "precision": c.precision, "grad_checkpoint": c.grad_checkpoint, "base_dtype": self.base_dtype,
             "params": self.params,
@@ -361,7 +362,7 @@ def predict(cfg: GPTConfig | DecoderConfig, check: CheckConfig, name: str = "mod
     predicted["total"] = sum(predicted.values())
     peak = step_peak(shape, check.regime, check.rank, check.targets, check.batch_size, check.seq_len,
                      grad_checkpoint=check.grad_checkpoint, weights=weights, grads=b.grads, optimizer=b.optimizer,
-                     upcast=upcast, counted=check.counted_targets, **widths)
+                     upcast=upcast, counted=check.counted_targets, grad_accum=check.grad_accum, **widths)
     predicted["peak"] = peak.bytes
     estimates = {"seed": seed_activation_bytes(shape, check.batch_size, check.seq_len),
                  "korthikanti": korthikanti_activation_bytes(shape, check.batch_size, check.seq_len)}
@@ -412,11 +413,7 @@ def memory_check(build: Callable[[], nn.Module], check: CheckConfig, device: tor
         if step == first:
             own = meter.level() - account(model, opt)["total"] - workspace_bytes()  # QLoRA's workspace: live
             meter.reset_peak()
-        ids = torch.randint(vocab, (check.batch_size, check.seq_len + 1), generator=gen)
-        x, y = ids[:, :-1].clone(), ids[:, 1:].clone()  # (B, T) each, own storages
-        if check.counted_targets is not None:  # the first positions do not count (a prompt's), the rest do
-            y.view(-1)[: y.numel() - check.counted_targets] = IGNORE_INDEX
-        x, y = x.to(device), y.to(device)
+        micro = [random_batch(vocab, check, gen, device) for _ in range(check.grad_accum)]
         saved = SavedTensors(model)
 
         def on_phase(phase: str) -> None:
@@ -426,8 +423,9 @@ def memory_check(build: Callable[[], nn.Module], check: CheckConfig, device: tor
             if measuring:
                 meter.mark(phase)
 
-        loss, problem = train_step(model, opt, params, x, y, 1.0, forward_context=saved,
-                                   on_phase=on_phase)
+        counted = check.grad_accum * counted_rows(check.batch_size * check.seq_len, check.counted_targets)
+        loss, problem = train_step(model, opt, params, micro, 1.0, forward_context=saved, on_phase=on_phase,
+                                   loss_fn=counted_loss(counted, 1) if check.grad_accum > 1 else None)
         if problem is not None:
             raise FloatingPointError(f"{problem} at step {step + 1}")
         activations = max(activations, saved.bytes)
@@ -445,6 +443,17 @@ def memory_check(build: Callable[[], nn.Module], check: CheckConfig, device: tor
     return CheckResult(name, check, str(device), predicted, measured, estimates, source,
                        sum(p.numel() for p in params), base_params(model), note, losses,
                        phase, phases, predicted_phases, str(base_dtype).removeprefix("torch."))
+
+
+def random_batch(vocab: int, check: CheckConfig, gen: torch.Generator,
+                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """One (x, y) of random tokens, (B, T) each in their own storage; with check.counted_targets the first
+    positions do not count (a prompt's), the rest do."""
+    ids = torch.randint(vocab, (check.batch_size, check.seq_len + 1), generator=gen)
+    x, y = ids[:, :-1].clone(), ids[:, 1:].clone()
+    if check.counted_targets is not None:
+        y.view(-1)[: y.numel() - check.counted_targets] = IGNORE_INDEX
+    return x.to(device), y.to(device)
 
 
 def base_params(model: nn.Module) -> int:

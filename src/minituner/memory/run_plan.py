@@ -35,18 +35,19 @@ def counted_phrase(batch_size: int, seq_len: int, counted: int) -> str:
 
 def finetune_plan(folder: Path, regimes: Sequence[Regime], targets: str, batch_size: int, seq_len: int,
                   grad_checkpoint: bool, counted_targets: int | None = None, precision: str = "fp32",
-                  lora_dropout: float = 0.0, model_dropout: float | None = None) -> dict:
+                  lora_dropout: float = 0.0, model_dropout: float | None = None, grad_accum: int = 1) -> dict:
     """The run `finetune --base folder` makes on CPU at `precision`, regime by regime, as memory-check predicts it
     (bytes per bucket, the step's peak and its phase); the process itself is not included. The model trains with
     `model_dropout` (finetune's --model-dropout), by default its config's (GPT-2's 0.1: masks, and attention's h·T²
     probabilities on SDPA's math path), LoRA with `lora_dropout`. A Decoder trained with attention dropout is an
-    InputError (not modelled)."""
+    InputError (not modelled). `grad_accum` batches make a step (their gradients adding up)."""
     cfg, base_dtype, parts = model_config(folder), stored_dtype(folder), stored_part_dtypes(folder)
     dropout = config_dropout(cfg) if model_dropout is None else model_dropout
     rows = []
     for r in regimes:
         check = CheckConfig(regime=r.name, rank=r.rank or 1, targets=targets, batch_size=batch_size, seq_len=seq_len,
                             grad_checkpoint=grad_checkpoint, counted_targets=counted_targets, precision=precision,
+                            grad_accum=grad_accum,
                             allow_slow_bf16=True,  # the plan of such a run, not the run: no refusal here
                             model_dropout=dropout, lora_dropout=lora_dropout if r.name != "full" else 0.0)
         predicted, _, phase, _ = predict(cfg, check, folder.name, base_dtype=parts or base_dtype)
@@ -55,12 +56,14 @@ def finetune_plan(folder: Path, regimes: Sequence[Regime], targets: str, batch_s
         "stored_dtypes": {part: str(d).removeprefix("torch.") for part, d in parts.items()}}
     return {"base_dtype": str(base_dtype).removeprefix("torch."), **mixed, "precision": precision, "device": "cpu",
             "batch_size": batch_size, "seq_len": seq_len, "counted_targets": counted_targets or batch_size * seq_len,
+            "grad_accum": grad_accum,
             "model_dropout": dropout, "lora_dropout": lora_dropout, "regimes": rows}
 
 
 def plan_run(folder: Path, regime: Regime, targets: str | list[str], batch: LargestBatch, grad_checkpoint: bool,
              precision: str, device: torch.device, quant_scheme: str | None = None,
-             lora_dropout: float = 0.0, model_dropout: float | None = None) -> tuple[dict | None, str]:
+             lora_dropout: float = 0.0, model_dropout: float | None = None,
+             grad_accum: int = 1) -> tuple[dict | None, str]:
     """(the plan, "") of one finetune run at its data's largest batch, or (None, why) for a run the planner does
     not model: on CUDA (LoRA computes in the checkpoint's dtype there, AdamW runs foreach), under torchrun (each
     rank's shard and DDP's gradient buckets), with another quantization than NF4 in blocks of 64, for a llama-family
@@ -75,7 +78,7 @@ def plan_run(folder: Path, regime: Regime, targets: str | list[str], batch: Larg
     names = targets if isinstance(targets, str) else ",".join(targets)
     try:
         plan = finetune_plan(folder, [regime], names, batch.batch_size, batch.seq_len, grad_checkpoint, batch.counted,
-                             precision, lora_dropout, model_dropout)
+                             precision, lora_dropout, model_dropout, grad_accum)
     except InputError as e:  # a Decoder's attention dropout, targets given as paths (the planner takes names)
         return None, f"not made, the planner cannot count this run: {e}"
     row = plan.pop("regimes")[0]
@@ -95,7 +98,8 @@ def describe_run_plan(plan: dict | None, why: str) -> list[str]:
     unit = "GiB" if plan["peak"] >= UNITS["GiB"] else "MiB"
     lines = [f"memory plan: step peak {plan['peak'] / UNITS[unit]:,.2f} {unit} at the {plan['peak_phase']} "
              f"(planner/peak.py; the process itself comes on top) for the largest batch of the data, "
-             f"{plan['batch_size']} x {plan['seq_len']}{counted}; {plan['available_bytes'] / UNITS['GiB']:,.1f} GiB "
+             f"{plan['batch_size']} x {plan['seq_len']}{counted}{_accumulated(plan)}; "
+             f"{plan['available_bytes'] / UNITS['GiB']:,.1f} GiB "
              f"available now{_limit(plan)}"]
     if plan["peak"] - plan["weights"] > plan["available_bytes"]:  # the weights are loaded already
         dropout = ", or without the model's dropout (--model-dropout 0)" if plan.get("model_dropout") else ""
@@ -104,6 +108,11 @@ def describe_run_plan(plan: dict | None, why: str) -> list[str]:
                      f"or train with --grad-checkpoint or --qlora{dropout} "
                      "(minituner count --base ... --data ... compares them)")
     return lines
+
+
+def _accumulated(plan: dict) -> str:
+    n = plan.get("grad_accum", 1)
+    return f", {n} of them a step (gradient accumulation)" if n > 1 else ""
 
 
 def _limit(plan: dict) -> str:

@@ -53,7 +53,8 @@ QUANTIZE_CHOICES = ("targets", "all-linear")  # QLoRA: which block Linears are s
 
 @dataclass(frozen=True)
 class MemoryConfig:
-    batch_size: int = 16  # sequences per step (the seed's default)
+    batch_size: int = 16  # sequences per forward and backward (the seed's default)
+    grad_accum: int = 1  # exact model's peak: batches per step, their gradients adding up (gradient accumulation)
     seq_len: int = 32  # tokens per sequence (the seed's default)
     double_quant: bool = False  # QLoRA: quantize the absmax constants too
     full_precision: str = "mixed"  # "mixed": fp16 weights/grads + fp32 master + Adam; "fp32": all fp32
@@ -70,7 +71,7 @@ class MemoryConfig:
     lora_dropout: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("batch_size", "seq_len"):
+        for name in ("batch_size", "seq_len", "grad_accum"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise InputError(f"{name} must be a positive integer, got {value!r}")
@@ -230,7 +231,7 @@ def regime_bytes(shape: ModelShape, regime: Regime, targets: str | Iterable[str]
     peak = step_peak(shape, regime.name, regime.rank, targets, cfg.batch_size, cfg.seq_len, DTYPE_BYTES[cfg.dtype],
                      cfg.grad_checkpoint, weights=b.weights, grads=b.grads, optimizer=b.optimizer,
                      grad_bytes=grad_bytes, counted=cfg.counted_targets, dropout=cfg.model_dropout,
-                     lora_dropout=cfg.lora_dropout)
+                     lora_dropout=cfg.lora_dropout, grad_accum=cfg.grad_accum)
     return replace(b, peak=peak.bytes, peak_phase=peak.phase)
 
 

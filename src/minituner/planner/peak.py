@@ -63,6 +63,10 @@ targets count (``counted``: an instruction batch's answers) the head and the los
   single-tensor loop, which is torch's default off CUDA: ``exp_avg_sq.sqrt()`` and its division by the
   bias correction are two temporaries of one parameter's size; gradient clipping adds nothing).
 
+With gradient accumulation (``grad_accum`` micro-batches of batch·seq per step, ``accumulating``) each
+micro-batch's phases are the ones above, except that every backward after the first holds all of G (the step's
+gradients so far, added into) in place of the grads made so far.
+
 Not modelled: the process itself (Python, libraries, allocator slack; ``memory-check`` measures it as
 its own line) and foreach/fused AdamW on CUDA (temporaries of all trainable tensors at once).
 Each architecture has its own phase function in ``PEAK_MODELS``, over the phases above (``step_phases``):
@@ -83,6 +87,9 @@ from .activations import (FP32, LOSS_KEPT, MathAttention, SavedByLayer, as_minig
 from .decoder_activations import decoder_saved_by_layer
 from .counts import ALL_LINEAR, resolve_targets, total_params
 from .shapes import ModelShape
+
+GRADS_SO_FAR = "grads so far (head, last block)"  # a backward phase's term for the gradients made before it
+
 
 @dataclass(frozen=True)
 class Peak:
@@ -203,7 +210,7 @@ def step_phases(shape: ModelShape, regime: str, rank: int | None, targets: str |
     else:
         lins = resolve_targets(shape, targets)
         so_far = sum((rank or 0) * (lin.in_features + lin.out_features) for lin in lins) * grad_bytes
-    block = {**base, "grads so far (head, last block)": so_far, "activations (head's freed)": A - head_saved,
+    block = {**base, GRADS_SO_FAR: so_far, "activations (head's freed)": A - head_saved,
              "residual and MLP gradients": block_grads}
     if not full and bf16_gemm_fallback(e, stream_bytes, on_cpu):  # a moment of its own, if it is the larger
         widest = N * max(lin.in_features for lin in lins)  # the LoRA input gradient grad_a·A (N, in), aᵀ-major
@@ -237,6 +244,25 @@ def step_phases(shape: ModelShape, regime: str, rank: int | None, targets: str |
     return phases
 
 
+def accumulating(phases: dict[str, dict[str, int]], grads: int, embedding: int) -> dict[str, dict[str, int]]:
+    """The phases of a step that adds up the gradients of several micro-batches (gradient accumulation).
+
+    Every micro-batch's forward already runs beside a full set of gradients (the last step's before the first
+    zero_grad, the step's own after it), as one batch's does. Every backward after the first runs with the step's
+    gradients so far alive: each new gradient is added into its parameter's .grad and freed, so those backward
+    phases hold all of G in place of the grads a single batch's backward has made so far; at the embeddings (full
+    fine-tuning) the new embedding gradient, `embedding` bytes, is alive beside the one .grad holds."""
+    out = {}
+    for name, terms in phases.items():
+        if name == "backward: embeddings":  # holds G already
+            terms = {**terms, "the new embedding gradient, before it is added": embedding}
+        elif name.startswith("backward"):
+            terms = {**{k: v for k, v in terms.items() if k != GRADS_SO_FAR},
+                     "grads (the earlier micro-batches', added into)": grads}
+        out[name] = terms
+    return out
+
+
 def math_attention_phases(att: MathAttention, base: dict[str, int], grads: int, so_far: int, before_head: int,
                           residual: int, recomputed: int | None) -> dict[str, dict[str, int]]:
     """The moments of the last block's attention on SDPA's math path (the model's dropout) that can be a step's
@@ -253,7 +279,7 @@ def math_attention_phases(att: MathAttention, base: dict[str, int], grads: int, 
     else:
         backward_terms = {"activations (the head's and the block's after its attention freed)": backward}
     phases = {"backward: last block's attention": {
-        **base, "grads so far (head, last block)": so_far, **backward_terms, "residual gradient": residual,
+        **base, GRADS_SO_FAR: so_far, **backward_terms, "residual gradient": residual,
         "v's gradient": att.v_grad if att.v_hot else 0}}
     if recomputed is None:  # without checkpointing; with it, "forward: last block" holds the block's forward
         phases["forward: last block's attention"] = {
@@ -285,7 +311,8 @@ def step_peak(shape: ModelShape, regime: str, rank: int | None = None, targets: 
               batch_size: int = 16, seq_len: int = 32, act_bytes: int = 4, grad_checkpoint: bool = False, *,
               weights: int, grads: int, optimizer: int, grad_bytes: int = 4, stream_bytes: int | None = None,
               lora_copy_bytes: int = 0, on_cpu: bool = True, upcast: Collection[str] = (),
-              counted: int | None = None, dropout: float = 0.0, lora_dropout: float = 0.0) -> Peak:
+              counted: int | None = None, dropout: float = 0.0, lora_dropout: float = 0.0,
+              grad_accum: int = 1) -> Peak:
     """The phase where a training step peaks and what is alive there (``PEAK_MODELS[shape.family]``).
 
     act_bytes, stream_bytes and lora_copy_bytes are the exact activation model's widths (e, s, c of
@@ -293,10 +320,13 @@ def step_peak(shape: ModelShape, regime: str, rank: int | None = None, targets: 
     a CUDA run, whose attention is SDPA's (planner/activations.py's bf16_compute_attention). upcast: the paths of
     a 16-bit base's block Linears upcast per product into the dequantization workspace under fp32 compute. counted:
     the positions of the batch whose target counts (an instruction batch's answers; None: every position). dropout:
-    the model's (MiniGPT and GPT-2: GPTConfig.dropout, on a CPU); lora_dropout: LoRA's (LoRAConfig.dropout)."""
+    the model's (MiniGPT and GPT-2: GPTConfig.dropout, on a CPU); lora_dropout: LoRA's (LoRAConfig.dropout).
+    grad_accum: micro-batches of batch_size per step (``accumulating``); counted is per micro-batch."""
     phases = PEAK_MODELS[shape.family](shape, regime, rank, targets, batch_size, seq_len, act_bytes, grad_checkpoint,
                                        weights, grads, optimizer, grad_bytes, stream_bytes=stream_bytes,
                                        lora_copy_bytes=lora_copy_bytes, on_cpu=on_cpu, upcast=upcast,
                                        counted=counted, dropout=dropout, lora_dropout=lora_dropout)
+    if grad_accum > 1:
+        phases = accumulating(phases, grads, shape.vocab_size * shape.d_model * FP32)
     worst = max(phases, key=lambda k: sum(phases[k].values()))
     return Peak(worst, phases)

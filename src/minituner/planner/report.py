@@ -90,6 +90,8 @@ def describe(plan: Plan, alpha: float | None = None) -> str:
         f"Activations: {act}, batch {c.batch_size}, seq {c.seq_len}"
         + (f", {c.counted_targets:,} of the {c.batch_size * c.seq_len:,} targets counted (the head and the loss run "
            "on those rows)" if c.counted_targets is not None else "")
+        + (f", {c.grad_accum} batches a step (gradient accumulation: the step peak holds every gradient in each "
+           "backward after the first)" if c.grad_accum > 1 else "")
         + dropout_phrase(c.model_dropout, c.lora_dropout, ", ") + ". Sizes 1024-based.",
     ]
     if s.family == "gpt2" and any(lin.name == "c_attn" for lin in wrapped) and any(r.regime.rank for r in plan.regimes):

@@ -134,6 +134,7 @@ def test_cli_base_folder_and_table(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("args", [("--regime", "lora"), ("--regime", "full", "--grad-checkpoint"),
+                                  ("--regime", "full", "--grad-accum", "2"), ("--regime", "qlora", "--grad-accum", "3"),
                                   ("--regime", "lora", "--grad-checkpoint", "--precision", "bf16", "--allow-slow-bf16")])
 def test_peak_within_ten_percent_in_a_fresh_process(tmp_path, args):
     """The planner's step peak against the measured one, in a process of its own (its peak is this run's alone).

@@ -160,7 +160,7 @@ def test_count_plans_the_largest_batch_of_the_data(hf_folder, tmp_path, capsys):
     assert plan["data"] == {"source": str(data), "batch_size": 2, "seq_len": expected.seq_len,
                             "counted": expected.counted, "mean_counted": expected.mean_counted}
     assert expected.seq_len == 40 and expected.counted < 2 * 40  # the longest is cut at the window; answers count
-    assert plan["batch"] == {"batch_size": 2, "seq_len": 40, "counted_targets": expected.counted}
+    assert plan["batch"] == {"batch_size": 2, "seq_len": 40, "counted_targets": expected.counted, "grad_accum": 1}
     run = plan["finetune_cpu"]
     assert run["counted_targets"] == expected.counted
     check = CheckConfig(regime="lora", rank=4, batch_size=2, seq_len=40, counted_targets=expected.counted)
@@ -174,7 +174,8 @@ def test_count_plans_the_largest_batch_of_the_data(hf_folder, tmp_path, capsys):
     text = tmp_path / "t.txt"
     text.write_text("the wind is calm rain later\n\n" * 50)
     assert main(["count", "--base", str(folder), "--data", str(text), "--batch-size", "2", "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["batch"] == {"batch_size": 2, "seq_len": 64, "counted_targets": 128}
+    assert json.loads(capsys.readouterr().out)["batch"] == {"batch_size": 2, "seq_len": 64, "counted_targets": 128,
+                                                            "grad_accum": 1}
     assert main(["count", "--base", str(folder), "--data", str(text), "--json"]) == 0  # finetune's batch size
     assert json.loads(capsys.readouterr().out)["batch"]["batch_size"] == default_train_config().batch_size
 
