@@ -48,10 +48,10 @@ from .base_model import base_weights_sha256, load_base
 from .hf_load import checkpoint_files, read_headers
 from .lora import LoRALinear
 from .qlora import check_scheme
-from .sft.templates import ChatTemplate, load_chat_template
+from .sft.templates import ChatTemplate, load_chat_template, save_chat_template, trained_template
 
 COPIED = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model", "vocab.json",
-          "merges.txt", "added_tokens.json", "generation_config.json")
+          "merges.txt", "added_tokens.json", "generation_config.json", "chat_template.jinja")
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 Thunk = Callable[[], torch.Tensor]
 
@@ -174,9 +174,10 @@ def check_out(out: Path, overwrite: bool, keep: tuple[str | Path, ...] = ()) -> 
 
 
 def write_hf_folder(model: nn.Module, base_folder: str | Path, folder: str | Path, dtype: torch.dtype | None = None,
-                    max_shard_bytes: int = 5 * 10**9) -> None:
+                    max_shard_bytes: int = 5 * 10**9, template: ChatTemplate | None = None) -> None:
     """Write ``model`` (adapters merged) as Hugging Face files into the existing `folder`: weights, config.json,
-    the base's tokenizer files and generation_config. dtype None: the base checkpoint's dtype."""
+    the base's tokenizer files and generation_config. dtype None: the base checkpoint's dtype. `template`: the chat
+    template the folder carries in place of the base's (the one a run trained with)."""
     base_folder, folder = Path(base_folder), Path(folder)
     _check_options(dtype, max_shard_bytes)
     config = read_json(base_folder / CONFIG)
@@ -205,8 +206,10 @@ def write_hf_folder(model: nn.Module, base_folder: str | Path, folder: str | Pat
         if (base_folder / name).is_file():
             shutil.copyfile(base_folder / name, folder / name)
     if isinstance(model, MiniGPT) and from_minigpt and (base_folder / TOKENIZER).is_file():
-        _write_char_tokenizer(CharTokenizer.load(base_folder / TOKENIZER), load_chat_template(base_folder), folder,
-                              model.config.block_size)
+        _write_char_tokenizer(CharTokenizer.load(base_folder / TOKENIZER), template or load_chat_template(base_folder),
+                              folder, model.config.block_size)
+    elif template is not None:
+        save_chat_template(folder, template)
     write_json(folder / CONFIG, config)
 
 
@@ -223,10 +226,12 @@ def _write_char_tokenizer(tok: CharTokenizer, template: ChatTemplate, folder: Pa
 
 
 def export_merged(model: nn.Module, base_folder: str | Path, out: str | Path, dtype: torch.dtype | None = None,
-                  overwrite: bool = False, max_shard_bytes: int = 5 * 10**9) -> Path:
+                  overwrite: bool = False, max_shard_bytes: int = 5 * 10**9,
+                  template: ChatTemplate | None = None) -> Path:
     """Write ``model`` (a Decoder or MiniGPT, adapters merged) as a Hugging Face folder at ``out``; return it.
 
-    dtype None: the base checkpoint's dtype. The model itself is not changed.
+    dtype None: the base checkpoint's dtype. template: the chat template to write in place of the base's. The model
+    itself is not changed.
     """
     out = Path(out)
     check_out(out, overwrite, (base_folder,))
@@ -235,7 +240,7 @@ def export_merged(model: nn.Module, base_folder: str | Path, out: str | Path, dt
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".tmp-{out.name}."))
     try:
         os.chmod(tmp, usual_mode(folder=True))
-        write_hf_folder(model, base_folder, tmp, dtype, max_shard_bytes)
+        write_hf_folder(model, base_folder, tmp, dtype, max_shard_bytes, template)
         if out.exists():  # replace only now that the new folder is complete
             old = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".old-{out.name}."))
             os.replace(out, old / out.name)
@@ -303,4 +308,6 @@ def export_adapter(base: str | Path, adapter: str | Path, out: str | Path, dtype
         quantize = (module_paths(sd), scheme)
     model, _ = load_base(base, quantize=quantize)
     load_adapter(model, adapter)
-    return export_merged(model, base, out, dtype, overwrite)
+    trained = trained_template(adapter)  # what the run rendered its chats with; else the base's stays
+    template = load_chat_template(base, trained) if trained is not None else None
+    return export_merged(model, base, out, dtype, overwrite, template=template)

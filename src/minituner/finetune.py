@@ -50,6 +50,7 @@ from .planner.memory import Regime
 from .peft_format import save_peft_adapter
 from .qlora import check_scheme, logical_numel
 from .sft import FORMATS, SFTConfig
+from .sft.templates import TEMPLATE_FILE, save_chat_template
 from .zoo import adapters_disabled
 
 DEFAULT_DATA = FINETUNE_DATA
@@ -57,9 +58,9 @@ BASE_DOMAIN = PRETRAIN_DATA  # val loss here before/after shows what fine-tuning
 PEFT_DIR = "adapter_peft"
 RUN_MARKERS = (MANIFEST, "metrics.jsonl", ADAPTER_FILE, WEIGHTS, WEIGHTS_INDEX)  # any of these: the folder holds a run
 # what a run writes, which a new run in the same folder replaces; a full fine-tune writes a whole base folder
-LORA_RUN_FILES = (*RUN_MARKERS, CHECKPOINT_DIR, PEFT_DIR, "loss_curve.png")
+LORA_RUN_FILES = (*RUN_MARKERS, CHECKPOINT_DIR, PEFT_DIR, "loss_curve.png", TEMPLATE_FILE)
 FULL_RUN_FILES = (*LORA_RUN_FILES, "model-*-of-*.safetensors", "config.json", "generation_config.json",
-                  "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+                  "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
 def default_train_config() -> TrainConfig:
@@ -84,6 +85,7 @@ class FinetuneConfig:
     train_on_inputs: bool = False  # instruction data: count prompt/user tokens in the loss too (default: answers only)
     overlong: str = "truncate"  # instruction data: an example longer than the block is "truncate"d or "drop"ped
     model_dropout: float | None = None  # the model's own dropout while training; None: its config's (GPT-2's 0.1)
+    chat_template: str | None = None  # instruction data: a Jinja file rendering its chats in place of the base's
 
     def validate(self) -> None:
         if self.method not in ("lora", "full"):
@@ -176,7 +178,8 @@ def _finetune(base: Path, out: Path, cfg: FinetuneConfig, progress: bool, log, r
     if cfg.model_dropout is not None:  # before LoRA wraps the Linears (LoRA's dropout is its own)
         set_model_dropout(model, cfg.model_dropout)
     data = training_data(cfg.data, base, tokenizer, block, cfg.train, cfg.format,
-                         SFTConfig(cfg.train_on_inputs, cfg.overlong), cfg.allow_unknown_chars, log)
+                         SFTConfig(cfg.train_on_inputs, cfg.overlong), cfg.allow_unknown_chars, log,
+                         Path(cfg.chat_template) if cfg.chat_template else None)
     unk = data.unk_fraction  # fraction of characters that would be <unk>
     if unk > 0.01:
         log(f"warning: {unk:.1%} of the training characters are unknown to the base tokenizer (<unk>)")
@@ -214,8 +217,9 @@ def _finetune(base: Path, out: Path, cfg: FinetuneConfig, progress: bool, log, r
     base_sha, base_bytes = base_weights_sha256(base)
     # the model's dropout joins the run's identity only where it is not the config's (runs before the flag resume)
     changed = {"model_dropout": cfg.model_dropout} if config_dropout(model.config) != dropout else {}
+    # the chat template is in the data's identity (the examples it renders), not here: runs before the flag resume
     fingerprint = {"base_sha256": base_sha, **changed,
-                   **{k: v for k, v in asdict(cfg).items() if k not in ("train", "model_dropout")}}
+                   **{k: v for k, v in asdict(cfg).items() if k not in ("train", "model_dropout", "chat_template")}}
     result = train(model, data.train_ids, data.val_ids, train_cfg, out_dir=out, progress=progress, resume=resume,
                    fingerprint=fingerprint, log=log, block_size=block, batches=data.batches,
                    val_loss=data.val_loss if data.batches else None, data_identity=data.data_identity)
@@ -234,6 +238,8 @@ def _finetune(base: Path, out: Path, cfg: FinetuneConfig, progress: bool, log, r
     else:
         save_base(model, tokenizer, out)
         artifact = out / WEIGHTS
+    if data.template is not None:  # the chats were rendered with it: generate, eval and export use it with the run
+        save_chat_template(out, data.template)
     summary = {
         "method": cfg.method,
         "params_total": n_params,

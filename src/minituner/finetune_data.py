@@ -21,8 +21,9 @@ from minigpt.errors import InputError
 from minigpt.train import TrainConfig, evaluate
 
 from .base_model import base_tokenizer
-from .sft import (ExampleSampler, LargestBatch, SFTConfig, evaluate_examples, examples_sha256, is_sft_source,
-                  largest_batch, load_chat_template, load_records, prepare_sft, record_pieces, split_names)
+from .sft import (ChatTemplate, ExampleSampler, LargestBatch, SFTConfig, evaluate_examples, examples_sha256, is_sft_source,
+                  largest_batch, load_chat_template, load_records, plain_text_only, prepare_sft, record_pieces,
+                  split_names)
 
 
 @dataclass
@@ -40,6 +41,7 @@ class TrainingData:
     largest: LargestBatch | None = None  # the largest batch, training's or evaluation's (sft.largest_batch): planned
     unk_fraction: float = 0.0  # fraction of the characters the base tokenizer never saw
     results: dict = field(default_factory=dict)  # figures for manifest.json["results"]
+    template: ChatTemplate | None = None  # instruction data: the chat template it was rendered with
 
     def steps_for_epochs(self, epochs: float, grad_accum: int = 1) -> int:
         """Optimizer steps for `epochs` passes, each step `grad_accum` batches."""
@@ -93,9 +95,10 @@ def text_batch(batch_size: int, window: int) -> LargestBatch:
 
 
 def sft_data(source: str, base: Path, tokenizer, block_size: int, train_cfg: TrainConfig, fmt: str | None,
-             sft_cfg: SFTConfig, allow_unknown: bool, log=print) -> TrainingData:
-    """Instruction data: padded batches of whole examples, validation over the val split's counted tokens."""
-    template = load_chat_template(base)
+             sft_cfg: SFTConfig, allow_unknown: bool, log=print, template_file: Path | None = None) -> TrainingData:
+    """Instruction data: padded batches of whole examples, validation over the val split's counted tokens;
+    rendered with the base's chat template, or `template_file`'s."""
+    template = load_chat_template(base, template_file)
     records = load_records(source, fmt)
     pieces = [text for r in records for text, _ in record_pieces(r, template)]  # as encoded: template, EOS included
     unk = unknown_fraction(pieces, tokenizer, source, allow_unknown)
@@ -123,22 +126,23 @@ def sft_data(source: str, base: Path, tokenizer, block_size: int, train_cfg: Tra
                  "sft": {"formats": formats, **({"named_splits": named} if named else {}),
                          "template": template.origin, "eos_token": template.eos_token,
                          "train_on_inputs": sft_cfg.train_on_inputs, "overlong": sft_cfg.overlong,
-                         "train": data.train_stats.as_dict(), "val": data.val_stats.as_dict()}})
+                         "train": data.train_stats.as_dict(), "val": data.val_stats.as_dict()}},
+        template=template)
 
 
 def largest_data_batch(source: str, base: Path, window: int, batch_size: int, fmt: str | None = None,
-                       sft_cfg: SFTConfig | None = None) -> tuple[LargestBatch, str | None]:
+                       sft_cfg: SFTConfig | None = None,
+                       template_file: Path | None = None) -> tuple[LargestBatch, str | None]:
     """The largest batch `finetune --base base --data source` makes, for the memory planner, and a note when
     finetune would refuse the data (characters its tokenizer never saw) or None. Instruction data is read,
     templated and tokenized as finetune reads it (examples cut or dropped at `window`), then ``sft.largest_batch``
     over its train and val splits: training draws the first, evaluation batches the second at the same batch
     size. Plain text: windows of `window` tokens whose every target counts."""
     if not is_sft_source(source):
-        if fmt is not None:
-            raise InputError(f"--format applies to .jsonl/.json/.parquet/.arrow data, not to {source} (plain text)")
+        plain_text_only(source, fmt, template_file)
         docs = load_documents(source)
         return text_batch(batch_size, window), _refusal(["\n\n".join(docs)], base_tokenizer(base), source)
-    tokenizer, template = base_tokenizer(base), load_chat_template(base)
+    tokenizer, template = base_tokenizer(base), load_chat_template(base, template_file)
     records = load_records(source, fmt)
     data = prepare_sft(source, tokenizer, template, window, sft_cfg or SFTConfig(), fmt, records=records)
     pieces = [text for r in records for text, _ in record_pieces(r, template)]  # as sft_data checks them
@@ -155,10 +159,11 @@ def _refusal(pieces: Sequence[str], tokenizer, source: str) -> str | None:
 
 
 def training_data(source: str, base: Path, tokenizer, block_size: int, train_cfg: TrainConfig, fmt: str | None = None,
-                  sft_cfg: SFTConfig | None = None, allow_unknown: bool = False, log=print) -> TrainingData:
+                  sft_cfg: SFTConfig | None = None, allow_unknown: bool = False, log=print,
+                  template_file: Path | None = None) -> TrainingData:
     """The data of `finetune --data SOURCE`: instruction data (is_sft_source) or plain text."""
     if is_sft_source(source):
-        return sft_data(source, base, tokenizer, block_size, train_cfg, fmt, sft_cfg or SFTConfig(), allow_unknown, log)
-    if fmt is not None:
-        raise InputError(f"--format applies to .jsonl/.json/.parquet/.arrow data, not to {source} (plain text)")
+        return sft_data(source, base, tokenizer, block_size, train_cfg, fmt, sft_cfg or SFTConfig(), allow_unknown, log,
+                        template_file)
+    plain_text_only(source, fmt, template_file)
     return text_data(source, tokenizer, block_size, train_cfg, allow_unknown)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from minigpt.device import PRECISIONS
 
@@ -116,6 +117,9 @@ def add_sft_arguments(p: argparse.ArgumentParser) -> None:
     """--format, --train-on-inputs and --overlong: how instruction data is read (finetune, and count --data)."""
     p.add_argument("--format", choices=FORMATS,
                    help="a data file's shape (default: recognised per file from its fields)")
+    p.add_argument("--chat-template", type=Path, metavar="FILE",
+                   help="a Jinja chat template to render conversations with, in place of the base's (or the default "
+                        "'User: ... Assistant: ...' where it has none); the run keeps it as chat_template.jinja")
     p.add_argument("--train-on-inputs", action="store_true",
                    help="instruction data: count the prompt, system and user tokens in the loss too "
                         "(default: only completions and assistant turns, with their EOS)")

@@ -13,7 +13,7 @@ from minigpt.errors import InputError
 from ..adapter_io import load_adapter
 from ..base_model import load_base, load_tokenizer
 from ..evaluation import SPLITS, evaluate_data
-from ..sft import FORMATS, SFTConfig
+from ..sft import FORMATS, SFTConfig, trained_template
 from ..sft.examples import OVERLONG
 from ..upcast import compute_in_fp32
 from ._common import positive_int
@@ -30,6 +30,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--split", choices=SPLITS, default="all",
                    help="evaluate one split as finetune splits the data, or all of it (default %(default)s)")
     p.add_argument("--format", choices=FORMATS, help="a data file's shape (default: recognised per file)")
+    p.add_argument("--chat-template", type=Path, metavar="FILE",
+                   help="a Jinja chat template for the chats (default: the one the --adapter run trained with, else "
+                        "the base's)")
     p.add_argument("--train-on-inputs", action="store_true",
                    help="instruction data: count the prompt and user tokens too (default: answers only)")
     p.add_argument("--overlong", choices=OVERLONG, default="truncate",
@@ -52,7 +55,8 @@ def run(args: argparse.Namespace) -> int:
     model.eval()
     result = evaluate_data(model, tokenizer, args.base, args.data, args.split, args.format,
                            SFTConfig(args.train_on_inputs, args.overlong), args.batch_size,
-                           log=lambda m: print(m, file=sys.stderr))
+                           log=lambda m: print(m, file=sys.stderr),
+                           template_file=args.chat_template or trained_template(args.adapter))
     if not math.isfinite(result.loss):
         raise FloatingPointError(f"the loss is {result.loss}: the model's logits are not finite (its weights, or "
                                  "the adapter's, hold nan or inf, or its config's numbers make them)")

@@ -10,7 +10,7 @@ from minigpt.errors import InputError
 
 from ..adapter_io import load_adapter
 from ..base_model import load_base, load_tokenizer
-from ..sft import answer, load_chat_template
+from ..sft import answer, load_chat_template, trained_template
 from ..upcast import compute_in_fp32
 from ._common import non_negative_float, positive_int, seed, text
 
@@ -29,6 +29,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                       help="a user message, rendered with the base's chat template (or the default one); "
                            "prints the answer, cut at the end-of-turn token")
     p.add_argument("--system", type=text, help="--chat: a system message before the question")
+    p.add_argument("--chat-template", type=Path, metavar="FILE",
+                   help="--chat: a Jinja chat template (default: the one the --adapter run trained with, else the "
+                        "base's)")
     p.add_argument("--max-new-tokens", type=positive_int, default=200,
                    help="tokens to sample at most; an eos id stops sooner (default %(default)s)")
     p.add_argument("--num-samples", type=positive_int, default=1, help="samples to print (default %(default)s)")
@@ -55,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
             raise InputError("--chat is empty")
         if args.system is not None and not args.system.strip():
             raise InputError("--system is empty")
-        template = load_chat_template(args.base)
+        template = load_chat_template(args.base, args.chat_template or trained_template(args.adapter))
         temperature = 0.0 if args.temperature is None else args.temperature
         for i in range(args.num_samples):
             if args.num_samples > 1:
@@ -63,8 +66,8 @@ def run(args: argparse.Namespace) -> int:
             print(answer(model, tokenizer, template, args.chat, args.system, args.max_new_tokens, temperature,
                          args.top_k, gen))
         return 0
-    if args.system is not None:
-        raise InputError("--system applies to --chat")
+    if args.system is not None or args.chat_template is not None:
+        raise InputError("--system and --chat-template apply to --chat")
     if not args.prompt:
         raise InputError("--prompt is empty")
     temperature = 0.8 if args.temperature is None else args.temperature

@@ -23,6 +23,13 @@ def is_sft_source(source: str | Path) -> bool:
     return is_structured(s)
 
 
+def plain_text_only(source: str, fmt: str | None, template_file: Path | None) -> None:
+    """Refuse the instruction-data options for plain text, which has neither records nor chats."""
+    for flag, given in (("--format", fmt), ("--chat-template", template_file)):
+        if given is not None:
+            raise InputError(f"{flag} applies to .jsonl/.json/.parquet/.arrow data, not to {source} (plain text)")
+
+
 def load_records(source: str | Path, fmt: str | None = None) -> list[Record]:
     """``builtin:forecast-qa`` or a .jsonl/.json/.parquet/.arrow file or folder, every record in order."""
     s = str(source)

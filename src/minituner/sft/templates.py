@@ -35,6 +35,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from minigpt.errors import InputError
+from minigpt.io import atomic_write_text, write_json
 
 TEMPLATE_FILE = "chat_template.jinja"
 TOKENIZER_CONFIG = "tokenizer_config.json"
@@ -223,6 +224,9 @@ class ChatTemplate:
     special_tokens: dict = field(default_factory=lambda: {"eos_token": DEFAULT_EOS})  # bos_token, eos_token, ...
     origin: str = "default"  # a file path, or "default" for DEFAULT_TEMPLATE
     special_texts: tuple[str, ...] = ()  # the tokenizer's special added tokens (<|im_end|>, <end_of_turn>, ...)
+    # the special tokens the tokenizer's files do not name (an eos from config.json, or DEFAULT_EOS): transformers
+    # would render them empty, so a saved template sets them itself
+    pinned: tuple[str, ...] = ()
 
     @property
     def eos_token(self) -> str:
@@ -248,11 +252,38 @@ class ChatTemplate:
         """The string transformers' apply_chat_template(messages, tokenize=False, ...) returns."""
         return render_template(self.source, messages, add_generation_prompt, **{**self.special_tokens, **variables})
 
+    def saved_source(self) -> str:
+        """The text a folder's chat_template.jinja holds so that transformers renders as this template does: the
+        source, after a {% set %} of each special token the tokenizer's files do not name (`pinned`)."""
+        return "".join(f"{{% set {name} = {json.dumps(self.special_tokens[name], ensure_ascii=False)} %}}"
+                       for name in sorted(self.pinned)) + self.source
+
     def render_answers(self, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
         """The rendered conversation and the (start, end) of each {% generation %} block in it."""
         answers = _Answers()
         text = render_template(self.source, messages, False, answers, **self.special_tokens)
         return text, answers.spans
+
+
+def save_chat_template(folder: str | Path, template: ChatTemplate) -> None:
+    """Write `template` as the folder's chat template: chat_template.jinja (what transformers 5 reads first) and,
+    where the folder has a tokenizer_config.json, its chat_template (what older transformers read)."""
+    folder = Path(folder)
+    atomic_write_text(folder / TEMPLATE_FILE, template.saved_source())
+    config_path = folder / TOKENIZER_CONFIG
+    if config_path.is_file():
+        write_json(config_path, {**_read_json(config_path), "chat_template": template.saved_source()})
+
+
+def trained_template(adapter: str | Path | None) -> Path | None:
+    """The chat template a finetune run trained with: its chat_template.jinja, for a run folder or an adapter
+    file inside one (beside its manifest.json); else None."""
+    if adapter is None:
+        return None
+    adapter = Path(adapter)
+    run = adapter if adapter.is_dir() else adapter.parent if (adapter.parent / "manifest.json").is_file() else None
+    path = run / TEMPLATE_FILE if run is not None else None
+    return path if path is not None and path.is_file() else None
 
 
 def default_template(eos_token: str | None = None, bos_token: str | None = None) -> ChatTemplate:
@@ -290,25 +321,38 @@ def _special_added_tokens(folder: Path) -> tuple[str, ...]:
                  and isinstance(t.get("content"), str) and t["content"])
 
 
-def load_chat_template(folder: str | Path) -> ChatTemplate:
-    """The base folder's chat template and special tokens; DEFAULT_TEMPLATE when it has none (MiniGPT)."""
+def load_chat_template(folder: str | Path, template_file: str | Path | None = None) -> ChatTemplate:
+    """The base folder's chat template and special tokens; DEFAULT_TEMPLATE when it has none (MiniGPT).
+
+    `template_file` (a Jinja file: finetune's --chat-template, or a run's chat_template.jinja) replaces the
+    folder's template; the special tokens stay the folder's."""
     folder = Path(folder)
     config_path = folder / TOKENIZER_CONFIG
     config = _read_json(config_path) if config_path.is_file() else {}
-    tokens = {**_named_tokens(config_path), **_named_tokens(folder / SPECIAL_TOKENS_MAP)}
+    named = {**_named_tokens(config_path), **_named_tokens(folder / SPECIAL_TOKENS_MAP)}  # what transformers passes
+    tokens = dict(named)
     if "eos_token" not in tokens and (eos := _eos_from_model_configs(folder)):
         tokens["eos_token"] = eos
     specials = _special_added_tokens(folder)
-    jinja_path = folder / TEMPLATE_FILE
+    jinja_path = Path(template_file) if template_file is not None else folder / TEMPLATE_FILE
+    if template_file is not None and not jinja_path.is_file():
+        raise InputError(f"{jinja_path}: chat template file not found")
     if jinja_path.is_file():
         try:
             source, origin = jinja_path.read_text(encoding="utf-8"), str(jinja_path)
         except UnicodeDecodeError as e:
             raise InputError(f"{jinja_path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+        except OSError as e:
+            raise InputError(f"{jinja_path}: cannot be read ({e.strerror})") from None
     elif config.get("chat_template") is not None:
         source, origin = _pick(config["chat_template"], config_path), str(config_path)
     else:
         template = default_template(tokens.get("eos_token"), tokens.get("bos_token"))
-        return ChatTemplate(template.source, template.special_tokens, template.origin, specials)
-    compile_template(source)  # a template that does not parse is refused when the folder is read
-    return ChatTemplate(source, tokens, origin, specials)
+        source, origin, tokens = template.source, template.origin, template.special_tokens
+    if template_file is not None:  # a template of the user's ends answers as the default does where nothing names
+        tokens.setdefault("eos_token", DEFAULT_EOS)  # an EOS (MiniGPT's characters)
+    try:
+        compile_template(source)  # a template that does not parse is refused when the folder is read
+    except InputError as e:
+        raise InputError(f"{origin}: {e}") from None
+    return ChatTemplate(source, tokens, origin, specials, tuple(k for k in tokens if named.get(k) != tokens[k]))
