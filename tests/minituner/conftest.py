@@ -107,3 +107,17 @@ def hf_ref():
             return transformers.AutoModelForCausalLM.from_pretrained(folder, **kwargs).eval()
 
     return load
+
+
+@pytest.fixture
+def cli(capsys):
+    """cli(*argv) -> (exit code, stdout, stderr) of `minituner` run in this process, each call's output alone."""
+    from minituner.cli import main
+
+    def run(*argv):
+        capsys.readouterr()
+        code = main([str(a) for a in argv])
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    return run

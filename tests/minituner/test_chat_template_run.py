@@ -10,7 +10,6 @@ import torch
 from minigpt.base_folder import save_base
 from minigpt.model import GPTConfig, MiniGPT
 from minigpt.tokenizer import CharTokenizer
-from minituner.cli import main
 from minituner.sft.templates import TEMPLATE_FILE, load_chat_template
 
 transformers = pytest.importorskip("transformers")
@@ -39,43 +38,36 @@ def root(tmp_path_factory):
     return root
 
 
-def cli(capsys, *argv):
-    capsys.readouterr()
-    code = main([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
 def auto_tokenizer(folder):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return transformers.AutoTokenizer.from_pretrained(folder)
 
 
-def eval_loss(capsys, root, *extra):
-    code, out, err = cli(capsys, "eval", "--base", root / "base", "--data", root / "chats.jsonl", "--json", *extra)
+def eval_loss(cli, root, *extra):
+    code, out, err = cli("eval", "--base", root / "base", "--data", root / "chats.jsonl", "--json", *extra)
     assert code == 0, err
     return json.loads(out)["loss"]
 
 
-def test_a_run_keeps_its_template_and_every_command_uses_it(root, tmp_path, capsys):
+def test_a_run_keeps_its_template_and_every_command_uses_it(root, tmp_path, cli):
     run = tmp_path / "run"
-    code, out, err = cli(capsys, "finetune", "--base", root / "base", "--data", root / "chats.jsonl", "--out", run,
+    code, out, err = cli("finetune", "--base", root / "base", "--data", root / "chats.jsonl", "--out", run,
                          "--chat-template", root / "chatml.jinja", *FLAGS)
     assert code == 0, err
     # MiniGPT's tokenizer names no EOS: the run's copy sets the one its answers ended with
     assert (run / TEMPLATE_FILE).read_text(encoding="utf-8") == '{% set eos_token = "<|end|>" %}' + TEMPLATE
     assert json.loads((run / "manifest.json").read_text())["results"]["sft"]["template"] == str(root / "chatml.jinja")
     # eval and generate with the run's adapter render as training did, unless told otherwise
-    with_run = eval_loss(capsys, root, "--adapter", run)
-    assert with_run == eval_loss(capsys, root, "--adapter", run, "--chat-template", root / "chatml.jinja")
-    assert with_run != eval_loss(capsys, root, "--adapter", run / "adapter_peft")  # no template there: the base's
-    code, out, err = cli(capsys, "generate", "--base", root / "base", "--adapter", run, "--chat", "wind 5?",
+    with_run = eval_loss(cli, root, "--adapter", run)
+    assert with_run == eval_loss(cli, root, "--adapter", run, "--chat-template", root / "chatml.jinja")
+    assert with_run != eval_loss(cli, root, "--adapter", run / "adapter_peft")  # no template there: the base's
+    code, out, err = cli("generate", "--base", root / "base", "--adapter", run, "--chat", "wind 5?",
                          "--max-new-tokens", "4")
     assert code == 0, err
     # the exported folder carries it: transformers renders a conversation as finetune did
     out_dir = tmp_path / "merged"
-    code, _, err = cli(capsys, "export", "--base", root / "base", "--adapter", run, "--out", out_dir)
+    code, _, err = cli("export", "--base", root / "base", "--adapter", run, "--out", out_dir)
     assert code == 0, err
     trained = load_chat_template(root / "base", run / TEMPLATE_FILE)
     rendered = auto_tokenizer(out_dir).apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)
@@ -84,8 +76,7 @@ def test_a_run_keeps_its_template_and_every_command_uses_it(root, tmp_path, caps
 
 
 @pytest.mark.parametrize("tokenizer_config", [True, False])
-def test_a_base_without_a_template_exports_the_default_it_trained_with(hf_folder, tmp_path, capsys,
-                                                                       tokenizer_config):
+def test_a_base_without_a_template_exports_the_default_it_trained_with(hf_folder, tmp_path, tokenizer_config, cli):
     """A llama-family base with no chat template: the run trains the default 'User: ... Assistant: ...</s>' and
     the exported folder, which had no template before, renders it in transformers. Without a tokenizer_config.json
     the EOS comes from config.json's eos_token_id, which transformers' tokenizer does not know: the saved template
@@ -102,13 +93,13 @@ def test_a_base_without_a_template_exports_the_default_it_trained_with(hf_folder
                                                       {"role": "assistant", "content": "is calm"}]}) + "\n"
                              for _ in range(20)), encoding="utf-8")
     run = tmp_path / "run"
-    code, _, err = cli(capsys, "finetune", "--base", base, "--data", chats, "--out", run, "--allow-unknown-chars",
+    code, _, err = cli("finetune", "--base", base, "--data", chats, "--out", run, "--allow-unknown-chars",
                        *FLAGS)
     assert code == 0, err
     pinned = '{% set eos_token = "</s>" %}'
     assert (run / TEMPLATE_FILE).read_text().startswith(pinned) != tokenizer_config
     out_dir = tmp_path / "merged"
-    code, _, err = cli(capsys, "export", "--base", base, "--adapter", run, "--out", out_dir)
+    code, _, err = cli("export", "--base", base, "--adapter", run, "--out", out_dir)
     assert code == 0, err
     chat = [{"role": "user", "content": "the wind"}, {"role": "assistant", "content": "is calm"}]
     rendered = auto_tokenizer(out_dir).apply_chat_template(chat, tokenize=False)
@@ -118,7 +109,7 @@ def test_a_base_without_a_template_exports_the_default_it_trained_with(hf_folder
         assert config["chat_template"] == (out_dir / TEMPLATE_FILE).read_text() and config["eos_token"] == "</s>"
 
 
-def test_template_mistakes_are_one_line(root, tmp_path, capsys):
+def test_template_mistakes_are_one_line(root, tmp_path, cli):
     for name, content, message in [("missing.jinja", None, "chat template file not found"),
                                    ("bad.jinja", "{% for m in messages %}", "chat_template"),
                                    ("latin1.jinja", "caf\xe9".encode("latin-1"), "not UTF-8")]:
@@ -127,14 +118,14 @@ def test_template_mistakes_are_one_line(root, tmp_path, capsys):
             path.write_bytes(content)
         elif content is not None:
             path.write_text(content)
-        code, _, err = cli(capsys, "finetune", "--base", root / "base", "--data", root / "chats.jsonl", "--out",
+        code, _, err = cli("finetune", "--base", root / "base", "--data", root / "chats.jsonl", "--out",
                            tmp_path / "run", "--chat-template", path, *FLAGS)
         assert code == 2 and err.count("\n") == 1 and (message in err or name in err), err
         assert not (tmp_path / "run").exists()
     (tmp_path / "notes.txt").write_text("wind 3 force 3\n" * 40)
-    code, _, err = cli(capsys, "finetune", "--base", root / "base", "--data", tmp_path / "notes.txt", "--out",
+    code, _, err = cli("finetune", "--base", root / "base", "--data", tmp_path / "notes.txt", "--out",
                        tmp_path / "run", "--chat-template", root / "chatml.jinja", *FLAGS)
     assert code == 2 and "--chat-template applies to .jsonl/.json/.parquet/.arrow data" in err
-    code, _, err = cli(capsys, "generate", "--base", root / "base", "--prompt", "wind", "--chat-template",
+    code, _, err = cli("generate", "--base", root / "base", "--prompt", "wind", "--chat-template",
                        root / "chatml.jinja")
     assert code == 2 and "--system and --chat-template apply to --chat" in err

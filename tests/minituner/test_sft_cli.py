@@ -11,7 +11,6 @@ from minigpt.model import GPTConfig, MiniGPT
 from minigpt.tokenizer import CharTokenizer
 from minituner.adapter_io import ADAPTER_FILE, load_adapter
 from minituner.base_model import load_base
-from minituner.cli import main
 from minituner.sft import SFTConfig, answer, default_template, prepare_eval, prepare_sft
 
 TEMPLATE = default_template()
@@ -63,17 +62,10 @@ def root(tmp_path_factory):
     return root
 
 
-def cli(capsys, *argv):
-    capsys.readouterr()
-    code = main([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
 @pytest.mark.parametrize("name", list(SHAPES))
-def test_finetune_on_each_shape_reports_what_it_counted(root, tmp_path, capsys, name):
+def test_finetune_on_each_shape_reports_what_it_counted(root, tmp_path, name, cli):
     out = tmp_path / "run"
-    code, stdout, err = cli(capsys, "finetune", "--base", root / "base", "--data", root / name, "--out", out, *TRAIN)
+    code, stdout, err = cli("finetune", "--base", root / "base", "--data", root / name, "--out", out, *TRAIN)
     assert code == 0, err
     assert (out / ADAPTER_FILE).is_file() and "train: 28 of 28 examples" in stdout  # of 30 records one goes to val, one to test
     sft = json.loads((out / "manifest.json").read_text())["results"]["sft"]
@@ -86,7 +78,7 @@ def test_finetune_on_each_shape_reports_what_it_counted(root, tmp_path, capsys, 
     assert len(rows) == 3 and rows[-1]["val_loss"] > 0
 
 
-def test_a_hub_style_folder_trains_on_train_and_validates_on_validation(root, tmp_path, capsys):
+def test_a_hub_style_folder_trains_on_train_and_validates_on_validation(root, tmp_path, cli):
     """data/train-*.parquet and data/validation-*.parquet (a README beside them): the splits their names give."""
     datasets = pytest.importorskip("datasets")
     chats = SHAPES["chat.jsonl"]
@@ -97,77 +89,78 @@ def test_a_hub_style_folder_trains_on_train_and_validates_on_validation(root, tm
     datasets.Dataset.from_list(chats[27:]).to_parquet(str(folder / "test-00000-of-00001.parquet"))
     (tmp_path / "hub" / "README.md").write_text("# dataset card\n")
     out = tmp_path / "run"
-    code, stdout, err = cli(capsys, "finetune", "--base", root / "base", "--data", tmp_path / "hub", "--out", out,
+    code, stdout, err = cli("finetune", "--base", root / "base", "--data", tmp_path / "hub", "--out", out,
                             *TRAIN)
     assert code == 0, err
-    assert "24 train / 3 val examples (messages;" in stdout and "splits as its files name them: train, val, test" in stdout
+    assert "24 train / 3 val examples (messages;" in stdout
+    assert "splits as its files name them: train, val, test" in stdout
     sft = json.loads((out / "manifest.json").read_text())["results"]["sft"]
     assert sft["named_splits"] == ["train", "val", "test"] and sft["val"]["examples"] == 3
-    code, stdout, err = cli(capsys, "eval", "--base", root / "base", "--data", tmp_path / "hub", "--split", "test",
+    code, stdout, err = cli("eval", "--base", root / "base", "--data", tmp_path / "hub", "--split", "test",
                             "--json")
     assert code == 0 and json.loads(stdout)["examples"] == 3, err
     (folder / "train-00000-of-00001.parquet").unlink()
-    code, _, err = cli(capsys, "finetune", "--base", root / "base", "--data", tmp_path / "hub", "--out", out,
+    code, _, err = cli("finetune", "--base", root / "base", "--data", tmp_path / "hub", "--out", out,
                        "--overwrite", *TRAIN)
     assert code == 2 and err.count("\n") == 1
     assert "its files name the val and test splits but no train split" in err
     assert (out / ADAPTER_FILE).is_file()  # the earlier run is still there
 
 
-def test_eval_counts_the_answers_and_their_eos_only(root, capsys):
+def test_eval_counts_the_answers_and_their_eos_only(root, cli):
     tok = load_base(root / "base")[1]
-    code, stdout, err = cli(capsys, "eval", "--base", root / "base", "--data", root / "pc.jsonl", "--json")
+    code, stdout, err = cli("eval", "--base", root / "base", "--data", root / "pc.jsonl", "--json")
     assert code == 0, err
     result = json.loads(stdout)
     assert list(result) == ["loss", "perplexity", "examples", "tokens"]
     completions = sum(len(tok.encode(a)) + len(tok.encode("<|end|>")) for _, a in QUESTIONS)
     assert result["examples"] == 30 and result["tokens"] == completions
     assert result["perplexity"] == pytest.approx(torch.tensor(result["loss"]).exp().item(), rel=1e-6)
-    code, stdout, _ = cli(capsys, "eval", "--base", root / "base", "--data", root / "pc.jsonl", "--json",
+    code, stdout, _ = cli("eval", "--base", root / "base", "--data", root / "pc.jsonl", "--json",
                           "--train-on-inputs", "--split", "val")
     examples, stats = prepare_eval(root / "pc.jsonl", tok, TEMPLATE, 48, SFTConfig(train_on_inputs=True), split="val")
     val = json.loads(stdout)
     assert val["examples"] == len(examples) == 1 and val["tokens"] == stats.counted_tokens == stats.tokens - 1
 
 
-def test_eval_on_text_counts_every_token_of_its_windows(root, capsys):
-    code, stdout, err = cli(capsys, "eval", "--base", root / "base", "--data", root / "plain.txt", "--json")
+def test_eval_on_text_counts_every_token_of_its_windows(root, cli):
+    code, stdout, err = cli("eval", "--base", root / "base", "--data", root / "plain.txt", "--json")
     assert code == 0, err
     result = json.loads(stdout)
     n = len((root / "plain.txt").read_text())
     assert result["examples"] == (n - 1) // 48 and result["tokens"] == result["examples"] * 48
-    code, stdout, _ = cli(capsys, "eval", "--base", root / "base", "--data", root / "plain.txt")
+    code, stdout, _ = cli("eval", "--base", root / "base", "--data", root / "plain.txt")
     assert code == 0 and "perplexity" in stdout
 
 
-def test_eval_and_generate_with_an_adapter(root, tmp_path, capsys):
+def test_eval_and_generate_with_an_adapter(root, tmp_path, cli):
     out = tmp_path / "run"
-    assert cli(capsys, "finetune", "--base", root / "base", "--data", root / "chat.jsonl", "--out", out, *TRAIN)[0] == 0
-    base = json.loads(cli(capsys, "eval", "--base", root / "base", "--data", root / "chat.jsonl", "--json")[1])
-    tuned = json.loads(cli(capsys, "eval", "--base", root / "base", "--adapter", out, "--data", root / "chat.jsonl",
+    assert cli("finetune", "--base", root / "base", "--data", root / "chat.jsonl", "--out", out, *TRAIN)[0] == 0
+    base = json.loads(cli("eval", "--base", root / "base", "--data", root / "chat.jsonl", "--json")[1])
+    tuned = json.loads(cli("eval", "--base", root / "base", "--adapter", out, "--data", root / "chat.jsonl",
                            "--json")[1])
     assert tuned["tokens"] == base["tokens"] and tuned["loss"] != base["loss"]
-    code, stdout, err = cli(capsys, "generate", "--base", root / "base", "--adapter", out, "--chat", "wind 3?",
+    code, stdout, err = cli("generate", "--base", root / "base", "--adapter", out, "--chat", "wind 3?",
                             "--max-new-tokens", "12")
     assert code == 0, err
     model, tok = load_base(root / "base")
     load_adapter(model, out)
     assert stdout == answer(model, tok, TEMPLATE, "wind 3?", max_new_tokens=12) + "\n"
-    code, stdout, err = cli(capsys, "generate", "--base", root / "base", "--adapter", out / ADAPTER_FILE,
+    code, stdout, err = cli("generate", "--base", root / "base", "--adapter", out / ADAPTER_FILE,
                             "--prompt", "wind", "--max-new-tokens", "5")
     assert code == 0 and stdout.startswith("--- sample 1 ---\nwind"), err
 
 
-def test_resume_of_an_instruction_run_is_bit_identical(root, tmp_path, capsys):
+def test_resume_of_an_instruction_run_is_bit_identical(root, tmp_path, cli):
     args = ["finetune", "--base", root / "base", "--data", root / "chat.jsonl",
             *flags(steps=4, checkpoint_every=2, dropout=0.1)]
     ref, resumed = tmp_path / "ref", tmp_path / "resumed"
-    assert cli(capsys, *args, "--out", ref)[0] == 0
+    assert cli(*args, "--out", ref)[0] == 0
     shutil.copytree(ref, resumed)
     (resumed / "checkpoints" / "step-00000004.safetensors").unlink()
-    assert cli(capsys, *args, "--out", resumed, "--resume")[0] == 0
+    assert cli(*args, "--out", resumed, "--resume")[0] == 0
     assert (ref / ADAPTER_FILE).read_bytes() == (resumed / ADAPTER_FILE).read_bytes()
-    code, _, err = cli(capsys, *args, "--out", resumed, "--resume", "--train-on-inputs")  # other labels: refused
+    code, _, err = cli(*args, "--out", resumed, "--resume", "--train-on-inputs")  # other labels: refused
     assert code == 2 and len(err.strip().splitlines()) == 1
 
 
@@ -181,40 +174,40 @@ BAD = {
 
 @pytest.mark.parametrize("name", list(BAD))
 @pytest.mark.parametrize("command", ["finetune", "eval"])
-def test_bad_data_is_refused_in_one_line_naming_the_line(root, tmp_path, capsys, name, command):
+def test_bad_data_is_refused_in_one_line_naming_the_line(root, tmp_path, name, command, cli):
     content, fragment = BAD[name]
     path = tmp_path / name
     path.write_bytes(content if isinstance(content, bytes) else content.encode())
     out = tmp_path / "run"
     argv = [command, "--base", root / "base", "--data", path]
     argv += ["--out", out, *TRAIN] if command == "finetune" else []
-    code, _, err = cli(capsys, *argv)
+    code, _, err = cli(*argv)
     assert code == 2 and len(err.strip().splitlines()) == 1 and fragment in err and name in err, err
     assert not out.exists()
 
 
-def test_flags_that_do_not_fit_the_data_are_refused(root, tmp_path, capsys):
-    code, _, err = cli(capsys, "finetune", "--base", root / "base", "--data", root / "plain.txt", "--out",
+def test_flags_that_do_not_fit_the_data_are_refused(root, tmp_path, cli):
+    code, _, err = cli("finetune", "--base", root / "base", "--data", root / "plain.txt", "--out",
                        tmp_path / "run", "--format", "messages", *TRAIN)
     assert code == 2 and "--format applies to .jsonl/.json/.parquet/.arrow data" in err
-    code, _, err = cli(capsys, "eval", "--base", root / "base", "--data", root / "pc.jsonl", "--format", "messages")
+    code, _, err = cli("eval", "--base", root / "base", "--data", root / "pc.jsonl", "--format", "messages")
     assert code == 2 and "pc.jsonl:1" in err
-    code, _, err = cli(capsys, "generate", "--base", root / "base", "--chat", " ")
+    code, _, err = cli("generate", "--base", root / "base", "--chat", " ")
     assert code == 2 and "--chat is empty" in err
 
 
-def test_epochs_count_examples(root, tmp_path, capsys):
+def test_epochs_count_examples(root, tmp_path, cli):
     out = tmp_path / "run"
     argv = flags(steps=None, epochs=0.5)
-    code, _, err = cli(capsys, "finetune", "--base", root / "base", "--data", root / "pc.jsonl", "--out", out, *argv)
+    code, _, err = cli("finetune", "--base", root / "base", "--data", root / "pc.jsonl", "--out", out, *argv)
     assert code == 0, err
     assert json.loads((out / "manifest.json").read_text())["results"]["steps"] == 4  # ceil(0.5 · 28 examples / 4)
 
 
-def test_grad_accum_steps_count_every_batch_they_add_up(root, tmp_path, capsys):
+def test_grad_accum_steps_count_every_batch_they_add_up(root, tmp_path, capsys, cli):
     out = tmp_path / "run"
     argv = flags(steps=None, epochs=1, grad_accum=2)
-    code, stdout, err = cli(capsys, "finetune", "--base", root / "base", "--data", root / "pc.jsonl", "--out", out,
+    code, stdout, err = cli("finetune", "--base", root / "base", "--data", root / "pc.jsonl", "--out", out,
                             *argv)
     assert code == 0, err
     manifest = json.loads((out / "manifest.json").read_text())
@@ -225,7 +218,7 @@ def test_grad_accum_steps_count_every_batch_they_add_up(root, tmp_path, capsys):
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 4 and all(r["tokens_per_s"] > 0 for r in rows)
     with pytest.raises(SystemExit) as exit_:
-        cli(capsys, "finetune", "--base", root / "base", "--data", root / "pc.jsonl", "--out", tmp_path / "bad",
+        cli("finetune", "--base", root / "base", "--data", root / "pc.jsonl", "--out", tmp_path / "bad",
             *flags(grad_accum=0))
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and "--grad-accum: expected a positive integer, got 0" in err and err.count("\n") == 1
