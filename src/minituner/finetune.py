@@ -86,6 +86,7 @@ class FinetuneConfig:
     overlong: str = "truncate"  # instruction data: an example longer than the block is "truncate"d or "drop"ped
     model_dropout: float | None = None  # the model's own dropout while training; None: its config's (GPT-2's 0.1)
     chat_template: str | None = None  # instruction data: a Jinja file rendering its chats in place of the base's
+    columns: tuple[tuple[str, str], ...] = ()  # instruction data: (field a shape reads, the data's column) renames
 
     def validate(self) -> None:
         if self.method not in ("lora", "full"):
@@ -179,7 +180,7 @@ def _finetune(base: Path, out: Path, cfg: FinetuneConfig, progress: bool, log, r
         set_model_dropout(model, cfg.model_dropout)
     data = training_data(cfg.data, base, tokenizer, block, cfg.train, cfg.format,
                          SFTConfig(cfg.train_on_inputs, cfg.overlong), cfg.allow_unknown_chars, log,
-                         Path(cfg.chat_template) if cfg.chat_template else None)
+                         Path(cfg.chat_template) if cfg.chat_template else None, tuple(map(tuple, cfg.columns)))
     unk = data.unk_fraction  # fraction of characters that would be <unk>
     if unk > 0.01:
         log(f"warning: {unk:.1%} of the training characters are unknown to the base tokenizer (<unk>)")
@@ -219,7 +220,8 @@ def _finetune(base: Path, out: Path, cfg: FinetuneConfig, progress: bool, log, r
     changed = {"model_dropout": cfg.model_dropout} if config_dropout(model.config) != dropout else {}
     # the chat template is in the data's identity (the examples it renders), not here: runs before the flag resume
     fingerprint = {"base_sha256": base_sha, **changed,
-                   **{k: v for k, v in asdict(cfg).items() if k not in ("train", "model_dropout", "chat_template")}}
+                   **{k: v for k, v in asdict(cfg).items()
+                      if k not in ("train", "model_dropout", "chat_template", "columns")}}
     result = train(model, data.train_ids, data.val_ids, train_cfg, out_dir=out, progress=progress, resume=resume,
                    fingerprint=fingerprint, log=log, block_size=block, batches=data.batches,
                    val_loss=data.val_loss if data.batches else None, data_identity=data.data_identity)
@@ -265,6 +267,8 @@ def _finetune(base: Path, out: Path, cfg: FinetuneConfig, progress: bool, log, r
         config={"base": str(base), "data": cfg.data, "format": cfg.format, "train_on_inputs": cfg.train_on_inputs,
                 "overlong": cfg.overlong, "method": cfg.method, "epochs": cfg.epochs, "seq_len": block,
                 "init_adapter": cfg.init_adapter, "quant_scheme": cfg.quant_scheme,
+                **({"columns": dict(cfg.columns)} if cfg.columns else {}),
+                **({"chat_template": cfg.chat_template} if cfg.chat_template else {}),
                 "model_dropout": config_dropout(model.config),  # what it trained with (--model-dropout or config's)
                 "lora": lora_cfg.to_dict() if cfg.method == "lora" else None,
                 "train": asdict(train_cfg), "model": model.config.to_dict()},

@@ -21,7 +21,7 @@ from minigpt.errors import InputError
 from minigpt.train import TrainConfig, evaluate
 
 from .base_model import base_tokenizer
-from .sft import (ChatTemplate, ExampleSampler, LargestBatch, SFTConfig, evaluate_examples, examples_sha256, is_sft_source,
+from .sft import (ChatTemplate, Columns, ExampleSampler, LargestBatch, SFTConfig, evaluate_examples, examples_sha256, is_sft_source,
                   largest_batch, load_chat_template, load_records, plain_text_only, prepare_sft, record_pieces,
                   split_names)
 
@@ -95,11 +95,12 @@ def text_batch(batch_size: int, window: int) -> LargestBatch:
 
 
 def sft_data(source: str, base: Path, tokenizer, block_size: int, train_cfg: TrainConfig, fmt: str | None,
-             sft_cfg: SFTConfig, allow_unknown: bool, log=print, template_file: Path | None = None) -> TrainingData:
+             sft_cfg: SFTConfig, allow_unknown: bool, log=print, template_file: Path | None = None,
+             columns: Columns = ()) -> TrainingData:
     """Instruction data: padded batches of whole examples, validation over the val split's counted tokens;
     rendered with the base's chat template, or `template_file`'s."""
     template = load_chat_template(base, template_file)
-    records = load_records(source, fmt)
+    records = load_records(source, fmt, columns)
     pieces = [text for r in records for text, _ in record_pieces(r, template)]  # as encoded: template, EOS included
     unk = unknown_fraction(pieces, tokenizer, source, allow_unknown)
     data = prepare_sft(source, tokenizer, template, block_size, sft_cfg, fmt, records=records)
@@ -131,19 +132,19 @@ def sft_data(source: str, base: Path, tokenizer, block_size: int, train_cfg: Tra
 
 
 def largest_data_batch(source: str, base: Path, window: int, batch_size: int, fmt: str | None = None,
-                       sft_cfg: SFTConfig | None = None,
-                       template_file: Path | None = None) -> tuple[LargestBatch, str | None]:
+                       sft_cfg: SFTConfig | None = None, template_file: Path | None = None,
+                       columns: Columns = ()) -> tuple[LargestBatch, str | None]:
     """The largest batch `finetune --base base --data source` makes, for the memory planner, and a note when
     finetune would refuse the data (characters its tokenizer never saw) or None. Instruction data is read,
     templated and tokenized as finetune reads it (examples cut or dropped at `window`), then ``sft.largest_batch``
     over its train and val splits: training draws the first, evaluation batches the second at the same batch
     size. Plain text: windows of `window` tokens whose every target counts."""
     if not is_sft_source(source):
-        plain_text_only(source, fmt, template_file)
+        plain_text_only(source, fmt, template_file, columns)
         docs = load_documents(source)
         return text_batch(batch_size, window), _refusal(["\n\n".join(docs)], base_tokenizer(base), source)
     tokenizer, template = base_tokenizer(base), load_chat_template(base, template_file)
-    records = load_records(source, fmt)
+    records = load_records(source, fmt, columns)
     data = prepare_sft(source, tokenizer, template, window, sft_cfg or SFTConfig(), fmt, records=records)
     pieces = [text for r in records for text, _ in record_pieces(r, template)]  # as sft_data checks them
     return largest_batch([*data.train, *data.val], batch_size), _refusal(pieces, tokenizer, source)
@@ -160,10 +161,10 @@ def _refusal(pieces: Sequence[str], tokenizer, source: str) -> str | None:
 
 def training_data(source: str, base: Path, tokenizer, block_size: int, train_cfg: TrainConfig, fmt: str | None = None,
                   sft_cfg: SFTConfig | None = None, allow_unknown: bool = False, log=print,
-                  template_file: Path | None = None) -> TrainingData:
+                  template_file: Path | None = None, columns: Columns = ()) -> TrainingData:
     """The data of `finetune --data SOURCE`: instruction data (is_sft_source) or plain text."""
     if is_sft_source(source):
         return sft_data(source, base, tokenizer, block_size, train_cfg, fmt, sft_cfg or SFTConfig(), allow_unknown, log,
-                        template_file)
-    plain_text_only(source, fmt, template_file)
+                        template_file, columns)
+    plain_text_only(source, fmt, template_file, columns)
     return text_data(source, tokenizer, block_size, train_cfg, allow_unknown)

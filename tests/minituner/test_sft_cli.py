@@ -222,3 +222,27 @@ def test_grad_accum_steps_count_every_batch_they_add_up(root, tmp_path, capsys, 
             *flags(grad_accum=0))
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and "--grad-accum: expected a positive integer, got 0" in err and err.count("\n") == 1
+
+
+def test_columns_read_a_data_set_of_other_names(root, tmp_path, cli, capsys):
+    data = tmp_path / "qa.jsonl"
+    write(data, [{"question": f"wind {i}? ", "answer": f"force {i % 7}"} for i in range(30)])
+    out = tmp_path / "run"
+    code, stdout, err = cli("finetune", "--base", root / "base", "--data", data, "--out", out,
+                            "--columns", "prompt=question,completion=answer", *TRAIN)
+    assert code == 0, err
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["config"]["columns"] == {"prompt": "question", "completion": "answer"}
+    assert manifest["results"]["sft"]["formats"] == ["prompt-completion"]
+    tuned = cli("eval", "--base", root / "base", "--data", data, "--columns", "prompt=question,completion=answer",
+                "--json")
+    assert tuned[0] == 0 and json.loads(tuned[1])["examples"] == 30, tuned[2]
+    code, _, err = cli("finetune", "--base", root / "base", "--data", data, "--out", tmp_path / "bad", *TRAIN)
+    assert code == 2 and "qa.jsonl:1: fields found: answer, question" in err
+    with pytest.raises(SystemExit) as exit_:
+        cli("finetune", "--base", root / "base", "--data", data, "--out", tmp_path / "bad", "--columns", "ask=question")
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "'ask' is not a field the shapes read" in err and err.count("\n") == 1
+    code, _, err = cli("finetune", "--base", root / "base", "--data", root / "plain.txt", "--out", tmp_path / "bad",
+                       "--columns", "text=body", *TRAIN)
+    assert code == 2 and "--columns applies to .jsonl/.json/.parquet/.arrow data" in err

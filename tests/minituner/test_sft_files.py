@@ -174,3 +174,25 @@ def test_without_pyarrow_the_message_says_what_to_install(tmp_path, monkeypatch)
     with pytest.raises(InputError, match=r"reading \.parquet files needs pyarrow \(pip install pyarrow\)"):
         read_file(tmp_path / "a.parquet")
     assert os.path.exists(tmp_path / "a.parquet")
+
+
+def test_columns_rename_a_data_set_to_the_fields_a_shape_reads(tmp_path):
+    from minituner.sft.formats import parse_columns
+
+    dolly = [{"instruction": "Add.", "context": "2 and 2", "response": "4", "category": "math"}]
+    datasets.Dataset.from_list(dolly).to_parquet(str(tmp_path / "dolly.parquet"))
+    (r,) = read_file(tmp_path / "dolly.parquet", columns=parse_columns("input=context,output=response"))
+    assert r.format == "alpaca" and list(r.messages) == [{"role": "user", "content": "Add.\n\n2 and 2"},
+                                                         {"role": "assistant", "content": "4"}]
+    gsm = write_jsonl(tmp_path / "gsm.jsonl", [{"question": "2+2?", "answer": " 4"}, {"question": "3+3?"}])
+    columns = parse_columns("prompt=question, completion=answer")
+    with pytest.raises(InputError, match=r"gsm\.jsonl:2: no column 'answer' \(--columns prompt=question,"
+                                         r"completion=answer; fields found: question\)"):
+        read_file(gsm, columns=columns)
+    write_jsonl(gsm, [{"question": "2+2?", "answer": " 4"}])
+    (r,) = read_file(gsm, columns=columns)
+    assert (r.format, r.prompt, r.completion) == ("prompt-completion", "2+2?", " 4")
+    for spec, message in [("prompt", "each item is FIELD=COLUMN"), ("question=prompt", "'question' is not a field"),
+                          ("prompt=a,prompt=b", "names a field twice")]:
+        with pytest.raises(InputError, match=message):
+            parse_columns(spec)

@@ -6,7 +6,8 @@ from pathlib import Path
 
 from minigpt.device import PRECISIONS
 
-from ..sft import FORMATS
+from ..sft import FORMATS, Columns, parse_columns
+from ..sft.formats import FIELDS
 from ..sft.examples import OVERLONG
 
 DEFAULT_CHECKPOINT_EVERY = 100  # steps between resumable checkpoints on the command line (the library default is none)
@@ -20,6 +21,20 @@ def _integer(text: str, low: int, expected: str) -> int:
     if value < low:
         raise argparse.ArgumentTypeError(f"expected {expected}, got {value}")
     return value
+
+
+def columns(text: str) -> Columns:
+    """--columns FIELD=COLUMN,...: the data set's columns that hold the fields the shapes read."""
+    try:
+        return parse_columns(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("--columns ")) from None
+
+
+def add_columns_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--columns", type=columns, default=(), metavar="FIELD=COLUMN[,...]",
+                   help="read these columns of the data set as the fields a shape reads, e.g. prompt=question,"
+                        f"completion=answer (fields: {', '.join(FIELDS)})")
 
 
 def positive_int(text: str) -> int:
@@ -117,6 +132,7 @@ def add_sft_arguments(p: argparse.ArgumentParser) -> None:
     """--format, --train-on-inputs and --overlong: how instruction data is read (finetune, and count --data)."""
     p.add_argument("--format", choices=FORMATS,
                    help="a data file's shape (default: recognised per file from its fields)")
+    add_columns_argument(p)
     p.add_argument("--chat-template", type=Path, metavar="FILE",
                    help="a Jinja chat template to render conversations with, in place of the base's (or the default "
                         "'User: ... Assistant: ...' where it has none); the run keeps it as chat_template.jinja")

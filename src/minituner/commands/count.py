@@ -173,10 +173,10 @@ def data_batch(args: argparse.Namespace, batch_size: int) -> tuple[LargestBatch 
     """The largest batch finetune makes from --data and a note when finetune would refuse the data ((None, None)
     without --data); --data needs --base."""
     sft_flags = (args.format is not None or args.train_on_inputs or args.overlong != "truncate"
-                 or args.chat_template is not None)
+                 or args.chat_template is not None or bool(args.columns))
     if args.data is None:
         if sft_flags:
-            raise InputError("--format, --chat-template, --train-on-inputs and --overlong apply to --data")
+            raise InputError("--format, --columns, --chat-template, --train-on-inputs and --overlong apply to --data")
         return None, None
     if args.base is None:
         raise InputError("--data needs --base: the folder's tokenizer and chat template read it as finetune does")
@@ -185,7 +185,7 @@ def data_batch(args: argparse.Namespace, batch_size: int) -> tuple[LargestBatch 
     window = args.seq_len or default_seq_len(args.base)
     return largest_data_batch(args.data, args.base, window, batch_size, args.format,
                               SFTConfig(train_on_inputs=args.train_on_inputs, overlong=args.overlong),
-                              args.chat_template)
+                              args.chat_template, args.columns)
 
 
 def describe_batch(batch: LargestBatch, source: str) -> str:

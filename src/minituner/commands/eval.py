@@ -16,7 +16,7 @@ from ..evaluation import SPLITS, evaluate_data
 from ..sft import FORMATS, SFTConfig, trained_template
 from ..sft.examples import OVERLONG
 from ..upcast import compute_in_fp32
-from ._common import positive_int
+from ._common import add_columns_argument, positive_int
 
 HELP = ("mean loss over the counted tokens of --data (answers only for instruction data, every token for text), "
         "perplexity, examples and tokens; --json prints one object")
@@ -30,6 +30,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--split", choices=SPLITS, default="all",
                    help="evaluate one split as finetune splits the data, or all of it (default %(default)s)")
     p.add_argument("--format", choices=FORMATS, help="a data file's shape (default: recognised per file)")
+    add_columns_argument(p)
     p.add_argument("--chat-template", type=Path, metavar="FILE",
                    help="a Jinja chat template for the chats (default: the one the --adapter run trained with, else "
                         "the base's)")
@@ -56,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
     result = evaluate_data(model, tokenizer, args.base, args.data, args.split, args.format,
                            SFTConfig(args.train_on_inputs, args.overlong), args.batch_size,
                            log=lambda m: print(m, file=sys.stderr),
-                           template_file=args.chat_template or trained_template(args.adapter))
+                           template_file=args.chat_template or trained_template(args.adapter), columns=args.columns)
     if not math.isfinite(result.loss):
         raise FloatingPointError(f"the loss is {result.loss}: the model's logits are not finite (its weights, or "
                                  "the adapter's, hold nan or inf, or its config's numbers make them)")

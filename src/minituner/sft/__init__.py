@@ -15,16 +15,16 @@ from .encoders import plain_encoder, special_prefix
 from .examples import (IGNORE, Example, SFTConfig, SFTStats, examples_sha256, record_pieces, record_text,
                        tokenize_record, tokenize_records)
 from .files import read_file, read_records
-from .formats import FORMATS, Record, split_records
+from .formats import FORMATS, Columns, Record, parse_columns, split_records
 from .load import SFTData, is_sft_source, load_records, plain_text_only, prepare_eval, prepare_sft, split_names
 from .templates import (DEFAULT_EOS, DEFAULT_TEMPLATE, ChatTemplate, default_template, load_chat_template,
                         trained_template)
 
 __all__ = [
-    "ChatTemplate", "DEFAULT_EOS", "DEFAULT_TEMPLATE", "EvalResult", "Example", "ExampleSampler", "FORMATS", "IGNORE",
+    "ChatTemplate", "Columns", "DEFAULT_EOS", "DEFAULT_TEMPLATE", "EvalResult", "Example", "ExampleSampler", "FORMATS", "IGNORE",
     "LargestBatch", "Record", "SFTConfig", "SFTData", "SFTStats", "answer", "builtin_records", "chat_prompt", "collate",
     "cut_answer", "default_template", "evaluate_examples", "examples_sha256", "forecast_qa", "is_sft_source",
-    "iter_batches", "largest_batch", "load_chat_template", "load_records", "plain_encoder", "plain_text_only",
+    "iter_batches", "largest_batch", "load_chat_template", "load_records", "parse_columns", "plain_encoder", "plain_text_only",
     "prepare_eval", "prepare_sft", "read_file", "read_records", "record_pieces", "record_text", "special_prefix",
     "split_names", "split_records", "tokenize_record", "tokenize_records", "trained_template",
 ]

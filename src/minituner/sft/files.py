@@ -16,7 +16,7 @@ from pathlib import Path
 
 from minigpt.errors import InputError
 
-from .formats import SPLITS, Record, check_format, first_format, parse_record
+from .formats import SPLITS, Columns, Record, check_format, first_format, parse_record, renamed
 
 JSON_SUFFIXES = (".jsonl", ".json")
 TABLE_SUFFIXES = (".parquet", ".arrow")  # read with pyarrow, a row a record
@@ -138,14 +138,17 @@ def _table_rows(path: Path):
             yield f"{path}:row {n}", row
 
 
-def read_file(path: str | Path, fmt: str | None = None, split: str | None = None) -> list[Record]:
+def read_file(path: str | Path, fmt: str | None = None, split: str | None = None,
+              columns: Columns = ()) -> list[Record]:
     """The records of one .jsonl, .json, .parquet or .arrow file; the shape comes from its first record unless
-    `fmt` forces it; `split` tags them (Record.split)."""
+    `fmt` forces it; `split` tags them (Record.split); `columns` renames the file's columns to the fields the
+    shapes read (formats.renamed)."""
     path = Path(path)
     check_format(fmt)
     records: list[Record] = []
     rows = _table_rows(path) if path.suffix.lower() in TABLE_SUFFIXES else _json_rows(path)
     for where, obj in rows:
+        obj = renamed(obj, columns, where)
         if fmt is None:
             fmt = first_format(obj, where)
         record = parse_record(obj, fmt, where)
@@ -218,7 +221,7 @@ def is_structured(path: str | Path) -> bool:
     return path.is_dir() and any(p.suffix.lower() in SUFFIXES for p in _listed(path))
 
 
-def read_records(path: str | Path, fmt: str | None = None) -> list[Record]:
+def read_records(path: str | Path, fmt: str | None = None, columns: Columns = ()) -> list[Record]:
     """Every record of a data file or folder, in file order (files sorted by path), tagged with the split their
     file names."""
-    return [r for f, split in data_files(path) for r in read_file(f, fmt, split)]
+    return [r for f, split in data_files(path) for r in read_file(f, fmt, split, columns)]

@@ -171,6 +171,40 @@ def parse_record(obj, fmt: str, where: str) -> Record:
     raise InputError(f"{where}: fields found: {_fields(obj)}; expected {fmt} ({why})")
 
 
+# the fields the shapes read, which --columns may take from a data set's own columns
+FIELDS = ("text", "prompt", "completion", "messages", "conversations", "instruction", "input", "output", "system")
+Columns = tuple[tuple[str, str], ...]  # (the field a shape reads, the data set's column it comes from)
+
+
+def parse_columns(spec: str) -> Columns:
+    """``--columns`` as given: "prompt=question,completion=answer" -> (("prompt", "question"), ...)."""
+    pairs = []
+    for part in spec.split(","):
+        name, sep, column = (x.strip() for x in part.partition("="))
+        if not sep or not name or not column:
+            raise InputError(f"--columns {spec!r}: each item is FIELD=COLUMN, e.g. prompt=question,completion=answer")
+        if name not in FIELDS:
+            raise InputError(f"--columns: {name!r} is not a field the shapes read ({', '.join(FIELDS)})")
+        pairs.append((name, column))
+    names = [n for n, _ in pairs]
+    if len(set(names)) < len(names):
+        raise InputError(f"--columns {spec!r} names a field twice")
+    return tuple(pairs)
+
+
+def renamed(obj, columns: Columns, where: str):
+    """A record with the data set's columns renamed to the fields the shapes read (--columns); a record without
+    one of the columns is refused, named."""
+    if not columns or not isinstance(obj, dict):
+        return obj
+    missing = [column for _, column in columns if column not in obj]
+    if missing:
+        raise InputError(f"{where}: no column {missing[0]!r} (--columns {','.join(f'{n}={c}' for n, c in columns)}; "
+                         f"fields found: {_fields(obj)})")
+    taken = {column for _, column in columns}
+    return {**{k: v for k, v in obj.items() if k not in taken}, **{name: obj[column] for name, column in columns}}
+
+
 def check_format(fmt: str | None) -> None:
     """None (recognise per file) or one of FORMATS."""
     if fmt is not None and fmt not in FORMATS:
