@@ -118,6 +118,11 @@ class FinetuneResult:
     summary: dict  # the numbers written to manifest.json["results"]
 
 
+def _batches_per_step(cfg: TrainConfig) -> str:
+    """" of N batches of B each" for gradient accumulation, else ""."""
+    return f" of {cfg.grad_accum} batches of {cfg.batch_size} each" if cfg.grad_accum > 1 else ""
+
+
 def domain_val_loss(model: nn.Module, tokenizer: Tokenizer, source: str, train_cfg: TrainConfig,
                     block: int | None = None) -> float:
     """Validation loss (nats/token) of `model` on the val split of a corpus, in windows of `block` (default: context)."""
@@ -210,7 +215,7 @@ def _finetune(base: Path, out: Path, cfg: FinetuneConfig, progress: bool, log, r
         base_before = domain_val_loss(model, tokenizer, cfg.base_domain, train_cfg, block) if cfg.base_domain else None
     trainable = trainable_numel(model)
     log(f"{cfg.method}: {trainable:,} of {n_params:,} parameters trainable ({trainable / n_params:.2%}); "
-        f"{data.description}; {train_cfg.steps} steps in {train_cfg.precision}")
+        f"{data.description}; {train_cfg.steps} steps{_batches_per_step(train_cfg)} in {train_cfg.precision}")
     if bf16 is not None and not bf16.fast:
         log(f"warning: {bf16.reason}: bf16 runs slower than fp32 here (--allow-slow-bf16)")
 

@@ -215,6 +215,7 @@ def test_grad_accum_steps_count_every_batch_they_add_up(root, tmp_path, capsys, 
     assert manifest["config"]["train"]["grad_accum"] == 2
     plan = manifest["results"]["memory_plan"]
     assert plan["grad_accum"] == 2 and "2 of them a step (gradient accumulation)" in stdout
+    assert "4 steps of 2 batches of 4 each in fp32" in stdout
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 4 and all(r["tokens_per_s"] > 0 for r in rows)
     with pytest.raises(SystemExit) as exit_:
