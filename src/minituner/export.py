@@ -19,11 +19,11 @@ scheme the run's manifest.json records (``quant_scheme``), then dequantized and 
 """
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import tempfile
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
@@ -218,11 +218,11 @@ def _write_char_tokenizer(tok: CharTokenizer, template: ChatTemplate, folder: Pa
     chat template finetune rendered (its special tokens, e.g. the text "<|end|>" ending an answer, set inside it:
     as tokenizer_config entries transformers would add them to the vocabulary as new tokens)."""
     atomic_write_text(folder / TOKENIZER, char_tokenizer_as_hf(tok))
-    tokens = "".join(f"{{% set {name} = {json.dumps(text, ensure_ascii=False)} %}}"
-                     for name, text in sorted(template.special_tokens.items()))
     write_json(folder / "tokenizer_config.json",  # no unk_token here: transformers would then match the text
                {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": context,  # "<unk>" as one token
-                "clean_up_tokenization_spaces": False, "chat_template": tokens + template.source})
+                "clean_up_tokenization_spaces": False})
+    # every special token set inside the template, and chat_template.jinja (read first) replacing a copied one
+    save_chat_template(folder, replace(template, pinned=tuple(template.special_tokens)))
 
 
 def export_merged(model: nn.Module, base_folder: str | Path, out: str | Path, dtype: torch.dtype | None = None,

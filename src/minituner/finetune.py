@@ -159,6 +159,9 @@ def finetune(base: str | Path, out: str | Path, cfg: FinetuneConfig, progress: b
     if out.resolve() == base.resolve():
         raise InputError("--out must differ from --base (the base folder is never written)")
     check_run_dir(out, RUN_MARKERS, overwrite, resume)
+    if cfg.chat_template and overwrite and out.resolve() in Path(cfg.chat_template).resolve().parents:
+        raise InputError(f"--chat-template {cfg.chat_template} lies in --out {out}, whose run --overwrite replaces: "
+                         "copy it elsewhere first")
     barrier()  # every rank has checked the folder before rank 0 writes to it
     writer = is_writer()
     progress, log = progress and writer, log if writer else (lambda *a, **k: None)

@@ -61,7 +61,9 @@ def test_a_run_keeps_its_template_and_every_command_uses_it(root, tmp_path, cli)
     # eval and generate with the run's adapter render as training did, unless told otherwise
     with_run = eval_loss(cli, root, "--adapter", run)
     assert with_run == eval_loss(cli, root, "--adapter", run, "--chat-template", root / "chatml.jinja")
-    assert with_run != eval_loss(cli, root, "--adapter", run / "adapter_peft")  # no template there: the base's
+    assert with_run == eval_loss(cli, root, "--adapter", run / "adapter_peft")  # the PEFT folder's run's template
+    (tmp_path / "plain.jinja").write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    assert with_run != eval_loss(cli, root, "--adapter", run, "--chat-template", tmp_path / "plain.jinja")
     code, out, err = cli("generate", "--base", root / "base", "--adapter", run, "--chat", "wind 5?",
                          "--max-new-tokens", "4")
     assert code == 0, err
@@ -129,3 +131,44 @@ def test_template_mistakes_are_one_line(root, tmp_path, cli):
     code, _, err = cli("generate", "--base", root / "base", "--prompt", "wind", "--chat-template",
                        root / "chatml.jinja")
     assert code == 2 and "--system and --chat-template apply to --chat" in err
+
+
+def test_a_chat_run_evaluates_plain_text_and_its_peft_folder_finds_the_template(root, tmp_path, cli):
+    run = tmp_path / "run"
+    code, _, err = cli("finetune", "--base", root / "base", "--data", root / "chats.jsonl", "--out", run,
+                       "--chat-template", root / "chatml.jinja", *FLAGS)
+    assert code == 0, err
+    (tmp_path / "notes.txt").write_text("wind 3 force 3\n\n" * 30)
+    code, out, err = cli("eval", "--base", root / "base", "--adapter", run, "--data", tmp_path / "notes.txt", "--json")
+    assert code == 0 and json.loads(out)["tokens"] > 0, err  # forgetting is measured on plain text
+    from minituner.sft import trained_template
+
+    assert trained_template(run / "adapter_peft") == trained_template(run / "adapter_final.safetensors") \
+        == run / TEMPLATE_FILE
+    out_dir = tmp_path / "merged"
+    code, _, err = cli("export", "--base", root / "base", "--adapter", run / "adapter_peft", "--out", out_dir)
+    assert code == 0, err
+    rendered = auto_tokenizer(out_dir).apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)
+    assert rendered == load_chat_template(root / "base", run / TEMPLATE_FILE).render(CHAT, True)
+    code, _, err = cli("finetune", "--base", root / "base", "--data", root / "chats.jsonl", "--out", run,
+                       "--chat-template", run / TEMPLATE_FILE, "--overwrite", *FLAGS)
+    assert code == 2 and "lies in --out" in err and (run / TEMPLATE_FILE).is_file()
+
+
+def test_a_minigpt_base_with_its_own_template_file_exports_what_it_renders(root, tmp_path, cli):
+    """A MiniGPT base folder holding a chat_template.jinja (a full fine-tune on chats writes one): the exported
+    folder's chat_template.jinja, which transformers reads first, carries it with MiniGPT's EOS set."""
+    import shutil
+
+    base = tmp_path / "base"
+    shutil.copytree(root / "base", base)
+    (base / TEMPLATE_FILE).write_text(TEMPLATE)
+    run = tmp_path / "run"
+    code, _, err = cli("finetune", "--base", base, "--data", root / "chats.jsonl", "--out", run, *FLAGS)
+    assert code == 0, err
+    out_dir = tmp_path / "merged"
+    code, _, err = cli("export", "--base", base, "--adapter", run, "--out", out_dir)
+    assert code == 0, err
+    rendered = auto_tokenizer(out_dir).apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)
+    assert rendered == load_chat_template(base).render(CHAT, True)
+    assert "force 3<|end|>" in rendered

@@ -196,3 +196,85 @@ def test_columns_rename_a_data_set_to_the_fields_a_shape_reads(tmp_path):
                           ("prompt=a,prompt=b", "names a field twice")]:
         with pytest.raises(InputError, match=message):
             parse_columns(spec)
+
+
+def test_compressed_json_and_csv_read_as_datasets_reads_them(tmp_path):
+    import gzip
+    import lzma
+
+    rows = [{"prompt": f"wind {i}?", "completion": f" force {i},\n\"rising\""} for i in range(5)]
+    with gzip.open(tmp_path / "a.jsonl.gz", "wt", encoding="utf-8") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in rows))
+    with lzma.open(tmp_path / "b.json.xz", "wt", encoding="utf-8") as f:
+        json.dump(rows, f)
+    datasets.Dataset.from_list(rows).to_csv(str(tmp_path / "c.csv"), index=False)
+    for name in ("a.jsonl.gz", "b.json.xz", "c.csv"):
+        theirs = datasets.load_dataset("csv" if name.endswith(".csv") else "json", data_files=str(tmp_path / name),
+                                       cache_dir=str(tmp_path / "cache"))["train"]
+        ours = read_file(tmp_path / name)
+        assert [(r.prompt, r.completion) for r in ours] == [(t["prompt"], t["completion"]) for t in theirs], name
+    (tmp_path / "cut.jsonl.gz").write_bytes((tmp_path / "a.jsonl.gz").read_bytes()[:20])
+    with pytest.raises(InputError, match=r"cut\.jsonl\.gz: not a readable gz file"):
+        read_file(tmp_path / "cut.jsonl.gz")
+    (tmp_path / "d.tsv").write_text("prompt\tcompletion\na?\t b\nc?\t d\textra\n")
+    with pytest.raises(InputError, match=r"d\.tsv:3: 3 cells, the header names 2"):
+        read_file(tmp_path / "d.tsv")
+
+
+def test_a_saved_dataset_reads_its_own_files_not_the_caches_beside_them(tmp_path):
+    ds = datasets.Dataset.from_list(CHATS)
+    datasets.DatasetDict({"train": ds.select(range(30)), "test": ds.select(range(30, 40))}).save_to_disk(
+        str(tmp_path / "dd"))
+    datasets.load_from_disk(str(tmp_path / "dd"))["train"].map(lambda r: r)  # writes train/cache-<hash>.arrow
+    assert any(p.name.startswith("cache-") for p in (tmp_path / "dd" / "train").iterdir())
+    parts = split_records(read_records(tmp_path / "dd"))
+    assert len(parts["train"]) + len(parts["val"]) == 30 and len(parts["test"]) == 10
+
+
+@pytest.mark.parametrize("files, message", [
+    ({"data/train_sft-00000-of-00001.parquet": 3, "data/test_sft-00000-of-00001.parquet": 3},
+     r"a shard of the split 'test_sft'.*give --data the files of the split to train on"),
+    ({"train.jsonl": 3, "test.jsonl.zst": 0}, r"test\.jsonl\.zst is data this does not read"),
+    ({"data/all/train.jsonl": 3, "data/magpie/train.jsonl": 3,
+      "README.md": "---\nconfigs:\n- config_name: all\n  default: true\n---\n# card\n"},
+     r"its dataset card \(README\.md\) declares configs"),
+])
+def test_folders_that_datasets_would_read_otherwise_are_refused(tmp_path, files, message):
+    for name, content in files.items():
+        path = tmp_path / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if isinstance(content, str):
+            path.write_text(content)
+        elif name.endswith(".parquet"):
+            datasets.Dataset.from_list([{"text": f"r{i}"} for i in range(content)]).to_parquet(str(path))
+        else:
+            write_jsonl(path, [{"text": f"r{i}"} for i in range(content)])
+    with pytest.raises(InputError, match=message):
+        read_records(tmp_path)
+
+
+def test_metadata_beside_json_is_not_data(tmp_path):
+    write_jsonl(tmp_path / "train.jsonl", [{"text": "a"}, {"text": "b"}])
+    (tmp_path / "dataset_infos.json").write_text('{"default": {"features": {}}}')
+    (tmp_path / "README.md").write_text("---\nlicense: mit\n---\n")
+    assert [r.text for r in read_records(tmp_path)] == ["a", "b"]
+
+
+def test_parquet_columns_that_are_the_union_of_record_shapes(tmp_path):
+    """A Parquet file's columns are the union of its records' fields, the missing ones null: ShareGPT turns written
+    {from, value} beside {role, content}, and a messages column null beside prompt/completion."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    turn = pa.struct([("from", pa.string()), ("value", pa.string()), ("role", pa.string()),
+                      ("content", pa.string())])
+    table = pa.table({"conversations": pa.array([[
+        {"from": "human", "value": "hi", "role": None, "content": None},
+        {"from": None, "value": None, "role": "assistant", "content": "ho"}]], pa.list_(turn))})
+    pq.write_table(table, str(tmp_path / "share.parquet"))
+    (r,) = read_file(tmp_path / "share.parquet")
+    assert list(r.messages) == [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ho"}]
+    pq.write_table(pa.table({"messages": pa.array([None], pa.list_(pa.struct([("role", pa.string())]))),
+                             "prompt": ["2+2="], "completion": ["4"]}), str(tmp_path / "pc.parquet"))
+    (r,) = read_file(tmp_path / "pc.parquet")
+    assert (r.format, r.prompt, r.completion) == ("prompt-completion", "2+2=", "4")

@@ -98,11 +98,11 @@ def test_json_file_with_one_object_per_line(tmp_path):
 def test_folder_reads_files_in_order_each_its_own_shape(tmp_path):
     write_jsonl(tmp_path / "b.jsonl", [{"messages": CHAT}])
     write_jsonl(tmp_path / "a.jsonl", [{"text": "t"}, {"text": "u"}])
-    (tmp_path / "notes.csv").write_text("ignored")
+    (tmp_path / "notes.log").write_text("ignored")
     (tmp_path / ".hidden.jsonl").write_text("not json")
     recs = read_records(tmp_path)
     assert [r.format for r in recs] == ["text", "text", "messages"]
-    assert is_structured(tmp_path) and is_structured(tmp_path / "a.jsonl") and not is_structured(tmp_path / "notes.csv")
+    assert is_structured(tmp_path) and is_structured(tmp_path / "a.jsonl") and not is_structured(tmp_path / "notes.log")
     (tmp_path / "notes.txt").write_text("would be skipped")
     with pytest.raises(InputError, match=r"holds data files and text files \(notes.txt\)"):
         read_records(tmp_path)
@@ -198,7 +198,7 @@ def test_empty_and_missing(tmp_path):
     with pytest.raises(InputError, match="not found"):
         read_records(tmp_path / "missing.jsonl")
     (tmp_path / "d").mkdir()
-    with pytest.raises(InputError, match="no .jsonl, .json, .parquet or .arrow files"):
+    with pytest.raises(InputError, match="no .jsonl, .json, .csv, .parquet or .arrow files"):
         read_records(tmp_path / "d")
 
 

@@ -13,7 +13,7 @@ from minigpt.errors import InputError
 from ..adapter_io import load_adapter
 from ..base_model import load_base, load_tokenizer
 from ..evaluation import SPLITS, evaluate_data
-from ..sft import FORMATS, SFTConfig, trained_template
+from ..sft import FORMATS, SFTConfig, is_sft_source, trained_template
 from ..sft.examples import OVERLONG
 from ..upcast import compute_in_fp32
 from ._common import add_columns_argument, positive_int
@@ -57,7 +57,9 @@ def run(args: argparse.Namespace) -> int:
     result = evaluate_data(model, tokenizer, args.base, args.data, args.split, args.format,
                            SFTConfig(args.train_on_inputs, args.overlong), args.batch_size,
                            log=lambda m: print(m, file=sys.stderr),
-                           template_file=args.chat_template or trained_template(args.adapter), columns=args.columns)
+                           template_file=args.chat_template or (trained_template(args.adapter)
+                                                                if is_sft_source(args.data) else None),
+                           columns=args.columns)
     if not math.isfinite(result.loss):
         raise FloatingPointError(f"the loss is {result.loss}: the model's logits are not finite (its weights, or "
                                  "the adapter's, hold nan or inf, or its config's numbers make them)")

@@ -9,7 +9,12 @@ that split (``Record.split``; ``formats.split_records`` honours it).
 """
 from __future__ import annotations
 
+import bz2
+import csv
+import gzip
+import io
 import json
+import lzma
 import re
 from dataclasses import replace
 from pathlib import Path
@@ -19,12 +24,17 @@ from minigpt.errors import InputError
 from .formats import SPLITS, Columns, Record, check_format, first_format, parse_record, renamed
 
 JSON_SUFFIXES = (".jsonl", ".json")
+CSV_SUFFIXES = (".csv", ".tsv")  # read with the csv module: every cell a string, as written
 TABLE_SUFFIXES = (".parquet", ".arrow")  # read with pyarrow, a row a record
-SUFFIXES = JSON_SUFFIXES + TABLE_SUFFIXES
+COMPRESSIONS = {".gz": gzip, ".bz2": bz2, ".xz": lzma}  # around a JSON or CSV file, as datasets reads them
 TEXT_SUFFIXES = (".txt", ".text", ".md", ".rst")  # what minigpt.data reads as plain text
-# metadata, not records, in a folder of tables: datasets' save_to_disk writes the first three beside its .arrow
-# files, older Hub snapshots the last beside their Parquet files
+UNREAD_SUFFIXES = (".zst", ".zip", ".tar", ".tgz", ".7z", ".lz4", ".xlsx", ".xls", ".feather", ".pkl", ".pickle",
+                   ".h5", ".hdf5")  # data this reader does not read: a folder holding one is refused, not skipped
+# metadata, not records: datasets' save_to_disk writes the first three beside its .arrow files (state.json lists
+# them), older Hub snapshots the last
 DATASETS_METADATA = ("dataset_info.json", "state.json", "dataset_dict.json", "dataset_infos.json")
+# a Hub shard's name: its split as datasets reads it (data/{split}-00000-of-00002.parquet), exactly
+SHARD_NAME = re.compile(r"^(?P<split>\w+(?:\.\w+)*)-\d{5}-of-\d{5}\.")
 # a split's names in file and folder names, as datasets.data_files.SPLIT_KEYWORDS has them
 SPLIT_KEYWORDS = {"train": ("train", "training"), "val": ("validation", "valid", "dev", "val"),
                   "test": ("test", "testing", "eval", "evaluation")}
@@ -32,8 +42,38 @@ SPLIT_WORDS = {word: split for split, words in SPLIT_KEYWORDS.items() for word i
 WORD_SEPARATORS = re.compile(r"[-._ 0-9]+")  # datasets' NON_WORDS_CHARS
 
 
+def data_kind(path: Path) -> str | None:
+    """"json", "csv" or "table" for a data file this module reads (by its suffixes), else None."""
+    suffixes = [s.lower() for s in path.suffixes[-2:]]
+    if not suffixes:
+        return None
+    inner = suffixes[0] if len(suffixes) == 2 and suffixes[-1] in COMPRESSIONS else suffixes[-1]
+    if inner in JSON_SUFFIXES:
+        return "json"
+    if inner in CSV_SUFFIXES:
+        return "csv"
+    return "table" if suffixes[-1] in TABLE_SUFFIXES else None
+
+
+def _inner_suffix(path: Path) -> str:
+    """The suffix under a compression's (.jsonl for chats.jsonl.gz)."""
+    return Path(path.stem).suffix.lower() if path.suffix.lower() in COMPRESSIONS else path.suffix.lower()
+
+
+def _read_bytes(path: Path) -> bytes:
+    """The file's bytes, decompressed when its suffix names gzip, bzip2 or xz."""
+    opener = COMPRESSIONS.get(path.suffix.lower())
+    if opener is None:
+        return path.read_bytes()
+    try:
+        with opener.open(path, "rb") as f:
+            return f.read()
+    except (OSError, EOFError, lzma.LZMAError) as e:
+        raise InputError(f"{path}: not a readable {path.suffix[1:]} file ({e})") from None
+
+
 def _decode(path: Path) -> str:
-    data = path.read_bytes()
+    data = _read_bytes(path)
     try:
         return data.decode("utf-8").removeprefix("\ufeff")
     except UnicodeDecodeError as e:
@@ -45,7 +85,7 @@ def _decode(path: Path) -> str:
 def _json_values(path: Path, text: str):
     """(line, value) for each record: the elements of a JSON array, or one JSON value per non-blank line."""
     stripped = text.lstrip()
-    if path.suffix.lower() == ".json" and stripped.startswith("["):
+    if _inner_suffix(path) == ".json" and stripped.startswith("["):
         decoder, i = json.JSONDecoder(), text.index("[") + 1
         while True:
             while i < len(text) and text[i] in " \t\r\n":
@@ -99,6 +139,20 @@ def _json_rows(path: Path):
         yield where, obj
 
 
+def _csv_rows(path: Path):
+    """(where, row as a dict of strings) of each row of a .csv/.tsv file (its first line the column names)."""
+    reader = csv.DictReader(io.StringIO(_decode(path), newline=""),
+                            delimiter="\t" if _inner_suffix(path) == ".tsv" else ",")
+    try:
+        for row in reader:
+            if None in row:  # more cells than the header names
+                raise InputError(f"{path}:{reader.line_num}: {len(row) - 1 + len(row[None])} cells, the header names "
+                                 f"{len(reader.fieldnames)}")
+            yield f"{path}:{reader.line_num}", row
+    except csv.Error as e:
+        raise InputError(f"{path}:{reader.line_num}: not valid CSV ({e})") from None
+
+
 def _batches(path: Path):
     """The record batches of a Parquet file or an Arrow IPC stream or file (datasets writes streams)."""
     try:
@@ -140,13 +194,14 @@ def _table_rows(path: Path):
 
 def read_file(path: str | Path, fmt: str | None = None, split: str | None = None,
               columns: Columns = ()) -> list[Record]:
-    """The records of one .jsonl, .json, .parquet or .arrow file; the shape comes from its first record unless
+    """The records of one data file (.jsonl, .json, .csv, .tsv, compressed or not; .parquet, .arrow); the shape
+    comes from its first record unless
     `fmt` forces it; `split` tags them (Record.split); `columns` renames the file's columns to the fields the
     shapes read (formats.renamed)."""
     path = Path(path)
     check_format(fmt)
     records: list[Record] = []
-    rows = _table_rows(path) if path.suffix.lower() in TABLE_SUFFIXES else _json_rows(path)
+    rows = {"table": _table_rows, "csv": _csv_rows}.get(data_kind(path), _json_rows)(path)
     for where, obj in rows:
         obj = renamed(obj, columns, where)
         if fmt is None:
@@ -163,14 +218,46 @@ def _listed(folder: Path) -> list[Path]:
                   and not any(part.startswith(".") for part in p.relative_to(folder).parts))
 
 
-def _is_metadata(p: Path, tables: bool) -> bool:
-    """datasets' metadata in a folder of tables, or a README beside the data (a Hub snapshot's dataset card)."""
-    return (tables and p.name in DATASETS_METADATA) or (p.stem.lower() == "readme" and p.suffix in TEXT_SUFFIXES)
+def _is_metadata(p: Path) -> bool:
+    """datasets' metadata, or a README beside the data (a Hub snapshot's dataset card)."""
+    return p.name in DATASETS_METADATA or (p.stem.lower() == "readme" and p.suffix.lower() in TEXT_SUFFIXES)
 
 
-def split_named(relative: Path) -> str | None:
-    """The split a data file's path (relative to the folder given) names, or None; folder names first, then the
-    file's, whole words, case-sensitive, as datasets resolves them. A name that names two splits is refused."""
+def _saved_arrow_files(folder: Path) -> set[str] | None:
+    """The .arrow files a datasets save_to_disk folder holds (its state.json's _data_files), or None for another
+    folder. Others beside them are datasets' caches of later map/filter calls, derived copies, not data."""
+    try:
+        state = json.loads((folder / "state.json").read_text(encoding="utf-8"))
+        return {f["filename"] for f in state["_data_files"]}
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _declares_configs(readme: Path) -> bool:
+    """Whether a dataset card's YAML header declares configs (subsets, each with its own data files)."""
+    try:
+        text = readme.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        return False
+    if not text.startswith("---"):
+        return False
+    header = text[3:].split("\n---", 1)[0]
+    return any(line.startswith("configs:") for line in header.splitlines())
+
+
+def split_named(relative: Path, saved: bool = False) -> str | None:
+    """The split a data file's path (relative to the folder given) names, or None, as datasets resolves it: a
+    Hub shard's name (``train-00000-of-00002.parquet``) exactly (a split other than train, validation and test
+    is refused); else folder names first, then the file's, by their whole words, case-sensitive. A name that
+    names two splits is refused. `saved`: a save_to_disk shard (data-00000-of-00001.arrow), named by its folder."""
+    shard = None if saved else SHARD_NAME.match(relative.name)
+    if shard:
+        split = SPLIT_WORDS.get(shard["split"])
+        if split is None:
+            raise InputError(f"{relative}: a shard of the split {shard['split']!r} (as datasets names "
+                             f"{{split}}-00000-of-00001 files), not one of train, validation or test: give --data "
+                             "the files of the split to train on")
+        return split
     for part in (*relative.parts[:-1], relative.stem):
         found = {SPLIT_WORDS[w] for w in WORD_SEPARATORS.split(part) if w in SPLIT_WORDS}
         if len(found) > 1:
@@ -182,27 +269,40 @@ def split_named(relative: Path) -> str | None:
 
 def data_files(path: str | Path) -> list[tuple[Path, str | None]]:
     """(file, split its path names) for `path` itself, or for the data files under a folder (recursively, sorted,
-    hidden ones skipped).
+    hidden ones skipped; a save_to_disk folder's own .arrow files, not datasets' caches beside them).
 
-    Refused, as data is never skipped silently: a folder that also holds text files (a README excepted), and one
-    where some files name a split and others do not.
+    Refused, as data is never skipped silently: a folder that also holds text files (a README excepted) or data
+    this module does not read (.zst, .zip, ...), one whose dataset card declares configs (subsets), and one where
+    some files name a split and others do not.
     """
     path = Path(path)
     if not path.exists():
         raise InputError(f"{path}: data file or folder not found")
     if path.is_file():
+        if data_kind(path) is None:
+            raise InputError(f"{path}: not a data file this reads (.jsonl, .json, .csv, .tsv, compressed .gz/.bz2/"
+                             ".xz or not; .parquet, .arrow)")
         return [(path, None)]
     listed = _listed(path)
-    tables = any(p.suffix.lower() in TABLE_SUFFIXES for p in listed)
-    listed = [p for p in listed if not _is_metadata(p, tables)]
-    files = [p for p in listed if p.suffix.lower() in SUFFIXES]
+    cards = [p for p in listed if _is_metadata(p) and p.suffix.lower() == ".md" and _declares_configs(p)]
+    if cards:
+        raise InputError(f"{path}: its dataset card ({cards[0].relative_to(path)}) declares configs, subsets with "
+                         "data files of their own: give --data the files of one")
+    listed = [p for p in listed if not _is_metadata(p)]
+    saved = {folder: _saved_arrow_files(folder) for folder in {p.parent for p in listed}}
+    files = [p for p in listed if data_kind(p) is not None
+             and (saved[p.parent] is None or p.suffix.lower() != ".arrow" or p.name in saved[p.parent])]
+    unread = [p for p in listed if p.suffix.lower() in UNREAD_SUFFIXES]
+    if unread:
+        raise InputError(f"{path}: {unread[0].relative_to(path)} is data this does not read; convert it to .jsonl "
+                         "or .parquet, or give --data the files it reads")
     if not files:
-        raise InputError(f"{path}: no .jsonl, .json, .parquet or .arrow files in the folder")
+        raise InputError(f"{path}: no .jsonl, .json, .csv, .parquet or .arrow files in the folder")
     text = [p for p in listed if p.suffix.lower() in TEXT_SUFFIXES]
     if text:
         raise InputError(f"{path}: the folder holds data files and text files ({text[0].name}); "
                          "give a folder of one kind")
-    named = [(p, split_named(p.relative_to(path))) for p in files]
+    named = [(p, split_named(p.relative_to(path), saved[p.parent] is not None)) for p in files]
     unnamed = [p for p, split in named if split is None]
     if len(unnamed) < len(named) and unnamed:
         split, first = next((s, p) for p, s in named if s is not None)
@@ -213,12 +313,12 @@ def data_files(path: str | Path) -> list[tuple[Path, str | None]]:
 
 
 def is_structured(path: str | Path) -> bool:
-    """True for a data file (.jsonl, .json, .parquet, .arrow) or a folder holding one: records for these
-    readers, not plain text."""
+    """True for a data file (.jsonl, .json, .csv, .tsv, .parquet, .arrow) or a folder holding one: records for
+    these readers, not plain text."""
     path = Path(path)
     if path.is_file():
-        return path.suffix.lower() in SUFFIXES
-    return path.is_dir() and any(p.suffix.lower() in SUFFIXES for p in _listed(path))
+        return data_kind(path) is not None
+    return path.is_dir() and any(data_kind(p) is not None for p in _listed(path))
 
 
 def read_records(path: str | Path, fmt: str | None = None, columns: Columns = ()) -> list[Record]:

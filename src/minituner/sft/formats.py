@@ -54,7 +54,13 @@ class Record:
 
 def detect_format(obj: dict) -> str | None:
     """The shape a record's fields fit, or None; `messages` wins over `conversations` (sharegpt), then
-    `prompt`/`completion`, then alpaca, then text."""
+    `prompt`/`completion`, then alpaca, then text. Fields that are null count only when nothing else fits (a
+    Parquet file's columns are the union of its records' fields, the missing ones null)."""
+    present = {k: v for k, v in obj.items() if v is not None}
+    return _shape_of(present) or _shape_of(obj)
+
+
+def _shape_of(obj: dict) -> str | None:
     if "messages" in obj:
         return "messages"
     if "conversations" in obj:
@@ -104,7 +110,7 @@ def _sharegpt(obj: dict, where: str) -> tuple[dict, ...]:
         raise InputError(f"{where}: 'conversations' must be a non-empty list of {{from, value}} objects")
     messages = []
     for i, t in enumerate(turns):
-        keys = ("from", "value") if isinstance(t, dict) and "from" in t else ("role", "content")
+        keys = ("from", "value") if isinstance(t, dict) and t.get("from") is not None else ("role", "content")
         if not isinstance(t, dict) or not isinstance(t.get(keys[0]), str) or not isinstance(t.get(keys[1]), str):
             found = _fields(t) if isinstance(t, dict) else type(t).__name__
             raise InputError(f"{where}: conversations[{i}] must be an object with string 'from' and 'value' "
@@ -135,9 +141,9 @@ def parse_record(obj, fmt: str, where: str) -> Record:
     """Check one JSON value against a shape and return it as a Record; InputError names `where` and the fields."""
     if not isinstance(obj, dict):
         raise InputError(f"{where}: expected a JSON object, got {type(obj).__name__}")
-    if fmt == "messages" and "messages" in obj:
+    if fmt == "messages" and obj.get("messages") is not None:
         return _conversation(_messages(obj["messages"], where), fmt, where)
-    if fmt == "sharegpt" and "conversations" in obj:
+    if fmt == "sharegpt" and obj.get("conversations") is not None:
         return _conversation(_sharegpt(obj, where), fmt, where)
     if fmt == "prompt-completion" and "prompt" in obj and "completion" in obj:
         prompt, completion = obj["prompt"], obj["completion"]

@@ -269,21 +269,28 @@ def save_chat_template(folder: str | Path, template: ChatTemplate) -> None:
     """Write `template` as the folder's chat template: chat_template.jinja (what transformers 5 reads first) and,
     where the folder has a tokenizer_config.json, its chat_template (what older transformers read)."""
     folder = Path(folder)
-    atomic_write_text(folder / TEMPLATE_FILE, template.saved_source())
+    text = template.saved_source()
+    atomic_write_text(folder / TEMPLATE_FILE, text)
     config_path = folder / TOKENIZER_CONFIG
     if config_path.is_file():
-        write_json(config_path, {**_read_json(config_path), "chat_template": template.saved_source()})
+        config = _read_json(config_path)
+        named = config.get("chat_template")
+        if isinstance(named, list):  # named templates (default, tool_use, ...): the default one is replaced
+            text = [{**t, "template": text} if isinstance(t, dict) and t.get("name") == "default" else t
+                    for t in named]
+        write_json(config_path, {**config, "chat_template": text})
 
 
 def trained_template(adapter: str | Path | None) -> Path | None:
-    """The chat template a finetune run trained with: its chat_template.jinja, for a run folder or an adapter
-    file inside one (beside its manifest.json); else None."""
+    """The chat template a finetune run trained with: the chat_template.jinja of a run folder, or of the run an
+    adapter file or its adapter_peft/ folder lies in (beside the run's manifest.json); else None."""
     if adapter is None:
         return None
     adapter = Path(adapter)
-    run = adapter if adapter.is_dir() else adapter.parent if (adapter.parent / "manifest.json").is_file() else None
-    path = run / TEMPLATE_FILE if run is not None else None
-    return path if path is not None and path.is_file() else None
+    if adapter.is_dir() and (adapter / TEMPLATE_FILE).is_file():
+        return adapter / TEMPLATE_FILE
+    run = adapter.parent
+    return run / TEMPLATE_FILE if (run / "manifest.json").is_file() and (run / TEMPLATE_FILE).is_file() else None
 
 
 def default_template(eos_token: str | None = None, bos_token: str | None = None) -> ChatTemplate:
@@ -349,8 +356,9 @@ def load_chat_template(folder: str | Path, template_file: str | Path | None = No
     else:
         template = default_template(tokens.get("eos_token"), tokens.get("bos_token"))
         source, origin, tokens = template.source, template.origin, template.special_tokens
-    if template_file is not None:  # a template of the user's ends answers as the default does where nothing names
-        tokens.setdefault("eos_token", DEFAULT_EOS)  # an EOS (MiniGPT's characters)
+    # where nothing names an EOS (MiniGPT's characters) answers end as the default template ends them, in the
+    # rendering too; transformers would render it empty, so a saved template sets it (`pinned`)
+    tokens.setdefault("eos_token", DEFAULT_EOS)
     try:
         compile_template(source)  # a template that does not parse is refused when the folder is read
     except InputError as e:
