@@ -172,3 +172,15 @@ def test_a_minigpt_base_with_its_own_template_file_exports_what_it_renders(root,
     rendered = auto_tokenizer(out_dir).apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)
     assert rendered == load_chat_template(base).render(CHAT, True)
     assert "force 3<|end|>" in rendered
+
+
+def test_a_hugging_face_folder_that_names_no_eos_renders_it_as_transformers_does(tmp_path):
+    """Only a folder without tokenizer metadata (MiniGPT's) gets the default EOS in its template's rendering."""
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": (
+        "{% for m in messages %}{{ m['content'] }}{% if m['role'] == 'assistant' %}{{ eos_token }}{% endif %}"
+        "<|im_end|>{% endfor %}")}))
+    chat = [{"role": "user", "content": "wind?"}, {"role": "assistant", "content": "calm"}]
+    template = load_chat_template(folder)
+    assert template.render(chat) == "wind?<|im_end|>calm<|im_end|>" and template.pinned == ()

@@ -234,9 +234,11 @@ def test_a_saved_dataset_reads_its_own_files_not_the_caches_beside_them(tmp_path
 @pytest.mark.parametrize("files, message", [
     ({"data/train_sft-00000-of-00001.parquet": 3, "data/test_sft-00000-of-00001.parquet": 3},
      r"a shard of the split 'test_sft'.*give --data the files of the split to train on"),
+    ({"data/train_sft-00000-of-00001-a3ecf92756993583.parquet": 3, "data/train_gen-00000-of-00001-bb.parquet": 2},
+     r"a shard of the split 'train_(gen|sft)'"),  # older push_to_hub names end in a hash
     ({"train.jsonl": 3, "test.jsonl.zst": 0}, r"test\.jsonl\.zst is data this does not read"),
     ({"data/all/train.jsonl": 3, "data/magpie/train.jsonl": 3,
-      "README.md": "---\nconfigs:\n- config_name: all\n  default: true\n---\n# card\n"},
+      "README.md": "---\nconfigs:\n- config_name: all\n  default: true\n- config_name: magpie\n---\n# card\n"},
      r"its dataset card \(README\.md\) declares configs"),
 ])
 def test_folders_that_datasets_would_read_otherwise_are_refused(tmp_path, files, message):
@@ -278,3 +280,46 @@ def test_parquet_columns_that_are_the_union_of_record_shapes(tmp_path):
                              "prompt": ["2+2="], "completion": ["4"]}), str(tmp_path / "pc.parquet"))
     (r,) = read_file(tmp_path / "pc.parquet")
     assert (r.format, r.prompt, r.completion) == ("prompt-completion", "2+2=", "4")
+
+
+def test_shard_names_count_only_in_a_snapshots_data_folder(tmp_path):
+    """datasets reads {split}-00000-of-00001 names exactly in data/ alone; elsewhere words decide, and a
+    push_to_hub card declaring its one default config is read as the data files say."""
+    layouts = {
+        "a": {"train/shard-00000-of-00002.jsonl": 2, "train/shard-00001-of-00002.jsonl": 2},
+        "b": {"alpaca_train-00000-of-00001.jsonl": 2, "alpaca_test-00000-of-00001.jsonl": 1},
+        "c": {"data-00000-of-00001.jsonl": 3},
+        "d": {"data/train-00000-of-00001.jsonl": 3, "README.md": "---\nconfigs:\n- config_name: default\n  "
+              "data_files:\n  - split: train\n    path: data/train-*\n---\n"},
+    }
+    for name, files in layouts.items():
+        root = tmp_path / name
+        for file, content in files.items():
+            path = root / file
+            path.parent.mkdir(parents=True, exist_ok=True)
+            if isinstance(content, str):
+                path.write_text(content)
+            else:
+                write_jsonl(path, [{"text": f"{file} {i}"} for i in range(content)])
+        theirs = datasets.load_dataset(str(root), cache_dir=str(tmp_path / "cache"))
+        ours = {}
+        for r in read_records(root):
+            ours.setdefault({"val": "validation", None: "train"}.get(r.split, r.split), []).append(r.text)
+        assert ours == {split: theirs[split]["text"] for split in theirs}, name
+    ds = datasets.Dataset.from_list(CHATS)
+    ds.save_to_disk(str(tmp_path / "e" / "data"))  # a save_to_disk folder that happens to be named data
+    assert len(read_records(tmp_path / "e" / "data")) == 40
+
+
+def test_damaged_compressed_and_quoted_files_are_one_line(tmp_path):
+    import gzip
+
+    data = bytearray(gzip.compress(("".join(json.dumps(r) + "\n" for r in CHATS)).encode()))
+    for i in range(30, 60):
+        data[i] ^= 0x55
+    (tmp_path / "bad.jsonl.gz").write_bytes(bytes(data))
+    with pytest.raises(InputError, match=r"bad\.jsonl\.gz: not a readable gz file"):
+        read_file(tmp_path / "bad.jsonl.gz")
+    (tmp_path / "quote.csv").write_text('prompt,completion\nq1, a1\nq2,"a2 is wide\nq3, a3\n')
+    with pytest.raises(InputError, match=r"quote\.csv:\d+: not valid CSV"):
+        read_file(tmp_path / "quote.csv")

@@ -1,6 +1,6 @@
-"""Where instruction data lives on disk, read into Records: ``.jsonl`` / ``.json`` files, ``.parquet`` and
-``.arrow`` tables (what the Hugging Face Hub serves and ``datasets``' ``to_parquet`` / ``save_to_disk`` write),
-or folders of them.
+"""Where instruction data lives on disk, read into Records: ``.jsonl`` / ``.json`` and ``.csv`` / ``.tsv`` files
+(compressed with gzip, bzip2 or xz or not), ``.parquet`` and ``.arrow`` tables (what the Hugging Face Hub serves
+and ``datasets``' ``to_parquet`` / ``save_to_disk`` write), or folders of them.
 
 ``formats`` says what one record may hold; this module finds the files, reads their records in order and names
 the file and line (or row) of every mistake. In a folder, a file whose path names a split as Hugging Face
@@ -16,6 +16,7 @@ import io
 import json
 import lzma
 import re
+import zlib
 from dataclasses import replace
 from pathlib import Path
 
@@ -34,7 +35,7 @@ UNREAD_SUFFIXES = (".zst", ".zip", ".tar", ".tgz", ".7z", ".lz4", ".xlsx", ".xls
 # them), older Hub snapshots the last
 DATASETS_METADATA = ("dataset_info.json", "state.json", "dataset_dict.json", "dataset_infos.json")
 # a Hub shard's name: its split as datasets reads it (data/{split}-00000-of-00002.parquet), exactly
-SHARD_NAME = re.compile(r"^(?P<split>\w+(?:\.\w+)*)-\d{5}-of-\d{5}\.")
+SHARD_NAME = re.compile(r"^(?P<split>\w+(?:\.\w+)*)-\d{5}-of-\d{5}(?:-[^./]*)?\.")  # -<hash> in older pushes
 # a split's names in file and folder names, as datasets.data_files.SPLIT_KEYWORDS has them
 SPLIT_KEYWORDS = {"train": ("train", "training"), "val": ("validation", "valid", "dev", "val"),
                   "test": ("test", "testing", "eval", "evaluation")}
@@ -68,7 +69,7 @@ def _read_bytes(path: Path) -> bytes:
     try:
         with opener.open(path, "rb") as f:
             return f.read()
-    except (OSError, EOFError, lzma.LZMAError) as e:
+    except (OSError, EOFError, lzma.LZMAError, zlib.error) as e:
         raise InputError(f"{path}: not a readable {path.suffix[1:]} file ({e})") from None
 
 
@@ -142,7 +143,7 @@ def _json_rows(path: Path):
 def _csv_rows(path: Path):
     """(where, row as a dict of strings) of each row of a .csv/.tsv file (its first line the column names)."""
     reader = csv.DictReader(io.StringIO(_decode(path), newline=""),
-                            delimiter="\t" if _inner_suffix(path) == ".tsv" else ",")
+                            delimiter="\t" if _inner_suffix(path) == ".tsv" else ",", strict=True)
     try:
         for row in reader:
             if None in row:  # more cells than the header names
@@ -234,7 +235,8 @@ def _saved_arrow_files(folder: Path) -> set[str] | None:
 
 
 def _declares_configs(readme: Path) -> bool:
-    """Whether a dataset card's YAML header declares configs (subsets, each with its own data files)."""
+    """Whether a dataset card's YAML header declares several configs (subsets, each with its own data files);
+    push_to_hub writes one, "default", for every data set."""
     try:
         text = readme.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError):
@@ -242,15 +244,15 @@ def _declares_configs(readme: Path) -> bool:
     if not text.startswith("---"):
         return False
     header = text[3:].split("\n---", 1)[0]
-    return any(line.startswith("configs:") for line in header.splitlines())
+    return sum(line.lstrip("- ").startswith("config_name:") for line in header.splitlines()) > 1
 
 
-def split_named(relative: Path, saved: bool = False) -> str | None:
+def split_named(relative: Path, in_data: bool = False) -> str | None:
     """The split a data file's path (relative to the folder given) names, or None, as datasets resolves it: a
-    Hub shard's name (``train-00000-of-00002.parquet``) exactly (a split other than train, validation and test
-    is refused); else folder names first, then the file's, by their whole words, case-sensitive. A name that
-    names two splits is refused. `saved`: a save_to_disk shard (data-00000-of-00001.arrow), named by its folder."""
-    shard = None if saved else SHARD_NAME.match(relative.name)
+    Hub shard's name in a snapshot's data/ folder (`in_data`: data/train-00000-of-00002.parquet) exactly (a split
+    other than train, validation and test is refused); else folder names first, then the file's, by their whole
+    words, case-sensitive. A name that names two splits is refused."""
+    shard = SHARD_NAME.match(relative.name) if in_data else None
     if shard:
         split = SPLIT_WORDS.get(shard["split"])
         if split is None:
@@ -302,7 +304,9 @@ def data_files(path: str | Path) -> list[tuple[Path, str | None]]:
     if text:
         raise InputError(f"{path}: the folder holds data files and text files ({text[0].name}); "
                          "give a folder of one kind")
-    named = [(p, split_named(p.relative_to(path), saved[p.parent] is not None)) for p in files]
+    # datasets reads {split}-00000-of-00001 names exactly in a snapshot's data/ (given the snapshot or data/)
+    data_dir = path / "data" if path.name != "data" else path
+    named = [(p, split_named(p.relative_to(path), p.parent == data_dir and saved[p.parent] is None)) for p in files]
     unnamed = [p for p, split in named if split is None]
     if len(unnamed) < len(named) and unnamed:
         split, first = next((s, p) for p, s in named if s is not None)

@@ -356,9 +356,10 @@ def load_chat_template(folder: str | Path, template_file: str | Path | None = No
     else:
         template = default_template(tokens.get("eos_token"), tokens.get("bos_token"))
         source, origin, tokens = template.source, template.origin, template.special_tokens
-    # where nothing names an EOS (MiniGPT's characters) answers end as the default template ends them, in the
-    # rendering too; transformers would render it empty, so a saved template sets it (`pinned`)
-    tokens.setdefault("eos_token", DEFAULT_EOS)
+    if not config_path.is_file() and not (folder / SPECIAL_TOKENS_MAP).is_file():
+        # no tokenizer metadata and no EOS id (MiniGPT's characters): answers end as the default template ends
+        # them, in the rendering too; transformers would render it empty, so a saved template sets it (`pinned`)
+        tokens.setdefault("eos_token", DEFAULT_EOS)
     try:
         compile_template(source)  # a template that does not parse is refused when the folder is read
     except InputError as e:
