@@ -266,13 +266,13 @@ def train_step(model: nn.Module, opt: torch.optim.Optimizer, params: list[nn.Par
         raise ValueError("accumulating micro-batches needs a loss_fn whose losses sum to the step's (counted_loss)")
     phase = on_phase or (lambda name: None)
     device = params[0].device
-    reported, problem = torch.zeros(()), None
+    reported, problem = None, None
     for i, (x, y) in enumerate(micro_batches):
         last = i == len(micro_batches) - 1
         with forward_context or contextlib.nullcontext():
             loss = (loss_fn or lm_loss)(model, x.to(device), y.to(device))
         mine = loss.detach() if reduce is None else reduce(loss.detach())
-        reported = mine if i == 0 else reported + mine
+        reported = mine if reported is None else reported + mine
         phase("forward")
         if i == 0:
             opt.zero_grad(set_to_none=True)

@@ -49,7 +49,8 @@ from .planner.activations import check_dropout_range
 from .planner.memory import Regime
 from .peft_format import save_peft_adapter
 from .qlora import check_scheme, logical_numel
-from .sft import FORMATS, SFTConfig, parse_columns
+from .sft import FORMATS, SFTConfig
+from .sft.formats import check_columns
 from .sft.templates import TEMPLATE_FILE, save_chat_template
 from .zoo import adapters_disabled
 
@@ -96,8 +97,7 @@ class FinetuneConfig:
         if self.format is not None and self.format not in FORMATS:
             raise InputError(f"format must be one of {', '.join(FORMATS)}, got {self.format!r}")
         SFTConfig(self.train_on_inputs, self.overlong).validate()
-        if self.columns:  # as --columns gives them: (field, column) pairs
-            parse_columns(",".join(f"{name}={column}" for name, column in self.columns))
+        check_columns(tuple(map(tuple, self.columns)))  # (field, column) pairs, as --columns gives them
         if self.model_dropout is not None:
             check_dropout_range(self.model_dropout, "the model's dropout")
         if self.epochs is not None and not (self.epochs > 0 and math.isfinite(self.epochs)):

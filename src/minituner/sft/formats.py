@@ -189,13 +189,20 @@ def parse_columns(spec: str) -> Columns:
         name, sep, column = (x.strip() for x in part.partition("="))
         if not sep or not name or not column:
             raise InputError(f"--columns {spec!r}: each item is FIELD=COLUMN, e.g. prompt=question,completion=answer")
+        pairs.append((name, column))
+    return check_columns(tuple(pairs), spec)
+
+
+def check_columns(columns: Columns, spec: str | None = None) -> Columns:
+    """(field, column) pairs whose fields are ones the shapes read, each named once."""
+    for name, _ in columns:
         if name not in FIELDS:
             raise InputError(f"--columns: {name!r} is not a field the shapes read ({', '.join(FIELDS)})")
-        pairs.append((name, column))
-    names = [n for n, _ in pairs]
+    names = [n for n, _ in columns]
     if len(set(names)) < len(names):
-        raise InputError(f"--columns {spec!r} names a field twice")
-    return tuple(pairs)
+        given = spec if spec is not None else ",".join(f"{n}={c}" for n, c in columns)
+        raise InputError(f"--columns {given!r} names a field twice")
+    return columns
 
 
 def renamed(obj, columns: Columns, where: str):
