@@ -102,13 +102,16 @@ void ce_logsumexp(const uint16_t* z, int64_t ld, int64_t vocab, int64_t r0, int6
 }
 
 /* out[r, j] = (exp(z[r, j] - lse[r]) - [j == target[r]]) * scale[r], rounded to bf16, rows [r0, r1);
-   target < 0: no one-hot (a row that does not count; its scale is 0) */
+   target < 0: no one-hot (a row that does not count; its scale is 0). out may be z itself: each value is read
+   before its gradient is written over it (the target's first of all) */
 void ce_softmax_grad(const uint16_t* z, int64_t ld, int64_t vocab, const float* lse, const int64_t* target,
                      const float* scale, int64_t r0, int64_t r1, uint16_t* out, int64_t out_ld) {
     for (int64_t r = r0; r < r1; r++) {
         const uint16_t* row = z + r * ld;
         uint16_t* o = out + r * out_ld;
         float l = lse[r], sc = scale[r];
+        int64_t t = target[r];
+        float zt = t >= 0 ? f32_from_bf16(row[t]) : 0.0f;
         int64_t j = 0;
         if (isfinite(l)) {
 #ifdef __AVX512F__
@@ -125,9 +128,8 @@ void ce_softmax_grad(const uint16_t* z, int64_t ld, int64_t vocab, const float* 
         } else {
             for (; j < vocab; j++) o[j] = bf16_from_f32(expf(f32_from_bf16(row[j]) - l) * sc);
         }
-        int64_t t = target[r];
         if (t >= 0) {
-            float x = f32_from_bf16(row[t]) - l;
+            float x = zt - l;
             float p = isfinite(l) ? exp_nonpos(x < 0.0f ? x : 0.0f) : expf(x);
             o[t] = bf16_from_f32((p - 1.0f) * sc);
         }
@@ -164,19 +166,27 @@ class LossKernels:
                           MIN_VALUES_PER_THREAD, CHUNK_VALUES)
         return lse
 
-    def softmax_grad(self, logits: Tensor, lse: Tensor, targets: Tensor, row_scale: Tensor) -> Tensor:
-        """(N, V) bf16: (exp(z - lse) - one-hot(target)) · row_scale per row; a target < 0 has no one-hot."""
+    def softmax_grad(self, logits: Tensor, lse: Tensor, targets: Tensor, row_scale: Tensor,
+                     out: Tensor | None = None) -> Tensor:
+        """(N, V) bf16: (exp(z - lse) - one-hot(target)) · row_scale per row; a target < 0 has no one-hot.
+
+        Written into `out` when given ((N, V) bf16, rows contiguous; the logits themselves may be it: each value
+        is read before its gradient overwrites it), else into a fresh tensor."""
         n, vocab = logits.shape
         if not (lse.numel() == targets.numel() == row_scale.numel() == n):
             raise ValueError(f"{n} rows need {n} lse, targets and scales, got {lse.numel()}, {targets.numel()}, "
                              f"{row_scale.numel()}")
         if n and int(targets.max()) >= vocab:  # the kernel writes at each target: never past a row
             raise ValueError(f"target {int(targets.max())} is out of range for {vocab} logits")
-        out = fresh_tensor((n, vocab), torch.bfloat16)
+        if out is None:
+            out = fresh_tensor((n, vocab), torch.bfloat16)
+        elif not self.fits(out) or out.shape != logits.shape:
+            raise ValueError(f"the gradient of ({n}, {vocab}) bf16 logits needs an out of that shape and dtype, rows "
+                             f"contiguous; got {tuple(out.shape)} {out.dtype} with strides {out.stride()}")
         lse, targets = lse.contiguous().float(), targets.contiguous().long()
         row_scale = row_scale.contiguous().float()
         args = (logits.data_ptr(), logits.stride(0), vocab, lse.data_ptr(), targets.data_ptr(), row_scale.data_ptr())
-        self._threads.run(n, vocab, lambda r0, r1: self._grad(*args, r0, r1, out.data_ptr(), vocab),
+        self._threads.run(n, vocab, lambda r0, r1: self._grad(*args, r0, r1, out.data_ptr(), out.stride(0)),
                           MIN_VALUES_PER_THREAD, CHUNK_VALUES)
         return out
 
@@ -184,6 +194,11 @@ class LossKernels:
 _FAMILY = KernelFamily("bf16_loss", _SOURCE, CFLAGS, "minigpt's native loss kernels", LossKernels,
                        LIBS, vectorized="ce_vectorized")
 _usable = _FAMILY.usable  # None for a library built without AVX-512
+
+
+def takes_bf16_logits() -> bool:
+    """Whether a bf16 CPU training run's loss runs here (what minituner.planner counts: no fp32 chunk)."""
+    return kernels() is not None
 
 
 def kernels() -> LossKernels | None:

@@ -90,7 +90,8 @@ def counted_logits(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[
 
 def lm_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """Mean next-token loss over the targets of y that count (y = -100, cross_entropy's ignore_index, does not)."""
-    return cross_entropy(*counted_logits(model, x, y))  # logits in the head's dtype; the loss in fp32
+    # logits in the head's dtype, the loss in fp32; no one sees the logits: their gradient is written over them
+    return cross_entropy(*counted_logits(model, x, y), overwrite_logits=True)
 
 
 def counted_loss(counted: int, ranks: int) -> Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]:
@@ -104,7 +105,7 @@ def counted_loss(counted: int, ranks: int) -> Callable[[nn.Module, torch.Tensor,
     """
 
     def loss_fn(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        total = cross_entropy(*counted_logits(model, x, y), reduction="sum")
+        total = cross_entropy(*counted_logits(model, x, y), reduction="sum", overwrite_logits=True)
         return total * (ranks / counted)
 
     return loss_fn

@@ -121,3 +121,36 @@ def test_out_of_range_target_is_refused(loss_path):
     targets[0] = 50
     with pytest.raises(RuntimeError):
         LowPrecisionCrossEntropy.apply(logits, targets, True)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_overwrite_logits_writes_the_same_gradient_over_them(dtype, reduction, monkeypatch, loss_path):
+    monkeypatch.setitem(ce.CHUNK_ELEMENTS, "cpu", 150)  # several chunks on the PyTorch path
+    logits, targets = _case(dtype=dtype)
+    ref_loss, ref_grad = _ours(logits, targets, reduction)
+    leaf = logits.detach().clone().requires_grad_()
+    z = leaf * 1  # a non-leaf, as a head's output: the gradient reaches the leaf through it
+    loss = cross_entropy(z, targets, reduction, overwrite_logits=True)
+    version = z._version
+    loss.backward(torch.tensor(1.7))
+    assert torch.equal(loss.detach(), ref_loss)
+    assert torch.equal(leaf.grad, ref_grad) and torch.equal(z.detach(), ref_grad)  # the gradient, over the logits
+    assert z._version > version
+
+
+def test_overwritten_logits_another_node_saved_raise(loss_path):
+    """A node that saved the same logits (their tanh's backward reads its output) raises instead of reading the
+    gradient as logits."""
+    logits, targets = _case()
+    z = logits.detach().clone().requires_grad_().tanh()
+    loss = cross_entropy(z, targets, overwrite_logits=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
+def test_overwrite_logits_leaves_fp32_logits_alone():
+    logits, targets = _case(dtype=torch.float32)
+    z = logits.clone().requires_grad_()
+    cross_entropy(z, targets, overwrite_logits=True).backward()
+    assert torch.equal(z.detach(), logits)

@@ -145,3 +145,30 @@ def test_disabled_kernels_leave_the_pytorch_ops(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split()[0] == "True" and list(tmp_path.iterdir()) == []  # nothing built
+
+
+@needs_kernels
+@pytest.mark.parametrize("vocab", [1, 17, 100, 4099])
+def test_the_gradient_written_over_the_logits_is_the_same(vocab, monkeypatch):
+    """out=logits: every value, the target's too, is read before its gradient overwrites it (threads on rows,
+    rows spaced wider than the vocabulary, special rows and rows that do not count)."""
+    monkeypatch.setattr(native_loss, "MIN_VALUES_PER_THREAD", 64)
+    monkeypatch.setattr(native_loss, "CHUNK_VALUES", 300)
+    z = _logits(8, vocab + 3)[:, :vocab]
+    z[1, 0] = float("inf")
+    z[2, :: 3] = float("-inf")
+    targets = torch.tensor([0, vocab - 1, -1, vocab // 2, 0, -1, vocab - 1, vocab // 3])
+    lse, scale = kernels.logsumexp(z), torch.linspace(0.5, 2.0, 8)
+    fresh = kernels.softmax_grad(z, lse, targets, scale)
+    written = kernels.softmax_grad(z, lse, targets, scale, out=z)
+    assert written is z
+    torch.testing.assert_close(z, fresh, rtol=0, atol=0, equal_nan=True)  # the same bits
+
+
+@needs_kernels
+def test_an_out_that_does_not_fit_is_refused():
+    z = _logits(3, 10)
+    lse, targets = kernels.logsumexp(z), torch.tensor([0, 1, 2])
+    for out in (torch.empty(3, 10), torch.empty(3, 9, dtype=torch.bfloat16), torch.empty(10, 3, dtype=torch.bfloat16).t()):
+        with pytest.raises(ValueError, match="needs an out"):
+            kernels.softmax_grad(z, lse, targets, torch.ones(3), out=out)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import pytest
 
+from minigpt import native_loss
 from minigpt.bf16_support import Bf16Support
 from minigpt.cross_entropy import chunk_rows
 from minigpt.model import GPTConfig
@@ -117,18 +118,30 @@ def test_every_family_has_a_peak_model_but_estimates_have_no_peak():
     assert mini.peak is None  # the seed's estimate (Lab 01's) has no peak: it has no per-layer model
 
 
-def test_half_logits_are_never_fp32_in_the_loss():
-    """Half-width logits go to minigpt.cross_entropy's chunks: fp32 temporaries of a chunk's rows, never (N, V)."""
+def test_half_logits_are_never_fp32_in_the_loss(monkeypatch):
+    """Half-width logits go to minigpt.cross_entropy's chunks: fp32 temporaries of a chunk's rows, never (N, V);
+    their gradient is written over them (overwrite_logits), so the loss's backward makes no (N, V) tensor."""
     shape = minigpt_shape(GPTConfig(**TINY))
     V = shape.vocab_size
     b = buckets(shape, Regime("lora", 4))
     peak = step_peak(shape, "lora", 4, "all-linear", B, T, 2, False, weights=b.weights, grads=b.grads,
-                     optimizer=b.optimizer)
+                     optimizer=b.optimizer)  # 16-bit throughout (fp16 or bf16): the PyTorch ops
     rows = min(N, chunk_rows(V))
     assert "logits" not in peak.phases["forward (loss)"]  # in the activations: the logits the loss keeps
     assert peak.phases["forward (loss)"]["loss chunk (fp32 copy and logsumexp's shifted copy)"] == 2 * rows * V * 4
-    assert peak.phases["backward: loss"]["logit gradient (N x V)"] == N * V * 2
-    assert peak.phases["backward: loss"]["loss chunk (fp32 softmax)"] == rows * V * 4
+    assert peak.phases["backward: loss"] == {**{k: v for k, v in peak.phases["backward: loss"].items()
+                                                if k != "loss chunk (fp32 softmax)"},
+                                             "loss chunk (fp32 softmax)": rows * V * 4}
+    assert not any("logit" in k for k in peak.phases["backward: loss"])
+    assert peak.phases["backward: head"]["logit gradient (N x V)"] == N * V * 2  # where the loss kept the logits
+    bf16 = {**PRECISION_WIDTHS["bf16"], "weights": b.weights, "grads": b.grads, "optimizer": b.optimizer}
+    for built in (True, False):  # bf16 compute on a CPU: minigpt.native_loss a row at a time, where it is built
+        monkeypatch.setattr(native_loss, "takes_bf16_logits", lambda: built)
+        phases = step_peak(shape, "lora", 4, "all-linear", B, T, **bf16).phases
+        assert any("loss chunk" in k for phase in phases.values() for k in phase) is not built
+        assert phases["backward: head"]["logit gradient (N x V)"] == N * V * 2
+    cuda = step_peak(shape, "lora", 4, "all-linear", B, T, **bf16, on_cpu=False).phases  # the PyTorch ops
+    assert "loss chunk (fp32 softmax)" in cuda["backward: loss"]
 
 
 def cpu_bf16_units(monkeypatch, present: bool) -> None:

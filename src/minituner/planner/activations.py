@@ -75,7 +75,7 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from minigpt import native_attention, native_swiglu
+from minigpt import native_attention, native_loss, native_swiglu
 from minigpt.bf16_support import bf16_support
 from minigpt.errors import InputError
 from minigpt.model import GPTConfig
@@ -102,6 +102,13 @@ def bf16_compute_swiglu(act_bytes: int, stream_bytes: int | None, on_cpu: bool =
     """Whether the llama family's SwiGLU gate runs as ``minigpt.native_swiglu`` in the run these widths describe:
     minituner.precision's bf16 compute (e = 2 beside s = 4) on a CPU where its kernels are built."""
     return on_cpu and act_bytes == 2 and stream_bytes == 4 and native_swiglu.takes_bf16_run()
+
+
+def bf16_compute_loss(act_bytes: int, stream_bytes: int | None, on_cpu: bool = True) -> bool:
+    """Whether the loss reads the logits with ``minigpt.native_loss`` (a row at a time, no fp32 chunk) in the run
+    these widths describe: minituner.precision's bf16 compute (e = 2 beside s = 4) on a CPU where its kernels are
+    built (AVX-512)."""
+    return on_cpu and act_bytes == 2 and stream_bytes == 4 and native_loss.takes_bf16_logits()
 
 
 def bf16_gemm_fallback(act_bytes: int, stream_bytes: int | None, on_cpu: bool = True) -> bool:

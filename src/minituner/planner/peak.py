@@ -23,8 +23,7 @@ its logits in the block's dtype e, and the loss (``minigpt.cross_entropy``) read
 through ``F.cross_entropy``, narrower ones in fp32 chunks of R = ``chunk_rows(V)`` rows (CPU's chunk, about
 2 MiB; on CUDA the loss takes 64 MiB chunks, so its 2·R·V·4 term below is up to 128 MiB larger there than
 planned). bf16 logits on a CPU where ``minigpt.native_loss`` runs (a C compiler is present and the CPU has
-AVX-512) make no fp32 chunk at all: there the chunk terms below are an upper bound, about 4 MiB over at 128,256
-tokens of vocabulary (kept, so that one plan holds with or without the kernel). In a batch where only n of the N
+AVX-512) make no fp32 chunk at all, and none is planned there (``activations.bf16_compute_loss``). In a batch where only n of the N
 targets count (``counted``: an instruction batch's answers) the head and the loss run on those n rows
 (``minigpt.train.counted_logits``), so every logit, loss and head term below is over n rows, not N. The phases:
 
@@ -33,9 +32,10 @@ targets count (``counted``: an instruction batch's answers) the head and the los
   and the loss's chunk temporaries are alive, 2·R·V·4 (a chunk upcast to fp32 and logsumexp's shifted copy).
 - backward, loss: W + O + A + the gradients it makes (G was set to None): with fp32 logits 2·N·V·4
   (nll_loss's gradient and log-softmax's, both (N, V) fp32, while log-softmax's saved output is alive);
-  with narrower ones the logit gradient N·V·e and one fp32 chunk R·V·4.
+  with narrower ones one fp32 chunk R·V·4: the logit gradient is written over the logits the loss kept (in A;
+  ``minigpt.train``'s losses pass ``overwrite_logits``).
 - backward, head: W + O + A - what the loss kept + the head's gradients (``head_gradients``): the logit
-  gradient N·V·e while the head makes its input gradient N·C·e; + the head's weight gradient V·C·4 when it
+  gradient N·V·e (with narrower logits, where the loss kept them) while the head makes its input gradient N·C·e; + the head's weight gradient V·C·4 when it
   trains (full FT).
 - backward, last block: W + O + the grads produced so far (full FT: head and one block; LoRA: one
   block's factors) + A minus what the head saved + the block's gradients (the residual stream's N·C·s,
@@ -82,8 +82,8 @@ from dataclasses import dataclass
 
 from minigpt.cross_entropy import chunk_rows
 
-from .activations import (FP32, LOSS_KEPT, MathAttention, SavedByLayer, as_minigpt, bf16_gemm_fallback,
-                          counted_rows, lora_paths, minigpt_saved_by_layer)
+from .activations import (FP32, LOSS_KEPT, MathAttention, SavedByLayer, as_minigpt, bf16_compute_loss,
+                          bf16_gemm_fallback, counted_rows, lora_paths, minigpt_saved_by_layer)
 from .decoder_activations import decoder_saved_by_layer
 from .counts import ALL_LINEAR, resolve_targets, total_params
 from .shapes import ModelShape
@@ -153,14 +153,18 @@ def head_gradients(tokens: int, d_model: int, vocab: int, act_bytes: int) -> dic
     return {"logit gradient (N x V)": tokens * vocab * act_bytes, "head input gradient": tokens * d_model * act_bytes}
 
 
-def loss_phases(tokens: int, vocab: int, act_bytes: int) -> tuple[dict[str, int], dict[str, int]]:
-    """The loss's own tensors at its forward's and its backward's worst moments (beside the saved activations)."""
+def loss_phases(tokens: int, vocab: int, act_bytes: int, native: bool = False) -> tuple[dict[str, int], dict[str, int]]:
+    """The loss's own tensors at its forward's and its backward's worst moments (beside the saved activations);
+    native: bf16 logits read by minigpt.native_loss's kernels, a row at a time (no fp32 chunk)."""
     N, V, e = tokens, vocab, act_bytes
+    if e != FP32 and native:
+        return {}, {}
     if e == FP32:  # F.cross_entropy: the logits beside log-softmax's output; nll_loss's and log-softmax's grads
         return {"logits": N * V * FP32}, {"nll and log-softmax gradients (N x V, fp32)": 2 * N * V * FP32}
-    rows = min(N, chunk_rows(V))  # minigpt.cross_entropy's chunks: the logits stay in their dtype
+    # minigpt.cross_entropy's chunks: the logits stay in their dtype, and their gradient is written over them
+    rows = min(N, chunk_rows(V))
     return ({"loss chunk (fp32 copy and logsumexp's shifted copy)": 2 * rows * V * FP32},
-            {"logit gradient (N x V)": N * V * e, "loss chunk (fp32 softmax)": rows * V * FP32})
+            {"loss chunk (fp32 softmax)": rows * V * FP32})
 
 
 def step_phases(shape: ModelShape, regime: str, rank: int | None, targets: str | Iterable[str],
@@ -194,7 +198,7 @@ def step_phases(shape: ModelShape, regime: str, rank: int | None, targets: str |
         name = " and ".join([*(["NF4 dequantization"] if quantized else []), *(["16-bit upcast"] if upcasts else [])])
         base[f"{name} workspace"] = max(lin.weight_params for lin in shape.linears
                                         if lin.path in quantized | upcasts) * e
-    loss_forward, loss_backward = loss_phases(n, V, e)
+    loss_forward, loss_backward = loss_phases(n, V, e, native=bf16_compute_loss(e, stream_bytes, on_cpu))
     loss_kept = sum(saved.head.get(term, 0) for term in LOSS_KEPT)
     phases = {
         "forward (loss)": {**base, "grads (last step's; zero_grad follows the forward)": grads, "activations": A,
