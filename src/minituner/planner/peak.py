@@ -23,9 +23,10 @@ its logits in the block's dtype e, and the loss (``minigpt.cross_entropy``) read
 through ``F.cross_entropy``, narrower ones in fp32 chunks of R = ``chunk_rows(V)`` rows (CPU's chunk, about
 2 MiB; on CUDA the loss takes 64 MiB chunks, so its 2·R·V·4 term below is up to 128 MiB larger there than
 planned). bf16 logits on a CPU where ``minigpt.native_loss`` runs (a C compiler is present and the CPU has
-AVX-512) make no fp32 chunk at all, and none is planned there (``activations.bf16_compute_loss``). In a batch where only n of the N
-targets count (``counted``: an instruction batch's answers) the head and the loss run on those n rows
-(``minigpt.train.counted_logits``), so every logit, loss and head term below is over n rows, not N. The phases:
+AVX-512) make no fp32 chunk at all, and none is planned there (``activations.bf16_compute_loss``). In a batch
+where only n of the N targets count (``counted``: an instruction batch's answers) the head and the loss run on
+those n rows (``minigpt.train.counted_logits``), so every logit, loss and head term below is over n rows, not N.
+The phases:
 
 - forward (loss): W + O + G (last step's grads: zero_grad comes after the forward) + A + with fp32 logits
   the logits N·V·4 beside the log-softmax output (in A); with narrower ones, A holds the logits the loss keeps
@@ -35,8 +36,8 @@ targets count (``counted``: an instruction batch's answers) the head and the los
   with narrower ones one fp32 chunk R·V·4: the logit gradient is written over the logits the loss kept (in A;
   ``minigpt.train``'s losses pass ``overwrite_logits``).
 - backward, head: W + O + A - what the loss kept + the head's gradients (``head_gradients``): the logit
-  gradient N·V·e (with narrower logits, where the loss kept them) while the head makes its input gradient N·C·e; + the head's weight gradient V·C·4 when it
-  trains (full FT).
+  gradient N·V·e (with narrower logits, where the loss kept them) while the head makes its input gradient
+  N·C·e; + the head's weight gradient V·C·4 when it trains (full FT).
 - backward, last block: W + O + the grads produced so far (full FT: head and one block; LoRA: one
   block's factors) + A minus what the head saved + the block's gradients (the residual stream's N·C·s,
   fp32 under bf16 compute, and the MLP's N·F·e) + with gradient checkpointing the block's recomputed
