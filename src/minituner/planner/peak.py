@@ -158,7 +158,7 @@ def loss_phases(tokens: int, vocab: int, act_bytes: int, native: bool = False) -
     """The loss's own tensors at its forward's and its backward's worst moments (beside the saved activations);
     native: bf16 logits read by minigpt.native_loss's kernels, a row at a time (no fp32 chunk)."""
     N, V, e = tokens, vocab, act_bytes
-    if e != FP32 and native:
+    if native:  # bf16 logits only (activations.bf16_compute_loss)
         return {}, {}
     if e == FP32:  # F.cross_entropy: the logits beside log-softmax's output; nll_loss's and log-softmax's grads
         return {"logits": N * V * FP32}, {"nll and log-softmax gradients (N x V, fp32)": 2 * N * V * FP32}
