@@ -42,7 +42,7 @@ import torch
 from torch import Tensor
 
 from minikernels.bf16_exp import BF16_EXP_C
-from minikernels.build import KernelFamily, ThreadSplit
+from minikernels.build import OPENMP_PRELUDE, KernelFamily, ThreadSplit
 
 CFLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-ffp-contract=off", "-fno-fast-math", "-std=gnu11"]
 LIBS = ["-lm"]  # expf, logf
@@ -53,7 +53,7 @@ MAX_TOKENS = 1024
 MIN_VALUES_PER_THREAD = 1 << 16  # fewer scores stay on the calling thread (handing work over costs ~50 µs)
 CHUNK_VALUES = 1 << 16  # threads take rows in chunks of about this many scores
 
-_SOURCE = BF16_EXP_C + r"""
+_SOURCE = OPENMP_PRELUDE + BF16_EXP_C + r"""
 int attn_vectorized(void) {
 #ifdef __AVX512F__
     return 1;
@@ -184,6 +184,17 @@ void attn_softmax_grad(const uint16_t* p, uint16_t* dp, int64_t ld, int64_t T, i
         memset(g + hi, 0, (size_t)(T - hi) * 2);
     }
 }
+
+/* the two above over OpenMP's threads, in `chunks` ranges (minikernels.build's MK_PARALLEL_RANGES) */
+void attn_softmax_parallel(uint16_t* s, int64_t ld, int64_t T, int64_t window, float scale, int64_t b0, int64_t b1,
+                           float* lse, int have_lse, int64_t chunks, int threads) {
+    MK_PARALLEL_RANGES(b0, b1, r0, r1, attn_softmax(s, ld, T, window, scale, r0, r1, lse, have_lse));
+}
+
+void attn_softmax_grad_parallel(const uint16_t* p, uint16_t* dp, int64_t ld, int64_t T, int64_t window, float scale,
+                                int64_t b0, int64_t b1, int64_t chunks, int threads) {
+    MK_PARALLEL_RANGES(b0, b1, r0, r1, attn_softmax_grad(p, dp, ld, T, window, scale, r0, r1));
+}
 """
 
 
@@ -195,27 +206,35 @@ class AttentionKernels:
         self._softmax = lib.attn_softmax
         self._softmax.argtypes = [ptr, i64, i64, i64, f32, i64, i64, ptr, ctypes.c_int]
         self._softmax.restype = None
+        self._softmax_parallel = lib.attn_softmax_parallel  # the same over OpenMP's threads (MK_PARALLEL_RANGES)
+        self._softmax_parallel.argtypes = [*self._softmax.argtypes, i64, ctypes.c_int]
+        self._softmax_parallel.restype = None
         self._grad = lib.attn_softmax_grad
         self._grad.argtypes = [ptr, ptr, i64, i64, i64, f32, i64, i64]
         self._grad.restype = None
-        self._threads = ThreadSplit("minigpt-attention")
+        self._grad_parallel = lib.attn_softmax_grad_parallel  # the same over OpenMP's threads (MK_PARALLEL_RANGES)
+        self._grad_parallel.argtypes = [*self._grad.argtypes, i64, ctypes.c_int]
+        self._grad_parallel.restype = None
+        self._threads = ThreadSplit("minigpt-attention", openmp=bool(lib.mk_openmp()))
 
     def softmax_(self, s: Tensor, T: int, window: int, scale: float, lse: Tensor, have_lse: bool) -> None:
         """s (G, R, T) bf16 contiguous, rows r = query r mod T: overwritten with P; lse (G·R,) fp32 read or written."""
         rows = s.numel() // T
         args = (s.data_ptr(), T, T, window, scale)
-        self._threads.run(rows, T, lambda r0, r1: self._softmax(*args, r0, r1, lse.data_ptr(), int(have_lse)),
-                          MIN_VALUES_PER_THREAD, CHUNK_VALUES)
+        tail = (lse.data_ptr(), int(have_lse))
+        self._threads.run(rows, T, lambda r0, r1: self._softmax(*args, r0, r1, *tail), MIN_VALUES_PER_THREAD,
+                          CHUNK_VALUES, lambda r0, r1, n, t: self._softmax_parallel(*args, r0, r1, *tail, n, t))
 
     def softmax_grad_(self, p: Tensor, dp: Tensor, T: int, window: int, scale: float) -> None:
         """dp (G, R, T) bf16 contiguous overwritten with P ∘ (dP - D)·scale, D = rowsum(P ∘ dP) in fp32."""
         rows = dp.numel() // T
         args = (p.data_ptr(), dp.data_ptr(), T, T, window, scale)
-        self._threads.run(rows, T, lambda r0, r1: self._grad(*args, r0, r1), MIN_VALUES_PER_THREAD, CHUNK_VALUES)
+        self._threads.run(rows, T, lambda r0, r1: self._grad(*args, r0, r1), MIN_VALUES_PER_THREAD, CHUNK_VALUES,
+                          lambda r0, r1, n, t: self._grad_parallel(*args, r0, r1, n, t))
 
 
 _FAMILY = KernelFamily("bf16_attention", _SOURCE, CFLAGS, "minigpt's native attention kernels", AttentionKernels,
-                       LIBS, vectorized="attn_vectorized")
+                       LIBS, vectorized="attn_vectorized", parallel=True)
 _usable = _FAMILY.usable  # None for a library built without AVX-512
 
 

@@ -24,14 +24,14 @@ import torch
 from torch import Tensor
 
 from minikernels.bf16_exp import BF16_EXP_C
-from minikernels.build import KernelFamily, ThreadSplit, fresh_tensor
+from minikernels.build import OPENMP_PRELUDE, KernelFamily, ThreadSplit, fresh_tensor
 
 CFLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-ffp-contract=off", "-fno-fast-math", "-std=gnu11"]
 LIBS = ["-lm"]  # expf, logf
 MIN_VALUES_PER_THREAD = 1 << 18  # fewer logits stay on the calling thread (handing work over costs ~50 µs)
 CHUNK_VALUES = 1 << 18  # threads take rows in chunks of about this many values, as they get free
 
-_SOURCE = BF16_EXP_C + r"""
+_SOURCE = OPENMP_PRELUDE + BF16_EXP_C + r"""
 /* 1 when built with AVX-512 (the 16-lane loops below); without it the kernels are not used: a plain-C row
    sum is one sequential chain, slower than PyTorch's ops and less accurate at a 128K-token row */
 int ce_vectorized(void) {
@@ -135,6 +135,18 @@ void ce_softmax_grad(const uint16_t* z, int64_t ld, int64_t vocab, const float* 
         }
     }
 }
+
+/* the two above over OpenMP's threads, in `chunks` ranges (minikernels.build's MK_PARALLEL_RANGES) */
+void ce_logsumexp_parallel(const uint16_t* z, int64_t ld, int64_t vocab, int64_t b0, int64_t b1, float* lse,
+                           int64_t chunks, int threads) {
+    MK_PARALLEL_RANGES(b0, b1, r0, r1, ce_logsumexp(z, ld, vocab, r0, r1, lse));
+}
+
+void ce_softmax_grad_parallel(const uint16_t* z, int64_t ld, int64_t vocab, const float* lse, const int64_t* target,
+                              const float* scale, int64_t b0, int64_t b1, uint16_t* out, int64_t out_ld,
+                              int64_t chunks, int threads) {
+    MK_PARALLEL_RANGES(b0, b1, r0, r1, ce_softmax_grad(z, ld, vocab, lse, target, scale, r0, r1, out, out_ld));
+}
 """
 
 
@@ -146,10 +158,16 @@ class LossKernels:
         self._lse = lib.ce_logsumexp
         self._lse.argtypes = [ptr, i64, i64, i64, i64, ptr]
         self._lse.restype = None
+        self._lse_parallel = lib.ce_logsumexp_parallel  # the same over OpenMP's threads (MK_PARALLEL_RANGES)
+        self._lse_parallel.argtypes = [*self._lse.argtypes, i64, ctypes.c_int]
+        self._lse_parallel.restype = None
         self._grad = lib.ce_softmax_grad
         self._grad.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, i64, ptr, i64]
         self._grad.restype = None
-        self._threads = ThreadSplit("minigpt-loss")
+        self._grad_parallel = lib.ce_softmax_grad_parallel  # the same over OpenMP's threads (MK_PARALLEL_RANGES)
+        self._grad_parallel.argtypes = [*self._grad.argtypes, i64, ctypes.c_int]
+        self._grad_parallel.restype = None
+        self._threads = ThreadSplit("minigpt-loss", openmp=bool(lib.mk_openmp()))
 
     @staticmethod
     def fits(logits: Tensor) -> bool:
@@ -163,7 +181,8 @@ class LossKernels:
         lse = torch.empty(n, dtype=torch.float32)
         z, ld = logits.data_ptr(), logits.stride(0)
         self._threads.run(n, vocab, lambda r0, r1: self._lse(z, ld, vocab, r0, r1, lse.data_ptr()),
-                          MIN_VALUES_PER_THREAD, CHUNK_VALUES)
+                          MIN_VALUES_PER_THREAD, CHUNK_VALUES,
+                          lambda r0, r1, c, t: self._lse_parallel(z, ld, vocab, r0, r1, lse.data_ptr(), c, t))
         return lse
 
     def softmax_grad(self, logits: Tensor, lse: Tensor, targets: Tensor, row_scale: Tensor,
@@ -186,13 +205,14 @@ class LossKernels:
         lse, targets = lse.contiguous().float(), targets.contiguous().long()
         row_scale = row_scale.contiguous().float()
         args = (logits.data_ptr(), logits.stride(0), vocab, lse.data_ptr(), targets.data_ptr(), row_scale.data_ptr())
-        self._threads.run(n, vocab, lambda r0, r1: self._grad(*args, r0, r1, out.data_ptr(), out.stride(0)),
-                          MIN_VALUES_PER_THREAD, CHUNK_VALUES)
+        tail = (out.data_ptr(), out.stride(0))
+        self._threads.run(n, vocab, lambda r0, r1: self._grad(*args, r0, r1, *tail), MIN_VALUES_PER_THREAD,
+                          CHUNK_VALUES, lambda r0, r1, c, t: self._grad_parallel(*args, r0, r1, *tail, c, t))
         return out
 
 
 _FAMILY = KernelFamily("bf16_loss", _SOURCE, CFLAGS, "minigpt's native loss kernels", LossKernels,
-                       LIBS, vectorized="ce_vectorized")
+                       LIBS, vectorized="ce_vectorized", parallel=True)
 _usable = _FAMILY.usable  # None for a library built without AVX-512
 
 

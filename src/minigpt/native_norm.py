@@ -24,14 +24,14 @@ import torch
 from torch import Tensor
 
 from minikernels.bf16_exp import BF16_EXP_C
-from minikernels.build import KernelFamily, ThreadSplit
+from minikernels.build import OPENMP_PRELUDE, KernelFamily, ThreadSplit
 
 CFLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-ffp-contract=off", "-fno-fast-math", "-std=gnu11"]
 LIBS = ["-lm"]  # sqrtf
 MIN_VALUES_PER_THREAD = 1 << 16  # fewer values stay on the calling thread (handing work over costs ~50 µs)
 CHUNK_VALUES = 1 << 16  # threads take rows in chunks of about this many values
 
-_SOURCE = BF16_EXP_C + r"""
+_SOURCE = OPENMP_PRELUDE + BF16_EXP_C + r"""
 int norm_vectorized(void) {
 #ifdef __AVX512F__
     return 1;
@@ -100,6 +100,17 @@ void rms_backward(const uint16_t* gy, const float* x, const float* w, const floa
         for (; j < C; j++) out[j] = rs * (f32_from_bf16(grow[j]) * w[j]) - row[j] * c;
     }
 }
+
+/* the two above over OpenMP's threads, in `chunks` ranges (minikernels.build's MK_PARALLEL_RANGES) */
+void rms_forward_parallel(const float* x, const float* w, int64_t C, float eps, int64_t b0, int64_t b1,
+                          uint16_t* y, float* rstd, int64_t chunks, int threads) {
+    MK_PARALLEL_RANGES(b0, b1, r0, r1, rms_forward(x, w, C, eps, r0, r1, y, rstd));
+}
+
+void rms_backward_parallel(const uint16_t* gy, const float* x, const float* w, const float* rstd, int64_t C,
+                           int64_t b0, int64_t b1, float* gx, int64_t chunks, int threads) {
+    MK_PARALLEL_RANGES(b0, b1, r0, r1, rms_backward(gy, x, w, rstd, C, r0, r1, gx));
+}
 """
 
 
@@ -111,10 +122,16 @@ class NormKernels:
         self._forward = lib.rms_forward
         self._forward.argtypes = [ptr, ptr, i64, ctypes.c_float, i64, i64, ptr, ptr]
         self._forward.restype = None
+        self._forward_parallel = lib.rms_forward_parallel  # the same over OpenMP's threads (MK_PARALLEL_RANGES)
+        self._forward_parallel.argtypes = [*self._forward.argtypes, i64, ctypes.c_int]
+        self._forward_parallel.restype = None
         self._backward = lib.rms_backward
         self._backward.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, ptr]
         self._backward.restype = None
-        self._threads = ThreadSplit("minigpt-norm")
+        self._backward_parallel = lib.rms_backward_parallel  # the same over OpenMP's threads (MK_PARALLEL_RANGES)
+        self._backward_parallel.argtypes = [*self._backward.argtypes, i64, ctypes.c_int]
+        self._backward_parallel.restype = None
+        self._threads = ThreadSplit("minigpt-norm", openmp=bool(lib.mk_openmp()))
 
     def forward(self, x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
         """x (N, C) fp32 contiguous -> y (N, C) bf16 and rstd (N,) fp32."""
@@ -122,8 +139,9 @@ class NormKernels:
         y = torch.empty(n, c, dtype=torch.bfloat16)
         rstd = torch.empty(n, dtype=torch.float32)
         args = (x.data_ptr(), weight.data_ptr(), c, eps)
-        self._threads.run(n, c, lambda r0, r1: self._forward(*args, r0, r1, y.data_ptr(), rstd.data_ptr()),
-                          MIN_VALUES_PER_THREAD, CHUNK_VALUES)
+        tail = (y.data_ptr(), rstd.data_ptr())
+        self._threads.run(n, c, lambda r0, r1: self._forward(*args, r0, r1, *tail), MIN_VALUES_PER_THREAD,
+                          CHUNK_VALUES, lambda r0, r1, k, t: self._forward_parallel(*args, r0, r1, *tail, k, t))
         return y, rstd
 
     def backward(self, gy: Tensor, x: Tensor, weight: Tensor, rstd: Tensor) -> Tensor:
@@ -131,13 +149,13 @@ class NormKernels:
         n, c = x.shape
         gx = torch.empty(n, c, dtype=torch.float32)
         args = (gy.data_ptr(), x.data_ptr(), weight.data_ptr(), rstd.data_ptr(), c)
-        self._threads.run(n, c, lambda r0, r1: self._backward(*args, r0, r1, gx.data_ptr()),
-                          MIN_VALUES_PER_THREAD, CHUNK_VALUES)
+        self._threads.run(n, c, lambda r0, r1: self._backward(*args, r0, r1, gx.data_ptr()), MIN_VALUES_PER_THREAD,
+                          CHUNK_VALUES, lambda r0, r1, k, t: self._backward_parallel(*args, r0, r1, gx.data_ptr(), k, t))
         return gx
 
 
 _FAMILY = KernelFamily("bf16_norm", _SOURCE, CFLAGS, "minigpt's native RMSNorm kernels", NormKernels,
-                       LIBS, vectorized="norm_vectorized")
+                       LIBS, vectorized="norm_vectorized", parallel=True)
 _usable = _FAMILY.usable  # None for a library built without AVX-512
 
 

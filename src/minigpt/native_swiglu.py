@@ -30,14 +30,14 @@ import torch
 from torch import Tensor
 
 from minikernels.bf16_exp import BF16_EXP_C
-from minikernels.build import KernelFamily, ThreadSplit
+from minikernels.build import OPENMP_PRELUDE, KernelFamily, ThreadSplit
 
 CFLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-ffp-contract=off", "-fno-fast-math", "-std=gnu11"]
 LIBS = ["-lm"]
 MIN_VALUES_PER_THREAD = 1 << 16  # fewer values stay on the calling thread (handing work over costs ~50 µs)
 CHUNK_VALUES = 1 << 17  # threads take values in chunks of this many
 
-_SOURCE = BF16_EXP_C + r"""
+_SOURCE = OPENMP_PRELUDE + BF16_EXP_C + r"""
 int swiglu_vectorized(void) {
 #ifdef __AVX512F__
     return 1;
@@ -149,6 +149,17 @@ void swiglu_backward(const uint16_t* dh, const uint16_t* g, const uint16_t* u, i
         }
     }
 }
+
+/* the two above over OpenMP's threads, in `chunks` ranges (minikernels.build's MK_PARALLEL_RANGES) */
+void swiglu_forward_parallel(const uint16_t* g, const uint16_t* u, int64_t b0, int64_t b1, uint16_t* h,
+                             int64_t chunks, int threads) {
+    MK_PARALLEL_RANGES(b0, b1, i0, i1, swiglu_forward(g, u, i0, i1, h));
+}
+
+void swiglu_backward_parallel(const uint16_t* dh, const uint16_t* g, const uint16_t* u, int64_t b0, int64_t b1,
+                              uint16_t* dg, uint16_t* du, int64_t chunks, int threads) {
+    MK_PARALLEL_RANGES(b0, b1, i0, i1, swiglu_backward(dh, g, u, i0, i1, dg, du));
+}
 """
 
 
@@ -160,17 +171,24 @@ class SwiGLUKernels:
         self._forward = lib.swiglu_forward
         self._forward.argtypes = [ptr, ptr, i64, i64, ptr]
         self._forward.restype = None
+        self._forward_parallel = lib.swiglu_forward_parallel  # the same over OpenMP's threads (MK_PARALLEL_RANGES)
+        self._forward_parallel.argtypes = [*self._forward.argtypes, i64, ctypes.c_int]
+        self._forward_parallel.restype = None
         self._backward = lib.swiglu_backward
         self._backward.argtypes = [ptr, ptr, ptr, i64, i64, ptr, ptr]
         self._backward.restype = None
-        self._threads = ThreadSplit("minigpt-swiglu")
+        self._backward_parallel = lib.swiglu_backward_parallel  # the same over OpenMP's threads (MK_PARALLEL_RANGES)
+        self._backward_parallel.argtypes = [*self._backward.argtypes, i64, ctypes.c_int]
+        self._backward_parallel.restype = None
+        self._threads = ThreadSplit("minigpt-swiglu", openmp=bool(lib.mk_openmp()))
 
     def forward(self, g: Tensor, u: Tensor) -> Tensor:
         """silu(g) * u for contiguous bf16 g, u of one shape."""
         h = torch.empty_like(g)
         args = (g.data_ptr(), u.data_ptr())
         self._threads.run(g.numel(), 1, lambda i0, i1: self._forward(*args, i0, i1, h.data_ptr()),
-                          MIN_VALUES_PER_THREAD, CHUNK_VALUES)
+                          MIN_VALUES_PER_THREAD, CHUNK_VALUES,
+                          lambda i0, i1, c, t: self._forward_parallel(*args, i0, i1, h.data_ptr(), c, t))
         return h
 
     def backward(self, dh: Tensor, g: Tensor, u: Tensor | None, need_g: bool, need_u: bool
@@ -181,12 +199,13 @@ class SwiGLUKernels:
         args = (dh.data_ptr(), g.data_ptr(), u.data_ptr() if u is not None else None)
         outs = (dg.data_ptr() if dg is not None else None, du.data_ptr() if du is not None else None)
         self._threads.run(g.numel(), 1, lambda i0, i1: self._backward(*args, i0, i1, *outs),
-                          MIN_VALUES_PER_THREAD, CHUNK_VALUES)
+                          MIN_VALUES_PER_THREAD, CHUNK_VALUES,
+                          lambda i0, i1, c, t: self._backward_parallel(*args, i0, i1, *outs, c, t))
         return dg, du
 
 
 _FAMILY = KernelFamily("bf16_swiglu", _SOURCE, CFLAGS, "minigpt's native SwiGLU kernels", SwiGLUKernels,
-                       LIBS, vectorized="swiglu_vectorized")
+                       LIBS, vectorized="swiglu_vectorized", parallel=True)
 _usable = _FAMILY.usable  # None for a library built without AVX-512
 
 

@@ -16,9 +16,10 @@ tests/miniquant/test_nf4_native.py builds each one this CPU can run and checks i
 
 Building, caching (under $MINIQUANT_CACHE, keyed by the source, the flags, the compiler and the CPU's feature
 flags: it is built with -march=native) and the threads are ``minikernels.build``'s.
-Quantization splits its blocks across `torch.get_num_threads()` Python threads (ctypes releases the GIL
-during a call), and so does dequantization into an existing buffer (the layers' shared workspace);
-dequantization into a fresh tensor runs on the calling thread.
+Quantization splits its blocks across `torch.get_num_threads()` threads (PyTorch's OpenMP team where the library
+has OpenMP, see minikernels.build; else Python threads: ctypes releases the GIL during a call), and so does
+dequantization into an existing buffer (the layers' shared workspace); dequantization into a fresh tensor runs
+on the calling thread.
 `kernels()` returns None when there is no compiler, the build fails, or MINIQUANT_NATIVE=0: the callers
 then use the eager PyTorch path, which gives the same bytes.
 """
@@ -30,7 +31,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from minikernels.build import CACHE_ENV, KernelFamily, ThreadSplit, build_library, fresh_tensor  # noqa: F401 (CACHE_ENV: bench_nf4)
+from minikernels.build import CACHE_ENV, OPENMP_PRELUDE, KernelFamily, ThreadSplit, build_library, fresh_tensor  # noqa: F401 (CACHE_ENV: bench_nf4)
 
 MIN_VALUES_PER_THREAD = 1 << 21  # smaller calls stay on the calling thread (handing work over costs ~50 µs)
 MIN_VALUES_PER_THREAD_WARM = 1 << 18  # the same, dequantizing into an existing (already touched) buffer
@@ -39,7 +40,7 @@ CFLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-ffp-contract=off", "-fno
 # dtype codes shared with the C source
 _DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
-_SOURCE = r"""
+_SOURCE = OPENMP_PRELUDE + r"""
 #include <stdint.h>
 #include <string.h>
 /* one vector path, the widest this CPU has (built with -march=native); plain C for the rest */
@@ -366,6 +367,17 @@ void nf4_dequantize(const uint8_t* packed, const float* scales, int64_t b0, int6
 #endif
     for (int64_t b = b0; b < b1; b++) dequantize_block_c(packed + b * (bs / 2), scales[b], bs, code, out, dtype, b * bs);
 }
+
+/* the two above over OpenMP's threads, in `chunks` ranges (minikernels.build's MK_PARALLEL_RANGES) */
+void nf4_quantize_parallel(const void* x, int dtype, int64_t b0, int64_t b1, int64_t bs, const float* mids,
+                           uint8_t* packed, float* absmax, int64_t chunks, int threads) {
+    MK_PARALLEL_RANGES(b0, b1, r0, r1, nf4_quantize(x, dtype, r0, r1, bs, mids, packed, absmax));
+}
+
+void nf4_dequantize_parallel(const uint8_t* packed, const float* scales, int64_t b0, int64_t b1, int64_t bs,
+                             const float* code, void* out, int dtype, int64_t chunks, int threads) {
+    MK_PARALLEL_RANGES(b0, b1, r0, r1, nf4_dequantize(packed, scales, r0, r1, bs, code, out, dtype));
+}
 """
 
 
@@ -384,13 +396,20 @@ class NativeKernels:
         self._dequantize = lib.nf4_dequantize
         self._dequantize.argtypes = [ptr, ptr, i64, i64, i64, ptr, ptr, ctypes.c_int]
         self._dequantize.restype = None
+        self._quantize_parallel = lib.nf4_quantize_parallel
+        self._quantize_parallel.argtypes = [*self._quantize.argtypes, i64, ctypes.c_int]
+        self._quantize_parallel.restype = None
+        self._dequantize_parallel = lib.nf4_dequantize_parallel
+        self._dequantize_parallel.argtypes = [*self._dequantize.argtypes, i64, ctypes.c_int]
+        self._dequantize_parallel.restype = None
         self.dtypes = tuple(d for d, c in _DTYPE_CODE.items() if c != 2 or lib.nf4_has_f16())
         self.path = {16: "AVX-512", 8: "AVX2"}.get(lib.nf4_lanes(), "plain C")  # the vector path this CPU runs
-        self._threads = ThreadSplit("miniquant")
+        self._threads = ThreadSplit("miniquant", openmp=bool(lib.mk_openmp()))
 
-    def _split(self, blocks: int, blocksize: int, call, min_values: int | None = None) -> None:
-        """call(b0, b1) over [0, blocks) on threads, each at least `min_values` values (default MIN_VALUES_PER_THREAD)."""
-        self._threads.run(blocks, blocksize, call, min_values or MIN_VALUES_PER_THREAD, CHUNK_VALUES)
+    def _split(self, blocks: int, blocksize: int, call, parallel, min_values: int | None = None) -> None:
+        """call(b0, b1) over [0, blocks) on threads, each at least `min_values` values (default
+        MIN_VALUES_PER_THREAD); parallel(b0, b1, chunks, threads) is its OpenMP entry point."""
+        self._threads.run(blocks, blocksize, call, min_values or MIN_VALUES_PER_THREAD, CHUNK_VALUES, parallel)
 
     def quantize(self, x: Tensor, mids: Tensor) -> tuple[Tensor, Tensor]:
         """(blocks, blocksize) contiguous CPU tensor -> ((blocks, blocksize/2) uint8, (blocks,) float32 absmax)."""
@@ -400,7 +419,8 @@ class NativeKernels:
         absmax = torch.empty(blocks, dtype=torch.float32)
         args = (x.data_ptr(), _DTYPE_CODE[x.dtype])
         tail = (bs, mids.data_ptr(), packed.data_ptr(), absmax.data_ptr())
-        self._split(blocks, bs, lambda b0, b1: self._quantize(*args, b0, b1, *tail))
+        self._split(blocks, bs, lambda b0, b1: self._quantize(*args, b0, b1, *tail),
+                    lambda b0, b1, chunks, threads: self._quantize_parallel(*args, b0, b1, *tail, chunks, threads))
         return packed, absmax
 
     def dequantize(self, packed: Tensor, scales: Tensor, code: Tensor, dtype: torch.dtype,
@@ -420,14 +440,16 @@ class NativeKernels:
         head = (packed.data_ptr(), scales.data_ptr())
         tail = (code.data_ptr(), out.data_ptr(), _DTYPE_CODE[dtype])
         call = lambda b0, b1: self._dequantize(*head, b0, b1, 2 * half, *tail)  # noqa: E731
+        parallel = lambda b0, b1, chunks, threads: self._dequantize_parallel(*head, b0, b1, 2 * half, *tail, chunks,  # noqa: E731
+                                                                             threads)
         if fresh:  # one thread: writing a fresh output is bound by its first touch (page faults), and on the
             call(0, blocks)  # 2-core machine of benchmarks/RESULTS.md a second thread made a 64 MiB one slower
         else:  # an existing buffer (the layers' shared workspace): bound by bandwidth, so split from 512 K values
-            self._split(blocks, 2 * half, call, MIN_VALUES_PER_THREAD_WARM)
+            self._split(blocks, 2 * half, call, parallel, MIN_VALUES_PER_THREAD_WARM)
         return out
 
 
-_FAMILY = KernelFamily("nf4", _SOURCE, CFLAGS, "miniquant's native NF4 kernels", NativeKernels)
+_FAMILY = KernelFamily("nf4", _SOURCE, CFLAGS, "miniquant's native NF4 kernels", NativeKernels, parallel=True)
 
 
 def kernels() -> NativeKernels | None:
