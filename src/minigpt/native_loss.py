@@ -4,7 +4,7 @@
     lse = k.logsumexp(logits)                      # (N, V) bf16 -> (N,) fp32: log Σ_v exp(z_v), per row
     grad = k.softmax_grad(logits, lse, targets, row_scale)   # (N, V) bf16: (softmax - one-hot(target)) · scale
 
-``minigpt.cross_entropy.LowPrecisionCrossEntropy`` calls these for contiguous bf16 logits on CPU; elsewhere
+``minigpt.cross_entropy.ChunkedCrossEntropy`` calls these for contiguous bf16 logits on CPU; elsewhere
 (fp16, CUDA, no compiler) it runs the same arithmetic as PyTorch ops a few rows at a time. Per row the
 kernel reads the bf16 logits once for the maximum and once for Σ exp(z - max) (fp32), and in the backward
 once more, writing each gradient value once, rounded to bf16 (round to nearest even): no fp32 (N, V)

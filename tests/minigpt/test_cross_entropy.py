@@ -1,11 +1,12 @@
-"""minigpt.cross_entropy: fp32 logits through F.cross_entropy as they are; bf16/fp16 logits in fp32 chunks."""
+"""minigpt.cross_entropy: fp32 logits through F.cross_entropy as they are (large ones in a training loss chunked, in
+place); bf16/fp16 logits in fp32 chunks."""
 import pytest
 import torch
 import torch.nn.functional as F
 
 import minigpt.cross_entropy as ce
 from minigpt import native_loss
-from minigpt.cross_entropy import IGNORE_INDEX, LowPrecisionCrossEntropy, chunk_rows, cross_entropy
+from minigpt.cross_entropy import IGNORE_INDEX, ChunkedCrossEntropy, chunk_rows, cross_entropy
 
 
 def _case(n=12, vocab=50, dtype=torch.bfloat16, ignored=(3, 7), seed=0):
@@ -120,7 +121,7 @@ def test_out_of_range_target_is_refused(loss_path):
     logits, targets = _case()
     targets[0] = 50
     with pytest.raises(RuntimeError):
-        LowPrecisionCrossEntropy.apply(logits, targets, True)
+        ChunkedCrossEntropy.apply(logits, targets, True)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -149,8 +150,37 @@ def test_overwritten_logits_another_node_saved_raise(loss_path):
         loss.backward()
 
 
-def test_overwrite_logits_leaves_fp32_logits_alone():
+def test_overwrite_logits_leaves_small_fp32_logits_alone():
     logits, targets = _case(dtype=torch.float32)
+    assert not ce.fp32_loss_chunked(*logits.shape)
     z = logits.clone().requires_grad_()
     cross_entropy(z, targets, overwrite_logits=True).backward()
     assert torch.equal(z.detach(), logits)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("chunk", [1 << 19, 150])  # one chunk; 3 rows a chunk, the last one short
+def test_large_fp32_logits_overwritten_give_f_cross_entropy_to_rounding(reduction, chunk, monkeypatch):
+    """fp32 logits of FP32_CHUNKED_MIN_VALUES or more, in a training loss: chunked, the softmax computed in place
+    over them, the same loss and gradient as F.cross_entropy but for the order of fp32 sums."""
+    monkeypatch.setattr(ce, "FP32_CHUNKED_MIN_VALUES", 12 * 50)
+    monkeypatch.setitem(ce.CHUNK_ELEMENTS, "cpu", chunk)
+    logits, targets = _case(dtype=torch.float32)
+    assert ce.fp32_loss_chunked(*logits.shape)
+    ref_loss, ref_grad = _reference(logits, targets, reduction)
+    leaf = logits.clone().requires_grad_()
+    z = leaf * 1  # a non-leaf, as a head's output
+    loss = cross_entropy(z, targets, reduction, overwrite_logits=True)
+    assert loss.grad_fn.name() == "ChunkedCrossEntropyBackward"
+    version = z._version
+    loss.backward(torch.tensor(1.7))
+    torch.testing.assert_close(loss.detach(), ref_loss, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(leaf.grad, ref_grad, rtol=1e-5, atol=1e-7)
+    assert torch.equal(z.detach(), leaf.grad) and z._version > version  # the gradient, over the logits
+    assert torch.all(leaf.grad[[3, 7]] == 0)
+
+
+def test_the_chunked_function_refuses_fp32_logits_it_may_not_overwrite():
+    logits, targets = _case(dtype=torch.float32)
+    with pytest.raises(ValueError, match="overwrite"):
+        ChunkedCrossEntropy.apply(logits, targets, True)

@@ -43,6 +43,21 @@ def test_loss_terms_are_the_logits():
     assert peak.phases["forward (loss)"]["grads (last step's; zero_grad follows the forward)"] == b.grads
 
 
+def test_large_fp32_logits_are_planned_chunked_and_in_place(monkeypatch):
+    """Past minigpt.cross_entropy's FP32_CHUNKED_MIN_VALUES the loss keeps the logits (not a log-softmax), the
+    forward adds one chunk's logsumexp copy and the backward makes nothing (N, V)."""
+    from minigpt import cross_entropy
+
+    monkeypatch.setattr(cross_entropy, "FP32_CHUNKED_MIN_VALUES", 1)
+    shape = minigpt_shape(GPTConfig(**TINY))
+    peak, b = phases(shape, "lora", 4)
+    V = shape.vocab_size
+    rows = min(N, cross_entropy.chunk_rows(V))
+    assert peak.phases["forward (loss)"]["loss chunk (logsumexp's shifted copy)"] == rows * V * 4
+    assert "logits" not in peak.phases["forward (loss)"]
+    assert sum(peak.phases["backward: loss"].values()) == b.weights + b.optimizer + b.activations
+
+
 def test_peak_is_the_largest_phase_and_lands_in_buckets():
     shape = minigpt_shape(GPTConfig(**TINY))
     for regime, rank in (("full", None), ("lora", 4), ("qlora", 4)):

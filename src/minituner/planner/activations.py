@@ -36,9 +36,9 @@ under bf16 compute), the terms are:
   (``linear input`` N·C·e) when it trains.
 - ``gelu input`` N·F·e: GELU keeps fc1's output; fc2 (or its LoRA A) keeps GELU's output (``linear input``).
 - the loss (``lm_loss``: ``minigpt.cross_entropy``; the head returns its logits in the block's dtype e):
-  fp32 logits go to ``F.cross_entropy``, which keeps the ``log-softmax output`` N·V·4; narrower logits go to
-  its chunked fp32 cross-entropy, which keeps the ``logits kept by the loss`` N·V·e and a ``loss logsumexp``
-  N·4 (``loss_saved``). Both keep the ``targets`` N·8 (int64) and an fp32 ``loss total_weight`` (4 bytes).
+  fp32 logits go to ``F.cross_entropy``, which keeps the ``log-softmax output`` N·V·4; narrower logits, and fp32
+  ones of at least ``fp32_loss_chunked``'s size, go to its chunked cross-entropy, which keeps the ``logits kept by
+  the loss`` N·V·e and a ``loss logsumexp`` N·4 (``loss_saved``). Both keep the ``targets`` N·8 (int64) and an fp32 ``loss total_weight`` (4 bytes).
 - with the model's dropout p > 0 (``dropout``: MiniGPT's ``GPTConfig.dropout``, GPT-2's 0.1 as finetune trains
   it; planned on a CPU, where ``F.dropout`` multiplies by a float noise tensor of its input's dtype and keeps it):
   ``dropout noise`` N·C·e after o_proj and after fc2 wherever their output needs grad, and N·C·s after the
@@ -77,6 +77,7 @@ from dataclasses import dataclass
 
 from minigpt import native_attention, native_loss, native_swiglu
 from minigpt.bf16_support import bf16_support
+from minigpt.cross_entropy import fp32_loss_chunked
 from minigpt.errors import InputError
 from minigpt.model import GPTConfig
 
@@ -240,9 +241,9 @@ def loss_saved(terms: Counter[str], tokens: int, vocab: int, act_bytes: int, cou
     n = counted_rows(tokens, counted)
     if n < tokens:  # counted_logits: h[keep] saves the mask for its backward (a scatter into every row)
         terms["counted-rows mask"] += tokens
-    if act_bytes == FP32:  # F.cross_entropy: log-softmax, then nll_loss
+    if act_bytes == FP32 and not fp32_loss_chunked(n, vocab):  # F.cross_entropy: log-softmax, then nll_loss
         terms["log-softmax output"] += n * vocab * FP32
-    else:  # LowPrecisionCrossEntropy: the logits as they are, and one fp32 logsumexp per row
+    else:  # ChunkedCrossEntropy: the logits as they are, and one fp32 logsumexp per row
         terms["logits kept by the loss"] += n * vocab * act_bytes
         terms["loss logsumexp"] += n * FP32
     terms["targets"] += n * INDEX_BYTES

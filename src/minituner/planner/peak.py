@@ -35,6 +35,10 @@ The phases:
   (nll_loss's gradient and log-softmax's, both (N, V) fp32, while log-softmax's saved output is alive);
   with narrower ones one fp32 chunk R·V·4: the logit gradient is written over the logits the loss kept (in A;
   ``minigpt.train``'s losses pass ``overwrite_logits``).
+- fp32 logits of at least ``minigpt.cross_entropy.fp32_loss_chunked``'s size (Llama 3's or GPT-2's vocabulary
+  at a few hundred tokens) take the chunked path too: A holds the logits the loss keeps, the forward adds
+  logsumexp's shifted copy of one chunk R·V·4, and the backward computes the softmax over the logits in place
+  (nothing more).
 - backward, head: W + O + A - what the loss kept + the head's gradients (``head_gradients``): the logit
   gradient N·V·e (with narrower logits, where the loss kept them) while the head makes its input gradient
   N·C·e; + the head's weight gradient V·C·4 when it trains (full FT).
@@ -81,7 +85,7 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 
-from minigpt.cross_entropy import chunk_rows
+from minigpt.cross_entropy import chunk_rows, fp32_loss_chunked
 
 from .activations import (FP32, LOSS_KEPT, MathAttention, SavedByLayer, as_minigpt, bf16_compute_loss,
                           bf16_gemm_fallback, counted_rows, lora_paths, minigpt_saved_by_layer)
@@ -160,10 +164,13 @@ def loss_phases(tokens: int, vocab: int, act_bytes: int, native: bool = False) -
     N, V, e = tokens, vocab, act_bytes
     if native:  # bf16 logits only (activations.bf16_compute_loss)
         return {}, {}
-    if e == FP32:  # F.cross_entropy: the logits beside log-softmax's output; nll_loss's and log-softmax's grads
+    if e == FP32 and not fp32_loss_chunked(N, V):  # F.cross_entropy: the logits beside log-softmax's output;
+        # nll_loss's and log-softmax's gradients
         return {"logits": N * V * FP32}, {"nll and log-softmax gradients (N x V, fp32)": 2 * N * V * FP32}
     # minigpt.cross_entropy's chunks: the logits stay in their dtype, and their gradient is written over them
     rows = min(N, chunk_rows(V))
+    if e == FP32:  # no upcast copy; the backward's softmax is computed over the logits themselves
+        return {"loss chunk (logsumexp's shifted copy)": rows * V * FP32}, {}
     return ({"loss chunk (fp32 copy and logsumexp's shifted copy)": 2 * rows * V * FP32},
             {"loss chunk (fp32 softmax)": rows * V * FP32})
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from minigpt import native_attention, native_norm, native_swiglu
+from minigpt import cross_entropy, native_attention, native_norm, native_swiglu
 from minigpt.decoder import Decoder, DecoderConfig, cpu_flash_takes_gqa
 from minigpt.io import write_json
 from minituner.cli import main
@@ -48,6 +48,19 @@ def test_buckets_are_exact(name, grad_checkpoint):
     for regime, targets in CASES:
         check = CheckConfig(regime=regime, targets=targets, rank=2, batch_size=3, seq_len=8,
                             grad_checkpoint=grad_checkpoint)
+        r = memory_check(lambda: Decoder(cfg), check, CPU, name)
+        for b in BUCKETS:
+            assert r.predicted[b] == r.measured[b], (name, regime, targets, b, r.predicted[b], r.measured[b])
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_buckets_are_exact_with_fp32_logits_chunked(name, monkeypatch):
+    """fp32 logits past minigpt.cross_entropy's FP32_CHUNKED_MIN_VALUES (lowered here): the loss keeps the logits
+    and a logsumexp, not F.cross_entropy's log-softmax, and the planner says so byte for byte."""
+    monkeypatch.setattr(cross_entropy, "FP32_CHUNKED_MIN_VALUES", 1)
+    cfg = decoder(name)
+    for regime, targets in CASES:
+        check = CheckConfig(regime=regime, targets=targets, rank=2, batch_size=3, seq_len=8)
         r = memory_check(lambda: Decoder(cfg), check, CPU, name)
         for b in BUCKETS:
             assert r.predicted[b] == r.measured[b], (name, regime, targets, b, r.predicted[b], r.measured[b])
@@ -127,12 +140,14 @@ def test_count_defaults_to_the_exact_model_for_the_llama_family():
         shape, 16, 32, "lora", 8, act_bytes=2).total()
 
 
-@pytest.mark.parametrize("args", [(), ("--precision", "bf16", "--allow-slow-bf16")])
-def test_peak_within_ten_percent_in_a_fresh_process(tmp_path, args):
+@pytest.mark.parametrize("args,vocab", [((), 2000), (("--precision", "bf16", "--allow-slow-bf16"), 2000),
+                                        ((), 32768)], ids=["fp32", "bf16", "fp32 logits chunked"])
+def test_peak_within_ten_percent_in_a_fresh_process(tmp_path, args, vocab):
     """A small llama (GQA, untied head, ~4M parameters), LoRA at batch 4 x 128 tokens (~66 MiB at the peak; ~43 in
-    bf16); benchmarks/memory_sweep.py covers full FT, QLoRA and checkpointing."""
+    bf16); benchmarks/memory_sweep.py covers full FT, QLoRA and checkpointing. At a 32,768-token vocabulary the
+    fp32 logits (64 MiB) take minigpt.cross_entropy's chunked, in-place path."""
     write_json(tmp_path / "config.json", {
-        "model_type": "llama", "vocab_size": 2000, "hidden_size": 256, "intermediate_size": 688,
+        "model_type": "llama", "vocab_size": vocab, "hidden_size": 256, "intermediate_size": 688,
         "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2, "max_position_embeddings": 512})
     out = subprocess.run([sys.executable, "-m", "minituner", "memory-check", "--config", str(tmp_path), "--regime", "lora",
                           "--batch-size", "4", "--seq-len", "128", "--device", "cpu", "--json", *args],
