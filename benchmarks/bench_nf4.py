@@ -198,12 +198,16 @@ def run(quick: bool = False) -> Section:
             section.rows.append(["dequantize", name, label.get(impl, impl), t.fmt(), fmt_seconds(t.first_s),
                                  fmt_ratio(t.median_s / ours)])
         out_mib = w.numel() * w.element_size() / MIB
+        kernels = native.kernels()
+        threads = (f"on {torch.get_num_threads()} threads of PyTorch's OpenMP team"
+                   if kernels is not None and kernels.openmp and torch.get_num_threads() > 1
+                   else "on one thread")
         section.goals.append(Goal(
             f"NF4 dequantize {name} 4096²: bitsandbytes time / ours", dt["bitsandbytes"].median_s / ours,
             DEQUANTIZE_GOAL, True,
             f"a fresh {out_mib:.0f} MiB output: ours takes {ours / dt['copy'].median_s:.2f}× a copy into an existing "
             f"tensor and {ours / dt['clone'].median_s:.2f}× a clone into a fresh one (page faults); it writes the "
-            "output once, on one thread, in 2 MiB pages where the OS grants them",
+            f"output once, {threads}, in 2 MiB pages where the OS grants them",
         ))
         diff = (d_bnb.float() - d_ours.float()).abs().max().item()
         section.notes.append(

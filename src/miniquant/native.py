@@ -18,8 +18,8 @@ Building, caching (under $MINIQUANT_CACHE, keyed by the source, the flags, the c
 flags: it is built with -march=native) and the threads are ``minikernels.build``'s.
 Quantization splits its blocks across `torch.get_num_threads()` threads (PyTorch's OpenMP team where the library
 has OpenMP, see minikernels.build; else Python threads: ctypes releases the GIL during a call), and so does
-dequantization into an existing buffer (the layers' shared workspace); dequantization into a fresh tensor runs
-on the calling thread.
+dequantization into an existing buffer (the layers' shared workspace); dequantization into a fresh tensor does on
+OpenMP's threads, and runs on the calling thread otherwise.
 `kernels()` returns None when there is no compiler, the build fails, or MINIQUANT_NATIVE=0: the callers
 then use the eager PyTorch path, which gives the same bytes.
 """
@@ -404,7 +404,8 @@ class NativeKernels:
         self._dequantize_parallel.restype = None
         self.dtypes = tuple(d for d, c in _DTYPE_CODE.items() if c != 2 or lib.nf4_has_f16())
         self.path = {16: "AVX-512", 8: "AVX2"}.get(lib.nf4_lanes(), "plain C")  # the vector path this CPU runs
-        self._threads = ThreadSplit("miniquant", openmp=bool(lib.mk_openmp()))
+        self.openmp = bool(lib.mk_openmp())  # built with OpenMP: the threads are PyTorch's team (minikernels.build)
+        self._threads = ThreadSplit("miniquant", openmp=self.openmp)
 
     def _split(self, blocks: int, blocksize: int, call, parallel, min_values: int | None = None) -> None:
         """call(b0, b1) over [0, blocks) on threads, each at least `min_values` values (default
@@ -442,10 +443,11 @@ class NativeKernels:
         call = lambda b0, b1: self._dequantize(*head, b0, b1, 2 * half, *tail)  # noqa: E731
         parallel = lambda b0, b1, chunks, threads: self._dequantize_parallel(*head, b0, b1, 2 * half, *tail, chunks,  # noqa: E731
                                                                              threads)
-        if fresh:  # one thread: writing a fresh output is bound by its first touch (page faults), and on the
-            call(0, blocks)  # 2-core machine of benchmarks/RESULTS.md a second thread made a 64 MiB one slower
-        else:  # an existing buffer (the layers' shared workspace): bound by bandwidth, so split from 512 K values
-            self._split(blocks, 2 * half, call, parallel, MIN_VALUES_PER_THREAD_WARM)
+        if fresh and not self._threads.openmp:  # a fresh output is bound by its first touch (page faults): on a
+            call(0, blocks)  # 2-core AMD EPYC a second Python thread made a 64 MiB one slower
+        else:  # an existing buffer (the layers' shared workspace) from 512 K values; a fresh one from 4 M on
+            # PyTorch's OpenMP team (4096² on an AMX Xeon: fp32 12.0 -> 9.2 ms, bf16 8.0 -> 5.6 ms)
+            self._split(blocks, 2 * half, call, parallel, None if fresh else MIN_VALUES_PER_THREAD_WARM)
         return out
 
 
