@@ -42,7 +42,7 @@ import torch
 from torch import Tensor
 
 from minikernels.bf16_exp import BF16_EXP_C
-from minikernels.build import OPENMP_PRELUDE, KernelFamily, ThreadSplit
+from minikernels.build import OPENMP_PRELUDE, KernelFamily, ThreadSplit, parallel_entry
 
 CFLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-ffp-contract=off", "-fno-fast-math", "-std=gnu11"]
 LIBS = ["-lm"]  # expf, logf
@@ -206,15 +206,11 @@ class AttentionKernels:
         self._softmax = lib.attn_softmax
         self._softmax.argtypes = [ptr, i64, i64, i64, f32, i64, i64, ptr, ctypes.c_int]
         self._softmax.restype = None
-        self._softmax_parallel = lib.attn_softmax_parallel  # the same over OpenMP's threads (MK_PARALLEL_RANGES)
-        self._softmax_parallel.argtypes = [*self._softmax.argtypes, i64, ctypes.c_int]
-        self._softmax_parallel.restype = None
+        self._softmax_parallel = parallel_entry(lib, self._softmax)  # over OpenMP's threads
         self._grad = lib.attn_softmax_grad
         self._grad.argtypes = [ptr, ptr, i64, i64, i64, f32, i64, i64]
         self._grad.restype = None
-        self._grad_parallel = lib.attn_softmax_grad_parallel  # the same over OpenMP's threads (MK_PARALLEL_RANGES)
-        self._grad_parallel.argtypes = [*self._grad.argtypes, i64, ctypes.c_int]
-        self._grad_parallel.restype = None
+        self._grad_parallel = parallel_entry(lib, self._grad)  # over OpenMP's threads
         self._threads = ThreadSplit("minigpt-attention", openmp=bool(lib.mk_openmp()))
 
     def softmax_(self, s: Tensor, T: int, window: int, scale: float, lse: Tensor, have_lse: bool) -> None:

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from minikernels.bf16_exp import BF16_EXP_C
-from minikernels.build import OPENMP_PRELUDE, KernelFamily, ThreadSplit, fresh_tensor
+from minikernels.build import OPENMP_PRELUDE, KernelFamily, ThreadSplit, fresh_tensor, parallel_entry
 
 CFLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-ffp-contract=off", "-fno-fast-math", "-std=gnu11"]
 LIBS = ["-lm"]  # expf, logf
@@ -158,15 +158,11 @@ class LossKernels:
         self._lse = lib.ce_logsumexp
         self._lse.argtypes = [ptr, i64, i64, i64, i64, ptr]
         self._lse.restype = None
-        self._lse_parallel = lib.ce_logsumexp_parallel  # the same over OpenMP's threads (MK_PARALLEL_RANGES)
-        self._lse_parallel.argtypes = [*self._lse.argtypes, i64, ctypes.c_int]
-        self._lse_parallel.restype = None
+        self._lse_parallel = parallel_entry(lib, self._lse)  # over OpenMP's threads
         self._grad = lib.ce_softmax_grad
         self._grad.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, i64, ptr, i64]
         self._grad.restype = None
-        self._grad_parallel = lib.ce_softmax_grad_parallel  # the same over OpenMP's threads (MK_PARALLEL_RANGES)
-        self._grad_parallel.argtypes = [*self._grad.argtypes, i64, ctypes.c_int]
-        self._grad_parallel.restype = None
+        self._grad_parallel = parallel_entry(lib, self._grad)  # over OpenMP's threads
         self._threads = ThreadSplit("minigpt-loss", openmp=bool(lib.mk_openmp()))
 
     @staticmethod

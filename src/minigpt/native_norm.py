@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from minikernels.bf16_exp import BF16_EXP_C
-from minikernels.build import OPENMP_PRELUDE, KernelFamily, ThreadSplit
+from minikernels.build import OPENMP_PRELUDE, KernelFamily, ThreadSplit, parallel_entry
 
 CFLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-ffp-contract=off", "-fno-fast-math", "-std=gnu11"]
 LIBS = ["-lm"]  # sqrtf
@@ -122,15 +122,11 @@ class NormKernels:
         self._forward = lib.rms_forward
         self._forward.argtypes = [ptr, ptr, i64, ctypes.c_float, i64, i64, ptr, ptr]
         self._forward.restype = None
-        self._forward_parallel = lib.rms_forward_parallel  # the same over OpenMP's threads (MK_PARALLEL_RANGES)
-        self._forward_parallel.argtypes = [*self._forward.argtypes, i64, ctypes.c_int]
-        self._forward_parallel.restype = None
+        self._forward_parallel = parallel_entry(lib, self._forward)  # over OpenMP's threads
         self._backward = lib.rms_backward
         self._backward.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, ptr]
         self._backward.restype = None
-        self._backward_parallel = lib.rms_backward_parallel  # the same over OpenMP's threads (MK_PARALLEL_RANGES)
-        self._backward_parallel.argtypes = [*self._backward.argtypes, i64, ctypes.c_int]
-        self._backward_parallel.restype = None
+        self._backward_parallel = parallel_entry(lib, self._backward)  # over OpenMP's threads
         self._threads = ThreadSplit("minigpt-norm", openmp=bool(lib.mk_openmp()))
 
     def forward(self, x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:

@@ -164,6 +164,15 @@ int mk_openmp(void) {
 OPENMP_FLAG = "-fopenmp"
 
 
+def parallel_entry(lib: ctypes.CDLL, serial) -> Callable[..., None]:
+    """lib's MK_PARALLEL_RANGES entry point for the kernel `serial` (a ctypes function with its argtypes set):
+    `<name>_parallel`, taking serial's arguments and then (chunks, threads)."""
+    entry = getattr(lib, f"{serial.__name__}_parallel")
+    entry.argtypes = [*serial.argtypes, ctypes.c_int64, ctypes.c_int]
+    entry.restype = None
+    return entry
+
+
 K = TypeVar("K")
 
 

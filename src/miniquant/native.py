@@ -18,8 +18,8 @@ Building, caching (under $MINIQUANT_CACHE, keyed by the source, the flags, the c
 flags: it is built with -march=native) and the threads are ``minikernels.build``'s.
 Quantization splits its blocks across `torch.get_num_threads()` threads (PyTorch's OpenMP team where the library
 has OpenMP, see minikernels.build; else Python threads: ctypes releases the GIL during a call), and so does
-dequantization into an existing buffer (the layers' shared workspace); dequantization into a fresh tensor does on
-OpenMP's threads, and runs on the calling thread otherwise.
+dequantization into an existing buffer (the layers' shared workspace); dequantization into a fresh tensor splits
+only on OpenMP's threads, and runs on the calling thread otherwise.
 `kernels()` returns None when there is no compiler, the build fails, or MINIQUANT_NATIVE=0: the callers
 then use the eager PyTorch path, which gives the same bytes.
 """
@@ -31,7 +31,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from minikernels.build import CACHE_ENV, OPENMP_PRELUDE, KernelFamily, ThreadSplit, build_library, fresh_tensor  # noqa: F401 (CACHE_ENV: bench_nf4)
+from minikernels.build import (CACHE_ENV, OPENMP_PRELUDE, KernelFamily, ThreadSplit, build_library,  # noqa: F401
+                                fresh_tensor, parallel_entry)  # (CACHE_ENV: bench_nf4)
 
 MIN_VALUES_PER_THREAD = 1 << 21  # smaller calls stay on the calling thread (handing work over costs ~50 µs)
 MIN_VALUES_PER_THREAD_WARM = 1 << 18  # the same, dequantizing into an existing (already touched) buffer
@@ -396,12 +397,8 @@ class NativeKernels:
         self._dequantize = lib.nf4_dequantize
         self._dequantize.argtypes = [ptr, ptr, i64, i64, i64, ptr, ptr, ctypes.c_int]
         self._dequantize.restype = None
-        self._quantize_parallel = lib.nf4_quantize_parallel
-        self._quantize_parallel.argtypes = [*self._quantize.argtypes, i64, ctypes.c_int]
-        self._quantize_parallel.restype = None
-        self._dequantize_parallel = lib.nf4_dequantize_parallel
-        self._dequantize_parallel.argtypes = [*self._dequantize.argtypes, i64, ctypes.c_int]
-        self._dequantize_parallel.restype = None
+        self._quantize_parallel = parallel_entry(lib, self._quantize)  # over OpenMP's threads
+        self._dequantize_parallel = parallel_entry(lib, self._dequantize)  # over OpenMP's threads
         self.dtypes = tuple(d for d, c in _DTYPE_CODE.items() if c != 2 or lib.nf4_has_f16())
         self.path = {16: "AVX-512", 8: "AVX2"}.get(lib.nf4_lanes(), "plain C")  # the vector path this CPU runs
         self.openmp = bool(lib.mk_openmp())  # built with OpenMP: the threads are PyTorch's team (minikernels.build)

@@ -38,7 +38,8 @@ under bf16 compute), the terms are:
 - the loss (``lm_loss``: ``minigpt.cross_entropy``; the head returns its logits in the block's dtype e):
   fp32 logits go to ``F.cross_entropy``, which keeps the ``log-softmax output`` N·V·4; narrower logits, and fp32
   ones of at least ``fp32_loss_chunked``'s size, go to its chunked cross-entropy, which keeps the ``logits kept by
-  the loss`` N·V·e and a ``loss logsumexp`` N·4 (``loss_saved``). Both keep the ``targets`` N·8 (int64) and an fp32 ``loss total_weight`` (4 bytes).
+  the loss`` N·V·e and a ``loss logsumexp`` N·4 (``loss_saved``). Both keep the ``targets`` N·8 (int64) and an
+  fp32 ``loss total_weight`` (4 bytes).
 - with the model's dropout p > 0 (``dropout``: MiniGPT's ``GPTConfig.dropout``, GPT-2's 0.1 as finetune trains
   it; planned on a CPU, where ``F.dropout`` multiplies by a float noise tensor of its input's dtype and keeps it):
   ``dropout noise`` N·C·e after o_proj and after fc2 wherever their output needs grad, and N·C·s after the
