@@ -219,13 +219,32 @@ class KernelFamily(Generic[K]):
         return load_library(self.name, self.source, self.cflags, self.what, self.libs)
 
 
+_forked_child = False  # this process is a fork of the one that imported this module
+
+
+def _mark_forked_child() -> None:
+    global _forked_child
+    _forked_child = True
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_mark_forked_child)
+
+
+def in_forked_child() -> bool:
+    """Whether this process was forked after minikernels.build was imported: there OpenMP is never used (a child of
+    a process whose OpenMP team ever ran waits forever for that team in libgomp; PyTorch's own parallel ops hang
+    there too), whether its kernel families were built before the fork or after."""
+    return _forked_child
+
+
 class ThreadSplit:
     """Runs call(b0, b1) over [0, units) on up to torch.get_num_threads() threads: OpenMP's, through the kernel's
-    own parallel entry point, where `openmp` (the library was built with it), else Python threads of a pool
-    started on first need."""
+    own parallel entry point, where `openmp` (the library was built with it) and this is not a forked child, else
+    Python threads of a pool started on first need."""
 
     def __init__(self, name: str, openmp: bool = False) -> None:
-        self.name, self.openmp = name, openmp
+        self.name, self.openmp = name, openmp and not in_forked_child()
         self._pool: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
         if hasattr(os, "register_at_fork"):  # a forked child has none of the pool's threads: start afresh

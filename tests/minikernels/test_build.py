@@ -2,6 +2,7 @@
 returns; KernelFamily builds once, and says None when native kernels are off or not vectorized; OPENMP_PRELUDE's
 parallel ranges cover every value once, on PyTorch's own libgomp."""
 import ctypes
+import os
 import threading
 import time
 from pathlib import Path
@@ -131,6 +132,20 @@ def test_threadsplit_hands_openmp_the_whole_range_and_a_forked_child_falls_back(
     assert calls == [("py", 0, 10)]  # too small to split: the calling thread, no team
     split._forget_pool()  # what a forked child runs (os.register_at_fork)
     assert split.openmp is False
+
+
+def test_a_split_made_in_a_forked_child_never_uses_openmp():
+    """A kernel family first built in a forked child (its ThreadSplit made after the fork) runs on Python threads
+    too: the child's libgomp would wait for the parent's team."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report what a split made here would use, then leave without cleanup
+        os.write(write, b"%d%d" % (build.in_forked_child(), ThreadSplit("child", openmp=True).openmp))
+        os._exit(0)
+    os.close(write)
+    os.waitpid(pid, 0)
+    assert os.read(read, 2) == b"10"
+    assert not build.in_forked_child() and ThreadSplit("parent", openmp=True).openmp
 
 
 def test_a_parallel_family_tries_openmp_first_and_quietly_builds_without(monkeypatch, recwarn):
