@@ -31,7 +31,7 @@ import torch
 import torch.nn as nn
 
 from minigpt.decoder import Decoder
-from minigpt.base_folder import CONFIG, MANIFEST, TOKENIZER, WEIGHTS, WEIGHTS_INDEX
+from minigpt.base_folder import CONFIG, TOKENIZER, WEIGHTS, WEIGHTS_INDEX
 from minigpt.errors import InputError
 from minigpt.io import atomic_save_safetensors, atomic_write_text, read_json, usual_mode, write_json
 from minigpt.model import MiniGPT
@@ -44,10 +44,11 @@ from .hf_gpt2 import gpt2_config_dict, gpt2_state_dict_from_minigpt
 from .tokenizer_files import char_tokenizer_as_hf
 from .adapter_io import load_adapter, read_adapter
 from .adapter_tensors import module_paths
-from .base_model import base_weights_sha256, load_base
+from .base_model import load_base
 from .hf_load import checkpoint_files, read_headers
 from .lora import LoRALinear
 from .qlora import check_scheme
+from .run_base import check_run_base, run_manifest
 from .sft.templates import ChatTemplate, load_chat_template, save_chat_template, trained_template
 
 COPIED = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model", "vocab.json",
@@ -254,38 +255,10 @@ def export_merged(model: nn.Module, base_folder: str | Path, out: str | Path, dt
     return out
 
 
-def run_manifest(adapter: str | Path) -> dict | None:
-    """The manifest.json of the finetune run holding `adapter` (None: no run manifest), looked for in `adapter`
-    when it is a folder, and in the folder holding it (a run's adapter file or its adapter_peft/)."""
-    adapter = Path(adapter)
-    for folder in ([adapter] if adapter.is_dir() else []) + [adapter.parent]:
-        if (folder / MANIFEST).is_file():
-            manifest = read_json(folder / MANIFEST)
-            config, sha = manifest.get("config", {}), manifest.get("base_sha256")
-            if not isinstance(config, dict) or not (sha is None or isinstance(sha, str)):
-                raise InputError(f"{folder / MANIFEST}: not a run's manifest ('config' must be an object, "
-                                 "'base_sha256' a string)")
-            return manifest
-    return None
-
-
 def run_quant_scheme(adapter: str | Path) -> str | None:
     """The quant_scheme the finetune run holding `adapter` trained on (None: a float base, or no run manifest)."""
     scheme = ((run_manifest(adapter) or {}).get("config") or {}).get("quant_scheme")
     return check_scheme(scheme) if scheme else None
-
-
-def check_run_base(base: str | Path, adapter: str | Path) -> None:
-    """An InputError when the run holding `adapter` recorded other base weights (sha256) than `base` holds: an
-    adapter merged into another model of the same shapes would load and serve without a sign of it."""
-    recorded = (run_manifest(adapter) or {}).get("base_sha256")
-    if not recorded:
-        return
-    sha, _ = base_weights_sha256(base)
-    if sha != recorded:
-        raise InputError(f"{base}: not the base this adapter's run trained on (its manifest records weights sha256 "
-                         f"{recorded[:12]}..., these are {sha[:12]}...); pass that base, or --allow-other-base to "
-                         "merge anyway")
 
 
 def export_adapter(base: str | Path, adapter: str | Path, out: str | Path, dtype: torch.dtype | None = None,

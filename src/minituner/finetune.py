@@ -49,6 +49,7 @@ from .planner.activations import check_dropout_range
 from .planner.memory import Regime
 from .peft_format import save_peft_adapter
 from .qlora import check_scheme, logical_numel
+from .run_base import base_file_stats
 from .sft import FORMATS, SFTConfig
 from .sft.formats import check_columns
 from .sft.templates import TEMPLATE_FILE, save_chat_template
@@ -225,7 +226,7 @@ def _finetune(base: Path, out: Path, cfg: FinetuneConfig, progress: bool, log, r
         log(f"warning: {bf16.reason}: bf16 runs slower than fp32 here (--allow-slow-bf16)")
 
     out.mkdir(parents=True, exist_ok=True)
-    base_sha, base_bytes = base_weights_sha256(base)
+    base_files, (base_sha, base_bytes) = base_file_stats(base), base_weights_sha256(base)  # stats first: as hashed
     # the model's dropout joins the run's identity only where it is not the config's (runs before the flag resume)
     changed = {"model_dropout": cfg.model_dropout} if config_dropout(model.config) != dropout else {}
     # the chat template is in the data's identity (the examples it renders), not here: runs before the flag resume
@@ -284,7 +285,7 @@ def _finetune(base: Path, out: Path, cfg: FinetuneConfig, progress: bool, log, r
                 "train": asdict(train_cfg), "model": model.config.to_dict()},
         wall_time_s=time.perf_counter() - start,
         adapter=artifact if cfg.method == "lora" else None,
-        extra={"base_sha256": base_sha, "results": summary, "resumes": result.resumes,
+        extra={"base_sha256": base_sha, "base_files": base_files, "results": summary, "resumes": result.resumes,
                **({} if cfg.method == "lora" else {"finetuned_sha256": base_weights_sha256(out)[0]})},
     )
     log(f"val loss on {cfg.data}: {val_before:.3f} -> {result.final_val_loss:.3f} nats/token"

@@ -1,6 +1,7 @@
 """Every command on tiny llama / mistral / qwen2 folders, through the CLI: finetune (LoRA, QLoRA, full),
 the PEFT folder in PEFT, export, generate stopping at eos, count --base."""
 import json
+import os
 import shutil
 import warnings
 
@@ -11,7 +12,7 @@ pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
 from minituner.adapter_io import ADAPTER_FILE, load_adapter  # noqa: E402
-from minituner.base_model import load_base  # noqa: E402
+from minituner.base_model import base_weights_sha256 as sha, load_base  # noqa: E402
 from minituner.cli import main  # noqa: E402
 
 IDS = torch.randint(0, 40, (2, 11), generator=torch.Generator().manual_seed(4))
@@ -263,4 +264,33 @@ def test_export_refuses_a_base_other_than_the_runs(hf_folder, data, tmp_path, ca
     assert not (tmp_path / "a").exists()
     assert main([*argv, str(tmp_path / "b"), "--allow-other-base"]) == 0
     assert main(["export", "--base", str(base), "--adapter", str(tmp_path / "run"), "--out", str(tmp_path / "c")]) == 0
+    capsys.readouterr()
+
+
+def test_generate_and_eval_refuse_a_base_other_than_the_runs(hf_folder, data, tmp_path, capsys, monkeypatch):
+    """An adapter on another model of the same shapes would generate and evaluate without a sign of it."""
+    import minituner.run_base as run_base
+
+    base, other = hf_folder("llama", name="llama-cli"), hf_folder("llama", name="llama-cli-seed1", seed=1)
+    finetune(base, data, tmp_path / "run", steps=1)
+    capsys.readouterr()
+    commands = {"generate": ["generate", "--prompt", "ab", "--max-new-tokens", "2"],
+                "eval": ["eval", "--data", str(data)]}
+    for name, argv in commands.items():
+        assert main([*argv, "--base", str(other), "--adapter", str(tmp_path / "run")]) == 2, name
+        err = capsys.readouterr().err
+        assert len(err.splitlines()) == 1 and "not the base this adapter's run trained on" in err, err
+        assert main([*argv, "--base", str(other), "--adapter", str(tmp_path / "run"), "--allow-other-base"]) == 0
+    capsys.readouterr()
+    # the run's base, unchanged since (the size and modification time the manifest records): not hashed again
+    monkeypatch.setattr(run_base, "base_weights_sha256", lambda folder: pytest.fail("hashed an unchanged base"))
+    assert main([*commands["generate"], "--base", str(base), "--adapter", str(tmp_path / "run" / "adapter_peft")]) == 0
+    monkeypatch.undo()
+    # touched since (same bytes, another mtime): the sha256 decides, and the bytes are the run's
+    weights = next(p for p in base.iterdir() if p.suffix == ".safetensors")
+    stat = weights.stat()
+    os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    hashed = []
+    monkeypatch.setattr(run_base, "base_weights_sha256", lambda folder: hashed.append(folder) or sha(folder))
+    assert main([*commands["eval"], "--base", str(base), "--adapter", str(tmp_path / "run")]) == 0 and hashed
     capsys.readouterr()

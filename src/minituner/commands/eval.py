@@ -11,6 +11,7 @@ from minigpt.device import DEVICES, resolve_device
 from minigpt.errors import InputError
 
 from ..adapter_io import load_adapter
+from ..run_base import check_run_base
 from ..base_model import load_base, load_tokenizer
 from ..evaluation import SPLITS, evaluate_data
 from ..sft import FORMATS, SFTConfig, is_sft_source, trained_template
@@ -25,6 +26,8 @@ HELP = ("mean loss over the counted tokens of --data (answers only for instructi
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base", type=Path, default=Path("artifacts/base"), help="base model folder (default %(default)s)")
     p.add_argument("--adapter", type=Path, help="LoRA adapter: a finetune run folder, a PEFT folder or an adapter file")
+    p.add_argument("--allow-other-base", action="store_true",
+                   help="use --adapter even when --base's weights differ from those its run's manifest records")
     p.add_argument("--data", required=True,
                    help="text file or folder, .jsonl/.json/.parquet/.arrow instruction or chat data, or builtin:NAME")
     p.add_argument("--split", choices=SPLITS, default="all",
@@ -46,6 +49,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     device = resolve_device(args.device)
+    if args.adapter is not None and not args.allow_other_base:
+        check_run_base(args.base, args.adapter, "use")  # before the base is loaded
     model, tokenizer = load_base(args.base, device)
     if tokenizer is None:
         raise InputError(load_tokenizer(args.base, model.config.vocab_size)[1])

@@ -9,6 +9,7 @@ import torch
 from minigpt.errors import InputError
 
 from ..adapter_io import load_adapter
+from ..run_base import check_run_base
 from ..base_model import load_base, load_tokenizer
 from ..sft import answer, load_chat_template, trained_template
 from ..upcast import compute_in_fp32
@@ -23,6 +24,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base", type=Path, default=Path("artifacts/base"),
                    help="model folder: MiniGPT, or Hugging Face gpt2, llama, mistral or qwen2 (default %(default)s)")
     p.add_argument("--adapter", type=Path, help="LoRA adapter: a finetune run folder, a PEFT folder or an adapter file")
+    p.add_argument("--allow-other-base", action="store_true",
+                   help="use --adapter even when --base's weights differ from those its run's manifest records")
     what = p.add_mutually_exclusive_group()
     what.add_argument("--prompt", type=text, default="\n", help="text to continue (default: a newline)")
     what.add_argument("--chat", type=text, metavar="QUESTION",
@@ -43,6 +46,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.adapter is not None and not args.allow_other_base:
+        check_run_base(args.base, args.adapter, "use")  # before the base is loaded
     model, tokenizer = load_base(args.base)
     if tokenizer is None:
         raise InputError(load_tokenizer(args.base, model.config.vocab_size)[1])

@@ -1,0 +1,56 @@
+"""Which base a finetune run trained on, and the check that a command is given that base.
+
+    check_run_base(base, adapter)   # an InputError when the run holding `adapter` recorded other base weights
+
+A run's manifest.json records ``base_sha256`` (``base_model.base_weights_sha256``: every checkpoint file's bytes)
+and ``base_files``, each checkpoint file's size and modification time. An adapter applied to another model of the
+same shapes loads, generates and merges without a sign, so ``export``, ``generate`` and ``eval`` check the base
+before using it. When every file still has the size and modification time the run saw, the weights are taken
+as unchanged (as make and rsync decide), so a 7B base (13 GB, ~10 s of sha256 here) is not hashed on every
+``generate``; otherwise, or for a manifest without ``base_files`` (runs before it was recorded), the sha256 decides.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from minigpt.base_folder import MANIFEST
+from minigpt.errors import InputError
+from minigpt.io import read_json
+
+from .base_model import base_weights_sha256
+from .hf_load import checkpoint_files
+
+
+def base_file_stats(folder: str | Path) -> dict[str, list[int]]:
+    """Checkpoint file name -> [bytes, modification time in ns] of a base folder's weights."""
+    return {f.name: [(st := f.stat()).st_size, st.st_mtime_ns] for f in checkpoint_files(Path(folder))}
+
+
+def run_manifest(adapter: str | Path) -> dict | None:
+    """The manifest.json of the finetune run holding `adapter` (None: no run manifest), looked for in `adapter`
+    when it is a folder, and in the folder holding it (a run's adapter file or its adapter_peft/)."""
+    adapter = Path(adapter)
+    for folder in ([adapter] if adapter.is_dir() else []) + [adapter.parent]:
+        if (folder / MANIFEST).is_file():
+            manifest = read_json(folder / MANIFEST)
+            config, sha = manifest.get("config", {}), manifest.get("base_sha256")
+            if not isinstance(config, dict) or not (sha is None or isinstance(sha, str)):
+                raise InputError(f"{folder / MANIFEST}: not a run's manifest ('config' must be an object, "
+                                 "'base_sha256' a string)")
+            return manifest
+    return None
+
+
+def check_run_base(base: str | Path, adapter: str | Path, use: str = "merge") -> None:
+    """An InputError when the run holding `adapter` recorded other base weights (sha256) than `base` holds (nothing
+    to check without a run manifest: a PEFT folder or a bare adapter file). `use` names what --allow-other-base
+    would do anyway ("merge", "use")."""
+    manifest = run_manifest(adapter) or {}
+    recorded = manifest.get("base_sha256")
+    if not recorded or manifest.get("base_files") == base_file_stats(base):
+        return
+    sha, _ = base_weights_sha256(base)
+    if sha != recorded:
+        raise InputError(f"{base}: not the base this adapter's run trained on (its manifest records weights sha256 "
+                         f"{recorded[:12]}..., these are {sha[:12]}...); pass that base, or --allow-other-base to "
+                         f"{use} it anyway")
