@@ -2,7 +2,8 @@
 
 Instruction data (.jsonl/.json/.parquet/.arrow, builtin:forecast-qa) counts what training counts (by default the
 answers and their EOS; ``train_on_inputs`` every token); plain text counts every token of non-overlapping windows of
-the context length (the tail shorter than a window is left out).
+``block_size`` tokens (the tail shorter than a window is left out). ``minituner eval`` takes the window finetune
+trained and validated with (the adapter run's ``--seq-len``, else finetune's default), or ``--seq-len``.
 """
 from __future__ import annotations
 

@@ -48,7 +48,7 @@ from .base_model import load_base
 from .hf_load import checkpoint_files, read_headers
 from .lora import LoRALinear
 from .qlora import check_scheme
-from .run_base import check_run_base, run_manifest
+from .run_record import check_run_base, run_manifest
 from .sft.templates import ChatTemplate, load_chat_template, save_chat_template, trained_template
 
 COPIED = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model", "vocab.json",

@@ -49,7 +49,7 @@ from .planner.activations import check_dropout_range
 from .planner.memory import Regime
 from .peft_format import save_peft_adapter
 from .qlora import check_scheme, logical_numel
-from .run_base import base_file_stats
+from .run_record import base_file_stats
 from .sft import FORMATS, SFTConfig
 from .sft.formats import check_columns
 from .sft.templates import TEMPLATE_FILE, save_chat_template

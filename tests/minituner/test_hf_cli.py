@@ -269,7 +269,7 @@ def test_export_refuses_a_base_other_than_the_runs(hf_folder, data, tmp_path, ca
 
 def test_generate_and_eval_refuse_a_base_other_than_the_runs(hf_folder, data, tmp_path, capsys, monkeypatch):
     """An adapter on another model of the same shapes would generate and evaluate without a sign of it."""
-    import minituner.run_base as run_base
+    import minituner.run_record as run_record
 
     base, other = hf_folder("llama", name="llama-cli"), hf_folder("llama", name="llama-cli-seed1", seed=1)
     finetune(base, data, tmp_path / "run", steps=1)
@@ -283,7 +283,7 @@ def test_generate_and_eval_refuse_a_base_other_than_the_runs(hf_folder, data, tm
         assert main([*argv, "--base", str(other), "--adapter", str(tmp_path / "run"), "--allow-other-base"]) == 0
     capsys.readouterr()
     # the run's base, unchanged since (the size and modification time the manifest records): not hashed again
-    monkeypatch.setattr(run_base, "base_weights_sha256", lambda folder: pytest.fail("hashed an unchanged base"))
+    monkeypatch.setattr(run_record, "base_weights_sha256", lambda folder: pytest.fail("hashed an unchanged base"))
     assert main([*commands["generate"], "--base", str(base), "--adapter", str(tmp_path / "run" / "adapter_peft")]) == 0
     monkeypatch.undo()
     # touched since (same bytes, another mtime): the sha256 decides, and the bytes are the run's
@@ -291,6 +291,27 @@ def test_generate_and_eval_refuse_a_base_other_than_the_runs(hf_folder, data, tm
     stat = weights.stat()
     os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
     hashed = []
-    monkeypatch.setattr(run_base, "base_weights_sha256", lambda folder: hashed.append(folder) or sha(folder))
+    monkeypatch.setattr(run_record, "base_weights_sha256", lambda folder: hashed.append(folder) or sha(folder))
     assert main([*commands["eval"], "--base", str(base), "--adapter", str(tmp_path / "run")]) == 0 and hashed
     capsys.readouterr()
+
+
+def test_eval_takes_the_runs_window_and_a_long_context_base(hf_folder, data, tmp_path, capsys):
+    """eval's window is finetune's: the run's --seq-len (so its val loss is the run's), else min(context, 512), never a
+    Llama 3 context of 131,072 tokens as one window (more than all the text: refused before)."""
+    base = hf_folder("llama", name="llama-cli")
+    finetune(base, data, tmp_path / "run", "--seq-len", 16)
+    manifest = json.loads((tmp_path / "run" / "manifest.json").read_text())
+    capsys.readouterr()
+    evaluate = ["eval", "--base", str(base), "--data", str(data), "--split", "val", "--json"]
+    assert main([*evaluate, "--adapter", str(tmp_path / "run")]) == 0
+    by_run = json.loads(capsys.readouterr().out)
+    assert by_run["loss"] == pytest.approx(manifest["results"]["val_loss_after"], rel=1e-5)
+    assert main([*evaluate, "--adapter", str(tmp_path / "run"), "--seq-len", "16"]) == 0
+    assert json.loads(capsys.readouterr().out) == by_run
+    assert main([*evaluate, "--seq-len", "65"]) == 2
+    err = capsys.readouterr().err
+    assert "--seq-len 65 exceeds the model's context of 64 tokens" in err and len(err.splitlines()) == 1
+    long_context = hf_folder("llama", name="llama-131k", max_position_embeddings=131072)
+    assert main(["eval", "--base", str(long_context), "--data", str(data), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["tokens"] % 512 == 0  # windows of min(131,072, 512)

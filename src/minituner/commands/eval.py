@@ -11,7 +11,8 @@ from minigpt.device import DEVICES, resolve_device
 from minigpt.errors import InputError
 
 from ..adapter_io import load_adapter
-from ..run_base import check_run_base
+from ..finetune import training_window
+from ..run_record import check_run_base, trained_seq_len
 from ..base_model import load_base, load_tokenizer
 from ..evaluation import SPLITS, evaluate_data
 from ..sft import FORMATS, SFTConfig, is_sft_source, trained_template
@@ -39,8 +40,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "the base's)")
     p.add_argument("--train-on-inputs", action="store_true",
                    help="instruction data: count the prompt and user tokens too (default: answers only)")
+    p.add_argument("--seq-len", type=positive_int, metavar="N",
+                   help="window in tokens: text is cut into windows of N, a longer example is truncated or dropped "
+                        "(default: the --adapter run's --seq-len, else finetune's default: a MiniGPT base's block "
+                        "size, for a Hugging Face base the smaller of its context and 512)")
     p.add_argument("--overlong", choices=OVERLONG, default="truncate",
-                   help="an example longer than the context is truncated or dropped (default %(default)s)")
+                   help="an example longer than the window is truncated or dropped (default %(default)s)")
     p.add_argument("--batch-size", type=positive_int, default=32, help="sequences per forward (default %(default)s)")
     p.add_argument("--device", choices=DEVICES, default="cpu", help="cpu (default), cuda, or auto")
     p.add_argument("--json", action="store_true",
@@ -51,6 +56,8 @@ def run(args: argparse.Namespace) -> int:
     device = resolve_device(args.device)
     if args.adapter is not None and not args.allow_other_base:
         check_run_base(args.base, args.adapter, "use")  # before the base is loaded
+    # the window finetune's val loss used: a Llama 3 config's context (131,072) would make one window of all the text
+    window = training_window(args.base, args.seq_len or trained_seq_len(args.adapter))
     model, tokenizer = load_base(args.base, device)
     if tokenizer is None:
         raise InputError(load_tokenizer(args.base, model.config.vocab_size)[1])
@@ -60,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
         compute_in_fp32(model)  # as finetune computes on CPU: its val_loss_before is this loss
     model.eval()
     result = evaluate_data(model, tokenizer, args.base, args.data, args.split, args.format,
-                           SFTConfig(args.train_on_inputs, args.overlong), args.batch_size,
+                           SFTConfig(args.train_on_inputs, args.overlong), args.batch_size, window,
                            log=lambda m: print(m, file=sys.stderr),
                            template_file=args.chat_template or (trained_template(args.adapter)
                                                                 if is_sft_source(args.data) else None),

@@ -9,7 +9,7 @@ import torch
 from minigpt.errors import InputError
 
 from ..adapter_io import load_adapter
-from ..run_base import check_run_base
+from ..run_record import check_run_base
 from ..base_model import load_base, load_tokenizer
 from ..sft import answer, load_chat_template, trained_template
 from ..upcast import compute_in_fp32

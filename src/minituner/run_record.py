@@ -1,6 +1,8 @@
-"""Which base a finetune run trained on, and the check that a command is given that base.
+"""What a finetune run recorded in its manifest.json, as export, generate and eval read it: the base it trained on
+and its window.
 
     check_run_base(base, adapter)   # an InputError when the run holding `adapter` recorded other base weights
+    trained_seq_len(adapter)        # the run's --seq-len (None: no run manifest)
 
 A run's manifest.json records ``base_sha256`` (``base_model.base_weights_sha256``: every checkpoint file's bytes)
 and ``base_files``, each checkpoint file's size and modification time. An adapter applied to another model of the
@@ -54,3 +56,9 @@ def check_run_base(base: str | Path, adapter: str | Path, use: str = "merge") ->
         raise InputError(f"{base}: not the base this adapter's run trained on (its manifest records weights sha256 "
                          f"{recorded[:12]}..., these are {sha[:12]}...); pass that base, or --allow-other-base to "
                          f"{use} it anyway")
+
+
+def trained_seq_len(adapter: str | Path | None) -> int | None:
+    """The training window (``seq_len``) the finetune run holding `adapter` recorded; None without a run manifest."""
+    seq_len = ((run_manifest(adapter) or {}).get("config") or {}).get("seq_len") if adapter is not None else None
+    return seq_len if isinstance(seq_len, int) and not isinstance(seq_len, bool) and seq_len > 0 else None
