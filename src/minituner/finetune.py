@@ -220,7 +220,8 @@ def _finetune(base: Path, out: Path, cfg: FinetuneConfig, progress: bool, log, r
         val_before = data.val_loss(model)
         base_before = domain_val_loss(model, tokenizer, cfg.base_domain, train_cfg, block) if cfg.base_domain else None
     trainable = trainable_numel(model)
-    log(f"{cfg.method}: {trainable:,} of {n_params:,} parameters trainable ({trainable / n_params:.2%}); "
+    label = f"{method} ({cfg.quant_scheme})" if cfg.quant_scheme else method  # qlora (nf4_per_group_64)
+    log(f"{label}: {trainable:,} of {n_params:,} parameters trainable ({trainable / n_params:.2%}); "
         f"{data.description}; {train_cfg.steps} steps{_batches_per_step(train_cfg)} in {train_cfg.precision}")
     if bf16 is not None and not bf16.fast:
         log(f"warning: {bf16.reason}: bf16 runs slower than fp32 here (--allow-slow-bf16)")
