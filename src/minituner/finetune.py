@@ -25,6 +25,7 @@ import torch
 import torch.nn as nn
 
 from minigpt.base_folder import MANIFEST, WEIGHTS, WEIGHTS_INDEX, save_base
+from minigpt.bf16_support import bf16_support
 from minigpt.decoder import Decoder
 from minigpt.run_dir import check_run_dir, replacing_run
 from minigpt.train_state import CHECKPOINT_DIR
@@ -223,6 +224,11 @@ def _finetune(base: Path, out: Path, cfg: FinetuneConfig, progress: bool, log, r
     label = f"{method} ({cfg.quant_scheme})" if cfg.quant_scheme else method  # qlora (nf4_per_group_64)
     log(f"{label}: {trainable:,} of {n_params:,} parameters trainable ({trainable / n_params:.2%}); "
         f"{data.description}; {train_cfg.steps} steps{_batches_per_step(train_cfg)} in {train_cfg.precision}")
+    if train_cfg.precision == "fp32" and method != "full" and torch.device(device).type == "cpu":
+        units = bf16_support("cpu")  # LoRA and QLoRA in fp32 on a CPU that runs bf16 products far faster
+        if units.fast:
+            log(f"note: {units.reason}: --precision bf16 would run the products on them (LoRA masters, norms "
+                "and loss stay fp32): several times faster steps on CPUs with AMX (benchmarks/RESULTS.md)")
     if bf16 is not None and not bf16.fast:
         log(f"warning: {bf16.reason}: bf16 runs slower than fp32 here (--allow-slow-bf16)")
 

@@ -78,3 +78,14 @@ def test_resume_with_another_precision_is_refused(base, tmp_path, capsys):
     assert cli(base, out, "--precision", "bf16", "--allow-slow-bf16", "--resume") == 2
     err = capsys.readouterr().err
     assert "precision" in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("units", [True, False])
+def test_fp32_lora_on_a_cpu_with_bf16_units_says_bf16_is_there(base, tmp_path, capsys, monkeypatch, units):
+    flags = NO_BF16_UNITS | ({"amx_bf16", "avx512_bf16"} if units else set())
+    monkeypatch.setattr("minigpt.bf16_support.cpu_flags", lambda: flags)
+    assert cli(base, tmp_path / "run", "--device", "cpu") == 0  # fp32, the default
+    out = capsys.readouterr()
+    note = [line for line in (out.out + out.err).splitlines() if "--precision bf16 would run" in line]
+    assert len(note) == (1 if units else 0)
+    assert not units or "this CPU has bf16 units (" in note[0]
