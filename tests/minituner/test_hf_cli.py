@@ -315,3 +315,40 @@ def test_eval_takes_the_runs_window_and_a_long_context_base(hf_folder, data, tmp
     long_context = hf_folder("llama", name="llama-131k", max_position_embeddings=131072)
     assert main(["eval", "--base", str(long_context), "--data", str(data), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["tokens"] % 512 == 0  # windows of min(131,072, 512)
+
+
+NO_BF16_UNITS = frozenset({"sse4_2", "avx2", "avx512f"})  # an AVX-512 CPU without avx512_bf16 or amx_bf16
+
+
+def test_generate_computes_a_bf16_checkpoint_as_stored_where_bf16_is_fast(hf_folder, tmp_path, capsys, monkeypatch):
+    """auto: bf16 for a bf16 checkpoint on a CPU with bf16 units (each token reads the weights as stored), else fp32;
+    an explicit --precision bf16 without the units is refused in one line, before the base is read."""
+    import minituner.commands.generate as generate
+    from minigpt.bf16_support import Bf16Support
+    from minituner.precision import inference_precision
+
+    fast, slow = Bf16Support(True, ("amx_bf16",), "units"), Bf16Support(False, (), "none")
+    assert inference_precision("auto", torch.bfloat16, fast) == "bf16"
+    assert inference_precision("auto", torch.bfloat16, slow) == "fp32"
+    assert inference_precision("auto", torch.float32, fast) == "fp32"  # an fp32 checkpoint stays fp32
+    assert inference_precision("bf16", torch.float32, slow) == "bf16"  # as asked (refused by the CLI without units)
+
+    base = hf_folder("llama", name="llama-bf16", dtype=torch.bfloat16)
+    argv = ["generate", "--base", str(base), "--prompt", "the wind", "--temperature", "0", "--max-new-tokens", "6"]
+    chosen = []
+    real = generate.compute_in_bf16
+    monkeypatch.setattr(generate, "compute_in_bf16", lambda m: chosen.append("bf16") or real(m))
+    texts = {}
+    for name, flags, support in (("auto-fast", [], fast), ("auto-slow", [], slow), ("fp32", ["--precision", "fp32"], fast),
+                                 ("bf16", ["--precision", "bf16", "--allow-slow-bf16"], slow)):
+        monkeypatch.setattr(generate, "bf16_support", lambda device="cpu", s=support: s)
+        chosen.clear()
+        assert main([*argv, *flags]) == 0, name
+        texts[name] = capsys.readouterr().out
+        assert chosen == (["bf16"] if name in ("auto-fast", "bf16") else []), name
+    assert texts["auto-slow"] == texts["fp32"] and texts["auto-fast"] == texts["bf16"]
+    monkeypatch.setattr("minigpt.bf16_support.cpu_flags", lambda: NO_BF16_UNITS)
+    monkeypatch.setattr(generate, "load_base", lambda *a, **k: pytest.fail("read the base before refusing"))
+    assert main([*argv, "--precision", "bf16"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and "this CPU has no bf16 units" in err
