@@ -11,8 +11,8 @@ or shards of at most ``max_shard_bytes`` with ``model.safetensors.index.json``, 
 files and ``generation_config.json`` copied. It is written to a temporary folder beside OUT and renamed
 into place; an existing OUT is refused unless ``overwrite``, and is replaced only once the new one is complete.
 
-``export_adapter`` (``minituner export``) is the whole path from folders: load the base (``load_base``),
-load the adapter (our file, a run folder or a PEFT folder), ``export_merged``. An adapter trained by QLoRA
+``export_adapter`` (``minituner export``) is the whole path from folders: the base with the adapter (our file, a run folder or a
+PEFT folder) on it (``trained_model.load_trained``), then ``export_merged``. An adapter trained by QLoRA
 learned its update against the dequantized NF4 weights, not the original ones; as PEFT merges onto the
 dequantized 4-bit base, so does the export: the base is loaded with the adapter's targets quantized by the
 scheme the run's manifest.json records (``quant_scheme``), then dequantized and merged in float32.
@@ -42,13 +42,10 @@ from miniquant import QuantizedLinear
 from .hf_config import ARCHITECTURES
 from .hf_gpt2 import gpt2_config_dict, gpt2_state_dict_from_minigpt
 from .tokenizer_files import char_tokenizer_as_hf
-from .adapter_io import load_adapter, read_adapter
-from .adapter_tensors import module_paths
-from .base_model import load_base
 from .hf_load import checkpoint_files, read_headers
 from .lora import LoRALinear
-from .qlora import check_scheme
-from .run_record import check_run_base, run_manifest
+from .run_record import check_run_base
+from .trained_model import load_trained
 from .sft.templates import ChatTemplate, load_chat_template, save_chat_template, trained_template
 
 COPIED = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model", "vocab.json",
@@ -255,17 +252,11 @@ def export_merged(model: nn.Module, base_folder: str | Path, out: str | Path, dt
     return out
 
 
-def run_quant_scheme(adapter: str | Path) -> str | None:
-    """The quant_scheme the finetune run holding `adapter` trained on (None: a float base, or no run manifest)."""
-    scheme = ((run_manifest(adapter) or {}).get("config") or {}).get("quant_scheme")
-    return check_scheme(scheme) if scheme else None
-
-
 def export_adapter(base: str | Path, adapter: str | Path, out: str | Path, dtype: torch.dtype | None = None,
                    quant_scheme: str | None = "auto", overwrite: bool = False, allow_other_base: bool = False) -> Path:
     """Merge the adapter at `adapter` into the base folder `base` and write a Hugging Face folder at `out`.
 
-    quant_scheme: "auto" takes the run's (``run_quant_scheme``); None merges onto the float base; a scheme
+    quant_scheme: "auto" takes the run's (``trained_model.load_trained``); None merges onto the float base; a scheme
     name merges onto the base with the adapter's targets quantized by it, then dequantized (QLoRA).
     The base must hold the weights the run trained on (``check_run_base``) unless `allow_other_base`.
     """
@@ -274,13 +265,7 @@ def export_adapter(base: str | Path, adapter: str | Path, out: str | Path, dtype
     _check_options(dtype, 1)
     if not allow_other_base:
         check_run_base(base, adapter)
-    scheme = run_quant_scheme(adapter) if quant_scheme == "auto" else quant_scheme and check_scheme(quant_scheme)
-    quantize = None
-    if scheme:
-        sd, _ = read_adapter(adapter)
-        quantize = (module_paths(sd), scheme)
-    model, _ = load_base(base, quantize=quantize)
-    load_adapter(model, adapter)
+    model, _ = load_trained(base, adapter, quant_scheme)  # a QLoRA run's targets quantized as it trained them
     trained = trained_template(adapter)  # what the run rendered its chats with; else the base's stays
     template = load_chat_template(base, trained) if trained is not None else None
     return export_merged(model, base, out, dtype, overwrite, template=template)

@@ -3,6 +3,7 @@ and its window.
 
     check_run_base(base, adapter)   # an InputError when the run holding `adapter` recorded other base weights
     trained_seq_len(adapter)        # the run's --seq-len (None: no run manifest)
+    run_quant_scheme(adapter)       # the scheme a QLoRA run quantized its targets by (None: LoRA, no manifest)
 
 A run's manifest.json records ``base_sha256`` (``base_model.base_weights_sha256``: every checkpoint file's bytes)
 and ``base_files``, each checkpoint file's size and modification time. An adapter applied to another model of the
@@ -21,6 +22,7 @@ from minigpt.io import read_json
 
 from .base_model import base_weights_sha256
 from .hf_load import checkpoint_files
+from .qlora import check_scheme
 
 
 def base_file_stats(folder: str | Path) -> dict[str, list[int]]:
@@ -62,3 +64,9 @@ def trained_seq_len(adapter: str | Path | None) -> int | None:
     """The training window (``seq_len``) the finetune run holding `adapter` recorded; None without a run manifest."""
     seq_len = ((run_manifest(adapter) or {}).get("config") or {}).get("seq_len") if adapter is not None else None
     return seq_len if isinstance(seq_len, int) and not isinstance(seq_len, bool) and seq_len > 0 else None
+
+
+def run_quant_scheme(adapter: str | Path) -> str | None:
+    """The quant_scheme the finetune run holding `adapter` trained on (None: a float base, or no run manifest)."""
+    scheme = ((run_manifest(adapter) or {}).get("config") or {}).get("quant_scheme")
+    return check_scheme(scheme) if scheme else None

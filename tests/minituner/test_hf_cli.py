@@ -352,3 +352,22 @@ def test_generate_computes_a_bf16_checkpoint_as_stored_where_bf16_is_fast(hf_fol
     assert main([*argv, "--precision", "bf16"]) == 2
     err = capsys.readouterr().err
     assert len(err.splitlines()) == 1 and "this CPU has no bf16 units" in err
+
+
+def test_eval_and_generate_put_a_qlora_adapter_on_the_base_it_trained_on(hf_folder, data, tmp_path, capsys):
+    """A QLoRA adapter learned against its targets' NF4 weights: eval and generate read the base so (--quant-scheme
+    auto, the run's), so eval reproduces the run's val loss; --quant-scheme none reads the float base instead."""
+    base = hf_folder("llama", name="llama-cli")
+    finetune(base, data, tmp_path / "run", "--qlora", "--seq-len", 16)
+    manifest = json.loads((tmp_path / "run" / "manifest.json").read_text())
+    capsys.readouterr()
+    evaluate = ["eval", "--base", str(base), "--adapter", str(tmp_path / "run"), "--data", str(data), "--split", "val",
+                "--json"]
+    assert main(evaluate) == 0
+    nf4 = json.loads(capsys.readouterr().out)["loss"]
+    assert nf4 == pytest.approx(manifest["results"]["val_loss_after"], rel=1e-5)
+    assert main([*evaluate, "--quant-scheme", "none"]) == 0
+    assert json.loads(capsys.readouterr().out)["loss"] != pytest.approx(nf4, rel=1e-5)
+    assert main(["generate", "--base", str(base), "--adapter", str(tmp_path / "run"), "--prompt", "the wind",
+                 "--max-new-tokens", "3", "--temperature", "0"]) == 0
+    assert capsys.readouterr().out.splitlines()[1].startswith("the wind")

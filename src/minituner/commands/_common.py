@@ -111,6 +111,23 @@ def checkpoint_options(args: argparse.Namespace) -> dict:
             "skip_nonfinite": args.skip_nonfinite}
 
 
+def add_adapter_base_arguments(p: argparse.ArgumentParser, verb: str = "use") -> None:
+    """--quant-scheme and --allow-other-base: how a command puts --adapter on --base (export merges, eval and
+    generate use it)."""
+    p.add_argument("--quant-scheme", default="auto",
+                   help=f"a QLoRA adapter: {verb} it on the base with its targets quantized by this scheme as they are "
+                        "read, as its run trained it (export: then dequantized and merged, as PEFT merges); 'auto' "
+                        "(default): the scheme the run's manifest.json records; 'none': the float base")
+    p.add_argument("--allow-other-base", action="store_true",
+                   help=f"{verb} the adapter even when --base's weights differ from those its run's manifest records "
+                        "(e.g. the same model converted to another dtype)")
+
+
+def quant_scheme(args: argparse.Namespace) -> str | None:
+    """--quant-scheme as load_trained takes it: 'none' -> None."""
+    return None if args.quant_scheme.lower() == "none" else args.quant_scheme
+
+
 PRECISION_ALIASES = {"bf16-autocast": "bf16"}  # the old CUDA flag: the same bf16 path now
 
 

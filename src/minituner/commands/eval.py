@@ -10,15 +10,15 @@ from pathlib import Path
 from minigpt.device import DEVICES, resolve_device
 from minigpt.errors import InputError
 
-from ..adapter_io import load_adapter
-from ..finetune import training_window
-from ..run_record import check_run_base, trained_seq_len
 from ..base_model import load_base, load_tokenizer
 from ..evaluation import SPLITS, evaluate_data
+from ..finetune import training_window
+from ..run_record import check_run_base, trained_seq_len
 from ..sft import FORMATS, SFTConfig, is_sft_source, trained_template
 from ..sft.examples import OVERLONG
+from ..trained_model import load_trained
 from ..upcast import compute_in_fp32
-from ._common import add_columns_argument, positive_int
+from ._common import add_adapter_base_arguments, add_columns_argument, positive_int, quant_scheme
 
 HELP = ("mean loss over the counted tokens of --data (answers only for instruction data, every token for text), "
         "perplexity, examples and tokens; --json prints one object")
@@ -27,8 +27,7 @@ HELP = ("mean loss over the counted tokens of --data (answers only for instructi
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base", type=Path, default=Path("artifacts/base"), help="base model folder (default %(default)s)")
     p.add_argument("--adapter", type=Path, help="LoRA adapter: a finetune run folder, a PEFT folder or an adapter file")
-    p.add_argument("--allow-other-base", action="store_true",
-                   help="use --adapter even when --base's weights differ from those its run's manifest records")
+    add_adapter_base_arguments(p)
     p.add_argument("--data", required=True,
                    help="text file or folder, .jsonl/.json/.parquet/.arrow instruction or chat data, or builtin:NAME")
     p.add_argument("--split", choices=SPLITS, default="all",
@@ -58,11 +57,12 @@ def run(args: argparse.Namespace) -> int:
         check_run_base(args.base, args.adapter, "use")  # before the base is loaded
     # the window finetune's val loss used: a Llama 3 config's context (131,072) would make one window of all the text
     window = training_window(args.base, args.seq_len or trained_seq_len(args.adapter))
-    model, tokenizer = load_base(args.base, device)
+    if args.adapter is None:
+        model, tokenizer = load_base(args.base, device)
+    else:  # a QLoRA adapter on its targets quantized as its run trained them (--quant-scheme)
+        model, tokenizer = load_trained(args.base, args.adapter, quant_scheme(args), device)
     if tokenizer is None:
         raise InputError(load_tokenizer(args.base, model.config.vocab_size)[1])
-    if args.adapter is not None:
-        load_adapter(model, args.adapter)
     if device.type == "cpu":
         compute_in_fp32(model)  # as finetune computes on CPU: its val_loss_before is this loss
     model.eval()

@@ -10,13 +10,13 @@ from minigpt.bf16_support import bf16_support
 from minigpt.device import check_precision
 from minigpt.errors import InputError
 
-from ..adapter_io import load_adapter
 from ..base_model import load_base, load_tokenizer
 from ..precision import compute_in_bf16, dtype_of_most_values, inference_precision
 from ..run_record import check_run_base
 from ..sft import answer, load_chat_template, trained_template
+from ..trained_model import load_trained
 from ..upcast import compute_in_fp32
-from ._common import non_negative_float, positive_int, seed, text
+from ._common import add_adapter_base_arguments, non_negative_float, positive_int, quant_scheme, seed, text
 
 HELP = ("print samples from a base model folder (minituner base, or Hugging Face gpt2/llama/mistral/qwen2 with its "
         "tokenizer; sampling stops at the eos id(s) of generation_config.json or config.json), optionally with a "
@@ -27,8 +27,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base", type=Path, default=Path("artifacts/base"),
                    help="model folder: MiniGPT, or Hugging Face gpt2, llama, mistral or qwen2 (default %(default)s)")
     p.add_argument("--adapter", type=Path, help="LoRA adapter: a finetune run folder, a PEFT folder or an adapter file")
-    p.add_argument("--allow-other-base", action="store_true",
-                   help="use --adapter even when --base's weights differ from those its run's manifest records")
+    add_adapter_base_arguments(p)
     what = p.add_mutually_exclusive_group()
     what.add_argument("--prompt", type=text, default="\n", help="text to continue (default: a newline)")
     what.add_argument("--chat", type=text, metavar="QUESTION",
@@ -58,11 +57,12 @@ def run(args: argparse.Namespace) -> int:
         check_precision("bf16", "cpu", args.allow_slow_bf16)
     if args.adapter is not None and not args.allow_other_base:
         check_run_base(args.base, args.adapter, "use")  # before the base is loaded
-    model, tokenizer = load_base(args.base)
+    if args.adapter is None:
+        model, tokenizer = load_base(args.base)
+    else:  # a QLoRA adapter on its targets quantized as its run trained them (--quant-scheme)
+        model, tokenizer = load_trained(args.base, args.adapter, quant_scheme(args))
     if tokenizer is None:
         raise InputError(load_tokenizer(args.base, model.config.vocab_size)[1])
-    if args.adapter is not None:
-        load_adapter(model, args.adapter)
     stored = dtype_of_most_values((p.dtype, p.numel()) for p in model.parameters())
     if inference_precision(args.precision, stored, bf16_support("cpu")) == "bf16":
         compute_in_bf16(model)
