@@ -233,16 +233,22 @@ def use_fp32_products(model: nn.Module) -> nn.Module:
 
 
 @torch.no_grad()
-def inference_precision(requested: str, stored: torch.dtype, support: Bf16Support) -> str:
-    """What ``generate`` computes in: "auto" is bf16 for a checkpoint stored in bf16 on a device with bf16 units (as
-    stored, as transformers computes a bf16 model; no weight cast per product, so each token reads half the bytes:
-    143 against 305-333 ms a token at Llama-3.2-1B's shape on an Intel Xeon with AMX), else fp32; "fp32" or "bf16"
-    as given."""
+def inference_precision(requested: str, preferred: str, support: Bf16Support) -> str:
+    """What ``generate`` and ``eval`` compute in: "fp32" or "bf16" as given; "auto" the `preferred` one, but bf16 only
+    on a device with bf16 units. generate prefers bf16 for a checkpoint stored in bf16 (as stored, as transformers
+    computes a bf16 model; no weight cast per product, so each token reads half the bytes: 143 against 305-333 ms
+    a token at Llama-3.2-1B's shape on an Intel Xeon with AMX); eval prefers the precision the adapter's run
+    trained in (so its val loss is the run's)."""
     if requested not in ("auto", *PRECISIONS):
         raise InputError(f"precision must be auto, {' or '.join(PRECISIONS)}, got {requested!r}")
     if requested != "auto":
         return requested
-    return "bf16" if stored == BF16 and support.fast else "fp32"
+    return "bf16" if preferred == "bf16" and support.fast else "fp32"
+
+
+def stored_precision(model: nn.Module) -> str:
+    """"bf16" for a model whose values are mostly bf16 (a bf16 checkpoint as read), else "fp32"."""
+    return "bf16" if dtype_of_most_values((p.dtype, p.numel()) for p in model.parameters()) == BF16 else "fp32"
 
 
 def compute_in_bf16(model: nn.Module) -> nn.Module:

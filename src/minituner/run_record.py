@@ -4,6 +4,7 @@ and its window.
     check_run_base(base, adapter)   # an InputError when the run holding `adapter` recorded other base weights
     trained_seq_len(adapter)        # the run's --seq-len (None: no run manifest)
     run_quant_scheme(adapter)       # the scheme a QLoRA run quantized its targets by (None: LoRA, no manifest)
+    trained_precision(adapter)      # "fp32" or "bf16", what the run computed in
 
 A run's manifest.json records ``base_sha256`` (``base_model.base_weights_sha256``: every checkpoint file's bytes)
 and ``base_files``, each checkpoint file's size and modification time. An adapter applied to another model of the
@@ -70,3 +71,9 @@ def run_quant_scheme(adapter: str | Path) -> str | None:
     """The quant_scheme the finetune run holding `adapter` trained on (None: a float base, or no run manifest)."""
     scheme = ((run_manifest(adapter) or {}).get("config") or {}).get("quant_scheme")
     return check_scheme(scheme) if scheme else None
+
+
+def trained_precision(adapter: str | Path | None) -> str:
+    """The precision ("fp32" or "bf16") the finetune run holding `adapter` trained in; "fp32" without a run manifest."""
+    train = ((run_manifest(adapter) or {}).get("config") or {}).get("train") if adapter is not None else None
+    return "bf16" if isinstance(train, dict) and train.get("precision") == "bf16" else "fp32"

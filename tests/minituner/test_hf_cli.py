@@ -328,10 +328,10 @@ def test_generate_computes_a_bf16_checkpoint_as_stored_where_bf16_is_fast(hf_fol
     from minituner.precision import inference_precision
 
     fast, slow = Bf16Support(True, ("amx_bf16",), "units"), Bf16Support(False, (), "none")
-    assert inference_precision("auto", torch.bfloat16, fast) == "bf16"
-    assert inference_precision("auto", torch.bfloat16, slow) == "fp32"
-    assert inference_precision("auto", torch.float32, fast) == "fp32"  # an fp32 checkpoint stays fp32
-    assert inference_precision("bf16", torch.float32, slow) == "bf16"  # as asked (refused by the CLI without units)
+    assert inference_precision("auto", "bf16", fast) == "bf16"
+    assert inference_precision("auto", "bf16", slow) == "fp32"
+    assert inference_precision("auto", "fp32", fast) == "fp32"  # an fp32 checkpoint stays fp32
+    assert inference_precision("bf16", "fp32", slow) == "bf16"  # as asked (refused by the CLI without units)
 
     base = hf_folder("llama", name="llama-bf16", dtype=torch.bfloat16)
     argv = ["generate", "--base", str(base), "--prompt", "the wind", "--temperature", "0", "--max-new-tokens", "6"]
@@ -371,3 +371,24 @@ def test_eval_and_generate_put_a_qlora_adapter_on_the_base_it_trained_on(hf_fold
     assert main(["generate", "--base", str(base), "--adapter", str(tmp_path / "run"), "--prompt", "the wind",
                  "--max-new-tokens", "3", "--temperature", "0"]) == 0
     assert capsys.readouterr().out.splitlines()[1].startswith("the wind")
+
+
+def test_eval_computes_in_the_precision_the_run_trained_in(hf_folder, data, tmp_path, capsys, monkeypatch):
+    """A bf16 run's val loss was computed in bf16: eval --adapter RUN (auto, on a CPU with bf16 units) computes so too
+    and gives it back; --precision fp32 gives the fp32 loss, close to it."""
+    import minituner.commands.eval as eval_command
+    from minigpt.bf16_support import Bf16Support
+
+    base = hf_folder("llama", name="llama-cli")
+    finetune(base, data, tmp_path / "run", "--qlora", "--seq-len", 16, "--precision", "bf16", "--allow-slow-bf16")
+    after = json.loads((tmp_path / "run" / "manifest.json").read_text())["results"]["val_loss_after"]
+    capsys.readouterr()
+    monkeypatch.setattr(eval_command, "bf16_support", lambda device="cpu": Bf16Support(True, ("amx_bf16",), "units"))
+    evaluate = ["eval", "--base", str(base), "--adapter", str(tmp_path / "run"), "--data", str(data), "--split", "val",
+                "--json", "--allow-slow-bf16"]
+    losses = {}
+    for precision in ("auto", "bf16", "fp32"):
+        assert main([*evaluate, "--precision", precision]) == 0
+        losses[precision] = json.loads(capsys.readouterr().out)["loss"]
+    assert losses["auto"] == losses["bf16"] == pytest.approx(after, rel=1e-6)
+    assert losses["fp32"] == pytest.approx(after, rel=1e-2) and losses["fp32"] != losses["bf16"]

@@ -145,6 +145,16 @@ def add_precision_arguments(p: argparse.ArgumentParser, default: str = "fp32") -
                    help="run --precision bf16 on a CPU without bf16 units (slower than fp32) instead of refusing")
 
 
+def add_inference_precision_arguments(p: argparse.ArgumentParser, auto: str) -> None:
+    """--precision {auto,fp32,bf16} and --allow-slow-bf16 for a command that runs a model without training it;
+    `auto` says what auto picks."""
+    p.add_argument("--precision", type=_precision, choices=("auto", *PRECISIONS), default="auto",
+                   help=f"what the model computes in; auto (default): {auto}; bf16 only where the CPU has bf16 "
+                        "units (avx512_bf16/amx_bf16) or on CUDA")
+    p.add_argument("--allow-slow-bf16", action="store_true",
+                   help="--precision bf16 on a CPU without bf16 units (slower than fp32) instead of refusing")
+
+
 def add_sft_arguments(p: argparse.ArgumentParser) -> None:
     """--format, --train-on-inputs and --overlong: how instruction data is read (finetune, and count --data)."""
     p.add_argument("--format", choices=FORMATS,

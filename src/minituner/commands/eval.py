@@ -7,18 +7,21 @@ import math
 import sys
 from pathlib import Path
 
-from minigpt.device import DEVICES, resolve_device
+from minigpt.bf16_support import bf16_support
+from minigpt.device import DEVICES, check_precision, resolve_device
 from minigpt.errors import InputError
 
 from ..base_model import load_base, load_tokenizer
 from ..evaluation import SPLITS, evaluate_data
 from ..finetune import training_window
-from ..run_record import check_run_base, trained_seq_len
+from ..precision import compute_in_bf16, inference_precision
+from ..run_record import check_run_base, trained_precision, trained_seq_len
 from ..sft import FORMATS, SFTConfig, is_sft_source, trained_template
 from ..sft.examples import OVERLONG
 from ..trained_model import load_trained
 from ..upcast import compute_in_fp32
-from ._common import add_adapter_base_arguments, add_columns_argument, positive_int, quant_scheme
+from ._common import (add_adapter_base_arguments, add_columns_argument, add_inference_precision_arguments, positive_int,
+                      quant_scheme)
 
 HELP = ("mean loss over the counted tokens of --data (answers only for instruction data, every token for text), "
         "perplexity, examples and tokens; --json prints one object")
@@ -47,12 +50,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="an example longer than the window is truncated or dropped (default %(default)s)")
     p.add_argument("--batch-size", type=positive_int, default=32, help="sequences per forward (default %(default)s)")
     p.add_argument("--device", choices=DEVICES, default="cpu", help="cpu (default), cuda, or auto")
+    add_inference_precision_arguments(p, "the precision the --adapter run trained in (so its val loss is the run's), "
+                                         "else fp32")
     p.add_argument("--json", action="store_true",
                    help='print one object: {"loss", "perplexity", "examples", "tokens"}')
 
 
 def run(args: argparse.Namespace) -> int:
     device = resolve_device(args.device)
+    if args.precision == "bf16":  # asked for where bf16 is slow: refused before anything is read
+        check_precision("bf16", device, args.allow_slow_bf16)
     if args.adapter is not None and not args.allow_other_base:
         check_run_base(args.base, args.adapter, "use")  # before the base is loaded
     # the window finetune's val loss used: a Llama 3 config's context (131,072) would make one window of all the text
@@ -63,7 +70,9 @@ def run(args: argparse.Namespace) -> int:
         model, tokenizer = load_trained(args.base, args.adapter, quant_scheme(args), device)
     if tokenizer is None:
         raise InputError(load_tokenizer(args.base, model.config.vocab_size)[1])
-    if device.type == "cpu":
+    if inference_precision(args.precision, trained_precision(args.adapter), bf16_support(device)) == "bf16":
+        compute_in_bf16(model)  # as finetune computes in bf16
+    elif device.type == "cpu":
         compute_in_fp32(model)  # as finetune computes on CPU: its val_loss_before is this loss
     model.eval()
     result = evaluate_data(model, tokenizer, args.base, args.data, args.split, args.format,

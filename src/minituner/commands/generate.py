@@ -11,12 +11,13 @@ from minigpt.device import check_precision
 from minigpt.errors import InputError
 
 from ..base_model import load_base, load_tokenizer
-from ..precision import compute_in_bf16, dtype_of_most_values, inference_precision
+from ..precision import compute_in_bf16, inference_precision, stored_precision
 from ..run_record import check_run_base
 from ..sft import answer, load_chat_template, trained_template
 from ..trained_model import load_trained
 from ..upcast import compute_in_fp32
-from ._common import add_adapter_base_arguments, non_negative_float, positive_int, quant_scheme, seed, text
+from ._common import (add_adapter_base_arguments, add_inference_precision_arguments, non_negative_float, positive_int,
+                      quant_scheme, seed, text)
 
 HELP = ("print samples from a base model folder (minituner base, or Hugging Face gpt2/llama/mistral/qwen2 with its "
         "tokenizer; sampling stops at the eos id(s) of generation_config.json or config.json), optionally with a "
@@ -45,11 +46,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=positive_int, default=None,
                    help="sample from the k likeliest tokens only (default: all)")
     p.add_argument("--seed", type=seed, default=0, help="sampling seed (default %(default)s)")
-    p.add_argument("--precision", choices=("auto", "fp32", "bf16"), default="auto",
-                   help="what the model computes in; auto (default): bf16 for a checkpoint stored in bf16 on a CPU with "
-                        "bf16 units (as stored: about 2x faster a token), else fp32")
-    p.add_argument("--allow-slow-bf16", action="store_true",
-                   help="--precision bf16 on a CPU without bf16 units (slower than fp32)")
+    add_inference_precision_arguments(p, "bf16 for a checkpoint stored in bf16 (computed as stored: about 2x faster a "
+                                         "token), else fp32")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -63,8 +61,7 @@ def run(args: argparse.Namespace) -> int:
         model, tokenizer = load_trained(args.base, args.adapter, quant_scheme(args))
     if tokenizer is None:
         raise InputError(load_tokenizer(args.base, model.config.vocab_size)[1])
-    stored = dtype_of_most_values((p.dtype, p.numel()) for p in model.parameters())
-    if inference_precision(args.precision, stored, bf16_support("cpu")) == "bf16":
+    if inference_precision(args.precision, stored_precision(model), bf16_support("cpu")) == "bf16":
         compute_in_bf16(model)
     else:  # as finetune computes in fp32 (a 16-bit checkpoint's Linears upcast per product), but the head upcast
         compute_in_fp32(model, head_16bit=False)  # once: a token at a time, per product would cast it every token
