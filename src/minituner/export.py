@@ -11,9 +11,9 @@ or shards of at most ``max_shard_bytes`` with ``model.safetensors.index.json``, 
 files and ``generation_config.json`` copied. It is written to a temporary folder beside OUT and renamed
 into place; an existing OUT is refused unless ``overwrite``, and is replaced only once the new one is complete.
 
-``export_adapter`` (``minituner export``) is the whole path from folders: the base with the adapter (our file, a run folder or a
-PEFT folder) on it (``trained_model.load_trained``), then ``export_merged``. An adapter trained by QLoRA
-learned its update against the dequantized NF4 weights, not the original ones; as PEFT merges onto the
+``export_adapter`` (``minituner export``) is the whole path from folders: the base with the adapter (our file,
+a run folder or a PEFT folder) on it (``trained_model.load_trained``), then ``export_merged``. An adapter
+trained by QLoRA learned its update against the dequantized NF4 weights, not the original ones; as PEFT merges onto the
 dequantized 4-bit base, so does the export: the base is loaded with the adapter's targets quantized by the
 scheme the run's manifest.json records (``quant_scheme``), then dequantized and merged in float32.
 """
