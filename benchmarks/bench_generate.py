@@ -88,7 +88,7 @@ def run_cache(quick: bool = False) -> Section:
 
 
 def run_precision(quick: bool = False) -> Section:
-    """generate on a bf16 checkpoint of PRECISION_SHAPE: --precision fp32 against bf16 (where the CPU has bf16 units)."""
+    """generate on a bf16 checkpoint of PRECISION_SHAPE: --precision fp32 against bf16 (with bf16 units only)."""
     new = 4 if quick else PRECISION_NEW
     repeats = 2 if quick else 3
     support = bf16_support("cpu")
@@ -120,6 +120,6 @@ def run_precision(quick: bool = False) -> Section:
                              fmt_ratio(t[name].median_s / first),
                              "yes" if torch.equal(outputs[name], outputs[names[0]]) else "no"])
     if not support.fast:
-        section.notes.append("bf16: not measurable here (no bf16 units: `generate --precision auto` computes in fp32 on "
-                             "this CPU)")
+        section.notes.append("bf16: not measurable here (no bf16 units: `generate --precision auto` computes in fp32 "
+                             "on this CPU)")
     return section

@@ -339,8 +339,9 @@ def test_generate_computes_a_bf16_checkpoint_as_stored_where_bf16_is_fast(hf_fol
     real = generate.compute_in_bf16
     monkeypatch.setattr(generate, "compute_in_bf16", lambda m: chosen.append("bf16") or real(m))
     texts = {}
-    for name, flags, support in (("auto-fast", [], fast), ("auto-slow", [], slow), ("fp32", ["--precision", "fp32"], fast),
-                                 ("bf16", ["--precision", "bf16", "--allow-slow-bf16"], slow)):
+    cases = (("auto-fast", [], fast), ("auto-slow", [], slow), ("fp32", ["--precision", "fp32"], fast),
+             ("bf16", ["--precision", "bf16", "--allow-slow-bf16"], slow))
+    for name, flags, support in cases:
         monkeypatch.setattr(generate, "bf16_support", lambda device="cpu", s=support: s)
         chosen.clear()
         assert main([*argv, *flags]) == 0, name
