@@ -236,9 +236,9 @@ def use_fp32_products(model: nn.Module) -> nn.Module:
 def inference_precision(requested: str, preferred: str, support: Bf16Support) -> str:
     """What ``generate`` and ``eval`` compute in: "fp32" or "bf16" as given; "auto" the `preferred` one, but bf16 only
     on a device with bf16 units. generate prefers bf16 for a checkpoint stored in bf16 (as stored, as transformers
-    computes a bf16 model; no weight cast per product, so each token reads half the bytes: 143 against 305-333 ms
-    a token at Llama-3.2-1B's shape on an Intel Xeon with AMX); eval prefers the precision the adapter's run
-    trained in (so its val loss is the run's)."""
+    computes a bf16 model; no weight cast per product, so each token reads half the bytes: 0.42x the fp32 time a
+    token at Llama-3.2-1B's shape on an Intel Xeon with AMX, benchmarks/RESULTS.md); eval prefers the precision
+    the adapter's run trained in (so its val loss is the run's)."""
     if requested not in ("auto", *PRECISIONS):
         raise InputError(f"precision must be auto, {' or '.join(PRECISIONS)}, got {requested!r}")
     if requested != "auto":
