@@ -232,7 +232,6 @@ def use_fp32_products(model: nn.Module) -> nn.Module:
     return model
 
 
-@torch.no_grad()
 def inference_precision(requested: str, preferred: str, support: Bf16Support) -> str:
     """What ``generate`` and ``eval`` compute in: "fp32" or "bf16" as given; "auto" the `preferred` one, but bf16 only
     on a device with bf16 units. generate prefers bf16 for a checkpoint stored in bf16 (as stored, as transformers
@@ -259,6 +258,7 @@ def compute_in_bf16(model: nn.Module) -> nn.Module:
     return use_bf16_compute(model)
 
 
+@torch.no_grad()
 def use_bf16_compute(model: nn.Module, dtype: torch.dtype = BF16) -> nn.Module:
     """Compute the frozen base and the LoRA path in `dtype` (default bf16), keep fp32 elsewhere; in place.
 

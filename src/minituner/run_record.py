@@ -61,19 +61,24 @@ def check_run_base(base: str | Path, adapter: str | Path, use: str = "merge") ->
                          f"{use} it anyway")
 
 
+def _run_config(adapter: str | Path | None) -> dict:
+    """The `config` object of the run manifest holding `adapter` ({} without an adapter or a run manifest)."""
+    return ((run_manifest(adapter) or {}).get("config") or {}) if adapter is not None else {}
+
+
 def trained_seq_len(adapter: str | Path | None) -> int | None:
     """The training window (``seq_len``) the finetune run holding `adapter` recorded; None without a run manifest."""
-    seq_len = ((run_manifest(adapter) or {}).get("config") or {}).get("seq_len") if adapter is not None else None
+    seq_len = _run_config(adapter).get("seq_len")
     return seq_len if isinstance(seq_len, int) and not isinstance(seq_len, bool) and seq_len > 0 else None
 
 
 def run_quant_scheme(adapter: str | Path) -> str | None:
     """The quant_scheme the finetune run holding `adapter` trained on (None: a float base, or no run manifest)."""
-    scheme = ((run_manifest(adapter) or {}).get("config") or {}).get("quant_scheme")
+    scheme = _run_config(adapter).get("quant_scheme")
     return check_scheme(scheme) if scheme else None
 
 
 def trained_precision(adapter: str | Path | None) -> str:
     """The precision ("fp32" or "bf16") the finetune run holding `adapter` trained in; "fp32" without a run manifest."""
-    train = ((run_manifest(adapter) or {}).get("config") or {}).get("train") if adapter is not None else None
+    train = _run_config(adapter).get("train")
     return "bf16" if isinstance(train, dict) and train.get("precision") == "bf16" else "fp32"
