@@ -17,7 +17,7 @@ from minigpt.data import load_documents, split_documents
 from minigpt.errors import InputError
 from minigpt.train import evaluate
 
-from .sft import (Columns, EvalResult, SFTConfig, evaluate_examples, is_sft_source, load_chat_template, plain_text_only,
+from .sft import (DataSelection, EvalResult, SFTConfig, evaluate_examples, is_sft_source, load_chat_template, plain_text_only,
                   prepare_eval)
 
 SPLITS = ("train", "val", "test", "all")
@@ -43,19 +43,19 @@ def evaluate_text(model: nn.Module, ids: torch.Tensor, block_size: int, batch_si
 def evaluate_data(model: nn.Module, tokenizer, base: str | Path, source: str, split: str = "all",
                   fmt: str | None = None, sft_cfg: SFTConfig | None = None, batch_size: int = 32,
                   block_size: int | None = None, log=print, template_file: Path | None = None,
-                  columns: Columns = ()) -> EvalResult:
+                  selection: DataSelection = DataSelection()) -> EvalResult:
     """Loss, perplexity, examples and counted tokens of `model` on one split of `source` (or all of it); chats
     rendered with the base's chat template, or `template_file`'s (a run's chat_template.jinja)."""
     if split not in SPLITS:
         raise InputError(f"unknown split {split!r}; valid: {', '.join(SPLITS)}")
     block = block_size or model.config.block_size
     if not is_sft_source(source):
-        plain_text_only(source, fmt, template_file, columns)
+        plain_text_only(source, fmt, template_file, selection)
         ids = torch.tensor(tokenizer.encode(text_split(source, split)), dtype=torch.long)
         return evaluate_text(model, ids, block, batch_size)
     template = load_chat_template(base, template_file)
     examples, stats = prepare_eval(source, tokenizer, template, block, sft_cfg, fmt, None if split == "all" else split,
-                                   columns)
+                                   selection)
     warning = stats.warning(block + 1)
     if warning:
         log(f"{warning}; {stats.summary()}")

@@ -52,7 +52,7 @@ from .peft_format import save_peft_adapter
 from .qlora import check_scheme, logical_numel
 from .run_record import base_file_stats
 from .sft import FORMATS, SFTConfig
-from .sft.formats import check_columns
+from .sft.formats import DataSelection, check_columns, check_data_splits
 from .sft.templates import TEMPLATE_FILE, save_chat_template
 from .zoo import adapters_disabled
 
@@ -90,6 +90,12 @@ class FinetuneConfig:
     model_dropout: float | None = None  # the model's own dropout while training; None: its config's (GPT-2's 0.1)
     chat_template: str | None = None  # instruction data: a Jinja file rendering its chats in place of the base's
     columns: tuple[tuple[str, str], ...] = ()  # instruction data: (field a shape reads, the data's column) renames
+    data_config: str | None = None  # a data set folder's dataset card config (subset); None: the unnamed one
+    data_splits: tuple[tuple[str, str], ...] = ()  # (train|val|test, the data set's split read as it); (): by name
+
+    def selection(self) -> DataSelection:
+        """Which records of the data set to read (--data-config, --data-split, --columns)."""
+        return DataSelection(self.data_config, tuple(map(tuple, self.data_splits)), tuple(map(tuple, self.columns)))
 
     def validate(self) -> None:
         if self.method not in ("lora", "full"):
@@ -100,6 +106,7 @@ class FinetuneConfig:
             raise InputError(f"format must be one of {', '.join(FORMATS)}, got {self.format!r}")
         SFTConfig(self.train_on_inputs, self.overlong).validate()
         check_columns(tuple(map(tuple, self.columns)))  # (field, column) pairs, as --columns gives them
+        check_data_splits(tuple(map(tuple, self.data_splits)))  # (split, name) pairs, as --data-split gives them
         if self.model_dropout is not None:
             check_dropout_range(self.model_dropout, "the model's dropout")
         if self.epochs is not None and not (self.epochs > 0 and math.isfinite(self.epochs)):
@@ -192,7 +199,7 @@ def _finetune(base: Path, out: Path, cfg: FinetuneConfig, progress: bool, log, r
         set_model_dropout(model, cfg.model_dropout)
     data = training_data(cfg.data, base, tokenizer, block, cfg.train, cfg.format,
                          SFTConfig(cfg.train_on_inputs, cfg.overlong), cfg.allow_unknown_chars, log,
-                         Path(cfg.chat_template) if cfg.chat_template else None, tuple(map(tuple, cfg.columns)))
+                         Path(cfg.chat_template) if cfg.chat_template else None, cfg.selection())
     unk = data.unk_fraction  # fraction of characters that would be <unk>
     if unk > 0.01:
         log(f"warning: {unk:.1%} of the training characters are unknown to the base tokenizer (<unk>)")
@@ -236,10 +243,11 @@ def _finetune(base: Path, out: Path, cfg: FinetuneConfig, progress: bool, log, r
     base_files, (base_sha, base_bytes) = base_file_stats(base), base_weights_sha256(base)  # stats first: as hashed
     # the model's dropout joins the run's identity only where it is not the config's (runs before the flag resume)
     changed = {"model_dropout": cfg.model_dropout} if config_dropout(model.config) != dropout else {}
-    # the chat template is in the data's identity (the examples it renders), not here: runs before the flag resume
+    # the chat template and the data's selection (config, splits, columns) are in the data's identity (the examples
+    # they give), not here: runs from before these flags resume
     fingerprint = {"base_sha256": base_sha, **changed,
                    **{k: v for k, v in asdict(cfg).items()
-                      if k not in ("train", "model_dropout", "chat_template", "columns")}}
+                      if k not in ("train", "model_dropout", "chat_template", "columns", "data_config", "data_splits")}}
     result = train(model, data.train_ids, data.val_ids, train_cfg, out_dir=out, progress=progress, resume=resume,
                    fingerprint=fingerprint, log=log, block_size=block, batches=data.batches,
                    val_loss=data.val_loss if data.batches else None, data_identity=data.data_identity)
@@ -286,6 +294,8 @@ def _finetune(base: Path, out: Path, cfg: FinetuneConfig, progress: bool, log, r
                 "overlong": cfg.overlong, "method": cfg.method, "epochs": cfg.epochs, "seq_len": block,
                 "init_adapter": cfg.init_adapter, "quant_scheme": cfg.quant_scheme,
                 **({"columns": dict(cfg.columns)} if cfg.columns else {}),
+                **({"data_config": cfg.data_config} if cfg.data_config else {}),
+                **({"data_splits": dict(cfg.data_splits)} if cfg.data_splits else {}),
                 **({"chat_template": cfg.chat_template} if cfg.chat_template else {}),
                 "model_dropout": config_dropout(model.config),  # what it trained with (--model-dropout or config's)
                 "lora": lora_cfg.to_dict() if cfg.method == "lora" else None,

@@ -21,9 +21,10 @@ from minigpt.errors import InputError
 from minigpt.train import TrainConfig, evaluate
 
 from .base_model import base_tokenizer
-from .sft import (ChatTemplate, Columns, ExampleSampler, LargestBatch, SFTConfig, evaluate_examples, examples_sha256, is_sft_source,
-                  largest_batch, load_chat_template, load_records, plain_text_only, prepare_sft, record_pieces,
-                  split_names)
+from .sft import (ChatTemplate, DataSelection, ExampleSampler, LargestBatch, SFTConfig, evaluate_examples,
+                  examples_sha256, is_sft_source, largest_batch, load_chat_template, load_records, plain_text_only,
+                  prepare_sft, record_pieces, split_names)
+from .sft.dataset_card import card_config_name
 
 
 @dataclass
@@ -96,11 +97,11 @@ def text_batch(batch_size: int, window: int) -> LargestBatch:
 
 def sft_data(source: str, base: Path, tokenizer, block_size: int, train_cfg: TrainConfig, fmt: str | None,
              sft_cfg: SFTConfig, allow_unknown: bool, log=print, template_file: Path | None = None,
-             columns: Columns = ()) -> TrainingData:
+             selection: DataSelection = DataSelection()) -> TrainingData:
     """Instruction data: padded batches of whole examples, validation over the val split's counted tokens;
     rendered with the base's chat template, or `template_file`'s."""
     template = load_chat_template(base, template_file)
-    records = load_records(source, fmt, columns)
+    records = load_records(source, fmt, selection)
     pieces = [text for r in records for text, _ in record_pieces(r, template)]  # as encoded: template, EOS included
     unk = unknown_fraction(pieces, tokenizer, source, allow_unknown)
     data = prepare_sft(source, tokenizer, template, block_size, sft_cfg, fmt, records=records)
@@ -112,7 +113,10 @@ def sft_data(source: str, base: Path, tokenizer, block_size: int, train_cfg: Tra
     val, batch_size = data.val, train_cfg.batch_size
     formats, named = sorted({r.format for r in records}), split_names(records)
     carved = "" if "val" in named else " (val carved from train)"
-    splits = f"; splits as its files name them: {', '.join(named)}{carved}" if named else ""
+    config = card_config_name(source, selection.config)
+    named_by = f"config {config!r} of its dataset card names" if config else "its files name"
+    mapped = f" (--data-split {','.join(f'{a}={b}' for a, b in selection.splits)})" if selection.splits else ""
+    splits = f"; splits as {named_by} them: {', '.join(named)}{mapped}{carved}" if named else ""
     return TrainingData(
         f"{len(data.train):,} train / {len(data.val):,} val examples ({', '.join(formats)}; "
         f"{data.train_stats.counted_tokens:,} counted train tokens) from {source}{splits}; "
@@ -125,6 +129,7 @@ def sft_data(source: str, base: Path, tokenizer, block_size: int, train_cfg: Tra
                        "val_examples_sha256": examples_sha256(data.val)},
         results={"train_tokens": data.train_stats.tokens, "val_tokens": data.val_stats.tokens,
                  "sft": {"formats": formats, **({"named_splits": named} if named else {}),
+                         **({"data_config": config} if config else {}),
                          "template": template.origin, "eos_token": template.eos_token,
                          "train_on_inputs": sft_cfg.train_on_inputs, "overlong": sft_cfg.overlong,
                          "train": data.train_stats.as_dict(), "val": data.val_stats.as_dict()}},
@@ -133,18 +138,18 @@ def sft_data(source: str, base: Path, tokenizer, block_size: int, train_cfg: Tra
 
 def largest_data_batch(source: str, base: Path, window: int, batch_size: int, fmt: str | None = None,
                        sft_cfg: SFTConfig | None = None, template_file: Path | None = None,
-                       columns: Columns = ()) -> tuple[LargestBatch, str | None]:
+                       selection: DataSelection = DataSelection()) -> tuple[LargestBatch, str | None]:
     """The largest batch `finetune --base base --data source` makes, for the memory planner, and a note when
     finetune would refuse the data (characters its tokenizer never saw) or None. Instruction data is read,
     templated and tokenized as finetune reads it (examples cut or dropped at `window`), then ``sft.largest_batch``
     over its train and val splits: training draws the first, evaluation batches the second at the same batch
     size. Plain text: windows of `window` tokens whose every target counts."""
     if not is_sft_source(source):
-        plain_text_only(source, fmt, template_file, columns)
+        plain_text_only(source, fmt, template_file, selection)
         docs = load_documents(source)
         return text_batch(batch_size, window), _refusal(["\n\n".join(docs)], base_tokenizer(base), source)
     tokenizer, template = base_tokenizer(base), load_chat_template(base, template_file)
-    records = load_records(source, fmt, columns)
+    records = load_records(source, fmt, selection)
     data = prepare_sft(source, tokenizer, template, window, sft_cfg or SFTConfig(), fmt, records=records)
     pieces = [text for r in records for text, _ in record_pieces(r, template)]  # as sft_data checks them
     return largest_batch([*data.train, *data.val], batch_size), _refusal(pieces, tokenizer, source)
@@ -161,10 +166,10 @@ def _refusal(pieces: Sequence[str], tokenizer, source: str) -> str | None:
 
 def training_data(source: str, base: Path, tokenizer, block_size: int, train_cfg: TrainConfig, fmt: str | None = None,
                   sft_cfg: SFTConfig | None = None, allow_unknown: bool = False, log=print,
-                  template_file: Path | None = None, columns: Columns = ()) -> TrainingData:
+                  template_file: Path | None = None, selection: DataSelection = DataSelection()) -> TrainingData:
     """The data of `finetune --data SOURCE`: instruction data (is_sft_source) or plain text."""
     if is_sft_source(source):
         return sft_data(source, base, tokenizer, block_size, train_cfg, fmt, sft_cfg or SFTConfig(), allow_unknown, log,
-                        template_file, columns)
-    plain_text_only(source, fmt, template_file, columns)
+                        template_file, selection)
+    plain_text_only(source, fmt, template_file, selection)
     return text_data(source, tokenizer, block_size, train_cfg, allow_unknown)

@@ -110,6 +110,16 @@ def hf_ref():
 
 
 @pytest.fixture
+def datasets_offline(monkeypatch, tmp_path):
+    """datasets and the Hub offline (nothing to download here), datasets' cache in the test's folder, no bars."""
+    datasets = pytest.importorskip("datasets")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf-cache"))
+    datasets.disable_progress_bars()
+
+
+@pytest.fixture
 def cli(capsys):
     """cli(*argv) -> (exit code, stdout, stderr) of `minituner` run in this process, each call's output alone."""
     from minituner.cli import main

@@ -247,3 +247,36 @@ def test_columns_read_a_data_set_of_other_names(root, tmp_path, cli, capsys):
     code, _, err = cli("finetune", "--base", root / "base", "--data", root / "plain.txt", "--out", tmp_path / "bad",
                        "--columns", "text=body", *TRAIN)
     assert code == 2 and "--columns applies to .jsonl/.json/.parquet/.arrow data" in err
+
+
+def test_a_cards_config_and_its_splits_through_finetune_and_eval(root, tmp_path, cli):
+    """A snapshot whose card declares two configs with splits named train_sft and test_sft: --data-config and
+    --data-split choose what finetune trains and validates on, the run records both, eval reads the same."""
+    chats = SHAPES["chat.jsonl"]
+    snap = tmp_path / "snap"
+    for config, rows in (("short", chats[:20]), ("long", chats[20:])):
+        (snap / config).mkdir(parents=True)
+        write(snap / config / "train_sft.jsonl", rows[:-4])
+        write(snap / config / "test_sft.jsonl", rows[-4:])
+    (snap / "README.md").write_text("---\nconfigs:\n" + "".join(
+        f"- config_name: {c}\n  data_files:\n  - split: train_sft\n    path: {c}/train_sft.jsonl\n"
+        f"  - split: test_sft\n    path: {c}/test_sft.jsonl\n" for c in ("short", "long")) + "---\n")
+    out = tmp_path / "run"
+    choose = ("--data-config", "short", "--data-split", "train=train_sft,val=test_sft")
+    code, stdout, err = cli("finetune", "--base", root / "base", "--data", snap, "--out", out, *choose, *TRAIN)
+    assert code == 0, err
+    assert ("16 train / 4 val examples (messages;" in stdout and "splits as config 'short' of its dataset card names "
+            "them: train, val (--data-split train=train_sft,val=test_sft)" in stdout), stdout
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["config"]["data_config"] == "short"
+    assert manifest["config"]["data_splits"] == {"train": "train_sft", "val": "test_sft"}
+    assert manifest["results"]["sft"]["data_config"] == "short" and manifest["results"]["sft"]["val"]["examples"] == 4
+    code, stdout, err = cli("eval", "--base", root / "base", "--adapter", out, "--data", snap, *choose, "--split",
+                            "val", "--json")
+    assert code == 0 and json.loads(stdout)["loss"] == pytest.approx(manifest["results"]["val_loss_after"]), err
+    code, _, err = cli("finetune", "--base", root / "base", "--data", snap, "--out", out, "--overwrite", *TRAIN)
+    assert code == 2 and err.count("\n") == 1 and "declares the configs short, long" in err
+    assert (out / ADAPTER_FILE).is_file()  # the earlier run is still there
+    code, _, err = cli("finetune", "--base", root / "base", "--data", root / "plain.txt", "--out", tmp_path / "bad",
+                       "--data-config", "short", *TRAIN)
+    assert code == 2 and "--data-config applies to .jsonl/.json/.parquet/.arrow data" in err

@@ -16,12 +16,7 @@ CHATS = [{"messages": [{"role": "user", "content": f"wind {i}?"}, {"role": "assi
           "source": None if i % 3 else "ship", "id": i} for i in range(40)]
 
 
-@pytest.fixture(autouse=True)
-def offline_quiet(monkeypatch, tmp_path):
-    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf-cache"))
-    datasets.disable_progress_bars()
+pytestmark = pytest.mark.usefixtures("datasets_offline")  # tests/minituner/conftest.py
 
 
 def write_jsonl(path, rows):
@@ -233,13 +228,16 @@ def test_a_saved_dataset_reads_its_own_files_not_the_caches_beside_them(tmp_path
 
 @pytest.mark.parametrize("files, message", [
     ({"data/train_sft-00000-of-00001.parquet": 3, "data/test_sft-00000-of-00001.parquet": 3},
-     r"a shard of the split 'test_sft'.*give --data the files of the split to train on"),
+     r"its split 'test_sft' is none of train, validation or test \(its splits: test_sft, train_sft\); say which to "
+     r"read with --data-split"),
     ({"data/train_sft-00000-of-00001-a3ecf92756993583.parquet": 3, "data/train_gen-00000-of-00001-bb.parquet": 2},
-     r"a shard of the split 'train_(gen|sft)'"),  # older push_to_hub names end in a hash
+     r"its split 'train_gen' is none of train"),  # older push_to_hub names end in a hash
     ({"train.jsonl": 3, "test.jsonl.zst": 0}, r"test\.jsonl\.zst is data this does not read"),
     ({"data/all/train.jsonl": 3, "data/magpie/train.jsonl": 3,
-      "README.md": "---\nconfigs:\n- config_name: all\n  default: true\n- config_name: magpie\n---\n# card\n"},
-     r"its dataset card \(README\.md\) declares configs"),
+      "README.md": "---\nconfigs:\n- config_name: all\n  data_dir: data/all\n- config_name: magpie\n  "
+                   "data_dir: data/magpie\n---\n# card\n"},
+     r"its dataset card declares the configs all, magpie, subsets with data files of their own; choose one with "
+     r"--data-config NAME"),
 ])
 def test_folders_that_datasets_would_read_otherwise_are_refused(tmp_path, files, message):
     for name, content in files.items():

@@ -6,8 +6,8 @@ from pathlib import Path
 
 from minigpt.device import PRECISIONS
 
-from ..sft import FORMATS, Columns, parse_columns
-from ..sft.formats import FIELDS
+from ..sft import FORMATS, Columns, DataSelection, parse_columns, parse_data_splits
+from ..sft.formats import FIELDS, SplitNames
 from ..sft.examples import OVERLONG
 
 DEFAULT_CHECKPOINT_EVERY = 100  # steps between resumable checkpoints on the command line (the library default is none)
@@ -31,10 +31,30 @@ def columns(text: str) -> Columns:
         raise argparse.ArgumentTypeError(str(e).removeprefix("--columns ")) from None
 
 
-def add_columns_argument(p: argparse.ArgumentParser) -> None:
+def data_splits(text: str) -> SplitNames:
+    """--data-split SPLIT=NAME,...: the data set's splits to read as train, val and test."""
+    try:
+        return parse_data_splits(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("--data-split ")) from None
+
+
+def add_selection_arguments(p: argparse.ArgumentParser) -> None:
+    """--data-config, --data-split and --columns: which records of a data set to read, under which names."""
+    p.add_argument("--data-config", metavar="NAME",
+                   help="a data set folder whose dataset card (README.md) declares configs: the config (subset) to "
+                        "read (default: the one datasets.load_dataset reads unnamed)")
+    p.add_argument("--data-split", type=data_splits, default=(), metavar="SPLIT=NAME[,...]",
+                   help="read the data set's splits named otherwise as train, val and test, e.g. train=train_sft,"
+                        "val=test_sft (the others are not read; default: train, validation and test by name)")
     p.add_argument("--columns", type=columns, default=(), metavar="FIELD=COLUMN[,...]",
                    help="read these columns of the data set as the fields a shape reads, e.g. prompt=question,"
                         f"completion=answer (fields: {', '.join(FIELDS)})")
+
+
+def data_selection(args: argparse.Namespace) -> DataSelection:
+    """The DataSelection the flags of add_selection_arguments give."""
+    return DataSelection(args.data_config, args.data_split, args.columns)
 
 
 def positive_int(text: str) -> int:
@@ -159,7 +179,7 @@ def add_sft_arguments(p: argparse.ArgumentParser) -> None:
     """--format, --train-on-inputs and --overlong: how instruction data is read (finetune, and count --data)."""
     p.add_argument("--format", choices=FORMATS,
                    help="a data file's shape (default: recognised per file from its fields)")
-    add_columns_argument(p)
+    add_selection_arguments(p)
     p.add_argument("--chat-template", type=Path, metavar="FILE",
                    help="a Jinja chat template to render conversations with, in place of the base's (or the default "
                         "'User: ... Assistant: ...' where it has none); the run keeps it as chat_template.jinja")

@@ -22,7 +22,7 @@ from minituner.planner.presets import MINIGPT_SIZES
 from minituner.planner.report import UNITS, describe, regime_table
 from minituner.sft import LargestBatch, SFTConfig
 
-from ._common import add_sft_arguments, positive_float, positive_int
+from ._common import add_sft_arguments, data_selection, positive_float, positive_int
 
 HELP = "count trainable/frozen parameters and memory (weights, grads, optimizer, activations) per regime"
 
@@ -173,10 +173,11 @@ def data_batch(args: argparse.Namespace, batch_size: int) -> tuple[LargestBatch 
     """The largest batch finetune makes from --data and a note when finetune would refuse the data ((None, None)
     without --data); --data needs --base."""
     sft_flags = (args.format is not None or args.train_on_inputs or args.overlong != "truncate"
-                 or args.chat_template is not None or bool(args.columns))
+                 or args.chat_template is not None or bool(data_selection(args).flags()))
     if args.data is None:
         if sft_flags:
-            raise InputError("--format, --columns, --chat-template, --train-on-inputs and --overlong apply to --data")
+            raise InputError("--format, --columns, --data-config, --data-split, --chat-template, --train-on-inputs and "
+                             "--overlong apply to --data")
         return None, None
     if args.base is None:
         raise InputError("--data needs --base: the folder's tokenizer and chat template read it as finetune does")
@@ -185,7 +186,7 @@ def data_batch(args: argparse.Namespace, batch_size: int) -> tuple[LargestBatch 
     window = args.seq_len or default_seq_len(args.base)
     return largest_data_batch(args.data, args.base, window, batch_size, args.format,
                               SFTConfig(train_on_inputs=args.train_on_inputs, overlong=args.overlong),
-                              args.chat_template, args.columns)
+                              args.chat_template, data_selection(args))
 
 
 def describe_batch(batch: LargestBatch, source: str) -> str:

@@ -20,8 +20,8 @@ from ..sft import FORMATS, SFTConfig, is_sft_source, trained_template
 from ..sft.examples import OVERLONG
 from ..trained_model import load_trained
 from ..upcast import compute_in_fp32
-from ._common import (add_adapter_base_arguments, add_columns_argument, add_inference_precision_arguments, positive_int,
-                      quant_scheme)
+from ._common import (add_adapter_base_arguments, add_inference_precision_arguments, add_selection_arguments,
+                      data_selection, positive_int, quant_scheme)
 
 HELP = ("mean loss over the counted tokens of --data (answers only for instruction data, every token for text), "
         "perplexity, examples and tokens; --json prints one object")
@@ -36,7 +36,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--split", choices=SPLITS, default="all",
                    help="evaluate one split as finetune splits the data, or all of it (default %(default)s)")
     p.add_argument("--format", choices=FORMATS, help="a data file's shape (default: recognised per file)")
-    add_columns_argument(p)
+    add_selection_arguments(p)
     p.add_argument("--chat-template", type=Path, metavar="FILE",
                    help="a Jinja chat template for the chats (default: the one the --adapter run trained with, else "
                         "the base's)")
@@ -80,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
                            log=lambda m: print(m, file=sys.stderr),
                            template_file=args.chat_template or (trained_template(args.adapter)
                                                                 if is_sft_source(args.data) else None),
-                           columns=args.columns)
+                           selection=data_selection(args))
     if not math.isfinite(result.loss):
         raise FloatingPointError(f"the loss is {result.loss}: the model's logits are not finite (its weights, or "
                                  "the adapter's, hold nan or inf, or its config's numbers make them)")

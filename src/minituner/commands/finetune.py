@@ -122,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
                          format=args.format, train_on_inputs=args.train_on_inputs, overlong=args.overlong,
                          model_dropout=args.model_dropout,
                          chat_template=str(args.chat_template) if args.chat_template else None,
-                         columns=args.columns)
+                         columns=args.columns, data_config=args.data_config, data_splits=args.data_split)
     device = resolve_device(args.device, local_rank())
     check_precision(args.precision, device, args.allow_slow_bf16)  # refused before anything is loaded
     init_from_env(device)  # torchrun: join the process group (gloo on CPU, nccl on CUDA)

@@ -5,7 +5,8 @@ and ``datasets``' ``to_parquet`` / ``save_to_disk`` write), or folders of them.
 ``formats`` says what one record may hold; this module finds the files, reads their records in order and names
 the file and line (or row) of every mistake. In a folder, a file whose path names a split as Hugging Face
 ``datasets`` names them (``train-00000-of-00001.parquet``, ``test.jsonl``, ``validation/``, ``dev.json``) keeps
-that split (``Record.split``; ``formats.split_records`` honours it).
+that split (``Record.split``; ``formats.split_records`` honours it). A folder whose dataset card declares configs
+(``dataset_card``) is read as its config says: the files each split's patterns match.
 """
 from __future__ import annotations
 
@@ -22,7 +23,9 @@ from pathlib import Path
 
 from minigpt.errors import InputError
 
-from .formats import SPLITS, Columns, Record, check_format, first_format, parse_record, renamed
+from .dataset_card import card_configs, choose_config, pattern_files
+from .formats import (SPLITS, Columns, DataSelection, Record, SplitNames, check_format, first_format, parse_record,
+                      renamed)
 
 JSON_SUFFIXES = (".jsonl", ".json")
 CSV_SUFFIXES = (".csv", ".tsv")  # read with the csv module: every cell a string, as written
@@ -234,32 +237,14 @@ def _saved_arrow_files(folder: Path) -> set[str] | None:
         return None
 
 
-def _declares_configs(readme: Path) -> bool:
-    """Whether a dataset card's YAML header declares several configs (subsets, each with its own data files);
-    push_to_hub writes one, "default", for every data set."""
-    try:
-        text = readme.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError):
-        return False
-    if not text.startswith("---"):
-        return False
-    header = text[3:].split("\n---", 1)[0]
-    return sum(line.lstrip("- ").startswith("config_name:") for line in header.splitlines()) > 1
-
-
 def split_named(relative: Path, in_data: bool = False) -> str | None:
     """The split a data file's path (relative to the folder given) names, or None, as datasets resolves it: a
-    Hub shard's name in a snapshot's data/ folder (`in_data`: data/train-00000-of-00002.parquet) exactly (a split
-    other than train, validation and test is refused); else folder names first, then the file's, by their whole
-    words, case-sensitive. A name that names two splits is refused."""
+    Hub shard's name in a snapshot's data/ folder (`in_data`: data/train_sft-00000-of-00002.parquet) exactly, as
+    written (train_sft); else train, val or test, by folder names first, then the file's, by their whole words,
+    case-sensitive. A name that names two splits is refused."""
     shard = SHARD_NAME.match(relative.name) if in_data else None
     if shard:
-        split = SPLIT_WORDS.get(shard["split"])
-        if split is None:
-            raise InputError(f"{relative}: a shard of the split {shard['split']!r} (as datasets names "
-                             f"{{split}}-00000-of-00001 files), not one of train, validation or test: give --data "
-                             "the files of the split to train on")
-        return split
+        return shard["split"]
     for part in (*relative.parts[:-1], relative.stem):
         found = {SPLIT_WORDS[w] for w in WORD_SEPARATORS.split(part) if w in SPLIT_WORDS}
         if len(found) > 1:
@@ -269,31 +254,63 @@ def split_named(relative: Path, in_data: bool = False) -> str | None:
     return None
 
 
-def data_files(path: str | Path) -> list[tuple[Path, str | None]]:
-    """(file, split its path names) for `path` itself, or for the data files under a folder (recursively, sorted,
-    hidden ones skipped; a save_to_disk folder's own .arrow files, not datasets' caches beside them).
+def data_files(path: str | Path, selection: DataSelection = DataSelection()) -> list[tuple[Path, str | None]]:
+    """(file, split it is read as) for `path` itself, or for the data files of a folder: those its dataset card's
+    config names (dataset_card: --data-config, or the config datasets reads unnamed), else the data files under it
+    (recursively, sorted, hidden ones skipped; a save_to_disk folder's own .arrow files, not datasets' caches beside
+    them), each in the split its path names.
 
     Refused, as data is never skipped silently: a folder that also holds text files (a README excepted) or data
-    this module does not read (.zst, .zip, ...), one whose dataset card declares configs (subsets), and one where
+    this module does not read (.zst, .zip, ...), one whose card declares several configs and none is chosen, a
+    split named otherwise than train, validation or test unless --data-split says what it is, and a folder where
     some files name a split and others do not.
     """
     path = Path(path)
     if not path.exists():
         raise InputError(f"{path}: data file or folder not found")
     if path.is_file():
+        if selection.config is not None or selection.splits:
+            raise InputError(f"--data-config and --data-split choose among a folder's configs and splits; {path} is "
+                             "one file")
         if data_kind(path) is None:
             raise InputError(f"{path}: not a data file this reads (.jsonl, .json, .csv, .tsv, compressed .gz/.bz2/"
                              ".xz or not; .parquet, .arrow)")
         return [(path, None)]
-    listed = _listed(path)
-    cards = [p for p in listed if _is_metadata(p) and p.suffix.lower() == ".md" and _declares_configs(p)]
-    if cards:
-        raise InputError(f"{path}: its dataset card ({cards[0].relative_to(path)}) declares configs, subsets with "
-                         "data files of their own: give --data the files of one")
-    listed = [p for p in listed if not _is_metadata(p)]
+    config = choose_config(card_configs(path), selection.config, path)
+    if config is not None and config.patterns is not None:
+        named = [(f, split) for split, files in pattern_files(path, config) for f in files]
+        where = f"{path} (config {config.name!r} of its dataset card)"
+    else:  # no card configs, or one that is a folder of files split by their names
+        root = path / config.data_dir if config is not None and config.data_dir else path
+        if not root.is_dir():
+            raise InputError(f"{path}: config {config.name!r} of its dataset card names the folder {config.data_dir}, "
+                             "which is not there")
+        named = _named_files(root)
+        where = str(path)
+    return _as_our_splits(named, selection.splits, where, path)
+
+
+def _named_files(path: Path) -> list[tuple[Path, str | None]]:
+    """(file, the split its path names as written, or None) for the data files under a folder."""
+    listed = [p for p in _listed(path) if not _is_metadata(p)]
     saved = {folder: _saved_arrow_files(folder) for folder in {p.parent for p in listed}}
     files = [p for p in listed if data_kind(p) is not None
              and (saved[p.parent] is None or p.suffix.lower() != ".arrow" or p.name in saved[p.parent])]
+    _check_kinds(path, listed, files)
+    # datasets reads {split}-00000-of-00001 names exactly in a snapshot's data/ (given the snapshot or data/)
+    data_dir = path / "data" if path.name != "data" else path
+    named = [(p, split_named(p.relative_to(path), p.parent == data_dir and saved[p.parent] is None)) for p in files]
+    unnamed = [p for p, split in named if split is None]
+    if len(unnamed) < len(named) and unnamed:
+        split, first = next((s, p) for p, s in named if s is not None)
+        raise InputError(f"{path}: {first.relative_to(path)} is in the {SPLIT_WORDS.get(split, split)} split by its "
+                         f"name, but {unnamed[0].relative_to(path)} names none of {', '.join(SPLITS)}; give one "
+                         "split's files or rename them")
+    return named
+
+
+def _check_kinds(path: Path, listed: list[Path], files: list[Path]) -> None:
+    """Refuse a folder holding data this does not read, no data, or text files beside the data."""
     unread = [p for p in listed if p.suffix.lower() in UNREAD_SUFFIXES]
     if unread:
         raise InputError(f"{path}: {unread[0].relative_to(path)} is data this does not read; convert it to .jsonl "
@@ -304,16 +321,48 @@ def data_files(path: str | Path) -> list[tuple[Path, str | None]]:
     if text:
         raise InputError(f"{path}: the folder holds data files and text files ({text[0].name}); "
                          "give a folder of one kind")
-    # datasets reads {split}-00000-of-00001 names exactly in a snapshot's data/ (given the snapshot or data/)
-    data_dir = path / "data" if path.name != "data" else path
-    named = [(p, split_named(p.relative_to(path), p.parent == data_dir and saved[p.parent] is None)) for p in files]
-    unnamed = [p for p, split in named if split is None]
-    if len(unnamed) < len(named) and unnamed:
-        split, first = next((s, p) for p, s in named if s is not None)
-        raise InputError(f"{path}: {first.relative_to(path)} is in the {split} split by its name, but "
-                         f"{unnamed[0].relative_to(path)} names none of {', '.join(SPLITS)}; give one split's files "
-                         "or rename them")
-    return named
+
+
+def _example_splits(names: list[str]) -> str:
+    """An example --data-split for these split names: train= the first whose words name train (train_sft), val= the
+    first naming val, else test (test_sft)."""
+    def first(*ours: str) -> str | None:
+        return next((n for o in ours for n in names
+                     if any(SPLIT_WORDS.get(w) == o for w in WORD_SEPARATORS.split(n))), None)
+
+    pairs = [(o, n) for o, n in (("train", first("train") or names[0]), ("val", first("val", "test"))) if n]
+    return ",".join(f"{o}={n}" for o, n in pairs)
+
+
+def _as_our_splits(named: list[tuple[Path, str | None]], splits: SplitNames, where: str, path: Path
+                   ) -> list[tuple[Path, str | None]]:
+    """The files whose split is read as train, val or test: with --data-split, the splits it names (the others are
+    not read); without, each by its own name (SPLIT_WORDS: validation, dev... are val), a name that is none of
+    them refused."""
+    for f, _ in named:
+        if data_kind(f) is None:
+            kind = "data this does not read" if f.suffix.lower() in UNREAD_SUFFIXES else "not a data file this reads"
+            raise InputError(f"{where}: {f.relative_to(path)} is {kind}; convert it to .jsonl or .parquet")
+    theirs = list(dict.fromkeys(s for _, s in named if s is not None))
+    if splits:
+        missing = [name for _, name in splits if name not in theirs]
+        if missing:
+            has = f"its splits are {', '.join(theirs)}" if theirs else "its files name no split"
+            raise InputError(f"--data-split: {where} has no split {missing[0]!r} ({has})")
+        ours = {name: split for split, name in splits}
+        return [(f, ours[s]) for f, s in named if s in ours]
+    unknown = [s for s in theirs if s not in SPLIT_WORDS]
+    if unknown:
+        raise InputError(f"{where}: its split {unknown[0]!r} is none of train, validation or test (its splits: "
+                         f"{', '.join(theirs)}); say which to read with --data-split, e.g. {_example_splits(theirs)}")
+    by_ours: dict[str, list[str]] = {}
+    for s in theirs:
+        by_ours.setdefault(SPLIT_WORDS[s], []).append(s)
+    twice = next((names for names in by_ours.values() if len(names) > 1), None)
+    if twice:
+        raise InputError(f"{where}: its splits {' and '.join(twice)} both read as {SPLIT_WORDS[twice[0]]}; say which "
+                         f"to read with --data-split {SPLIT_WORDS[twice[0]]}={twice[0]}")
+    return [(f, None if s is None else SPLIT_WORDS[s]) for f, s in named]
 
 
 def is_structured(path: str | Path) -> bool:
@@ -325,7 +374,8 @@ def is_structured(path: str | Path) -> bool:
     return path.is_dir() and any(data_kind(p) is not None for p in _listed(path))
 
 
-def read_records(path: str | Path, fmt: str | None = None, columns: Columns = ()) -> list[Record]:
-    """Every record of a data file or folder, in file order (files sorted by path), tagged with the split their
-    file names."""
-    return [r for f, split in data_files(path) for r in read_file(f, fmt, split, columns)]
+def read_records(path: str | Path, fmt: str | None = None, selection: DataSelection = DataSelection()
+                 ) -> list[Record]:
+    """Every record of a data file or folder (data_files: those of the chosen config and splits), in file order
+    (a card's splits in its order, files sorted by path), tagged with the split each is read as."""
+    return [r for f, split in data_files(path, selection) for r in read_file(f, fmt, split, selection.columns)]

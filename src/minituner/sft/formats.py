@@ -180,17 +180,53 @@ def parse_record(obj, fmt: str, where: str) -> Record:
 # the fields the shapes read, which --columns may take from a data set's own columns
 FIELDS = ("text", "prompt", "completion", "messages", "conversations", "instruction", "input", "output", "system")
 Columns = tuple[tuple[str, str], ...]  # (the field a shape reads, the data set's column it comes from)
+SplitNames = tuple[tuple[str, str], ...]  # (train, val or test; the data set's own name for that split)
+
+
+@dataclass(frozen=True)
+class DataSelection:
+    """Which records of a data set to read, under which names: --data-config, --data-split and --columns."""
+
+    config: str | None = None  # a dataset card's config (subset); None: the one datasets reads unnamed
+    splits: SplitNames = ()  # the data set's splits to read as ours (train=train_sft); (): read by their names
+    columns: Columns = ()  # (field a shape reads, the data set's column) renames
+
+    def flags(self) -> list[str]:
+        """The flags that set it, as a user gave them."""
+        return [flag for flag, given in (("--data-config", self.config), ("--data-split", self.splits),
+                                         ("--columns", self.columns)) if given]
+
+
+def parse_pairs(spec: str, flag: str, example: str) -> tuple[tuple[str, str], ...]:
+    """A flag's "A=B,C=D" as given -> (("A", "B"), ("C", "D")); `example` shows the form in the error."""
+    pairs = []
+    for part in spec.split(","):
+        left, sep, right = (x.strip() for x in part.partition("="))
+        if not sep or not left or not right:
+            raise InputError(f"{flag} {spec!r}: each item is {example}")
+        pairs.append((left, right))
+    return tuple(pairs)
+
+
+def parse_data_splits(spec: str) -> SplitNames:
+    """``--data-split`` as given: "train=train_sft,val=test_sft" -> (("train", "train_sft"), ("val", "test_sft"))."""
+    return check_data_splits(parse_pairs(spec, "--data-split", "SPLIT=NAME, e.g. train=train_sft,val=test_sft"), spec)
+
+
+def check_data_splits(splits: SplitNames, spec: str | None = None) -> SplitNames:
+    """(split, name) pairs whose splits are ours (train, val, test), each given once, naming distinct splits."""
+    given = spec if spec is not None else ",".join(f"{a}={b}" for a, b in splits)
+    for ours, _ in splits:
+        if ours not in SPLITS:
+            raise InputError(f"--data-split {given!r}: {ours!r} is not one of {', '.join(SPLITS)}")
+    if len({a for a, _ in splits}) < len(splits) or len({b for _, b in splits}) < len(splits):
+        raise InputError(f"--data-split {given!r} names a split twice")
+    return splits
 
 
 def parse_columns(spec: str) -> Columns:
     """``--columns`` as given: "prompt=question,completion=answer" -> (("prompt", "question"), ...)."""
-    pairs = []
-    for part in spec.split(","):
-        name, sep, column = (x.strip() for x in part.partition("="))
-        if not sep or not name or not column:
-            raise InputError(f"--columns {spec!r}: each item is FIELD=COLUMN, e.g. prompt=question,completion=answer")
-        pairs.append((name, column))
-    return check_columns(tuple(pairs), spec)
+    return check_columns(parse_pairs(spec, "--columns", "FIELD=COLUMN, e.g. prompt=question,completion=answer"), spec)
 
 
 def check_columns(columns: Columns, spec: str | None = None) -> Columns:

@@ -9,7 +9,7 @@ from minigpt.errors import InputError
 from .builtin import BUILTIN_SFT, builtin_records
 from .examples import Example, SFTConfig, SFTStats, tokenize_records
 from .files import is_structured, read_records
-from .formats import SPLITS, Columns, Record, split_records
+from .formats import SPLITS, DataSelection, Record, split_records
 from .templates import ChatTemplate
 
 BUILTIN_PREFIX = "builtin:"
@@ -23,21 +23,24 @@ def is_sft_source(source: str | Path) -> bool:
     return is_structured(s)
 
 
-def plain_text_only(source: str, fmt: str | None, template_file: Path | None, columns: Columns = ()) -> None:
+def plain_text_only(source: str, fmt: str | None, template_file: Path | None,
+                    selection: DataSelection = DataSelection()) -> None:
     """Refuse the instruction-data options for plain text, which has neither records nor chats."""
-    for flag, given in (("--format", fmt), ("--chat-template", template_file), ("--columns", columns or None)):
-        if given is not None:
-            raise InputError(f"{flag} applies to .jsonl/.json/.parquet/.arrow data, not to {source} (plain text)")
+    flags = [flag for flag, given in (("--format", fmt), ("--chat-template", template_file)) if given is not None]
+    for flag in flags + selection.flags():
+        raise InputError(f"{flag} applies to .jsonl/.json/.parquet/.arrow data, not to {source} (plain text)")
 
 
-def load_records(source: str | Path, fmt: str | None = None, columns: Columns = ()) -> list[Record]:
-    """``builtin:forecast-qa`` or a .jsonl/.json/.parquet/.arrow file or folder, every record in order."""
+def load_records(source: str | Path, fmt: str | None = None, selection: DataSelection = DataSelection()
+                 ) -> list[Record]:
+    """``builtin:forecast-qa`` or a .jsonl/.json/.parquet/.arrow file or folder, every record in order (of a
+    folder, the config and splits `selection` chooses)."""
     s = str(source)
     if s.startswith(BUILTIN_PREFIX):
-        if fmt is not None or columns:
-            raise InputError(f"{s} has a fixed format; --format and --columns apply to files")
+        for flag in (["--format"] if fmt is not None else []) + selection.flags():
+            raise InputError(f"{s} has a fixed format and splits; {flag} applies to files")
         return builtin_records(s[len(BUILTIN_PREFIX):])
-    return read_records(Path(s), fmt, columns)
+    return read_records(Path(s), fmt, selection)
 
 
 def split_names(records: list[Record]) -> list[str]:
@@ -79,9 +82,9 @@ def prepare_sft(source: str | Path, tokenizer, template: ChatTemplate, block_siz
 
 def prepare_eval(source: str | Path, tokenizer, template: ChatTemplate, block_size: int,
                  cfg: SFTConfig | None = None, fmt: str | None = None, split: str | None = None,
-                 columns: Columns = ()) -> tuple[list[Example], SFTStats]:
+                 selection: DataSelection = DataSelection()) -> tuple[list[Example], SFTStats]:
     """Examples to evaluate on: every record of `source`, or one split of it (split_records: train, val, test)."""
-    records = load_records(source, fmt, columns)
+    records = load_records(source, fmt, selection)
     if split is not None:
         if split not in SPLITS:
             raise InputError(f"unknown split {split!r}; valid: {', '.join(SPLITS)}")
