@@ -3,7 +3,8 @@
 Format ``minituner-lora-v1``: one safetensors file whose keys are ``<module path>.lora_A.weight``
 (r × in) and ``<module path>.lora_B.weight`` (out × r), e.g. ``blocks.0.attn.q_proj.lora_A.weight``
 (PEFT's keys without the ``base_model.model.`` prefix), and whose metadata holds the LoRAConfig
-(``r``, ``lora_alpha``, ``lora_dropout``, ``use_rslora``, ``target_modules`` as JSON).
+(``r``, ``lora_alpha``, ``lora_dropout``, ``use_rslora``, ``target_modules`` as JSON) and, for a QLoRA adapter,
+the ``quant_scheme`` its targets were quantized by.
 A ``.pt`` / ``.pth`` / ``.bin`` adapter is read only with ``torch.load(weights_only=True)``.
 """
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch.nn as nn
 
 from minigpt.errors import InputError
 from minigpt.io import atomic_save_safetensors, load_safetensors
+from miniquant import QuantizedLinear
 
 from .adapter_tensors import load_pickled_tensors, module_paths, normalize_keys
 from .lora import (LoRAConfig, adapter_config, apply_lora, linear_candidates, load_lora_state_dict, lora_state_dict,
@@ -36,8 +38,22 @@ def save_adapter(model: nn.Module, path: str | Path, adapter_name: str | None = 
     meta = {"format": FORMAT, "r": str(cfg.r), "lora_alpha": repr(float(cfg.alpha)),
             "lora_dropout": repr(float(cfg.dropout)), "use_rslora": json.dumps(cfg.use_rslora),
             "target_modules": json.dumps(cfg.target_modules)}
+    schemes = {m.scheme for m in model.modules() if isinstance(m, QuantizedLinear)}
+    if len(schemes) == 1:  # QLoRA: the scheme its targets were quantized by, for a file read without its run
+        meta["quant_scheme"] = schemes.pop()
     atomic_save_safetensors(lora_state_dict(model, adapter_name), path, metadata=meta)
     return path
+
+
+def adapter_file_scheme(path: str | Path) -> str | None:
+    """The quant_scheme a minituner adapter file (or a folder holding one) records: the QLoRA run's; None for a
+    LoRA adapter, an older file, a PEFT folder or a legacy file."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / ADAPTER_FILE
+    if not path.is_file() or path.suffix.lower() != ".safetensors":
+        return None
+    return read_metadata(path).get("quant_scheme") or None
 
 
 def read_metadata(path: Path) -> dict[str, str]:

@@ -246,8 +246,10 @@ def inference_precision(requested: str, preferred: str, support: Bf16Support) ->
 
 
 def stored_precision(model: nn.Module) -> str:
-    """"bf16" for a model whose values are mostly bf16 (a bf16 checkpoint as read), else "fp32"."""
-    return "bf16" if dtype_of_most_values((p.dtype, p.numel()) for p in model.parameters()) == BF16 else "fp32"
+    """"bf16" for a model whose base values are mostly bf16 (a bf16 checkpoint as read), else "fp32"; an adapter's
+    fp32 factors do not count (a QLoRA model's float parameters are few: a large rank could outweigh them)."""
+    base = ((p.dtype, p.numel()) for name, p in model.named_parameters() if "lora_" not in name)
+    return "bf16" if dtype_of_most_values(base) == BF16 else "fp32"
 
 
 def compute_in_bf16(model: nn.Module) -> nn.Module:

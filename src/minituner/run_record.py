@@ -3,15 +3,17 @@ and its window.
 
     check_run_base(base, adapter)   # an InputError when the run holding `adapter` recorded other base weights
     trained_seq_len(adapter)        # the run's --seq-len (None: no run manifest)
-    run_quant_scheme(adapter)       # the scheme a QLoRA run quantized its targets by (None: LoRA, no manifest)
+    run_quant_scheme(adapter)       # the scheme a QLoRA run quantized its targets by (None: LoRA; its adapter file
+                                    # records it too, for a file read without its run)
     trained_precision(adapter)      # "fp32" or "bf16", what the run computed in
 
 A run's manifest.json records ``base_sha256`` (``base_model.base_weights_sha256``: every checkpoint file's bytes)
-and ``base_files``, each checkpoint file's size and modification time. An adapter applied to another model of the
-same shapes loads, generates and merges without a sign, so ``export``, ``generate`` and ``eval`` check the base
-before using it. When every file still has the size and modification time the run saw, the weights are taken
-as unchanged (as make and rsync decide), so a 7B base (13 GB, ~10 s of sha256 here) is not hashed on every
-``generate``; otherwise, or for a manifest without ``base_files`` (runs before it was recorded), the sha256 decides.
+and ``base_files``, each checkpoint file's size, modification time, inode and status change time. An adapter
+applied to another model of the same shapes loads, generates and merges without a sign, so ``export``,
+``generate`` and ``eval`` check the base before using it. When every file is still the one the run saw, untouched
+(the four stats equal), the weights are taken as unchanged, so a 7B base (13 GB, ~10 s of sha256 here) is not
+hashed on every ``generate``; otherwise, or for a manifest without ``base_files`` (runs before it was recorded, or
+before it held inodes), the sha256 decides.
 """
 from __future__ import annotations
 
@@ -21,14 +23,19 @@ from minigpt.base_folder import MANIFEST
 from minigpt.errors import InputError
 from minigpt.io import read_json
 
+from .adapter_io import adapter_file_scheme
 from .base_model import base_weights_sha256
 from .hf_load import checkpoint_files
 from .qlora import check_scheme
 
 
 def base_file_stats(folder: str | Path) -> dict[str, list[int]]:
-    """Checkpoint file name -> [bytes, modification time in ns] of a base folder's weights."""
-    return {f.name: [(st := f.stat()).st_size, st.st_mtime_ns] for f in checkpoint_files(Path(folder))}
+    """Checkpoint file name -> [bytes, modification time in ns, inode, status change time in ns] of a base folder's
+    weights: the same file, untouched since. Size and mtime alone would pass another model of the same shapes
+    where mtimes are normalised (a Nix store, a reproducible tar, `rsync -a` from one); a copy of the file has
+    another inode and ctime, so it is hashed."""
+    return {f.name: [(st := f.stat()).st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns]
+            for f in checkpoint_files(Path(folder))}
 
 
 def run_manifest(adapter: str | Path) -> dict | None:
@@ -73,8 +80,10 @@ def trained_seq_len(adapter: str | Path | None) -> int | None:
 
 
 def run_quant_scheme(adapter: str | Path) -> str | None:
-    """The quant_scheme the finetune run holding `adapter` trained on (None: a float base, or no run manifest)."""
-    scheme = _run_config(adapter).get("quant_scheme")
+    """The quant_scheme the finetune run holding `adapter` trained on: its manifest's, else (an adapter file
+    without its run) the one the file records; None for a float base, or where neither says."""
+    manifest = run_manifest(adapter)
+    scheme = (manifest.get("config") or {}).get("quant_scheme") if manifest else adapter_file_scheme(adapter)
     return check_scheme(scheme) if scheme else None
 
 

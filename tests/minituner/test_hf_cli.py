@@ -281,8 +281,14 @@ def test_generate_and_eval_refuse_a_base_other_than_the_runs(hf_folder, data, tm
         err = capsys.readouterr().err
         assert len(err.splitlines()) == 1 and "not the base this adapter's run trained on" in err, err
         assert main([*argv, "--base", str(other), "--adapter", str(tmp_path / "run"), "--allow-other-base"]) == 0
+    # the other model's files given the run's names, sizes and modification times (as a Nix store or a reproducible
+    # tar normalises them): other inodes, so they are hashed, and refused
+    for weights in (p for p in base.iterdir() if p.suffix == ".safetensors"):
+        os.utime(other / weights.name, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns))
+        assert (other / weights.name).stat().st_size == weights.stat().st_size
+    assert main([*commands["generate"], "--base", str(other), "--adapter", str(tmp_path / "run")]) == 2
     capsys.readouterr()
-    # the run's base, unchanged since (the size and modification time the manifest records): not hashed again
+    # the run's base, unchanged since (the file, untouched, that the manifest records): not hashed again
     monkeypatch.setattr(run_record, "base_weights_sha256", lambda folder: pytest.fail("hashed an unchanged base"))
     assert main([*commands["generate"], "--base", str(base), "--adapter", str(tmp_path / "run" / "adapter_peft")]) == 0
     monkeypatch.undo()
@@ -312,9 +318,14 @@ def test_eval_takes_the_runs_window_and_a_long_context_base(hf_folder, data, tmp
     assert main([*evaluate, "--seq-len", "65"]) == 2
     err = capsys.readouterr().err
     assert "--seq-len 65 exceeds the model's context of 64 tokens" in err and len(err.splitlines()) == 1
+    short = hf_folder("llama", name="llama-8", max_position_embeddings=8)  # the run's window does not fit
+    assert main([*evaluate, "--adapter", str(tmp_path / "run"), "--base", str(short), "--allow-other-base"]) == 2
+    err = capsys.readouterr().err
+    assert f"its run trained with --seq-len 16, more than {short}'s context of 8 tokens; give eval --seq-len N" in err
     long_context = hf_folder("llama", name="llama-131k", max_position_embeddings=131072)
     assert main(["eval", "--base", str(long_context), "--data", str(data), "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["tokens"] % 512 == 0  # windows of min(131,072, 512)
+    result = json.loads(capsys.readouterr().out)
+    assert result["tokens"] == result["examples"] * 512 > 0  # windows of min(131,072, 512)
 
 
 NO_BF16_UNITS = frozenset({"sse4_2", "avx2", "avx512f"})  # an AVX-512 CPU without avx512_bf16 or amx_bf16
@@ -355,7 +366,8 @@ def test_generate_computes_a_bf16_checkpoint_as_stored_where_bf16_is_fast(hf_fol
     assert len(err.splitlines()) == 1 and "this CPU has no bf16 units" in err
 
 
-def test_eval_and_generate_put_a_qlora_adapter_on_the_base_it_trained_on(hf_folder, data, tmp_path, capsys):
+def test_eval_and_generate_put_a_qlora_adapter_on_the_base_it_trained_on(hf_folder, data, tmp_path, capsys,
+                                                                         monkeypatch):
     """A QLoRA adapter learned against its targets' NF4 weights: eval and generate read the base so (--quant-scheme
     auto, the run's), so eval reproduces the run's val loss; --quant-scheme none reads the float base instead."""
     base = hf_folder("llama", name="llama-cli")
@@ -369,9 +381,31 @@ def test_eval_and_generate_put_a_qlora_adapter_on_the_base_it_trained_on(hf_fold
     assert nf4 == pytest.approx(manifest["results"]["val_loss_after"], rel=1e-5)
     assert main([*evaluate, "--quant-scheme", "none"]) == 0
     assert json.loads(capsys.readouterr().out)["loss"] != pytest.approx(nf4, rel=1e-5)
-    assert main(["generate", "--base", str(base), "--adapter", str(tmp_path / "run"), "--prompt", "the wind",
-                 "--max-new-tokens", "3", "--temperature", "0"]) == 0
+    import minituner.trained_model as trained_model
+
+    # the run's adapter file copied without its run: the file records the scheme (the window is then the flag's)
+    shutil.copy(tmp_path / "run" / ADAPTER_FILE, tmp_path / "alone.safetensors")
+    assert main([*evaluate[:4], str(tmp_path / "alone.safetensors"), *evaluate[5:], "--seq-len", "16"]) == 0
+    assert json.loads(capsys.readouterr().out)["loss"] == nf4
+    read = []
+    real = trained_model.load_base
+    monkeypatch.setattr(trained_model, "load_base", lambda *a, **k: read.append(k["quantize"]) or real(*a, **k))
+    generate = ["generate", "--base", str(base), "--adapter", str(tmp_path / "run"), "--prompt", "the wind",
+                "--max-new-tokens", "3", "--temperature", "0"]
+    assert main(generate) == 0 and read[-1][1] == manifest["config"]["quant_scheme"] == "nf4_per_group_64"
     assert capsys.readouterr().out.splitlines()[1].startswith("the wind")
+    assert main([*generate, "--quant-scheme", "NONE"]) == 0 and read[-1] is None
+    capsys.readouterr()
+    monkeypatch.setattr(trained_model, "load_base", lambda *a, **k: pytest.fail("read the base before refusing"))
+    monkeypatch.setattr("minituner.run_record.base_weights_sha256", lambda f: pytest.fail("hashed before refusing"))
+    no_adapter = generate[:3] + generate[5:]
+    for command, message in (([*generate, "--quant-scheme", "nf5"], "--quant-scheme 'nf5': "),
+                             ([*generate, "--quant-scheme", ""], "--quant-scheme '': "),
+                             ([*no_adapter, "--quant-scheme", "auto"], "--quant-scheme and --allow-other-base apply "
+                                                                       "to an --adapter")):
+        assert main(command) == 2, command
+        err = capsys.readouterr().err
+        assert len(err.splitlines()) == 1 and message in err, err
 
 
 def test_eval_computes_in_the_precision_the_run_trained_in(hf_folder, data, tmp_path, capsys, monkeypatch):

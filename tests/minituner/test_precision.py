@@ -307,3 +307,17 @@ def test_a_full_fine_tune_trains_through_fp32_products_with_the_same_gradients(b
     assert grads.keys() == ref_grads.keys()
     for name, g in ref_grads.items():
         torch.testing.assert_close(grads[name], g, rtol=1e-4, atol=1e-6)
+
+
+def test_stored_precision_counts_the_base_not_an_adapters_factors():
+    """A QLoRA model's float parameters are few (embedding, norms, head): a large rank's fp32 factors must not make a
+    bf16 checkpoint read as fp32 (generate --precision auto would then pick fp32)."""
+    from minituner.precision import stored_precision
+
+    model = MiniGPT(GPTConfig(vocab_size=32, block_size=8, n_layer=1, n_head=2, d_model=32)).to(torch.bfloat16)
+    assert stored_precision(model) == "bf16"
+    apply_lora(model, LoRAConfig(r=32, alpha=32, target_modules="all-linear"))  # fp32 factors outnumber the base
+    lora_values = sum(p.numel() for n, p in model.named_parameters() if "lora_" in n)
+    assert lora_values > sum(p.numel() for n, p in model.named_parameters() if "lora_" not in n)
+    assert stored_precision(model) == "bf16"
+    assert stored_precision(model.float()) == "fp32"

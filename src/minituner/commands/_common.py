@@ -5,7 +5,9 @@ import argparse
 from pathlib import Path
 
 from minigpt.device import PRECISIONS
+from minigpt.errors import InputError
 
+from ..qlora import check_scheme
 from ..sft import FORMATS, Columns, DataSelection, parse_columns, parse_data_splits
 from ..sft.formats import FIELDS, SplitNames
 from ..sft.examples import OVERLONG
@@ -134,18 +136,29 @@ def checkpoint_options(args: argparse.Namespace) -> dict:
 def add_adapter_base_arguments(p: argparse.ArgumentParser, verb: str = "use") -> None:
     """--quant-scheme and --allow-other-base: how a command puts --adapter on --base (export merges, eval and
     generate use it)."""
-    p.add_argument("--quant-scheme", default="auto",
+    p.add_argument("--quant-scheme", metavar="auto|none|SCHEME",
                    help=f"a QLoRA adapter: {verb} it on the base with its targets quantized by this scheme as they are "
-                        "read, as its run trained it (export: then dequantized and merged, as PEFT merges); 'auto' "
-                        "(default): the scheme the run's manifest.json records; 'none': the float base")
+                        "read, as its run trained it (export: then dequantized and merged, as PEFT merges); auto "
+                        "(default): the scheme the run's manifest.json (or its adapter file) records; none: the float "
+                        "base")
     p.add_argument("--allow-other-base", action="store_true",
                    help=f"{verb} the adapter even when --base's weights differ from those its run's manifest records "
                         "(e.g. the same model converted to another dtype)")
 
 
 def quant_scheme(args: argparse.Namespace) -> str | None:
-    """--quant-scheme as load_trained takes it: 'none' -> None."""
-    return None if args.quant_scheme.lower() == "none" else args.quant_scheme
+    """--quant-scheme as load_trained takes it ("auto", None for none, or a scheme's name), checked before anything
+    is read; it and --allow-other-base are refused without --adapter, which they are about."""
+    given = args.quant_scheme
+    if args.adapter is None and (given is not None or args.allow_other_base):
+        raise InputError("--quant-scheme and --allow-other-base apply to an --adapter")
+    word = "auto" if given is None else given.strip().lower()
+    if word in ("auto", "none"):
+        return None if word == "none" else "auto"
+    try:
+        return check_scheme(given.strip())
+    except InputError as e:
+        raise InputError(f"--quant-scheme {given!r}: {e}; or auto, none") from None
 
 
 PRECISION_ALIASES = {"bf16-autocast": "bf16"}  # the old CUDA flag: the same bf16 path now
@@ -165,12 +178,12 @@ def add_precision_arguments(p: argparse.ArgumentParser, default: str = "fp32") -
                    help="run --precision bf16 on a CPU without bf16 units (slower than fp32) instead of refusing")
 
 
-def add_inference_precision_arguments(p: argparse.ArgumentParser, auto: str) -> None:
+def add_inference_precision_arguments(p: argparse.ArgumentParser, auto: str, cuda: bool = True) -> None:
     """--precision {auto,fp32,bf16} and --allow-slow-bf16 for a command that runs a model without training it;
-    `auto` says what auto picks."""
+    `auto` says what auto picks; `cuda`: the command runs on CUDA too."""
     p.add_argument("--precision", type=_precision, choices=("auto", *PRECISIONS), default="auto",
                    help=f"what the model computes in; auto (default): {auto}; bf16 only where the CPU has bf16 "
-                        "units (avx512_bf16/amx_bf16) or on CUDA")
+                        f"units (avx512_bf16/amx_bf16){' or on CUDA' if cuda else ''}")
     p.add_argument("--allow-slow-bf16", action="store_true",
                    help="--precision bf16 on a CPU without bf16 units (slower than fp32) instead of refusing")
 

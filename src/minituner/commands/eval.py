@@ -11,10 +11,11 @@ from minigpt.bf16_support import bf16_support
 from minigpt.device import DEVICES, check_precision, resolve_device
 from minigpt.errors import InputError
 
-from ..base_model import load_base, load_tokenizer
+from ..base_model import base_config, load_base, load_tokenizer
 from ..evaluation import SPLITS, evaluate_data
 from ..finetune import training_window
 from ..precision import compute_in_bf16, inference_precision
+from ..qlora import quantized_modules
 from ..run_record import check_run_base, trained_precision, trained_seq_len
 from ..sft import FORMATS, SFTConfig, is_sft_source, trained_template
 from ..sft.examples import OVERLONG
@@ -60,20 +61,26 @@ def run(args: argparse.Namespace) -> int:
     device = resolve_device(args.device)
     if args.precision == "bf16":  # asked for where bf16 is slow: refused before anything is read
         check_precision("bf16", device, args.allow_slow_bf16)
+    scheme = quant_scheme(args)  # a mistyped scheme refused before a base is hashed or read
     if args.adapter is not None and not args.allow_other_base:
         check_run_base(args.base, args.adapter, "use")  # before the base is loaded
     # the window finetune's val loss used: a Llama 3 config's context (131,072) would make one window of all the text
-    window = training_window(args.base, args.seq_len or trained_seq_len(args.adapter))
+    trained = None if args.seq_len else trained_seq_len(args.adapter)
+    context = base_config(args.base).block_size
+    if trained and trained > context:  # the run's window, on a base of shorter context (--allow-other-base)
+        raise InputError(f"{args.adapter}: its run trained with --seq-len {trained}, more than {args.base}'s context "
+                         f"of {context} tokens; give eval --seq-len N")
+    window = training_window(args.base, args.seq_len or trained)
     if args.adapter is None:
         model, tokenizer = load_base(args.base, device)
     else:  # a QLoRA adapter on its targets quantized as its run trained them (--quant-scheme)
-        model, tokenizer = load_trained(args.base, args.adapter, quant_scheme(args), device)
+        model, tokenizer = load_trained(args.base, args.adapter, scheme, device)
     if tokenizer is None:
         raise InputError(load_tokenizer(args.base, model.config.vocab_size)[1])
     if inference_precision(args.precision, trained_precision(args.adapter), bf16_support(device)) == "bf16":
         compute_in_bf16(model)  # as finetune computes in bf16
-    elif device.type == "cpu":
-        compute_in_fp32(model)  # as finetune computes on CPU: its val_loss_before is this loss
+    elif device.type == "cpu" or args.precision == "fp32" or quantized_modules(model):
+        compute_in_fp32(model)  # as finetune computes in fp32 (on CUDA a LoRA run keeps the checkpoint's dtype)
     model.eval()
     result = evaluate_data(model, tokenizer, args.base, args.data, args.split, args.format,
                            SFTConfig(args.train_on_inputs, args.overlong), args.batch_size, window,

@@ -46,19 +46,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=positive_int, default=None,
                    help="sample from the k likeliest tokens only (default: all)")
     p.add_argument("--seed", type=seed, default=0, help="sampling seed (default %(default)s)")
-    add_inference_precision_arguments(p, "bf16 for a checkpoint stored in bf16 (computed as stored: about 2x faster a "
-                                         "token), else fp32")
+    add_inference_precision_arguments(p, "bf16 for a Hugging Face checkpoint stored in bf16 (computed as stored: about "
+                                         "2x faster a token), else fp32 (MiniGPT and GPT-2 folders are read in fp32)",
+                                      cuda=False)
 
 
 def run(args: argparse.Namespace) -> int:
     if args.precision == "bf16":  # asked for on a CPU without bf16 units: refused before anything is read
         check_precision("bf16", "cpu", args.allow_slow_bf16)
+    scheme = quant_scheme(args)  # a mistyped scheme refused before a base is hashed or read
     if args.adapter is not None and not args.allow_other_base:
         check_run_base(args.base, args.adapter, "use")  # before the base is loaded
     if args.adapter is None:
         model, tokenizer = load_base(args.base)
     else:  # a QLoRA adapter on its targets quantized as its run trained them (--quant-scheme)
-        model, tokenizer = load_trained(args.base, args.adapter, quant_scheme(args))
+        model, tokenizer = load_trained(args.base, args.adapter, scheme)
     if tokenizer is None:
         raise InputError(load_tokenizer(args.base, model.config.vocab_size)[1])
     if inference_precision(args.precision, stored_precision(model), bf16_support("cpu")) == "bf16":
