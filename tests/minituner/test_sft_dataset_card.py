@@ -104,8 +104,8 @@ def test_splits_named_otherwise_are_read_as_data_split_says(tmp_path):
     ({"README.md": card("- data_files: a.jsonl\n"), "a.jsonl": 1}, {}, r"each entry of configs needs a config_name"),
     ({"README.md": card("- config_name: a\n  data_files: a.txt\n"), "a.txt": "words"}, {},
      r"a\.txt is not a data file this reads"),
-    ({"README.md": card("- config_name: a\n  data_files: a.jsonl.zst\n"), "a.jsonl.zst": "x"}, {},
-     r"a\.jsonl\.zst is data this does not read"),
+    ({"README.md": card("- config_name: a\n  data_files: a.jsonl.lz4\n"), "a.jsonl.lz4": "x"}, {},
+     r"a\.jsonl\.lz4 is data this does not read"),
     ({"README.md": card("- config_name: a\n  data_dir: missing\n"), "a.jsonl": 1}, {},
      r"config 'a' of its dataset card names the folder missing, which is not there"),
 ])

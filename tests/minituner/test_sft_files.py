@@ -2,6 +2,7 @@
 give the splits, read as Hugging Face `datasets` reads them (the tests write every file with `datasets` itself)."""
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -197,20 +198,25 @@ def test_compressed_json_and_csv_read_as_datasets_reads_them(tmp_path):
     import gzip
     import lzma
 
+    import zstandard
+
     rows = [{"prompt": f"wind {i}?", "completion": f" force {i},\n\"rising\""} for i in range(5)]
     with gzip.open(tmp_path / "a.jsonl.gz", "wt", encoding="utf-8") as f:
         f.write("".join(json.dumps(r) + "\n" for r in rows))
     with lzma.open(tmp_path / "b.json.xz", "wt", encoding="utf-8") as f:
         json.dump(rows, f)
     datasets.Dataset.from_list(rows).to_csv(str(tmp_path / "c.csv"), index=False)
-    for name in ("a.jsonl.gz", "b.json.xz", "c.csv"):
+    (tmp_path / "e.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(
+        "".join(json.dumps(r) + "\n" for r in rows).encode()))
+    for name in ("a.jsonl.gz", "b.json.xz", "c.csv", "e.jsonl.zst"):
         theirs = datasets.load_dataset("csv" if name.endswith(".csv") else "json", data_files=str(tmp_path / name),
                                        cache_dir=str(tmp_path / "cache"))["train"]
         ours = read_file(tmp_path / name)
         assert [(r.prompt, r.completion) for r in ours] == [(t["prompt"], t["completion"]) for t in theirs], name
-    (tmp_path / "cut.jsonl.gz").write_bytes((tmp_path / "a.jsonl.gz").read_bytes()[:20])
-    with pytest.raises(InputError, match=r"cut\.jsonl\.gz: not a readable gz file"):
-        read_file(tmp_path / "cut.jsonl.gz")
+    for name, kind in (("a.jsonl.gz", "gz"), ("e.jsonl.zst", "zst")):  # cut short
+        (tmp_path / f"cut-{name}").write_bytes((tmp_path / name).read_bytes()[:20])
+        with pytest.raises(InputError, match=rf"cut-{re.escape(name)}: not a readable {kind} file"):
+            read_file(tmp_path / f"cut-{name}")
     (tmp_path / "d.tsv").write_text("prompt\tcompletion\na?\t b\nc?\t d\textra\n")
     with pytest.raises(InputError, match=r"d\.tsv:3: 3 cells, the header names 2"):
         read_file(tmp_path / "d.tsv")
@@ -232,7 +238,7 @@ def test_a_saved_dataset_reads_its_own_files_not_the_caches_beside_them(tmp_path
      r"read with --data-split"),
     ({"data/train_sft-00000-of-00001-a3ecf92756993583.parquet": 3, "data/train_gen-00000-of-00001-bb.parquet": 2},
      r"its split 'train_gen' is none of train"),  # older push_to_hub names end in a hash
-    ({"train.jsonl": 3, "test.jsonl.zst": 0}, r"test\.jsonl\.zst is data this does not read"),
+    ({"train.jsonl": 3, "test.jsonl.lz4": 0}, r"test\.jsonl\.lz4 is data this does not read"),
     ({"data/all/train.jsonl": 3, "data/magpie/train.jsonl": 3,
       "README.md": "---\nconfigs:\n- config_name: all\n  data_dir: data/all\n- config_name: magpie\n  "
                    "data_dir: data/magpie\n---\n# card\n"},

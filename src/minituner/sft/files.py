@@ -1,6 +1,6 @@
 """Where instruction data lives on disk, read into Records: ``.jsonl`` / ``.json`` and ``.csv`` / ``.tsv`` files
-(compressed with gzip, bzip2 or xz or not), ``.parquet`` and ``.arrow`` tables (what the Hugging Face Hub serves
-and ``datasets``' ``to_parquet`` / ``save_to_disk`` write), or folders of them.
+(compressed with gzip, bzip2, xz or zstd or not), ``.parquet`` and ``.arrow`` tables (what the Hugging Face Hub
+serves and ``datasets``' ``to_parquet`` / ``save_to_disk`` write), or folders of them.
 
 ``formats`` says what one record may hold; this module finds the files, reads their records in order and names
 the file and line (or row) of every mistake. In a folder, a file whose path names a split as Hugging Face
@@ -30,9 +30,10 @@ from .formats import (SPLITS, Columns, DataSelection, Record, SplitNames, check_
 JSON_SUFFIXES = (".jsonl", ".json")
 CSV_SUFFIXES = (".csv", ".tsv")  # read with the csv module: every cell a string, as written
 TABLE_SUFFIXES = (".parquet", ".arrow")  # read with pyarrow, a row a record
-COMPRESSIONS = {".gz": gzip, ".bz2": bz2, ".xz": lzma}  # around a JSON or CSV file, as datasets reads them
+COMPRESSIONS = {".gz": gzip, ".bz2": bz2, ".xz": lzma, ".zst": None}  # around a JSON or CSV file, as datasets
+# reads them; .zst (the Hub's .jsonl.zst shards: SlimPajama, Dolma) through zstandard, as Python has zstd only from 3.14
 TEXT_SUFFIXES = (".txt", ".text", ".md", ".rst")  # what minigpt.data reads as plain text
-UNREAD_SUFFIXES = (".zst", ".zip", ".tar", ".tgz", ".7z", ".lz4", ".xlsx", ".xls", ".feather", ".pkl", ".pickle",
+UNREAD_SUFFIXES = (".zip", ".tar", ".tgz", ".7z", ".lz4", ".xlsx", ".xls", ".feather", ".pkl", ".pickle",
                    ".h5", ".hdf5")  # data this reader does not read: a folder holding one is refused, not skipped
 # metadata, not records: datasets' save_to_disk writes the first three beside its .arrow files (state.json lists
 # them), older Hub snapshots the last
@@ -65,15 +66,35 @@ def _inner_suffix(path: Path) -> str:
 
 
 def _read_bytes(path: Path) -> bytes:
-    """The file's bytes, decompressed when its suffix names gzip, bzip2 or xz."""
-    opener = COMPRESSIONS.get(path.suffix.lower())
-    if opener is None:
+    """The file's bytes, decompressed when its suffix names gzip, bzip2, xz or zstd."""
+    suffix = path.suffix.lower()
+    if suffix not in COMPRESSIONS:
         return path.read_bytes()
+    if suffix == ".zst":
+        return _zstd_bytes(path)
     try:
-        with opener.open(path, "rb") as f:
+        with COMPRESSIONS[suffix].open(path, "rb") as f:
             return f.read()
     except (OSError, EOFError, lzma.LZMAError, zlib.error) as e:
         raise InputError(f"{path}: not a readable {path.suffix[1:]} file ({e})") from None
+
+
+def _zstd_bytes(path: Path) -> bytes:
+    """A .zst file's bytes, frame after frame; a frame cut short is refused (zstandard's stream reader would
+    return what it has)."""
+    import zstandard
+
+    data, out = path.read_bytes(), []
+    try:
+        while data:
+            frame = zstandard.ZstdDecompressor().decompressobj()
+            out.append(frame.decompress(data))
+            if not frame.eof:
+                raise zstandard.ZstdError("the last frame is cut short")
+            data = frame.unused_data
+    except zstandard.ZstdError as e:
+        raise InputError(f"{path}: not a readable zst file ({e})") from None
+    return b"".join(out)
 
 
 def _decode(path: Path) -> str:
@@ -274,7 +295,7 @@ def data_files(path: str | Path, selection: DataSelection = DataSelection()) -> 
                              "one file")
         if data_kind(path) is None:
             raise InputError(f"{path}: not a data file this reads (.jsonl, .json, .csv, .tsv, compressed .gz/.bz2/"
-                             ".xz or not; .parquet, .arrow)")
+                             ".xz/.zst or not; .parquet, .arrow)")
         return [(path, None)]
     config = choose_config(card_configs(path), selection.config, path)
     if config is not None and config.patterns is not None:
