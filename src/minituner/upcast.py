@@ -105,15 +105,20 @@ class RowChunkedUpcastFunction(torch.autograd.Function):
         return grad_x, None, None, None
 
 
+def low_bit_linears(model: nn.Module, skip: tuple[str, ...] = ()) -> list[tuple[str, nn.Linear]]:
+    """(path, module) of every nn.Linear with a 16-bit weight but the LoRA factors and those named in `skip`."""
+    lora_factors = lora_factor_modules(model)
+    return [(path, m) for path, m in model.named_modules()
+            if type(m) is nn.Linear and id(m) not in lora_factors and m.weight.dtype in LOW_BITS
+            and path.rsplit(".", 1)[-1] not in skip]
+
+
 def keep_16bit_linears(model: nn.Module, skip: tuple[str, ...] = ()) -> list[str]:
     """Make every nn.Linear with a 16-bit weight but the LoRA factors an UpcastLinear (the same Parameters, not
     copied): stored as read, computed in fp32, frozen (an UpcastLinear computes no weight gradient, so its weight
     and bias stop requiring one); in place. Linears whose name is in `skip` (the output head) are left alone.
     Returns their paths."""
-    lora_factors = lora_factor_modules(model)
-    found = [(path, m) for path, m in model.named_modules()
-             if type(m) is nn.Linear and id(m) not in lora_factors and m.weight.dtype in LOW_BITS
-             and path.rsplit(".", 1)[-1] not in skip]
+    found = low_bit_linears(model, skip)
     for _, m in found:
         m.requires_grad_(False)
     swap_modules(model, [(path, linear_as(UpcastLinear, m, m.weight, m.bias)) for path, m in found])
@@ -173,3 +178,20 @@ def compute_in_fp32(model: nn.Module, head_16bit: bool = True) -> nn.Module:
     keep_16bit_embeddings(model)
     cast_float_tensors(model, torch.float32, keep=(UpcastLinear, CastEmbedding))
     return use_fp32_products(model)
+
+
+def compute_in_fp32_for_generation(model: nn.Module, available_bytes: int) -> bool:
+    """fp32 compute for generating from a model read in any float dtype (``generate --precision fp32``), in place:
+    the head becomes fp32 once, and so do the 16-bit block Linears where their fp32 copy (2 bytes a value more)
+    takes at most half of `available_bytes`; otherwise each product casts its weight (``compute_in_fp32``). A token
+    at a time reads every weight once, so casting it per product is much of a token's work (benchmarks/RESULTS.md,
+    "Generation: a bf16 checkpoint in fp32 or as stored"). The tokens are the same either way (a 16-bit value is
+    exact in fp32). Returns whether the block Linears were upcast."""
+    linears = low_bit_linears(model, OUTPUT_HEADS)
+    extra = sum(2 * sum(p.numel() for p in m.parameters(recurse=False)) for _, m in linears)
+    once = extra <= available_bytes // 2
+    if once:
+        for _, m in linears:
+            m.float()  # one Linear at a time: the 16-bit weight is freed as its fp32 copy takes its place
+    compute_in_fp32(model, head_16bit=False)
+    return once

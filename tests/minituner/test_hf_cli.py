@@ -359,6 +359,13 @@ def test_generate_computes_a_bf16_checkpoint_as_stored_where_bf16_is_fast(hf_fol
         texts[name] = capsys.readouterr().out
         assert chosen == (["bf16"] if name in ("auto-fast", "bf16") else []), name
     assert texts["auto-slow"] == texts["fp32"] and texts["auto-fast"] == texts["bf16"]
+    # fp32 where the model's fp32 copy would not fit in half the memory available: each product casts its weight
+    from minituner.memory.available import Available
+
+    monkeypatch.setattr(generate, "available_memory", lambda: Available(1, "a test's"))
+    assert main([*argv, "--precision", "fp32"]) == 0
+    out, err = capsys.readouterr()
+    assert out == texts["fp32"] and "each product casts its weight to fp32" in err and len(err.splitlines()) == 1
     monkeypatch.setattr("minigpt.bf16_support.cpu_flags", lambda: NO_BF16_UNITS)
     monkeypatch.setattr(generate, "load_base", lambda *a, **k: pytest.fail("read the base before refusing"))
     assert main([*argv, "--precision", "bf16"]) == 2

@@ -198,3 +198,29 @@ def test_merge_in_place_is_refused_on_a_16bit_base_and_merged_linear_works():
     assert torch.equal(layer.base_layer.weight, before) and not layer.merged_adapters
     merged = layer.merged_linear()
     torch.testing.assert_close(merged.weight.float(), (before.float() + layer.delta_weight()).bfloat16().float())
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_generation_upcasts_the_block_linears_once_where_the_copy_fits(tied):
+    """generate --precision fp32: the block Linears fp32 once where their copy (2 bytes a value more) takes at most
+    half the memory available, else cast per product; the same logits either way, a LoRA on them included."""
+    from minituner.lora import apply_lora
+    from minituner.upcast import compute_in_fp32_for_generation
+
+    base = _bf16_decoder(tied=tied)
+    apply_lora(base, LoRAConfig(r=2, alpha=4, target_modules=["q_proj", "down_proj"]))
+    for m in lora_modules(base).values():
+        torch.nn.init.normal_(m.lora_B["default"].weight)
+    extra = 2 * sum(m.weight.numel() for n, m in base.named_modules()
+                    if type(m) is nn.Linear and m.weight.dtype == torch.bfloat16 and n != "lm_head")
+    once, per_product = copy.deepcopy(base), copy.deepcopy(base)
+    assert compute_in_fp32_for_generation(once, 2 * extra) is True
+    assert compute_in_fp32_for_generation(per_product, 2 * extra - 1) is False
+    assert not any(isinstance(m, UpcastLinear) for m in once.modules())
+    assert all(m.weight.dtype == torch.float32 for m in once.modules() if isinstance(m, nn.Linear))
+    assert sum(isinstance(m, UpcastLinear) for m in per_product.modules()) == 2 * 7  # q, k, v, o, gate, up, down
+    x = torch.randint(0, CFG["vocab_size"], (2, 12))
+    with torch.no_grad():
+        torch.testing.assert_close(once.eval()(x), per_product.eval()(x), rtol=1e-5, atol=1e-5)
+        expected = base.float().eval()(x)
+    torch.testing.assert_close(once(x), expected, rtol=1e-5, atol=1e-5)

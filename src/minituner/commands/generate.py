@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 import torch
@@ -15,7 +16,8 @@ from ..precision import compute_in_bf16, inference_precision, stored_precision
 from ..run_record import check_run_base
 from ..sft import answer, load_chat_template, trained_template
 from ..trained_model import load_trained
-from ..upcast import compute_in_fp32
+from ..memory.available import available_memory
+from ..upcast import compute_in_fp32_for_generation
 from ._common import (add_adapter_base_arguments, add_inference_precision_arguments, non_negative_float, positive_int,
                       quant_scheme, seed, text)
 
@@ -65,8 +67,9 @@ def run(args: argparse.Namespace) -> int:
         raise InputError(load_tokenizer(args.base, model.config.vocab_size)[1])
     if inference_precision(args.precision, stored_precision(model), bf16_support("cpu")) == "bf16":
         compute_in_bf16(model)
-    else:  # as finetune computes in fp32 (a 16-bit checkpoint's Linears upcast per product), but the head upcast
-        compute_in_fp32(model, head_16bit=False)  # once: a token at a time, per product would cast it every token
+    elif not compute_in_fp32_for_generation(model, available_memory().bytes):  # fp32: upcast once where it fits
+        print("note: an fp32 copy of this 16-bit model would take more than half the memory available: each product "
+              "casts its weight to fp32 (slower a token)", file=sys.stderr)
     model.eval()
     gen = torch.Generator().manual_seed(args.seed)
     if args.chat is not None:
