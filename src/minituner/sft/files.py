@@ -282,7 +282,7 @@ def data_files(path: str | Path, selection: DataSelection = DataSelection()) -> 
     them), each in the split its path names.
 
     Refused, as data is never skipped silently: a folder that also holds text files (a README excepted) or data
-    this module does not read (.zst, .zip, ...), one whose card declares several configs and none is chosen, a
+    this module does not read (.zip, .tar, ...), one whose card declares several configs and none is chosen, a
     split named otherwise than train, validation or test unless --data-split says what it is, and a folder where
     some files name a split and others do not.
     """
