@@ -6,6 +6,7 @@ and its window.
     run_quant_scheme(adapter)       # the scheme a QLoRA run quantized its targets by (None: LoRA; its adapter file
                                     # records it too, for a file read without its run)
     trained_precision(adapter)      # "fp32" or "bf16", what the run computed in
+    trained_selection(adapter, data)  # the run's --data-config, --data-split and --columns, for its own --data
 
 A run's manifest.json records ``base_sha256`` (``base_model.base_weights_sha256``: every checkpoint file's bytes)
 and ``base_files``, each checkpoint file's size, modification time, inode and status change time. An adapter
@@ -27,6 +28,7 @@ from .adapter_io import adapter_file_scheme
 from .base_model import base_weights_sha256
 from .hf_load import checkpoint_files
 from .qlora import check_scheme
+from .sft.formats import DataSelection, check_columns, check_data_splits
 
 
 def base_file_stats(folder: str | Path) -> dict[str, list[int]]:
@@ -91,3 +93,27 @@ def trained_precision(adapter: str | Path | None) -> str:
     """The precision ("fp32" or "bf16") the finetune run holding `adapter` trained in; "fp32" without a run manifest."""
     train = _run_config(adapter).get("train")
     return "bf16" if isinstance(train, dict) and train.get("precision") == "bf16" else "fp32"
+
+
+def _pairs(value, what: str, manifest: str) -> tuple[tuple[str, str], ...]:
+    """A manifest's {a: b} object as (a, b) pairs."""
+    if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
+        raise InputError(f"{manifest}: {what} is an object of names, got {value!r}")
+    return tuple(value.items())
+
+
+def trained_selection(adapter: str | Path | None, data: str) -> DataSelection:
+    """The --data-config, --data-split and --columns the finetune run holding `adapter` read its data with, when
+    `data` names that same data (the path it recorded, or the same file or folder); else the flags' defaults."""
+    config = _run_config(adapter)
+    recorded = config.get("data")
+    same = isinstance(recorded, str) and (recorded == data or (
+        not data.startswith("builtin:") and Path(recorded).exists() and Path(recorded).resolve() == Path(data).resolve()))
+    if not same:
+        return DataSelection()
+    where = f"{adapter}'s run manifest"
+    name = config.get("data_config")
+    if name is not None and not isinstance(name, str):
+        raise InputError(f"{where}: data_config is a config's name, got {name!r}")
+    return DataSelection(name, check_data_splits(_pairs(config.get("data_splits", {}), "data_splits", where)),
+                         check_columns(_pairs(config.get("columns", {}), "columns", where)))

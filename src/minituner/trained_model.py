@@ -5,7 +5,8 @@
 A QLoRA adapter learned its update against the quantized (NF4) weights of its targets, not the original ones,
 and that is the model people serve: PEFT over a 4-bit base, or the merge onto the dequantized base that
 ``minituner export`` writes. So with quant_scheme "auto" the adapter's targets are quantized by the scheme the
-run's manifest.json records (``run_record.run_quant_scheme``) as the base is read; None reads the float base.
+run's manifest.json records, or for an adapter file read without its run the scheme the file records
+(``run_record.run_quant_scheme``), as the base is read; None reads the float base.
 """
 from __future__ import annotations
 

@@ -402,6 +402,7 @@ def test_eval_and_generate_put_a_qlora_adapter_on_the_base_it_trained_on(hf_fold
     assert main(generate) == 0 and read[-1][1] == manifest["config"]["quant_scheme"] == "nf4_per_group_64"
     assert capsys.readouterr().out.splitlines()[1].startswith("the wind")
     assert main([*generate, "--quant-scheme", "NONE"]) == 0 and read[-1] is None
+    assert main([*generate, "--quant-scheme", " NF4_per_group_64"]) == 0 and read[-1][1] == "nf4_per_group_64"
     capsys.readouterr()
     monkeypatch.setattr(trained_model, "load_base", lambda *a, **k: pytest.fail("read the base before refusing"))
     monkeypatch.setattr("minituner.run_record.base_weights_sha256", lambda f: pytest.fail("hashed before refusing"))

@@ -274,6 +274,21 @@ def test_a_cards_config_and_its_splits_through_finetune_and_eval(root, tmp_path,
     code, stdout, err = cli("eval", "--base", root / "base", "--adapter", out, "--data", snap, *choose, "--split",
                             "val", "--json")
     assert code == 0 and json.loads(stdout)["loss"] == pytest.approx(manifest["results"]["val_loss_after"]), err
+    assert "its run's" not in err
+    # the flags not given: the run's, for the data it trained on (the card alone names no config to read)
+    code, stdout, err = cli("eval", "--base", root / "base", "--adapter", out, "--data", snap, "--split", "val",
+                            "--json")
+    assert code == 0 and json.loads(stdout)["loss"] == pytest.approx(manifest["results"]["val_loss_after"]), err
+    assert f"eval: reading {snap} with its run's --data-config, --data-split (as it trained on it)" in err
+    code, stdout, err = cli("eval", "--base", root / "base", "--adapter", out, "--data", snap, "--split", "val",
+                            "--data-config", "long", "--json")  # a flag given wins; the splits still the run's
+    assert code == 0 and "with its run's --data-split (" in err, err
+    long = json.loads(stdout)
+    assert long["examples"] == 4 and long["loss"] != pytest.approx(manifest["results"]["val_loss_after"])
+    copy = tmp_path / "copy"  # other data: the flags' own defaults
+    shutil.copytree(snap, copy)
+    code, _, err = cli("eval", "--base", root / "base", "--adapter", out, "--data", copy, "--split", "val")
+    assert code == 2 and "declares the configs short, long" in err
     code, _, err = cli("finetune", "--base", root / "base", "--data", snap, "--out", out, "--overwrite", *TRAIN)
     assert code == 2 and err.count("\n") == 1 and "declares the configs short, long" in err
     assert (out / ADAPTER_FILE).is_file()  # the earlier run is still there

@@ -84,6 +84,16 @@ def test_splits_named_otherwise_are_read_as_data_split_says(tmp_path):
         read_records(root)
 
 
+@pytest.mark.parametrize("spec", ["train=train,val=validation", "train=train,val=val"])
+def test_data_split_finds_a_split_by_the_name_of_its_files_or_by_ours(tmp_path, spec):
+    """validation.jsonl is the val split; --data-split may call it as its file does, as a card or shard would."""
+    root = write_tree(tmp_path / "d", {"train.jsonl": 3, "validation.jsonl": 2, "test.jsonl": 1})
+    theirs = datasets.load_dataset(str(root), cache_dir=str(tmp_path / "cache"))
+    records = read_records(root, selection=DataSelection(splits=parse_data_splits(spec)))
+    assert [(r.split, r.text) for r in records] == [
+        *(("train", t) for t in theirs["train"]["text"]), *(("val", t) for t in theirs["validation"]["text"])]
+
+
 @pytest.mark.parametrize("files, selection, message", [
     ({"README.md": card("- config_name: a\n  data_files: a.jsonl\n", "- config_name: b\n  data_files: b.jsonl\n"),
       "a.jsonl": 1, "b.jsonl": 1}, {},

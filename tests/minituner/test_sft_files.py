@@ -3,7 +3,9 @@ give the splits, read as Hugging Face `datasets` reads them (the tests write eve
 import json
 import os
 import re
+import sys
 from pathlib import Path
+from unittest import mock
 
 import pytest
 
@@ -213,6 +215,16 @@ def test_compressed_json_and_csv_read_as_datasets_reads_them(tmp_path):
                                        cache_dir=str(tmp_path / "cache"))["train"]
         ours = read_file(tmp_path / name)
         assert [(r.prompt, r.completion) for r in ours] == [(t["prompt"], t["completion"]) for t in theirs], name
+    # a frame written with a long window (zstd --long=28), past zstandard's default limit of 128 MiB
+    params = zstandard.ZstdCompressionParameters.from_level(3, window_log=28, write_content_size=False)
+    with zstandard.ZstdCompressor(compression_params=params).stream_writer(
+            open(tmp_path / "long.jsonl.zst", "wb")) as w:
+        w.write("".join(json.dumps(r) + "\n" for r in rows).encode())
+    assert [(r.prompt, r.completion) for r in read_file(tmp_path / "long.jsonl.zst")] == [
+        (r["prompt"], r["completion"]) for r in rows]
+    with mock.patch.dict(sys.modules, {"zstandard": None}):  # an install without it: one line, no traceback
+        with pytest.raises(InputError, match=r"e\.jsonl\.zst: reading \.zst files needs zstandard"):
+            read_file(tmp_path / "e.jsonl.zst")
     for name, kind in (("a.jsonl.gz", "gz"), ("e.jsonl.zst", "zst")):  # cut short
         (tmp_path / f"cut-{name}").write_bytes((tmp_path / name).read_bytes()[:20])
         with pytest.raises(InputError, match=rf"cut-{re.escape(name)}: not a readable {kind} file"):
@@ -239,6 +251,12 @@ def test_a_saved_dataset_reads_its_own_files_not_the_caches_beside_them(tmp_path
     ({"data/train_sft-00000-of-00001-a3ecf92756993583.parquet": 3, "data/train_gen-00000-of-00001-bb.parquet": 2},
      r"its split 'train_gen' is none of train"),  # older push_to_hub names end in a hash
     ({"train.jsonl": 3, "test.jsonl.lz4": 0}, r"test\.jsonl\.lz4 is data this does not read"),
+    # compressed, but not JSON or CSV inside: refused, not skipped
+    ({"train.jsonl": 3, "more.parquet.zst": 0}, r"more\.parquet\.zst is data this does not read"),
+    ({"train.jsonl": 3, "archive.tar.gz": 0}, r"archive\.tar\.gz is data this does not read"),
+    ({"train.jsonl": 3, "dump.zst": 0}, r"dump\.zst is data this does not read"),
+    ({"README.md": "---\nconfigs:\n- config_name: up\n  data_dir: ../outside\n---\n", "data/train.jsonl": 3},
+     r"config 'up': data_dir is a folder inside the data set, got '\.\./outside'"),
     ({"data/all/train.jsonl": 3, "data/magpie/train.jsonl": 3,
       "README.md": "---\nconfigs:\n- config_name: all\n  data_dir: data/all\n- config_name: magpie\n  "
                    "data_dir: data/magpie\n---\n# card\n"},

@@ -41,22 +41,25 @@ def data_splits(text: str) -> SplitNames:
         raise argparse.ArgumentTypeError(str(e).removeprefix("--data-split ")) from None
 
 
-def add_selection_arguments(p: argparse.ArgumentParser) -> None:
-    """--data-config, --data-split and --columns: which records of a data set to read, under which names."""
+def add_selection_arguments(p: argparse.ArgumentParser, from_run: bool = False) -> None:
+    """--data-config, --data-split and --columns: which records of a data set to read, under which names
+    (`from_run`: eval, whose --adapter run's flags are the defaults for the data it trained on)."""
+    run = "; on the data an --adapter run trained on, the run's" if from_run else ""
     p.add_argument("--data-config", metavar="NAME",
                    help="a data set folder whose dataset card (README.md) declares configs: the config (subset) to "
-                        "read (default: the one datasets.load_dataset reads unnamed)")
+                        f"read (default: the one datasets.load_dataset reads unnamed{run})")
     p.add_argument("--data-split", type=data_splits, default=(), metavar="SPLIT=NAME[,...]",
                    help="read the data set's splits named otherwise as train, val and test, e.g. train=train_sft,"
-                        "val=test_sft (the others are not read; default: train, validation and test by name)")
+                        f"val=test_sft (the others are not read; default: train, validation and test by name{run})")
     p.add_argument("--columns", type=columns, default=(), metavar="FIELD=COLUMN[,...]",
                    help="read these columns of the data set as the fields a shape reads, e.g. prompt=question,"
-                        f"completion=answer (fields: {', '.join(FIELDS)})")
+                        f"completion=answer (fields: {', '.join(FIELDS)}{run})")
 
 
-def data_selection(args: argparse.Namespace) -> DataSelection:
-    """The DataSelection the flags of add_selection_arguments give."""
-    return DataSelection(args.data_config, args.data_split, args.columns)
+def data_selection(args: argparse.Namespace, default: DataSelection = DataSelection()) -> DataSelection:
+    """The DataSelection the flags of add_selection_arguments give, each flag not given taken from `default`."""
+    return DataSelection(args.data_config if args.data_config is not None else default.config,
+                         args.data_split or default.splits, args.columns or default.columns)
 
 
 def positive_int(text: str) -> int:
@@ -156,7 +159,7 @@ def quant_scheme(args: argparse.Namespace) -> str | None:
     if word in ("auto", "none"):
         return None if word == "none" else "auto"
     try:
-        return check_scheme(given.strip())
+        return check_scheme(word)  # a scheme's name in any case, as auto and none
     except InputError as e:
         raise InputError(f"--quant-scheme {given!r}: {e}; or auto, none") from None
 

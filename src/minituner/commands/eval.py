@@ -16,7 +16,7 @@ from ..evaluation import SPLITS, evaluate_data
 from ..finetune import training_window
 from ..precision import compute_in_bf16, inference_precision
 from ..qlora import quantized_modules
-from ..run_record import check_run_base, trained_precision, trained_seq_len
+from ..run_record import check_run_base, trained_precision, trained_selection, trained_seq_len
 from ..sft import FORMATS, SFTConfig, is_sft_source, trained_template
 from ..sft.examples import OVERLONG
 from ..trained_model import load_trained
@@ -37,7 +37,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--split", choices=SPLITS, default="all",
                    help="evaluate one split as finetune splits the data, or all of it (default %(default)s)")
     p.add_argument("--format", choices=FORMATS, help="a data file's shape (default: recognised per file)")
-    add_selection_arguments(p)
+    add_selection_arguments(p, from_run=True)
     p.add_argument("--chat-template", type=Path, metavar="FILE",
                    help="a Jinja chat template for the chats (default: the one the --adapter run trained with, else "
                         "the base's)")
@@ -82,12 +82,16 @@ def run(args: argparse.Namespace) -> int:
     elif device.type == "cpu" or args.precision == "fp32" or quantized_modules(model):
         compute_in_fp32(model)  # as finetune computes in fp32 (on CUDA a LoRA run keeps the checkpoint's dtype)
     model.eval()
+    selection = data_selection(args, trained_selection(args.adapter, args.data))  # the run's, for its own data
+    taken = [f for f in selection.flags() if f not in data_selection(args).flags()]
+    if taken:
+        print(f"eval: reading {args.data} with its run's {', '.join(taken)} (as it trained on it)", file=sys.stderr)
     result = evaluate_data(model, tokenizer, args.base, args.data, args.split, args.format,
                            SFTConfig(args.train_on_inputs, args.overlong), args.batch_size, window,
                            log=lambda m: print(m, file=sys.stderr),
                            template_file=args.chat_template or (trained_template(args.adapter)
                                                                 if is_sft_source(args.data) else None),
-                           selection=data_selection(args))
+                           selection=selection)
     if not math.isfinite(result.loss):
         raise FloatingPointError(f"the loss is {result.loss}: the model's logits are not finite (its weights, or "
                                  "the adapter's, hold nan or inf, or its config's numbers make them)")

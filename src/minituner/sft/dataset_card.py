@@ -80,7 +80,8 @@ def _config(entry, card: Path) -> CardConfig:
         raise InputError(f"{card}: each entry of configs needs a config_name, got {entry!r}")
     name, where = entry["config_name"], f"{card}: config {entry['config_name']!r}"
     data_dir = entry.get("data_dir")
-    if data_dir is not None and (not isinstance(data_dir, str) or Path(data_dir).is_absolute()):
+    if data_dir is not None and (not isinstance(data_dir, str) or Path(data_dir).is_absolute()
+                                 or ".." in Path(data_dir).parts):
         raise InputError(f"{where}: data_dir is a folder inside the data set, got {data_dir!r}")
     files = entry.get("data_files")
     if files is None:  # the data files under data_dir (or the whole folder), each in the split its name gives

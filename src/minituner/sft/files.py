@@ -32,6 +32,7 @@ CSV_SUFFIXES = (".csv", ".tsv")  # read with the csv module: every cell a string
 TABLE_SUFFIXES = (".parquet", ".arrow")  # read with pyarrow, a row a record
 COMPRESSIONS = {".gz": gzip, ".bz2": bz2, ".xz": lzma, ".zst": None}  # around a JSON or CSV file, as datasets
 # reads them; .zst (the Hub's .jsonl.zst shards: SlimPajama, Dolma) through zstandard, as Python has zstd only from 3.14
+ZSTD_MAX_WINDOW = 1 << 31  # the largest window zstd writes (--long=31)
 TEXT_SUFFIXES = (".txt", ".text", ".md", ".rst")  # what minigpt.data reads as plain text
 UNREAD_SUFFIXES = (".zip", ".tar", ".tgz", ".7z", ".lz4", ".xlsx", ".xls", ".feather", ".pkl", ".pickle",
                    ".h5", ".hdf5")  # data this reader does not read: a folder holding one is refused, not skipped
@@ -60,6 +61,13 @@ def data_kind(path: Path) -> str | None:
     return "table" if suffixes[-1] in TABLE_SUFFIXES else None
 
 
+def is_unread(path: Path) -> bool:
+    """Data this module does not read: a .zip, .tar, .xlsx... (UNREAD_SUFFIXES), or a compressed file holding
+    anything but JSON or CSV (.parquet.zst, .tar.gz, .txt.gz, a bare .zst)."""
+    suffix = path.suffix.lower()
+    return suffix in UNREAD_SUFFIXES or (suffix in COMPRESSIONS and data_kind(path) is None)
+
+
 def _inner_suffix(path: Path) -> str:
     """The suffix under a compression's (.jsonl for chats.jsonl.gz)."""
     return Path(path.stem).suffix.lower() if path.suffix.lower() in COMPRESSIONS else path.suffix.lower()
@@ -82,12 +90,14 @@ def _read_bytes(path: Path) -> bytes:
 def _zstd_bytes(path: Path) -> bytes:
     """A .zst file's bytes, frame after frame; a frame cut short is refused (zstandard's stream reader would
     return what it has)."""
-    import zstandard
-
+    try:
+        import zstandard
+    except ImportError:
+        raise InputError(f"{path}: reading .zst files needs zstandard (pip install zstandard)") from None
     data, out = path.read_bytes(), []
     try:
-        while data:
-            frame = zstandard.ZstdDecompressor().decompressobj()
+        while data:  # windows up to 2 GiB, as `zstd --long=31` writes them (zstandard's default stops at 128 MiB)
+            frame = zstandard.ZstdDecompressor(max_window_size=ZSTD_MAX_WINDOW).decompressobj()
             out.append(frame.decompress(data))
             if not frame.eof:
                 raise zstandard.ZstdError("the last frame is cut short")
@@ -332,7 +342,7 @@ def _named_files(path: Path) -> list[tuple[Path, str | None]]:
 
 def _check_kinds(path: Path, listed: list[Path], files: list[Path]) -> None:
     """Refuse a folder holding data this does not read, no data, or text files beside the data."""
-    unread = [p for p in listed if p.suffix.lower() in UNREAD_SUFFIXES]
+    unread = [p for p in listed if is_unread(p)]
     if unread:
         raise InputError(f"{path}: {unread[0].relative_to(path)} is data this does not read; convert it to .jsonl "
                          "or .parquet, or give --data the files it reads")
@@ -362,15 +372,17 @@ def _as_our_splits(named: list[tuple[Path, str | None]], splits: SplitNames, whe
     them refused."""
     for f, _ in named:
         if data_kind(f) is None:
-            kind = "data this does not read" if f.suffix.lower() in UNREAD_SUFFIXES else "not a data file this reads"
+            kind = "data this does not read" if is_unread(f) else "not a data file this reads"
             raise InputError(f"{where}: {f.relative_to(path)} is {kind}; convert it to .jsonl or .parquet")
     theirs = list(dict.fromkeys(s for _, s in named if s is not None))
     if splits:
-        missing = [name for _, name in splits if name not in theirs]
+        # a file named by a split's word (validation.jsonl, dev/) is tagged with ours (val): either name finds it
+        resolved = [(split, name if name in theirs else SPLIT_WORDS.get(name, name)) for split, name in splits]
+        missing = [name for (_, name), (_, found) in zip(splits, resolved) if found not in theirs]
         if missing:
             has = f"its splits are {', '.join(theirs)}" if theirs else "its files name no split"
             raise InputError(f"--data-split: {where} has no split {missing[0]!r} ({has})")
-        ours = {name: split for split, name in splits}
+        ours = {name: split for split, name in resolved}
         return [(f, ours[s]) for f, s in named if s in ours]
     unknown = [s for s in theirs if s not in SPLIT_WORDS]
     if unknown:
