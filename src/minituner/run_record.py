@@ -102,14 +102,20 @@ def _pairs(value, what: str, manifest: str) -> tuple[tuple[str, str], ...]:
     return tuple(value.items())
 
 
+def _same_data(recorded: str, data: str) -> bool:
+    """Whether `data` names the data a run recorded: the same words, or the same file or folder on disk."""
+    if recorded == data:
+        return True
+    on_disk = not data.startswith("builtin:") and Path(recorded).exists()
+    return on_disk and Path(recorded).resolve() == Path(data).resolve()
+
+
 def trained_selection(adapter: str | Path | None, data: str) -> DataSelection:
     """The --data-config, --data-split and --columns the finetune run holding `adapter` read its data with, when
     `data` names that same data (the path it recorded, or the same file or folder); else the flags' defaults."""
     config = _run_config(adapter)
     recorded = config.get("data")
-    same = isinstance(recorded, str) and (recorded == data or (
-        not data.startswith("builtin:") and Path(recorded).exists() and Path(recorded).resolve() == Path(data).resolve()))
-    if not same:
+    if not isinstance(recorded, str) or not _same_data(recorded, data):
         return DataSelection()
     where = f"{adapter}'s run manifest"
     name = config.get("data_config")

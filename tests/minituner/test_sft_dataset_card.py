@@ -92,6 +92,8 @@ def test_data_split_finds_a_split_by_the_name_of_its_files_or_by_ours(tmp_path, 
     records = read_records(root, selection=DataSelection(splits=parse_data_splits(spec)))
     assert [(r.split, r.text) for r in records] == [
         *(("train", t) for t in theirs["train"]["text"]), *(("val", t) for t in theirs["validation"]["text"])]
+    with pytest.raises(InputError, match=r"--data-split: val, validation name one split of .* twice"):
+        read_records(root, selection=DataSelection(splits=parse_data_splits("test=val,val=validation")))
 
 
 @pytest.mark.parametrize("files, selection, message", [

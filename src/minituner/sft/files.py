@@ -382,6 +382,8 @@ def _as_our_splits(named: list[tuple[Path, str | None]], splits: SplitNames, whe
         if missing:
             has = f"its splits are {', '.join(theirs)}" if theirs else "its files name no split"
             raise InputError(f"--data-split: {where} has no split {missing[0]!r} ({has})")
+        if len({found for _, found in resolved}) < len(resolved):  # val=validation,test=dev: both the files' val
+            raise InputError(f"--data-split: {', '.join(n for _, n in splits)} name one split of {where} twice")
         ours = {name: split for split, name in resolved}
         return [(f, ours[s]) for f, s in named if s in ours]
     unknown = [s for s in theirs if s not in SPLIT_WORDS]
