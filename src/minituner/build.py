@@ -9,7 +9,8 @@ check every input before changing anything -> move to the device -> quantize the
 target that is already a ``QuantizedLinear`` of the scheme, e.g. quantized by a loader while reading, is
 kept as it is) -> cast the frozen float tensors to the compute dtype -> wrap the targets with LoRA (fresh
 factors, or an adapter loaded from a file) -> finite-output guards (QLoRA) -> check the trainable set ->
-on CPU, the heap trims of ``minituner.memory.heap`` (last, on the modules the model ends up with).
+on CPU, glibc's malloc set to keep what a step frees and the heap trims of ``minituner.memory.heap`` (last, on the
+modules the model ends up with).
 
 Precision: ``precision="bf16"`` (``--precision bf16``, CPU with bf16 units or CUDA) builds in float32, then
 ``minituner.precision.use_bf16_compute`` stores the frozen base in bf16 and keeps the LoRA masters, norms and
@@ -38,7 +39,7 @@ from miniquant import DEFAULT_QUANT_SCHEME, QuantizedLinear
 
 from .adapter_io import load_adapter
 from .lora import ALL_LINEAR, LoRAConfig, apply_lora, find_targets, lora_modules
-from .memory.heap import trim_heap_in_forward
+from .memory.heap import keep_freed_memory, trim_heap_in_forward
 from .precision import dtype_of_most_values, use_bf16_compute, use_fp32_products
 from .qlora import (COMPUTE_DTYPES, add_finite_guards, cast_float_tensors, check_qlora, check_scheme,
                     default_compute_dtype, quantize_linears)
@@ -133,6 +134,8 @@ def build_for_training(base: nn.Module, method: str = "lora", lora: LoRAConfig |
         use_fp32_products(base)  # fp32 Linears, their gradients too, through minikernels.fp32_gemm (oneDNN on AMD)
     else:
         _adapt(base, method, lora, paths, quant_scheme, dtype, precision, adapter_name, init_adapter, guards)
+    if dev.type == "cpu":
+        keep_freed_memory()  # glibc: what a step frees stays for the next, not faulted in again page by page
     if dev.type == "cpu" and heap_trims:  # last: bf16, quantization or LoRA may have replaced the head
         trim_heap_in_forward(base)  # glibc keeps a forward's freed temporaries resident; give them back
     return base

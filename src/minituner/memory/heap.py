@@ -20,10 +20,23 @@ Two remedies, each a glibc call through ctypes (a no-op returning False elsewher
 - ``pin_allocator`` (``mallopt``) fixes the mmap threshold low, so every large block is its own mapping,
   handed back when freed: the resident set follows the live tensors exactly, and each new block faults its
   pages in (steps about half again as long on the 7B shape). ``minituner memory-check`` pins it to measure.
+
+Between steps the opposite matters: glibc also hands memory back by itself, unmapping a freed block above its
+mmap threshold and trimming the heap's top once more than twice that lies free there, and a step allocates
+much of it again, each 4 KiB page faulted in and zeroed anew. On the bench's GPT-shaped bf16 QLoRA step
+(benchmarks/bench_bf16.py; 8 layers, d_model 512, 1,024 tokens; AMD EPYC, 2 cores) that was about 9,000 page
+faults a step and 8% of its time (257 against 234 ms, 2026-12-03). ``keep_freed_memory`` (``mallopt``, what
+``build_for_training`` sets on CPU) fixes the mmap threshold at glibc's largest (32 MiB: larger tensors, a
+big vocabulary's logits say, still get their own mapping and go back when freed) and turns the automatic
+trim off, so a step reuses the pages the last one freed. The trims in the forward above still give back
+what lies free when they run: they bound the peak, this only stops the churn. It changes nothing where the
+allocator was set already: by ``pin_allocator`` (memory-check's measurement wins) or by the user through
+glibc's environment (``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TRIM_THRESHOLD_``, ``GLIBC_TUNABLES``).
 """
 from __future__ import annotations
 
 import ctypes
+import os
 from functools import lru_cache
 
 import torch
@@ -43,6 +56,10 @@ class _MallInfo2(ctypes.Structure):  # glibc's struct mallinfo2 (malloc.h, glibc
 
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # mallopt's parameter numbers (glibc's malloc.h)
+LARGEST_MMAP_THRESHOLD = 32 * 2**20  # glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit: mallopt refuses more
+NEVER_TRIM = 2**31 - 1  # the largest trim threshold mallopt takes (an int): the heap's top is never trimmed
+USER_ALLOCATOR_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")  # glibc's own settings, read at start
+_allocator = {"set_by": None}  # "pin_allocator" or "keep_freed_memory": who called mallopt in this process
 
 
 @lru_cache(maxsize=1)
@@ -81,10 +98,34 @@ def pin_allocator(threshold: int) -> bool:
 
     Setting the threshold turns off glibc's dynamic threshold, which after the first large frees keeps
     them in the heap (resident, reused or not), so the resident set follows the live tensors."""
+    if not _mallopt(threshold, threshold):
+        return False
+    _allocator["set_by"] = "pin_allocator"
+    return True
+
+
+def user_set_allocator(environ=os.environ) -> bool:
+    """Whether this process's glibc malloc was configured through its environment (MALLOC_*_ or GLIBC_TUNABLES)."""
+    return any(name in environ for name in USER_ALLOCATOR_ENV) or "glibc.malloc." in environ.get("GLIBC_TUNABLES", "")
+
+
+def keep_freed_memory() -> bool:
+    """glibc: keep what a training step frees for the next one (mmap threshold at its largest, no automatic trim);
+    False, changing nothing, where not glibc, where ``pin_allocator`` pinned it or the environment set it."""
+    if _allocator["set_by"] is not None:
+        return _allocator["set_by"] == "keep_freed_memory"
+    if user_set_allocator() or not _mallopt(LARGEST_MMAP_THRESHOLD, NEVER_TRIM):
+        return False
+    _allocator["set_by"] = "keep_freed_memory"
+    return True
+
+
+def _mallopt(mmap_threshold: int, trim_threshold: int) -> bool:
     mallopt = getattr(_libc(), "mallopt", None)
     if mallopt is None:
         return False
-    return bool(mallopt(M_MMAP_THRESHOLD, threshold)) and bool(mallopt(M_TRIM_THRESHOLD, threshold))
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return bool(mallopt(M_MMAP_THRESHOLD, mmap_threshold)) and bool(mallopt(M_TRIM_THRESHOLD, trim_threshold))
 
 
 def _trim_if_training(module: nn.Module, args: tuple) -> None:

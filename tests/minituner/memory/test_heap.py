@@ -1,4 +1,5 @@
-"""The heap trims a CPU training forward makes: where they are, when they run, and that they change no number."""
+"""The heap trims a CPU training forward makes (where they are, when they run, that they change no number), and
+keep_freed_memory, which stops glibc handing a step's freed memory back between steps."""
 from __future__ import annotations
 
 import pickle
@@ -106,3 +107,92 @@ def test_a_model_with_trims_pickles():
     model = minigpt(9)
     heap.trim_heap_in_forward(model)
     pickle.loads(pickle.dumps(model))
+
+
+# ---- keep_freed_memory: what one step frees stays for the next ----------------------------------------------
+
+CHURN = r"""
+import resource, sys, torch
+from minituner.memory import heap
+kept = heap.keep_freed_memory() if sys.argv[1] == "keep" else None
+def churn():  # a step's pattern in small: blocks above glibc's first mmap threshold, held together, then freed
+    for _ in range(20):
+        held = [torch.ones(1 << 17) for _ in range(16)]  # 16 x 512 KiB
+        del held
+churn()
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+churn()
+print(kept, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+def _faults(mode: str, env: dict | None = None) -> tuple[str, int]:
+    import os
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", CHURN, mode], capture_output=True, text=True, check=True,
+                         env={**os.environ, **(env or {})})
+    kept, faults = out.stdout.split()
+    return kept, int(faults)
+
+
+@glibc
+def test_keep_freed_memory_stops_the_page_faults_of_a_repeated_step():
+    """By default glibc hands the freed blocks back and the next round faults every page in again (20 rounds x
+    16 x 128 pages); kept, the pages are reused. Each in a fresh process: the setting is process-wide."""
+    assert _faults("default")[1] > 20 * 16 * 128 // 2
+    kept, faults = _faults("keep")
+    assert kept == "True" and faults < 100
+
+
+@glibc
+@pytest.mark.parametrize("env", [{"MALLOC_MMAP_THRESHOLD_": "131072"}, {"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=131072"}])
+def test_keep_freed_memory_leaves_a_users_glibc_setting(env):
+    kept, faults = _faults("keep", env)
+    assert kept == "False" and faults > 20 * 16 * 128 // 2
+
+
+class _FakeLibc:
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, int]] = []
+        self.mallopt = lambda param, value: self.calls.append((param, value)) or 1
+
+
+@pytest.fixture
+def libc(monkeypatch) -> _FakeLibc:
+    fake = _FakeLibc()
+    monkeypatch.setattr(heap, "_libc", lambda: fake)
+    monkeypatch.setitem(heap._allocator, "set_by", None)
+    for name in (*heap.USER_ALLOCATOR_ENV, "GLIBC_TUNABLES"):
+        monkeypatch.delenv(name, raising=False)
+    return fake
+
+
+def test_keep_freed_memory_sets_the_largest_mmap_threshold_and_no_trim(libc):
+    assert heap.keep_freed_memory() is True
+    assert libc.calls == [(heap.M_MMAP_THRESHOLD, 32 * 2**20), (heap.M_TRIM_THRESHOLD, 2**31 - 1)]
+    assert heap.keep_freed_memory() is True and len(libc.calls) == 2  # once per process
+
+
+def test_pin_allocator_wins_over_keep_freed_memory(libc):
+    """memory-check pins the allocator to measure, then builds the model (which asks to keep): the pin stays."""
+    assert heap.pin_allocator(16384) is True
+    assert heap.keep_freed_memory() is False
+    assert libc.calls == [(heap.M_MMAP_THRESHOLD, 16384), (heap.M_TRIM_THRESHOLD, 16384)]
+
+
+def test_keep_freed_memory_without_glibc(libc, monkeypatch):
+    monkeypatch.setattr(heap, "_libc", lambda: None)
+    assert heap.keep_freed_memory() is False
+
+
+@pytest.mark.parametrize("heap_trims", [True, False])
+def test_build_for_training_keeps_freed_memory_on_cpu(monkeypatch, heap_trims):
+    """With or without the trims in the forward (--no-heap-trims): the trims bound the peak, keeping stops the churn."""
+    import minituner.build as build
+
+    calls = []
+    monkeypatch.setattr(build, "keep_freed_memory", lambda: calls.append(1) or True)
+    build_for_training(minigpt(2), "lora", LoRAConfig(r=2, alpha=4.0), device="cpu", heap_trims=heap_trims)
+    assert calls == [1]
