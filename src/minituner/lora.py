@@ -18,6 +18,7 @@ import torch.nn as nn
 
 from minigpt.errors import InputError, check_known_fields
 
+from .lora_product import fused_fits, lora_product
 from .planner.counts import ALL_LINEAR  # one spelling of PEFT's "all-linear", shared with the planner
 
 OUTPUT_HEADS = ("lm_head",)  # never a LoRA target: tied to the token embedding in MiniGPT
@@ -165,6 +166,10 @@ class LoRALinear(nn.Module):
         x2 = x.reshape(-1, self.in_features)  # (N, in): 2-D, so the base output is a plain (N, out) tensor
         if cd is not None:
             x2 = x2.to(cd)  # one cast, shared by the base and every adapter; the base computes in its input's dtype
+        (name, weight), = self.active_adapters.items() if len(self.active_adapters) == 1 else ((None, 0.0),)
+        if name in self.lora_A and fused_fits(self, x2, name):  # bf16 compute: the same, as one Function
+            y = lora_product(self, x2, name, self.scaling[name] * weight)  # (N, out); minituner.lora_product
+            return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
         y = self.base_layer(x2)  # (N, out)
         for name, weight in self.active_adapters.items():
             if name not in self.lora_A:
