@@ -18,9 +18,10 @@ the dtype RoPE is applied in; the residual stream stays fp32):
   r × in values, and autograd returns their gradients in fp32) and returns its input's dtype;
 - norms (LayerNorm, RMSNorm) compute in fp32 on the fp32 residual stream and hand their output to the
   products that follow in bf16: one cast per norm, shared by q/k/v or gate/up, where each product casting its
-  own input would cast the same tensor three times. The decoder's RMSNorm becomes a ``Bf16OutRMSNorm`` (the
-  same weight), whose norm and cast are one pass of C each way on CPU (``minigpt.native_norm``); any other
-  norm gets a forward hook that casts (``_hand_out_bf16``);
+  own input would cast the same tensor three times. The decoder's RMSNorm becomes a ``Bf16OutRMSNorm`` and an
+  ``nn.LayerNorm`` a ``Bf16OutLayerNorm`` (the same weight and bias), whose norm and cast are one pass of C each
+  way on CPU (``minigpt.native_norm``); any other norm (torch's ``nn.RMSNorm``) gets a forward hook that casts
+  (``_hand_out_bf16``);
 - so the block between a norm and the residual add is bf16 end to end: q, k, v and attention (on CPU
   ``minigpt.native_attention``: q·kᵀ and P·v as bf16 GEMMs, the softmax and its gradient computed in fp32 in C,
   the probabilities rounded to bf16 for the product with v; elsewhere, and past its 1,024 tokens,
@@ -104,6 +105,29 @@ class Bf16OutRMSNorm(RMSNorm):
         if self._output_dtype == BF16 and native_norm.fits(x, self.weight):
             return native_norm.rms_norm_bf16(x, self.weight, self.eps)  # (..., C) bf16
         return super().forward(x).to(self._output_dtype)
+
+
+class Bf16OutLayerNorm(nn.LayerNorm):
+    """A LayerNorm computing in fp32 on the stream and handing out `_output_dtype` (bf16): one pass of C each way
+    (``minigpt.native_norm``) where it takes the input, else ``F.layer_norm`` and one cast."""
+
+    _output_dtype: torch.dtype = BF16
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (self._output_dtype == BF16 and len(self.normalized_shape) == 1
+                and native_norm.layer_norm_fits(x, self.weight, self.bias)):
+            return native_norm.layer_norm_bf16(x, self.weight, self.bias, self.eps)  # (..., C) bf16
+        return super().forward(x).to(self._output_dtype)
+
+
+def _bf16_out_layernorm(m: nn.LayerNorm, dtype: torch.dtype) -> Bf16OutLayerNorm:
+    """A Bf16OutLayerNorm in m's place holding m's weight and bias (the same Parameters), shape and eps."""
+    norm = Bf16OutLayerNorm.__new__(Bf16OutLayerNorm)
+    nn.Module.__init__(norm)
+    norm.normalized_shape, norm.eps, norm.elementwise_affine = m.normalized_shape, m.eps, m.elementwise_affine
+    norm.weight, norm.bias, norm._output_dtype = m.weight, m.bias, dtype
+    norm.train(m.training)
+    return norm
 
 
 def _bf16_out_rmsnorm(m: RMSNorm, dtype: torch.dtype) -> Bf16OutRMSNorm:
@@ -296,6 +320,8 @@ def use_bf16_compute(model: nn.Module, dtype: torch.dtype = BF16) -> nn.Module:
             replacements.append((path, _bf16_embedding(m, dtype, output_dtype, cache)))
         elif type(m) is RMSNorm:
             replacements.append((path, _bf16_out_rmsnorm(m, dtype)))
+        elif type(m) is nn.LayerNorm:
+            replacements.append((path, _bf16_out_layernorm(m, dtype)))
         elif isinstance(m, NORMS):
             _hand_out_bf16(m, dtype)
     if hasattr(model, "compute_dtype"):  # a Decoder: RoPE applied in the products' dtype

@@ -1,4 +1,4 @@
-"""minigpt.native_norm: the RMSNorm-to-bf16 kernels against the decoder's RMSNorm (PyTorch ops) on the same values."""
+"""minigpt.native_norm: the RMSNorm- and LayerNorm-to-bf16 kernels against PyTorch's ops on the same values."""
 import pytest
 import torch
 
@@ -100,3 +100,94 @@ def test_a_build_without_avx512_is_not_used(tmp_path, monkeypatch):
         pytest.skip(f"cannot build without AVX-512 here: {e}")
     lib = ctypes.CDLL(str(path))
     assert lib.norm_vectorized() == 0 and native_norm._usable(lib) is None
+
+
+# ---- LayerNorm (MiniGPT, GPT-2): F.layer_norm and the cast to bf16 ------------------------------------------
+
+
+def _layer_norm_reference(x, weight, bias, grad_y, eps):
+    xr = x.clone().requires_grad_()
+    y = torch.nn.functional.layer_norm(xr, x.shape[-1:], weight, bias, eps).to(torch.bfloat16)
+    y.backward(grad_y)
+    return y, xr.grad
+
+
+@needs_kernels
+@pytest.mark.parametrize("affine", ["weight and bias", "weight", "none"])
+# each 16-lane tail (one value a row is left out: x - mean is 0 there, and PyTorch's gradient is rounding noise)
+@pytest.mark.parametrize("shape", [(1, 5, 16), (2, 7, 17), (3, 64), (1, 33, 768), (4, 3)])
+def test_layer_norm_forward_and_gradient_match_pytorch(shape, affine):
+    x, weight, grad_y = _inputs(shape, seed=shape[-1])
+    x = x + 2.0  # a mean away from 0
+    bias = 0.1 * torch.randn(shape[-1], generator=torch.Generator().manual_seed(5))
+    weight, bias = (weight, bias) if affine == "weight and bias" else (weight, None) if affine == "weight" else (None, None)
+    assert native_norm.layer_norm_fits(x, weight, bias)
+    xr = x.clone().requires_grad_()
+    y = native_norm.layer_norm_bf16(xr, weight, bias, 1e-5)
+    y.backward(grad_y)
+    y_ref, grad_ref = _layer_norm_reference(x, weight, bias, grad_y, 1e-5)
+    assert y.dtype == torch.bfloat16 and y.shape == x.shape
+    ulps = (y.view(torch.int16).int() - y_ref.view(torch.int16).int()).abs()
+    assert ulps.max() <= 1 and (ulps == 0).float().mean() > 0.99  # the sums' order: rarely a bf16 unit apart
+    assert xr.grad.dtype == torch.float32
+    torch.testing.assert_close(xr.grad, grad_ref, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernels
+def test_layer_norm_a_row_with_nan_or_inf_is_nan_there_only():
+    x, weight, grad_y = _inputs((3, 32))
+    x[1, 4] = float("nan")
+    x[2, 0] = float("inf")
+    y = native_norm.layer_norm_bf16(x, weight, None, 1e-5)
+    y_ref, _ = _layer_norm_reference(x, weight, None, grad_y, 1e-5)
+    assert torch.equal(y[0], y_ref[0])
+    assert y[1].isnan().all() and y_ref[1].isnan().all()
+    assert torch.equal(y[2].isnan(), y_ref[2].isnan())
+
+
+def test_layer_norm_what_it_does_not_take():
+    x, weight, _ = _inputs((2, 8))
+    assert not native_norm.layer_norm_fits(x.to(torch.bfloat16), weight, None)  # the stream is fp32
+    assert not native_norm.layer_norm_fits(x.t(), torch.ones(2), None)  # not contiguous
+    assert not native_norm.layer_norm_fits(x, weight, torch.zeros(8, requires_grad=True))  # a bias that trains
+    assert not native_norm.layer_norm_fits(x, None, torch.zeros(4))  # a bias of another width
+    assert not native_norm.layer_norm_fits(x, weight.to(torch.bfloat16), None)  # a bf16 weight
+
+
+@needs_kernels
+def test_layer_norm_saves_what_pytorch_saves():
+    """The stream tensor itself, one fp32 mean and one rstd per row (planner: layernorm input, layernorm mean/rstd)."""
+    x, weight, _ = _inputs((2, 6, 32))
+    xr = x.clone().requires_grad_()
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        native_norm.layer_norm_bf16(xr, weight, torch.zeros(32), 1e-5)
+    sizes = sorted(t.untyped_storage().nbytes() for t in saved if t is not weight)
+    assert sizes == [12 * 4, 12 * 4, xr.nbytes] and any(t is xr for t in saved)
+
+
+@needs_kernels
+def test_bf16_compute_swaps_layer_norms_for_the_kernel():
+    """use_bf16_compute: MiniGPT's LayerNorms hand out bf16 through the kernel, the same Parameters, the same values."""
+    from minigpt.model import GPTConfig, MiniGPT
+    from minituner.precision import Bf16OutLayerNorm, use_bf16_compute
+
+    torch.manual_seed(0)
+    model = MiniGPT(GPTConfig(vocab_size=32, block_size=8, n_layer=1, n_head=2, d_model=32)).requires_grad_(False)
+    ln = model.blocks[0].ln_1
+    weight = ln.weight
+    x = torch.randn(2, 8, 32)
+    expected = ln(x).to(torch.bfloat16)
+    use_bf16_compute(model)
+    swapped = model.blocks[0].ln_1
+    assert type(swapped) is Bf16OutLayerNorm and swapped.weight is weight
+    ulps = (swapped(x).view(torch.int16).int() - expected.view(torch.int16).int()).abs()
+    assert ulps.max() <= 1
+    called = []
+    real = native_norm.layer_norm_bf16
+    native_norm.layer_norm_bf16 = lambda *a: called.append(1) or real(*a)
+    try:
+        swapped(x)
+    finally:
+        native_norm.layer_norm_bf16 = real
+    assert called == [1]
