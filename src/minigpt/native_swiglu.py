@@ -29,7 +29,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from minikernels.bf16_exp import BF16_EXP_C
+from minikernels.bf16_exp import BF16_EXP_C, BF16_SIGMOID_C
 from minikernels.build import OPENMP_PRELUDE, KernelFamily, ThreadSplit, parallel_entry
 
 CFLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-ffp-contract=off", "-fno-fast-math", "-std=gnu11"]
@@ -37,7 +37,7 @@ LIBS = ["-lm"]
 MIN_VALUES_PER_THREAD = 1 << 16  # fewer values stay on the calling thread (handing work over costs ~50 µs)
 CHUNK_VALUES = 1 << 17  # threads take values in chunks of this many
 
-_SOURCE = OPENMP_PRELUDE + BF16_EXP_C + r"""
+_SOURCE = OPENMP_PRELUDE + BF16_EXP_C + BF16_SIGMOID_C + r"""
 int swiglu_vectorized(void) {
 #ifdef __AVX512F__
     return 1;
@@ -45,65 +45,6 @@ int swiglu_vectorized(void) {
     return 0;
 #endif
 }
-
-/* σ(x) = 1 / (1 + e^-x) from e^-|x| (never overflows); NaN stays NaN */
-static inline float sigmoid1(float x) {
-    if (x != x) return x;
-    float e = exp_nonpos(-fabsf(x));
-    float p = 1.0f / (1.0f + e);
-    return x >= 0.0f ? p : e * p;
-}
-
-#ifdef __AVX512F__
-/* e^x for x <= 0, 16 lanes, to about 2e-6 relative (a bf16 unit is 4e-3): x = n·ln2 + r, |r| <= ln2/2, e^r by its
-   degree-5 Taylor polynomial with fused multiply-adds, times 2^n; 0 below -87 (no denormals); NaN stays NaN */
-static inline __m512 exp16_short(__m512 x) {
-    __mmask16 zero = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_LT_OQ);
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.0f / 120.0f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    return _mm512_maskz_scalef_ps(~zero, p, n);                       /* p · 2^n */
-}
-
-static inline __m512 sigmoid16(__m512 x) {
-    __m512 a = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(x));   /* -|x|; NaN stays NaN */
-    __m512 e = exp16_short(a);
-    __m512 d = _mm512_add_ps(_mm512_set1_ps(1.0f), e);                  /* in [1, 2] */
-    __m512 p = _mm512_rcp14_ps(d);                                      /* 1/d to 2^-14, then one Newton step */
-    p = _mm512_mul_ps(p, _mm512_fnmadd_ps(d, p, _mm512_set1_ps(2.0f)));
-    __mmask16 neg = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ);
-    return _mm512_mask_mul_ps(p, neg, e, p);
-}
-
-/* bf16 rounding of 16 fp32 lanes, nearest even, as PyTorch rounds (denormals kept; NaN -> 0x7FC0), the rounded
-   value kept in fp32 lanes (round16: bf16_exp's store16 without the narrowing store); put16 stores it */
-static inline __m512 round16(__m512 v) {
-    __m512i u = _mm512_castps_si512(v);
-    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_and_si512(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb),
-                                 _mm512_set1_epi32((int)0xFFFF0000u));
-    return _mm512_castsi512_ps(_mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q),
-                                                     _mm512_set1_epi32(0x7FC00000)));
-}
-static inline void put16(uint16_t* out, __m512 v) {
-#ifdef __AVX512BF16__
-    /* one instruction, unless a lane is a NaN or a nonzero denormal, which vcvtneps2bf16 would give other bits */
-    __mmask16 odd = _mm512_cmp_ps_mask(_mm512_abs_ps(v), _mm512_set1_ps(1.17549435e-38f), _CMP_NGE_UQ)
-                  & _mm512_cmp_ps_mask(v, _mm512_setzero_ps(), _CMP_NEQ_UQ);
-    if (!odd) {
-        _mm256_storeu_si256((__m256i*)out, (__m256i)_mm512_cvtneps_pbh(v));
-        return;
-    }
-#endif
-    store16(out, v);  /* minikernels.bf16_exp's rounding: the same bits */
-}
-#endif
 
 /* values [i0, i1): h = bf16(bf16(g·σ(g)) · u) */
 void swiglu_forward(const uint16_t* g, const uint16_t* u, int64_t i0, int64_t i1, uint16_t* h) {

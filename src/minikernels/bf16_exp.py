@@ -7,6 +7,10 @@ exp is computed as Cephes' expf does (x = n·ln2 + r with |r| <= ln2/2, a degree
 (``exp_nonpos``) with the same operations: built with -ffp-contract=off (no fused multiply-add), both give the
 same bits. Inputs below -87.34 give 0 (fp32 denormals are not produced). bf16 is rounded to nearest even, NaN
 to 0x7FC0 (PyTorch's rule). Used by ``minigpt.native_loss`` and ``minigpt.native_attention``.
+
+``BF16_SIGMOID_C`` (after BF16_EXP_C) adds σ(x) (a shorter exp with fused multiply-adds, about 2e-6 relative,
+ample for a bf16 result) and the bf16 stores of the activation kernels, ``minigpt.native_swiglu`` and
+``minigpt.native_gelu``.
 """
 
 BF16_EXP_C = r"""
@@ -86,6 +90,69 @@ static inline void store16(uint16_t* out, __m512 v) {
     __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
     rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7FC0));
     _mm256_storeu_si256((__m256i*)out, _mm512_cvtepi32_epi16(rounded));
+}
+#endif
+
+"""
+
+# σ(x) and the bf16 stores of the activation kernels (minigpt.native_swiglu, native_gelu); after BF16_EXP_C
+BF16_SIGMOID_C = r"""
+/* σ(x) = 1 / (1 + e^-x) from e^-|x| (never overflows); NaN stays NaN */
+static inline float sigmoid1(float x) {
+    if (x != x) return x;
+    float e = exp_nonpos(-fabsf(x));
+    float p = 1.0f / (1.0f + e);
+    return x >= 0.0f ? p : e * p;
+}
+
+#ifdef __AVX512F__
+/* e^x for x <= 0, 16 lanes, to about 2e-6 relative (a bf16 unit is 4e-3): x = n·ln2 + r, |r| <= ln2/2, e^r by its
+   degree-5 Taylor polynomial with fused multiply-adds, times 2^n; 0 below -87 (no denormals); NaN stays NaN */
+static inline __m512 exp16_short(__m512 x) {
+    __mmask16 zero = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_LT_OQ);
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 120.0f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_maskz_scalef_ps(~zero, p, n);                       /* p · 2^n */
+}
+
+static inline __m512 sigmoid16(__m512 x) {
+    __m512 a = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(x));   /* -|x|; NaN stays NaN */
+    __m512 e = exp16_short(a);
+    __m512 d = _mm512_add_ps(_mm512_set1_ps(1.0f), e);                  /* in [1, 2] */
+    __m512 p = _mm512_rcp14_ps(d);                                      /* 1/d to 2^-14, then one Newton step */
+    p = _mm512_mul_ps(p, _mm512_fnmadd_ps(d, p, _mm512_set1_ps(2.0f)));
+    __mmask16 neg = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ);
+    return _mm512_mask_mul_ps(p, neg, e, p);
+}
+
+/* bf16 rounding of 16 fp32 lanes, nearest even, as PyTorch rounds (denormals kept; NaN -> 0x7FC0), the rounded
+   value kept in fp32 lanes (round16: bf16_exp's store16 without the narrowing store); put16 stores it */
+static inline __m512 round16(__m512 v) {
+    __m512i u = _mm512_castps_si512(v);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_and_si512(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb),
+                                 _mm512_set1_epi32((int)0xFFFF0000u));
+    return _mm512_castsi512_ps(_mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q),
+                                                     _mm512_set1_epi32(0x7FC00000)));
+}
+static inline void put16(uint16_t* out, __m512 v) {
+#ifdef __AVX512BF16__
+    /* one instruction, unless a lane is a NaN or a nonzero denormal, which vcvtneps2bf16 would give other bits */
+    __mmask16 odd = _mm512_cmp_ps_mask(_mm512_abs_ps(v), _mm512_set1_ps(1.17549435e-38f), _CMP_NGE_UQ)
+                  & _mm512_cmp_ps_mask(v, _mm512_setzero_ps(), _CMP_NEQ_UQ);
+    if (!odd) {
+        _mm256_storeu_si256((__m256i*)out, (__m256i)_mm512_cvtneps_pbh(v));
+        return;
+    }
+#endif
+    store16(out, v);  /* minikernels.bf16_exp's rounding: the same bits */
 }
 #endif
 
