@@ -40,7 +40,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from . import native_attention, native_swiglu
+from . import native_attention, native_gelu, native_swiglu
 from .errors import InputError, check_config_values, check_known_fields
 from .kv_cache import KVCache, LayerKV, attention_mask
 from .model import head_rows
@@ -76,8 +76,8 @@ MLPS = ("swiglu", "gelu")
 ACTIVATIONS = {  # hidden_act -> function
     "silu": F.silu,
     "gelu": F.gelu,
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_pytorch_tanh": native_gelu.tanh_gelu,  # in C for bf16 on CPU (minigpt.native_gelu), else F.gelu
+    "gelu_new": native_gelu.tanh_gelu,
 }
 ROPE_TYPES = ("default", "llama3")
 

@@ -10,7 +10,7 @@ block's input and the backward recomputes the block before differentiating it.
 
 Attention is ``F.scaled_dot_product_attention`` (causal), except in bf16 on CPU with as many keys as queries (no
 KV cache before them) and no attention dropout, where ``minigpt.native_attention`` computes the same with bf16
-GEMMs around a C softmax (faster there).
+GEMMs around a C softmax (faster there). GPT-2's tanh GELU runs in C for bf16 on CPU (``minigpt.native_gelu``).
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from . import native_attention
+from . import native_attention, native_gelu
 from .errors import InputError, check_config_values, check_known_fields
 from .kv_cache import KVCache, LayerKV, attention_mask
 from .sampling import generate
@@ -113,7 +113,9 @@ class MLP(nn.Module):
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.drop(self.fc2(F.gelu(self.fc1(x), approximate=self.approximate)))
+        h = self.fc1(x)  # (B, T, d_ff)
+        h = native_gelu.tanh_gelu(h) if self.approximate == "tanh" else F.gelu(h, approximate=self.approximate)
+        return self.drop(self.fc2(h))  # GPT-2's tanh form in C for bf16 on CPU (minigpt.native_gelu)
 
 
 class Block(nn.Module):
