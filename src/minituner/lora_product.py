@@ -7,7 +7,8 @@
 miniquant's ``DequantLinearFunction``) and ``LoRAUpdate``. Joined, the fp32 masters' casts to bf16 are two
 graph nodes of their own, and the input's gradient arrives in two halves (the base's g·W and the adapter's
 s·(g·B)·A) that autograd adds in one more pass over the (N, in) tensor. Here one Function holds the whole
-product: forward as before (the base product, then the adapter added into its output in place), backward
+product: forward as before (the base product, its bias added by oneDNN inside the GEMM on CPU, then the adapter
+added into its output in place), backward
 with the adapter's share added into g·W by the same GEMM (``addmm_``: its (N, r)·(r, in) product is summed
 in fp32 and rounded once, where the two pieces rounded it to bf16 first and then rounded the sum).
 On the bench's GPT-shaped bf16 QLoRA step (benchmarks/bench_bf16.py, 48 such products; AMD EPYC, 2 cores) a
@@ -39,6 +40,18 @@ def _frozen_tensors(base: nn.Module) -> tuple[Tensor, ...]:
     return (base.weight,) if isinstance(base, nn.Linear) else tuple(base.quantized_tensors())
 
 
+def base_product(x: Tensor, w: Tensor, bias: Tensor | None) -> Tensor:
+    """x·wᵀ + bias. bf16 on CPU through oneDNN's linear, which adds the bias inside its kernel: F.linear's addmm
+    first copies the bias into every row of the output, one more pass over (N, out). The same bits (tested)."""
+    if x.dtype == torch.bfloat16 and x.device.type == "cpu" and bias is not None and _onednn_linear():
+        return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")
+    return F.linear(x, w, bias)
+
+
+def _onednn_linear() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
 def fused_fits(lora: nn.Module, x2: Tensor, name: str) -> bool:
     """Whether lora_product computes this call: a low-precision compute dtype that x2 (N, in) already has, `name`
     its one active adapter without dropout in play, and a base that is a frozen Linear stored in that dtype or a
@@ -65,7 +78,7 @@ class LoRAProduct(torch.autograd.Function):
                 *frozen: Tensor) -> Tensor:
         a_low, b_low = A.to(x.dtype), B.to(x.dtype)  # (r, in), (out, r): the masters computed in x's dtype
         w = _frozen_weight(base, frozen, x.dtype)  # (out, in)
-        y = F.linear(x, w, None if bias is None else bias.to(x.dtype))  # (N, out)
+        y = base_product(x, w, None if bias is None else bias.to(x.dtype))  # (N, out)
         a = x @ a_low.t()  # (N, r)
         y.addmm_(a, b_low.t(), alpha=scale)  # (N, out): the adapter added in place
         ctx.save_for_backward(x, a_low, b_low, a, *frozen)
