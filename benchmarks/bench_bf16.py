@@ -319,11 +319,15 @@ PROFILE_GROUPS = {  # profiler op name -> group, for "what the rest of the step 
     # minigpt.native_attention: its GEMMs are aten::bmm (matrix products); its own time is the C softmax kernels
     "_CausalAttention": "attention kernel", "_CausalAttentionBackward": "attention kernel",
     "aten::copy_": "dtype casts and copies",
-    # miniquant's Function around each NF4 product: its own time is the C dequantization into the workspace
+    # the Functions around each base product (minituner.lora_product's, with its adapter; miniquant's, alone): their
+    # own time is the C dequantization into the workspace of an NF4 base, and their Python
     "DequantLinearFunction": "NF4 dequantization", "DequantLinearFunctionBackward": "NF4 dequantization",
+    "LoRAProduct": "NF4 dequantization", "LoRAProductBackward": "NF4 dequantization",
     # the llama family's RMSNorm (with its bf16 hand-out) and SwiGLU gate in C (minigpt.native_norm, native_swiglu)
-    "_RMSNormBf16": "C norm and SwiGLU", "_RMSNormBf16Backward": "C norm and SwiGLU",
-    "_SwiGLU": "C norm and SwiGLU", "_SwiGLUBackward": "C norm and SwiGLU",
+    "_RMSNormBf16": "C norms and activations", "_RMSNormBf16Backward": "C norms and activations",
+    "_LayerNormBf16": "C norms and activations", "_LayerNormBf16Backward": "C norms and activations",
+    "_SwiGLU": "C norms and activations", "_SwiGLUBackward": "C norms and activations",
+    "_GeluTanh": "C norms and activations", "_GeluTanhBackward": "C norms and activations",
 }
 
 
@@ -426,7 +430,7 @@ def _run(shape: str, warmup: int, repeats: int) -> dict:
     return {**json.loads(out.stdout.strip().splitlines()[-1]), "wall_s": wall}
 
 
-GROUPS = ("matrix products", "attention kernel", "NF4 dequantization", "C norm and SwiGLU", "dtype casts and copies",
+GROUPS = ("matrix products", "attention kernel", "NF4 dequantization", "C norms and activations", "dtype casts and copies",
           "other")
 
 
@@ -451,10 +455,13 @@ def run_shape(shape: str, quick: bool = False, wait_s: float | None = None) -> S
         f"bf16 training step, {shape} shape",
         f"{spec.describe}; LoRA r = {spec.rank}, alpha {spec.alpha:g} on {', '.join(spec.targets)}; AdamW; loss in "
         f"fp32. Ours in bf16: `use_bf16_compute` (frozen base stored in bf16, NF4 dequantized to bf16 into a reused "
-        "workspace, LoRA factors fp32 masters computed in bf16, the block bf16 from each norm to the residual add "
+        "workspace, LoRA factors fp32 masters computed in bf16, base and adapter one autograd Function "
+        "(`minituner.lora_product`), the block bf16 from each norm (in C, `minigpt.native_norm`) to the residual add "
         "(attention: q·kᵀ and P·v as bf16 GEMMs, the softmax and its gradient in fp32 in C, "
         "`minigpt.native_attention`), the residual stream and "
-        "norms in fp32, bf16 logits whose loss `minigpt.cross_entropy` computes in fp32 a few rows at a time). "
+        "norms in fp32, bf16 logits whose loss `minigpt.cross_entropy` computes in fp32 a few rows at a time; "
+        "glibc keeps what a step frees, `minituner.memory.heap.keep_freed_memory`, set when ours are built and so "
+        "for every row of this one process). "
         "PEFT + bitsandbytes in bf16: Linear4bit(compute_dtype=bf16) with the forward under torch.autocast('cpu', "
         "bf16), the rest of the model in fp32 or, as `from_pretrained(dtype=bfloat16)` loads it, in bf16 (NF4 "
         "quantized from the bf16 weights); its logits upcast to fp32 for the loss, as transformers' "
@@ -468,7 +475,7 @@ def run_shape(shape: str, quick: bool = False, wait_s: float | None = None) -> S
         "inputs of the same shapes and strides. 'profiled share': self CPU time by group in one profiled step "
         f"(profiler overhead included). CPU bf16 units: {support.reason}. Machine CPU use before the run: {busy:.0f}%.",
         ["configuration", "median step", "fastest step", "vs ours QLoRA bf16",
-         "matrix products / attention / NF4 dequantization / C norm and SwiGLU / casts / other (profiled share)",
+         "matrix products / attention / NF4 dequantization / C norms and activations / casts / other (profiled share)",
          "loss step 0 → last"],
     )
     for config, label in CONFIGS.items():
@@ -502,13 +509,15 @@ def run_shape(shape: str, quick: bool = False, wait_s: float | None = None) -> S
              f"outside its GEMMs (minigpt.native_attention's C softmax and softmax gradient, the copies that group "
              f"heads) took "
              f"{fmt_seconds(q.get('attention kernel', 0.0))}, NF4 dequantization (C, into the workspace, twice per "
-             f"weight) {fmt_seconds(q.get('NF4 dequantization', 0.0))}, "
-             + (f"the C RMSNorm and SwiGLU kernels {fmt_seconds(q['C norm and SwiGLU'])}, "
-                if q.get("C norm and SwiGLU") else "")
-             + "dtype casts and copies (a LayerNorm's bf16 copy, the residual adds' fp32 copies of bf16 outputs and "
-             "their bf16 gradients, the LoRA masters' bf16 copies, a bias broadcast before its product) "
-             f"{fmt_seconds(q.get('dtype casts and copies', 0.0))}, everything else (GELU, LayerNorm, RoPE, the loss, "
-             f"embeddings, AdamW, autograd) {fmt_seconds(q.get('other', 0.0))}",
+             f"weight, with the Python of the Function around each product) "
+             f"{fmt_seconds(q.get('NF4 dequantization', 0.0))}, "
+             + (f"the C norm and activation kernels {fmt_seconds(q['C norms and activations'])}, "
+                if q.get("C norms and activations") else "")
+             + "dtype casts and copies (the residual adds' fp32 copies of bf16 outputs and their bf16 gradients, the "
+             "LoRA masters' bf16 copies) "
+             f"{fmt_seconds(q.get('dtype casts and copies', 0.0))}, everything else (PyTorch's exact GELU, RoPE, the "
+             f"residual adds, the loss, embeddings, AdamW, the finite-output guards, autograd) "
+             f"{fmt_seconds(q.get('other', 0.0))}",
              measurable=support.fast),
         Goal(f"bf16 step ({shape}): ours QLoRA / ours LoRA", t["qlora_bf16"] / t["lora_bf16"], VS_LORA_GOAL, False,
              f"{not_here}two NF4 dequantizations of every base weight per step, into one reused bf16 workspace, and "
@@ -560,7 +569,7 @@ def fp32_only_section(shape: str, res: dict, support, busy: float, warmup: int) 
         "TorchDispatchMode and replayed back to back on random inputs of the same shapes and strides. 'profiled "
         f"share': self CPU time by group in one profiled step. Machine CPU use before the run: {busy:.0f}%.",
         ["configuration", "median step", "fastest step", "vs ours QLoRA fp32",
-         "matrix products / attention / NF4 dequantization / C norm and SwiGLU / casts / other (profiled share)",
+         "matrix products / attention / NF4 dequantization / C norms and activations / casts / other (profiled share)",
          "loss step 0 → last"],
     )
     for config in res["configs"]:

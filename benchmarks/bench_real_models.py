@@ -587,10 +587,12 @@ def section(results: dict[str, list[dict]], planner: dict, written: dict, plan: 
                 "after each large free, so activations then come from the heap, and the holes the forward's freed "
                 "temporaries leave there stay resident. Ours as built (build_for_training on CPU gives the heap's free "
                 "pages back with malloc_trim before every 8th block and before the head of a training forward, whenever "
-                "it holds at least 64 MiB free, "
+                "it holds at least 64 MiB free, and otherwise keeps what a step frees for the next, glibc's mmap "
+                "threshold fixed at 32 MiB and its own trimming off, "
                 f"minituner.memory.heap): {peak(base)}"
                 + (f"; without the trims: {peak(plain)}" if plain else "")
-                + (f"; with glibc's mmap threshold fixed at 128 KiB instead (MALLOC_MMAP_THRESHOLD_=131072, every "
+                + (f"; with glibc's mmap threshold fixed at 128 KiB instead (MALLOC_MMAP_THRESHOLD_=131072, which ours "
+                   "then leaves as set; every "
                    f"large tensor a fresh mapping whose pages fault in and are zeroed on first touch): {peak(mm)}"
                    if mm else "")
                 + ". `minituner memory-check` pins the threshold (to measure live tensors)")

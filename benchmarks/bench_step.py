@@ -254,7 +254,9 @@ def run(quick: bool = False) -> Section:
         "over the timed steps; 'over imports' subtracts the RSS right after importing the libraries, before the "
         "model was built (model, optimizer state, activations, temporaries and allocator caches). 'machine busy "
         "before': the whole machine's CPU use in the 2 s before each subprocess started (one figure per round). "
-        f"'matrix products': self time of {', '.join(GEMM_OPS)} in one profiled step after the timed ones.",
+        f"'matrix products': self time of {', '.join(GEMM_OPS)} in one profiled step after the timed ones. Ours are "
+        "built as every command builds them (build_for_training: on CPU glibc keeps what a step frees, "
+        "minituner.memory.heap.keep_freed_memory); PEFT's subprocesses run with glibc's defaults, as transformers does.",
         ["configuration", "median step", "per round", "first step", "vs our LoRA", "trainable params", "peak RSS (MiB)",
          "peak over imports (MiB)", "matrix products (% of step)", "loss step 0 → last",
          "machine busy before (%)"],

@@ -166,10 +166,11 @@ class LoRALinear(nn.Module):
         x2 = x.reshape(-1, self.in_features)  # (N, in): 2-D, so the base output is a plain (N, out) tensor
         if cd is not None:
             x2 = x2.to(cd)  # one cast, shared by the base and every adapter; the base computes in its input's dtype
-        (name, weight), = self.active_adapters.items() if len(self.active_adapters) == 1 else ((None, 0.0),)
-        if name in self.lora_A and fused_fits(self, x2, name):  # bf16 compute: the same, as one Function
-            y = lora_product(self, x2, name, self.scaling[name] * weight)  # (N, out); minituner.lora_product
-            return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+        if len(self.active_adapters) == 1:  # under bf16 compute, base and adapter as one Function (lora_product)
+            (name, weight), = self.active_adapters.items()
+            if name in self.lora_A and fused_fits(self, x2, name):
+                y = lora_product(self, x2, name, self.scaling[name] * weight)  # (N, out): the lines below, fused
+                return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
         y = self.base_layer(x2)  # (N, out)
         for name, weight in self.active_adapters.items():
             if name not in self.lora_A:
