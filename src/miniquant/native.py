@@ -9,7 +9,9 @@ and the code is the number of the 15 midpoints strictly below it. Dequantization
 in float32, then a round-to-nearest-even cast. No fast-math flags: float results are IEEE-exact.
 
 The source has three paths, and -march=native builds the widest the CPU has (``NativeKernels.path``):
-AVX-512 (16 values a vector; the code by a 4-step binary search with in-register permutes), AVX2 with F16C
+AVX-512 (16 values a vector; the code by a 4-step binary search with in-register permutes; dequantizing to bf16
+or fp16 with AVX-512 BW, each block's 16 products code x scale are rounded once and its nibbles look the results
+up, 32 values a vpermw: 0.035 against 0.058 ms for a 2048 x 512 weight, AMD EPYC, 2 cores), AVX2 with F16C
 (8 a vector, 32 per step; the code by 15 compares, and the 16-entry code table as two 8-entry permutes),
 and plain C for other CPUs and for block sizes the vector loops do not divide. All give the same bytes;
 tests/miniquant/test_nf4_native.py builds each one this CPU can run and checks it against the eager path.
@@ -160,22 +162,24 @@ static inline __m512 load16(const void* x, int dtype, int64_t i) {
     return _mm512_cvtph_ps(h);  /* exact */
 }
 
+/* 16 fp32 lanes rounded to bf16 (nearest even, NaN -> 0x7FC0, as PyTorch) or fp16 */
+static inline __m256i round16(int dtype, __m512 v) {
+    if (dtype == BF16) {
+        __m512i u = _mm512_castps_si512(v);
+        __m512i bias = _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1)));
+        __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, bias), 16);
+        r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+        return _mm512_cvtepi32_epi16(r);
+    }
+    return _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+
 static inline void store16(void* out, int dtype, int64_t i, __m512 v) {
     if (dtype == F32) {
         _mm512_storeu_ps((float*)out + i, v);
         return;
     }
-    __m256i h;
-    if (dtype == BF16) {  /* round to nearest even, NaN -> 0x7FC0, as PyTorch */
-        __m512i u = _mm512_castps_si512(v);
-        __m512i bias = _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1)));
-        __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, bias), 16);
-        r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
-        h = _mm512_cvtepi32_epi16(r);
-    } else {
-        h = _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    }
-    _mm256_storeu_si256((__m256i*)((uint16_t*)out + i), h);
+    _mm256_storeu_si256((__m256i*)((uint16_t*)out + i), round16(dtype, v));
 }
 
 static inline __attribute__((always_inline)) void quantize_block_avx512(const void* x, int dtype, int64_t first, int64_t bs, __m512 mids,
@@ -224,6 +228,33 @@ static inline __attribute__((always_inline)) void dequantize_block_avx512(const 
             v[2 * j + 1] = code[p[i + j] & 15] * s;
         }
         store_block(v, bs - 2 * i, out, dtype, first + 2 * i);
+    }
+}
+#endif
+
+#if defined(NF4_AVX512) && defined(__AVX512BW__)
+/* bf16 or fp16 out: each value of a block is one of its 16 products code[j] * s, rounded as store16 rounds it, so
+   the block's 16 are rounded once and its nibbles look them up, 32 values a lookup (vpermw): the same bits as
+   rounding each value, in a third of the instructions */
+static inline __attribute__((always_inline)) void dequantize_block_16bit(const uint8_t* p, float s, int64_t bs,
+                                                                         __m512 table, void* out, int dtype,
+                                                                         int64_t first) {
+    __m256i rounded = round16(dtype, _mm512_mul_ps(table, _mm512_set1_ps(s)));
+    const __m512i lut = _mm512_castsi256_si512(rounded);  /* 16-bit lanes 0..15: the nibbles index no further */
+    uint16_t* o = (uint16_t*)out + first;
+    int64_t i = 0;
+    for (; i + 16 <= bs / 2; i += 16) {  /* 16 bytes -> 32 values: 32-bit lane k = (low nibble << 16) | high nibble */
+        __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(p + i)));
+        __m512i idx = _mm512_or_si512(_mm512_srli_epi32(b, 4), _mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(15)), 16));
+        _mm512_storeu_si512((void*)(o + 2 * i), _mm512_permutexvar_epi16(idx, lut));
+    }
+    if (i < bs / 2) {  /* 8 bytes left (a block of 16 or 48 values) */
+        uint16_t v[16];
+        _mm256_storeu_si256((__m256i*)v, rounded);
+        for (int64_t j = i; j < bs / 2; j++) {
+            o[2 * j] = v[p[j] >> 4];
+            o[2 * j + 1] = v[p[j] & 15];
+        }
     }
 }
 #endif
@@ -349,6 +380,15 @@ void nf4_dequantize(const uint8_t* packed, const float* scales, int64_t b0, int6
 #ifdef NF4_AVX512
     if (bs % 16 == 0) {
         const __m512 table = _mm512_loadu_ps(code);
+#ifdef __AVX512BW__
+        if (dtype != F32) {
+            if (bs == 64)
+                for (int64_t b = b0; b < b1; b++) dequantize_block_16bit(packed + b * 32, scales[b], 64, table, out, dtype, b * 64);
+            else
+                for (int64_t b = b0; b < b1; b++) dequantize_block_16bit(packed + b * (bs / 2), scales[b], bs, table, out, dtype, b * bs);
+            return;
+        }
+#endif
         if (bs == 64)
             for (int64_t b = b0; b < b1; b++) dequantize_block_avx512(packed + b * 32, scales[b], 64, table, out, dtype, b * 64);
         else
