@@ -506,15 +506,14 @@ def run_shape(shape: str, quick: bool = False, wait_s: float | None = None) -> S
         Goal(f"bf16 step ({shape}): ours QLoRA / its matrix products alone", t["qlora_bf16"] / floor, VS_FLOOR_GOAL,
              False,
              f"{not_here}the rest, {fmt_seconds(rest)} a step, is outside the products: in one profiled step attention "
-             f"outside its GEMMs (minigpt.native_attention's C softmax and softmax gradient, the copies that group "
-             f"heads) took "
+             f"outside its GEMMs (minigpt.native_attention's C softmax and softmax gradient) took "
              f"{fmt_seconds(q.get('attention kernel', 0.0))}, NF4 dequantization (C, into the workspace, twice per "
              f"weight, with the Python of the Function around each product) "
              f"{fmt_seconds(q.get('NF4 dequantization', 0.0))}, "
              + (f"the C norm and activation kernels {fmt_seconds(q['C norms and activations'])}, "
                 if q.get("C norms and activations") else "")
-             + "dtype casts and copies (the residual adds' fp32 copies of bf16 outputs and their bf16 gradients, the "
-             "LoRA masters' bf16 copies) "
+             + "dtype casts and copies (aten's copy_: attention's heads grouped for its GEMMs and back, the residual "
+             "adds' bf16 gradients, the LoRA masters' bf16 copies) "
              f"{fmt_seconds(q.get('dtype casts and copies', 0.0))}, everything else (PyTorch's exact GELU, RoPE, the "
              f"residual adds, the loss, embeddings, AdamW, the finite-output guards, autograd) "
              f"{fmt_seconds(q.get('other', 0.0))}",
