@@ -18,7 +18,9 @@ by the order of the sums (a few units in the 6th significant digit at 2,048-long
 
 Which library: ``backend()``. On x86 CPUs of other vendors (AMD, Hygon) that have AVX-512 oneDNN, elsewhere
 PyTorch's own (``F.linear``: MKL on Intel, where it takes its AVX-512 kernels, and on AVX2-only CPUs).
-``MINIKERNELS_FP32_GEMM=onednn`` or ``=aten`` forces one. Only fp32 on CPU takes oneDNN; everything else (bf16, CUDA) is ``F.linear`` as before.
+``MINIKERNELS_FP32_GEMM=onednn`` or ``=aten`` forces one. Only fp32 on CPU takes oneDNN here; everything else
+(bf16, CUDA) is ``F.linear`` as before (``minituner.lora_product`` calls ``onednn_linear`` itself for a bf16 base
+product with a bias, which oneDNN adds inside its kernel).
 
 Gradients, each one product: for x, grad_y·W through oneDNN (W read transposed, as a view); for a trainable W
 (full fine-tuning), grad_yᵀ·x by ``torch.mm``, which reads the transposed grad_y as it is: oneDNN would first
@@ -72,7 +74,9 @@ def choose_backend(vendor: str, forced: str | None, onednn_available: bool, avx5
     return "onednn" if vendor in ONEDNN_VENDORS and avx512 else "aten"
 
 
-def _onednn_available() -> bool:
+@lru_cache(maxsize=None)
+def onednn_available() -> bool:
+    """Whether this PyTorch has oneDNN and its linear (``onednn_linear``)."""
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
@@ -83,7 +87,7 @@ def backend() -> str:
         cpuinfo = CPUINFO.read_text()
     except OSError:
         cpuinfo = ""
-    return choose_backend(cpu_vendor(cpuinfo), os.environ.get(BACKEND_ENV), _onednn_available(),
+    return choose_backend(cpu_vendor(cpuinfo), os.environ.get(BACKEND_ENV), onednn_available(),
                           cpu_has_avx512(cpuinfo))
 
 
@@ -93,9 +97,16 @@ def _takes_onednn(x: Tensor, weight: Tensor) -> bool:
             and not torch.is_autocast_enabled("cpu"))  # autocast would run F.linear in bf16: leave it that
 
 
+def onednn_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """x·weightᵀ + bias through oneDNN's linear, the bias added inside its kernel (``onednn_available`` first);
+    weight (out, in), x (..., in) -> (..., out). Any dtype oneDNN multiplies (fp32 here; a bf16 base product with
+    a bias in ``minituner.lora_product``)."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
 def _product(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     """x·weightᵀ + bias through oneDNN; weight (out, in), x (..., in) -> (..., out)."""
-    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    return onednn_linear(x, weight, bias)
 
 
 class _Linear(torch.autograd.Function):

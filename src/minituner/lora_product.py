@@ -26,6 +26,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
+from minikernels import fp32_gemm
+
 
 def _frozen_weight(base: nn.Module, tensors: tuple[Tensor, ...], dtype: torch.dtype) -> Tensor:
     """The base's (out, in) weight in dtype: dequantized from its buffers (into the shared workspace), or a frozen
@@ -43,13 +45,9 @@ def _frozen_tensors(base: nn.Module) -> tuple[Tensor, ...]:
 def base_product(x: Tensor, w: Tensor, bias: Tensor | None) -> Tensor:
     """x·wᵀ + bias. bf16 on CPU through oneDNN's linear, which adds the bias inside its kernel: F.linear's addmm
     first copies the bias into every row of the output, one more pass over (N, out). The same bits (tested)."""
-    if x.dtype == torch.bfloat16 and x.device.type == "cpu" and bias is not None and _onednn_linear():
-        return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")
+    if x.dtype == torch.bfloat16 and x.device.type == "cpu" and bias is not None and fp32_gemm.onednn_available():
+        return fp32_gemm.onednn_linear(x, w, bias)
     return F.linear(x, w, bias)
-
-
-def _onednn_linear() -> bool:
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
 def fused_fits(lora: nn.Module, x2: Tensor, name: str) -> bool:

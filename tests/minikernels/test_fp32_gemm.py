@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from minikernels import fp32_gemm
 from minikernels.fp32_gemm import choose_backend, cpu_has_avx512, cpu_vendor, input_grad, linear, product
 
-ONEDNN = fp32_gemm._onednn_available()
+ONEDNN = fp32_gemm.onednn_available()
 
 
 def test_vendor_is_read_from_cpuinfo():
