@@ -52,7 +52,7 @@ from minigpt.model import MiniGPT  # noqa: E402
 from minigpt.train import lm_loss  # noqa: E402
 from minituner.hf_config import decoder_config_from_hf  # noqa: E402
 from report import Goal, Section  # noqa: E402
-from timing import fmt_ratio, fmt_seconds, peak_rss_mib, wait_for_quiet  # noqa: E402
+from timing import OPTIMIZER_NOTE, adamw, fmt_ratio, fmt_seconds, peak_rss_mib, wait_for_quiet  # noqa: E402
 
 VS_PEFT_BNB_GOAL = 0.5  # our QLoRA bf16 step / PEFT + bitsandbytes bf16 (autocast) step
 VS_FLOOR_GOAL = 1.3  # our QLoRA bf16 step / the sum of its matrix products timed alone
@@ -372,7 +372,7 @@ def measure(shape_name: str, warmup: int, repeats: int) -> dict:
     def make_step(config: str) -> Callable[[], None]:
         model = build(shape, config)
         model.train()
-        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
+        opt = adamw([p for p in model.parameters() if p.requires_grad], lr=LR)
         autocast = config in (*PEFT_BF16, *OUR_ATTENTION)
         sdpa = config.startswith("peft_bnb") and config not in OUR_ATTENTION
 
@@ -453,7 +453,7 @@ def run_shape(shape: str, quick: bool = False, wait_s: float | None = None) -> S
     floor = t["floor"]
     section = Section(
         f"bf16 training step, {shape} shape",
-        f"{spec.describe}; LoRA r = {spec.rank}, alpha {spec.alpha:g} on {', '.join(spec.targets)}; AdamW; loss in "
+        f"{spec.describe}; LoRA r = {spec.rank}, alpha {spec.alpha:g} on {', '.join(spec.targets)}; {OPTIMIZER_NOTE}; loss in "
         f"fp32. Ours in bf16: `use_bf16_compute` (frozen base stored in bf16, NF4 dequantized to bf16 into a reused "
         "workspace, LoRA factors fp32 masters computed in bf16, base and adapter one autograd Function "
         "(`minituner.lora_product`), the block bf16 from each norm (in C, `minigpt.native_norm`) to the residual add "
@@ -556,7 +556,7 @@ def fp32_only_section(shape: str, res: dict, support, busy: float, warmup: int) 
              f"{fmt_seconds(cost['bf16_s'])} in bf16 against {fmt_seconds(cost['fp32_s'])} in fp32, {fmt_ratio(slower)}")
     section = Section(
         f"bf16 training step, {shape} shape",
-        f"{spec.describe}; LoRA r = {spec.rank}, alpha {spec.alpha:g} on {', '.join(spec.targets)}; AdamW; loss in "
+        f"{spec.describe}; LoRA r = {spec.rank}, alpha {spec.alpha:g} on {', '.join(spec.targets)}; {OPTIMIZER_NOTE}; loss in "
         f"fp32. CPU bf16 units: {support.reason}. On such a CPU PyTorch multiplies bf16 through a fallback "
         f"that runs slower than its fp32 products ({timed}), so `finetune` refuses bf16 here and "
         "this section runs only the fp32 rows: ours LoRA and QLoRA (`precision=\"fp32\"`) and PEFT + "

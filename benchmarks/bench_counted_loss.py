@@ -20,7 +20,7 @@ from minigpt.cross_entropy import IGNORE_INDEX, cross_entropy
 from minigpt.train import lm_loss
 from real_checkpoints import SHAPES, write_checkpoint
 from report import Section
-from timing import MIB, fmt_ratio, fmt_seconds, time_interleaved
+from timing import MIB, OPTIMIZER_NOTE, adamw, fmt_ratio, fmt_seconds, time_interleaved
 
 SHAPE = "qwen2.5-0.5b"
 SEQ = 512
@@ -80,7 +80,7 @@ def run(quick: bool = False) -> Section:
         y = y_all.clone()
         y[:, : SEQ - int(SEQ * fraction)] = IGNORE_INDEX  # the prompt's targets
         batches[name] = y
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
+    opt = adamw([p for p in model.parameters() if p.requires_grad], lr=1e-5)
 
     def step(loss_fn, y):
         def call():
@@ -108,7 +108,7 @@ def run(quick: bool = False) -> Section:
         f"A {SHAPE}-shaped random-weight bf16 checkpoint (24 layers, d_model 896, 14/2 heads, vocab 151,936, tied; "
         f"the head is {100 * _linear_flops_share_of_head(cfg):.0f}% of the step's Linear products) loaded and "
         f"built as `finetune --method qlora` does on CPU (NF4 all-linear as read, LoRA r = {RANK}, fp32 compute), "
-        f"batch 1 × {SEQ}, one AdamW step per call; median of {repeats} interleaved rounds after a warm-up. "
+        f"batch 1 × {SEQ}, one AdamW step per call ({OPTIMIZER_NOTE}); median of {repeats} interleaved rounds after a warm-up. "
         "Targets before the answer do not count (-100), as an instruction set's prompt. 'full logits' is the loss "
         "as computed before `minigpt.train.counted_logits`: the head on every position. 'vs full logits' divides "
         "by the same batch's full-logits step. 'saved for backward' is what the forward and the loss keep "

@@ -42,7 +42,7 @@ if str(HERE) not in sys.path:
 
 from minigpt.bf16_support import bf16_support  # noqa: E402
 from report import Goal, Section  # noqa: E402
-from timing import (MIB, cpu_summary, current_rss_mib, fp32_product_libraries, peak_rss_mib,  # noqa: E402
+from timing import (MIB, OPTIMIZER_NOTE, adamw, cpu_summary, current_rss_mib, fp32_product_libraries, peak_rss_mib,  # noqa: E402
                     reset_peak_rss)
 
 RANK, ALPHA = 16, 32.0
@@ -170,7 +170,7 @@ def measure(contender: str, folder: str, dtype_name: str, steps: int, paced: boo
     x = torch.randint(0, vocab, (BATCH, SEQ), generator=g)
     y = torch.randint(0, vocab, (BATCH, SEQ), generator=g)
     trainable = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(trainable, lr=LR)
+    opt = adamw(trainable, lr=LR)
 
     def step() -> float:
         opt.zero_grad(set_to_none=True)
@@ -461,7 +461,7 @@ def section(results: dict[str, list[dict]], planner: dict, written: dict, plan: 
         f"\"{SCHEME}\"))` (each block Linear quantized to NF4 as it is read); theirs is `AutoModelForCausalLM."
         "from_pretrained(folder, quantization_config=BitsAndBytesConfig(load_in_4bit=True, "
         "bnb_4bit_quant_type=\"nf4\", bnb_4bit_compute_dtype=X), device_map=\"cpu\", dtype=X)`. Training: "
-        f"LoRA r {RANK}, alpha {ALPHA:g} on all-linear (lm_head excluded, both), AdamW on the LoRA factors, "
+        f"LoRA r {RANK}, alpha {ALPHA:g} on all-linear (lm_head excluded, both), {OPTIMIZER_NOTE} on the LoRA factors, "
         f"batch {BATCH} × {SEQ} random token ids. Compute dtype: fp32 = ours `build_for_training(..., "
         "precision=\"fp32\")` (the base's float parts cast to fp32) / theirs compute_dtype float32; bf16 = ours "
         "`precision=\"bf16\"` (minituner.precision: NF4 dequantized to bf16, bf16 products and attention, "

@@ -32,8 +32,8 @@ import torch.nn.functional as F  # noqa: E402
 from minigpt.model import GPTConfig, MiniGPT  # noqa: E402
 from minigpt.train import lm_loss  # noqa: E402
 from report import Goal, Section  # noqa: E402
-from timing import (MIB, current_rss_mib, fmt_ratio, fmt_seconds, fp32_product_libraries, our_fp32_library,  # noqa: E402
-                    peak_rss_mib, reset_peak_rss, wait_for_quiet)
+from timing import (MIB, OPTIMIZER_NOTE, adamw, current_rss_mib, fmt_ratio, fmt_seconds,  # noqa: E402
+                    fp32_product_libraries, our_fp32_library, peak_rss_mib, reset_peak_rss, wait_for_quiet)
 
 STACK = GPTConfig(vocab_size=4096, block_size=128, n_layer=8, n_head=8, d_model=512)
 BATCH = 8
@@ -175,7 +175,7 @@ def measure(config: str, warmup: int, steps: int) -> dict:
     g = torch.Generator().manual_seed(1)
     x = torch.randint(0, STACK.vocab_size, (BATCH, STACK.block_size), generator=g)
     y = torch.randint(0, STACK.vocab_size, (BATCH, STACK.block_size), generator=g)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
+    opt = adamw([p for p in model.parameters() if p.requires_grad], lr=LR)
 
     def step() -> float:
         opt.zero_grad(set_to_none=True)
@@ -247,7 +247,7 @@ def run(quick: bool = False) -> Section:
         "Training step, GPT-shaped stack",
         f"MiniGPT d_model {STACK.d_model}, {STACK.n_layer} layers, {STACK.n_head} heads, vocab {STACK.vocab_size}, "
         f"block {STACK.block_size}; batch {BATCH} × {STACK.block_size} tokens; LoRA r = {RANK}, alpha {ALPHA:g} on "
-        f"{', '.join(TARGETS)}; float32 compute; AdamW. One step = forward, cross-entropy, backward, optimizer "
+        f"{', '.join(TARGETS)}; float32 compute; {OPTIMIZER_NOTE}. One step = forward, cross-entropy, backward, optimizer "
         f"step. Median of {steps} timed steps × {rounds} subprocess(es) per configuration ('per round': each "
         f"subprocess's own median; their spread is this machine's run-to-run noise), after {warmup} warm-up "
         "step(s); 'first step' is the first step of the first subprocess. Peak RSS: the process's high-water mark "

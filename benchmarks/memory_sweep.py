@@ -307,14 +307,18 @@ def summary(results: list[dict]) -> list[str]:
     raw = [100 * (r["predicted"]["peak"] - r["details"]["peak_raw_bytes"]) / r["details"]["peak_raw_bytes"]
            for r in results]
     met = all(abs(p) <= GOAL for p in peak)
-    same = sum(r["details"]["predicted_peak_phase"].split(":")[0].split(" ")[0] == r["details"]["measured_peak_phase"]
-               .split(" ")[0] for r in results)
+    differ = [r for r in results if r["details"]["predicted_peak_phase"].split(":")[0].split(" ")[0]
+              != r["details"]["measured_peak_phase"].split(" ")[0]]
+    same = len(results) - len(differ)
+    where = "; ".join(f"{r['details']['model']} {label(r)} {batch_cell(r['details'])}"
+                      f"{', checkpointed' if r['details']['grad_checkpoint'] else ''}: "
+                      f"{r['details']['predicted_peak_phase']} / {r['details']['measured_peak_phase']}" for r in differ)
     return [
         f"Peak, planner/peak.py: errors from {min(peak):+.2f}% to {max(peak):+.2f}% over {len(results)} runs "
         f"(goal ±{GOAL:g}% at every point: {'met' if met else 'NOT met'}). The buckets' total (the planner before "
         f"its peak model) was off by {min(old):+.1f}% to {max(old):+.1f}%.",
         f"Where: the planner names the peak's phase; it agrees with the measured phase (forward, backward, optimizer "
-        f"step) in {same} of {len(results)} runs (the embeddings' backward and AdamW's step tie in full FT of GPT-2).",
+        f"step) in {same} of {len(results)} runs" + (f" (predicted / measured where they differ: {where})." if differ else "."),
         f"Weights, grads and optimizer (Adam m, v): largest error {exact:.2f}%; activations (saved for backward, "
         f"checkpointed block inputs included): {min(act):+.2f}% to {max(act):+.2f}%.",
         f"The process's own memory (Python, libraries' buffers, allocator slack), measured before the measured steps "

@@ -372,7 +372,7 @@ def predict(cfg: GPTConfig | DecoderConfig, check: CheckConfig, name: str = "mod
 def warm_up(device: torch.device) -> None:
     """One step of a tiny model, so that the libraries' one-time buffers are not counted in the peak."""
     model = MiniGPT(GPTConfig(vocab_size=8, block_size=4, n_layer=1, n_head=1, d_model=8)).to(device)
-    opt = torch.optim.AdamW(model.parameters())
+    opt = adamw(list(model.parameters()), lr=1e-3)  # the training loop's optimizer, fused kernel included
     ids = torch.zeros(1, 5, dtype=torch.long, device=device)
     lm_loss(model, ids[:, :-1], ids[:, 1:]).backward()
     opt.step()

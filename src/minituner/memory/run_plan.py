@@ -65,7 +65,7 @@ def plan_run(folder: Path, regime: Regime, targets: str | list[str], batch: Larg
              lora_dropout: float = 0.0, model_dropout: float | None = None,
              grad_accum: int = 1) -> tuple[dict | None, str]:
     """(the plan, "") of one finetune run at its data's largest batch, or (None, why) for a run the planner does
-    not model: on CUDA (LoRA computes in the checkpoint's dtype there, AdamW runs foreach), under torchrun (each
+    not model: on CUDA (LoRA computes in the checkpoint's dtype there), under torchrun (each
     rank's shard and DDP's gradient buckets), with another quantization than NF4 in blocks of 64, for a llama-family
     config with attention dropout, or with targets given as module paths."""
     if device.type != "cpu":

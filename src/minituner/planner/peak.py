@@ -64,16 +64,16 @@ The phases:
   would not keep (without checkpointing this moment is below the loss's).
 - backward, embeddings (full FT): W + O + G + the embedding's dense gradient V·C·4, twice when tied
   (the lookup's gradient and the sum into the head's gradient).
-- optimizer step: W + G + O + 2 x the largest trainable tensor in fp32 (CPU AdamW runs the
-  single-tensor loop, which is torch's default off CUDA: ``exp_avg_sq.sqrt()`` and its division by the
-  bias correction are two temporaries of one parameter's size; gradient clipping adds nothing).
+- optimizer step: W + G + O (minigpt.train's AdamW is PyTorch's fused kernel on CPU and CUDA, which updates
+  every tensor in place and allocates nothing; gradient clipping adds nothing). Torch's default off CUDA,
+  the single-tensor loop, would add two temporaries of the largest trainable tensor's size.
 
 With gradient accumulation (``grad_accum`` micro-batches of batch·seq per step, ``accumulating``) each
 micro-batch's phases are the ones above, except that every backward after the first holds all of G (the step's
 gradients so far, added into) in place of the grads made so far.
 
 Not modelled: the process itself (Python, libraries, allocator slack; ``memory-check`` measures it as
-its own line) and foreach/fused AdamW on CUDA (temporaries of all trainable tensors at once).
+its own line).
 Each architecture has its own phase function in ``PEAK_MODELS``, over the phases above (``step_phases``):
 ``minigpt_phases`` (MiniGPT, GPT-2) and ``llama_phases`` (llama, mistral, qwen2 as ``minigpt.decoder.Decoder``
 trains them: the exact model of ``decoder_activations.py``; in the last block's backward SwiGLU's product
@@ -250,9 +250,7 @@ def step_phases(shape: ModelShape, regime: str, rank: int | None, targets: str |
         phases["backward: embeddings"] = {**base, "grads": grads, "activations (ids)": ids,
                                           "embedding gradient temporaries":
                                               embedding * (2 if shape.tie_embeddings else 1)}
-    phases["optimizer step"] = {**base, "grads": grads,
-                                "AdamW temporaries (sqrt, division)":
-                                    2 * largest_trainable(shape, regime, rank, targets) * FP32}
+    phases["optimizer step"] = {**base, "grads": grads}  # fused AdamW: in place, no temporaries
     return phases
 
 
@@ -299,15 +297,6 @@ def math_attention_phases(att: MathAttention, base: dict[str, int], grads: int, 
             "activations (before the block's attention)": before_head - att.after - att.kept * att.scores,
             "attention probabilities, noise, dropped copy (h x T x T)": 3 * att.scores}
     return phases
-
-
-def largest_trainable(shape: ModelShape, regime: str, rank: int | None, targets: str | Iterable[str]) -> int:
-    """Elements of the largest trainable tensor (AdamW's temporaries are its size)."""
-    if regime == "full":
-        sizes = [shape.vocab_size * shape.d_model, shape.n_positions * shape.d_model,
-                 *(lin.weight_params for lin in shape.linears)]
-        return max(sizes)
-    return max((rank or 0) * max(lin.in_features, lin.out_features) for lin in resolve_targets(shape, targets))
 
 
 PhaseModel = Callable[..., dict[str, dict[str, int]]]
