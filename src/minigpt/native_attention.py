@@ -18,9 +18,11 @@ as g·T rows of one GEMM against that head's T keys, so S is (B·kv, g·T, T) an
 Backward (FlashAttention-2's, with P recomputed from the saved logsumexp instead of kept): S again by
 ``bmm``, P = exp(S·d^-½ - lse) (C), dV = Pᵀ·dy, dP = dy·vᵀ, then in C per row D = Σ_j P·dP (fp32, from the
 same bf16 P and dP, so each row of dS sums to 0 as softmax's gradient must) and dS = P ∘ (dP - D)·d^-½
-written over dP, and dq = dS·k, dk = dSᵀ·q (``bmm``). It saves q, k, v and the logsumexp per query and head
-(fp32); not its output, which the fused kernel also keeps (FlashAttention-2 takes D from it): the o_proj that
-follows keeps that only when it trains (``minituner.planner`` counts both ways). The output is laid out
+written over dP, and dq = dS·k, dk = dSᵀ·q (``bmm``). It saves q, k, v, as the grouped copies its GEMMs read
+(so backward does not copy them again, and the projections' outputs they came from are freed: the same bytes),
+and the logsumexp per query and head (fp32); not its output, which the fused kernel also keeps
+(FlashAttention-2 takes D from it): the o_proj that follows keeps that only when it trains
+(``minituner.planner`` counts both ways). The output is laid out
 (B, T, h, d), as the fused kernel lays it out, so o_proj's input is a view of it. The (g·T, T)
 scores are made a few K/V groups at a time (at most ``CHUNK_BYTES`` of S at once, never less than one group),
 so the transient memory stays small (and S stays in cache between the GEMM that writes it and the kernel that
@@ -256,12 +258,12 @@ def takes_bf16_run(seq_len: int) -> bool:
     return seq_len <= MAX_TOKENS and kernels() is not None
 
 
-def _chunks(q: Tensor, kv: int) -> list[tuple[int, int]]:
+def _chunks(q_shape: torch.Size, kv: int) -> list[tuple[int, int]]:
     """[g0, g1) ranges of q's B·kv K/V groups whose bf16 scores take at most CHUNK_BYTES together, and no more
-    than q itself (a small model's S stays below its own activations), at least one group each."""
-    B, h, T, d = q.shape
+    than q (B, h, T, d) itself (a small model's S stays below its own activations), at least one group each."""
+    B, h, T, d = q_shape
     groups, group_bytes = B * kv, (h // kv) * T * T * 2
-    per = max(1, min(CHUNK_BYTES, q.numel() * 2) // group_bytes)
+    per = max(1, min(CHUNK_BYTES, q_shape.numel() * 2) // group_bytes)
     return [(g0, min(groups, g0 + per)) for g0 in range(0, groups, per)]
 
 
@@ -282,29 +284,28 @@ class _CausalAttention(torch.autograd.Function):
         out = torch.empty(B * kv, qg.shape[1], d, dtype=q.dtype)  # (B, h, T, d) in memory
         lse = torch.empty(B * h * T, dtype=torch.float32)
         rows = qg.shape[1]
-        for g0, g1 in _chunks(q, kv):
+        for g0, g1 in _chunks(q.shape, kv):
             s = torch.bmm(qg[g0:g1], kg[g0:g1].transpose(1, 2))  # (G, g·T, T) bf16
             lib.softmax_(s, T, window, scale, lse[g0 * rows:g1 * rows], have_lse=False)
             torch.bmm(s, vg[g0:g1], out=out[g0:g1])
         y = torch.empty(B, T, h, d, dtype=q.dtype)  # laid out as the fused kernel lays it out
         y.copy_(out.view(B, h, T, d).transpose(1, 2))
         y = y.transpose(1, 2)  # (B, h, T, d)
-        ctx.save_for_backward(q, k, v, lse)
-        ctx.window = window
+        ctx.save_for_backward(qg, kg, vg, lse)  # grouped: backward's GEMMs read them so, and q, k, v are freed
+        ctx.window, ctx.shapes = window, (q.shape, k.shape)
         return y
 
     @staticmethod
     @torch.autograd.function.once_differentiable  # the kernels write in place, unseen by autograd
     def backward(ctx, dy: Tensor):
-        q, k, v, lse = ctx.saved_tensors
+        qg, kg, vg, lse = ctx.saved_tensors
         lib = kernels()
-        B, h, T, d = q.shape
-        kv = k.shape[1]
+        (B, h, T, d), (_, kv, _, _) = ctx.shapes
         scale = 1.0 / math.sqrt(d)
-        qg, kg, vg, dyg = _as_groups(q, kv), _as_groups(k, kv), _as_groups(v, kv), _as_groups(dy.to(q.dtype), kv)
+        dyg = _as_groups(dy.to(qg.dtype), kv)
         dq, dk, dv = torch.empty_like(qg), torch.empty_like(kg), torch.empty_like(vg)
         rows = qg.shape[1]
-        for g0, g1 in _chunks(q, kv):
+        for g0, g1 in _chunks(ctx.shapes[0], kv):
             r0, r1 = g0 * rows, g1 * rows
             p = torch.bmm(qg[g0:g1], kg[g0:g1].transpose(1, 2))  # S again, then P over it
             lib.softmax_(p, T, ctx.window, scale, lse[r0:r1], have_lse=True)
