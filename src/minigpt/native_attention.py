@@ -19,7 +19,8 @@ Backward (FlashAttention-2's, with P recomputed from the saved logsumexp instead
 ``bmm``, P = exp(S·d^-½ - lse) (C), dV = Pᵀ·dy, dP = dy·vᵀ, then in C per row D = Σ_j P·dP (fp32, from the
 same bf16 P and dP, so each row of dS sums to 0 as softmax's gradient must) and dS = P ∘ (dP - D)·d^-½
 written over dP, and dq = dS·k, dk = dSᵀ·q (``bmm``). It saves q, k, v, as the grouped copies its GEMMs read
-(so backward does not copy them again, and the projections' outputs they came from are freed: the same bytes),
+(so backward does not copy them again, and the tensors they were copied from, the projections' or rotary
+embedding's outputs, are freed: the same bytes; where the grouping is a view nothing is copied),
 and the logsumexp per query and head (fp32); not its output, which the fused kernel also keeps
 (FlashAttention-2 takes D from it): the o_proj that follows keeps that only when it trains
 (``minituner.planner`` counts both ways). The output is laid out

@@ -253,6 +253,7 @@ def adamw(params: list[nn.Parameter], lr: float, weight_decay: float = 0.0) -> t
     benchmarks/bench_bf16.py's GPT-shaped QLoRA step: 1.12 ms against the loop's 3.29 (medians of 20 steps, the
     two alternating in one process; AMD EPYC, 2 cores, 2026-12-03). Its updates agree with the loop's to about
     one unit in the last place of fp32 (tests/minigpt/test_adamw.py)."""
+    params = list(params)
     fused = bool(params) and all(p.device.type in FUSED_ADAMW_DEVICES and p.is_floating_point() for p in params)
     return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay, fused=fused or None)
 

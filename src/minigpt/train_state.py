@@ -224,6 +224,22 @@ def check_compatible(info: dict, run: dict, where: Path) -> None:
                          "resume with the same settings, or pass --overwrite to start over")
 
 
+KERNEL_CHOICES = ("fused", "foreach")  # how torch's AdamW runs: chosen by this run, not by the checkpoint's
+
+
+def keep_kernel_choice(optimizer: torch.optim.Optimizer, built: list[dict]) -> None:
+    """After load_state_dict (which takes every group setting from the checkpoint), put back how this run's
+    optimizer was built to run: a checkpoint written by the single-tensor loop (before minigpt.train.adamw was
+    fused) then resumes fused, as the planner counts it; the update is the same to about one fp32 unit."""
+    for group, choice in zip(optimizer.param_groups, built):
+        group.update(choice)
+        if group.get("fused"):  # the fused kernel takes each step count as an fp32 tensor on its parameter's device
+            for p in group["params"]:
+                st = optimizer.state.get(p, {})
+                if torch.is_tensor(st.get("step")):
+                    st["step"] = st["step"].to(dtype=torch.float32, device=p.device)
+
+
 def restore(state: TrainState, named_params: list[tuple[str, nn.Parameter]], optimizer: torch.optim.Optimizer,
             batches: torch.Generator, where: Path) -> None:
     """Copy a checkpoint into the trainable parameters, the optimizer, the RNGs and the batch generator."""
@@ -241,10 +257,12 @@ def restore(state: TrainState, named_params: list[tuple[str, nn.Parameter]], opt
     with torch.no_grad():
         for n, p in named_params:
             p.copy_(state.params[n])
+    built = [{k: g[k] for k in KERNEL_CHOICES if k in g} for g in optimizer.param_groups]
     try:
         optimizer.load_state_dict(state.optimizer)
     except (ValueError, KeyError, RuntimeError) as e:
         raise InputError(f"{where}: optimizer state does not fit this run ({e})") from None
+    keep_kernel_choice(optimizer, built)
     try:
         restore_rng(state.rng, batches)
     except (TypeError, ValueError, KeyError, IndexError, RuntimeError) as e:  # InputError is a ValueError: kept

@@ -1,4 +1,5 @@
 """minigpt.train.adamw: PyTorch's fused AdamW on CPU, in place (what minituner.planner counts for its step)."""
+import pytest
 import torch
 import torch.nn as nn
 from torch.profiler import profile
@@ -47,4 +48,32 @@ def test_its_updates_agree_with_the_single_tensor_loop():
         for p, q in zip(fused, loop):
             q.grad = p.grad = torch.randn(p.shape, generator=g)
     for p, q in zip(fused, loop):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-6)
+
+
+def test_what_the_fused_kernel_cannot_take_runs_torchs_default():
+    assert adamw([nn.Parameter(torch.zeros(2, device="meta"))], lr=1e-3).defaults["fused"] is None
+    assert adamw((p for p in params_with_grads()), lr=1e-3).defaults["fused"] is True  # a generator is read once
+    with pytest.raises(ValueError):
+        adamw([], lr=1e-3)
+
+
+def test_a_checkpoint_of_the_single_tensor_loop_resumes_fused():
+    from minigpt.train_state import keep_kernel_choice
+
+    old, new = params_with_grads(), params_with_grads()
+    loop = torch.optim.AdamW(old, lr=1e-2, betas=(0.9, 0.95), foreach=False)  # as checkpoints were written before
+    loop.step()
+    opt = adamw(new, lr=1e-2)
+    built = [{k: g[k] for k in ("fused", "foreach")} for g in opt.param_groups]
+    opt.load_state_dict(loop.state_dict())
+    assert opt.param_groups[0]["fused"] is None  # what torch's load_state_dict does by itself
+    keep_kernel_choice(opt, built)
+    assert opt.param_groups[0]["fused"] is True and opt.param_groups[0]["foreach"] is None
+    assert all(opt.state[p]["step"].dtype == torch.float32 for p in new)
+    for p, q in zip(new, old):
+        p.data.copy_(q.data)
+    opt.step()
+    loop.step()
+    for p, q in zip(new, old):
         torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-6)

@@ -8,8 +8,8 @@ benchmarks/memory_sweep.md), the peak is in the backward at the loss (every save
 alive, plus the loss's (N, V) gradients) for LoRA, QLoRA and full FT without
 checkpointing; with gradient checkpointing it moves to the last block's backward (the recomputed block
 plus its gradients) unless the logits dominate (GPT-2's 50,257-token vocabulary: still at the loss);
-full FT of a large-vocabulary model peaks at the embeddings' backward and in AdamW's step, which tie
-(both hold every grad plus two V x C temporaries); a small full FT run can peak at the end of the
+full FT of a large-vocabulary model peaks at the embeddings' backward (every grad plus the embedding's
+V x C gradient temporaries; fused AdamW's step holds only weights, grads and its state); a small full FT run can peak at the end of the
 forward (the last step's grads are still alive there).
 
 With N = batch·seq, C = d_model, F = d_ff, V = vocab, the exact activation model's widths e (bytes per
