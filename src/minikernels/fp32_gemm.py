@@ -104,11 +104,6 @@ def onednn_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
-def _product(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-    """x·weightᵀ + bias through oneDNN; weight (out, in), x (..., in) -> (..., out)."""
-    return onednn_linear(x, weight, bias)
-
-
 class _Linear(torch.autograd.Function):
     """y = x·Wᵀ + b through oneDNN, and through it each gradient autograd asks for (see the module docstring)."""
 
@@ -117,7 +112,7 @@ class _Linear(torch.autograd.Function):
         x_needs, w_needs = x.requires_grad, weight.requires_grad
         # what autograd keeps for F.linear: x for the weight's gradient, W for x's (references: no new memory)
         ctx.save_for_backward(x if w_needs else None, weight if x_needs else None)
-        return _product(x, weight, bias)  # (..., out)
+        return onednn_linear(x, weight, bias)  # (..., out)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -139,7 +134,7 @@ def input_grad(grad_y: Tensor, weight: Tensor) -> Tensor:
     """grad_y·W, the gradient of x·Wᵀ for x: (..., out) -> (..., in)."""
     if not _takes_onednn(grad_y, weight):
         return grad_y @ weight
-    return _product(grad_y, weight.t(), None)  # Wᵀ as a view: oneDNN reads (in, out) weights at full speed
+    return onednn_linear(grad_y, weight.t(), None)  # Wᵀ as a view: oneDNN reads (in, out) weights at full speed
 
 
 def weight_grad(grad_y: Tensor, x: Tensor) -> Tensor:
@@ -151,7 +146,7 @@ def product(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """x·Wᵀ + b with no autograd of its own (for a caller's autograd Function, e.g. a dequantized weight)."""
     if not _takes_onednn(x, weight):
         return F.linear(x, weight, bias)
-    return _product(x, weight, None if bias is None else bias.to(x.dtype))
+    return onednn_linear(x, weight, None if bias is None else bias.to(x.dtype))
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
@@ -161,4 +156,4 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     tensors = (x, weight) if bias is None else (x, weight, bias)
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         return _Linear.apply(x, weight, bias)
-    return _product(x, weight, bias)
+    return onednn_linear(x, weight, bias)
