@@ -175,9 +175,14 @@ MM_OPS = ("mm", "addmm", "addmm_", "bmm", "baddbmm")
 
 
 def _product_ops() -> dict:
-    """op -> name: aten's products, and oneDNN's linear, which the fp32 rows' frozen products take
-    (minikernels.fp32_gemm)."""
-    ops = {getattr(torch.ops.aten, name).default: name for name in MM_OPS}
+    """op -> name: aten's products, also into a given tensor ("bmm.out": minigpt.native_attention writes four of
+    its six products so), and oneDNN's linear, which the fp32 rows' frozen products take (minikernels.fp32_gemm)."""
+    ops = {}
+    for name in MM_OPS:
+        packet = getattr(torch.ops.aten, name)
+        ops[packet.default] = name
+        if "out" in packet.overloads():
+            ops[packet.out] = f"{name}.out"
     if hasattr(torch.ops.mkldnn, "_linear_pointwise"):
         ops[torch.ops.mkldnn._linear_pointwise.default] = "mkldnn_linear"
     return ops
@@ -222,7 +227,13 @@ def _materialize(spec, dtype: torch.dtype | None = None):
 def _replay_op(op: str, dtype: torch.dtype | None):
     if op == "mkldnn_linear":  # (x, W, bias, "none", [], ""); in another dtype, as F.linear computes it
         return torch.ops.mkldnn._linear_pointwise.default if dtype is None else (lambda x, w, b, *_: F.linear(x, w, b))
-    return getattr(torch.ops.aten, op).default
+    name, _, overload = op.partition(".")
+    return getattr(getattr(torch.ops.aten, name), overload or "default")
+
+
+def _fresh(op: str, kwargs: tuple) -> tuple[str, tuple]:
+    """The same product returning a new tensor: an .out call without its out (whose size a row slice changes)."""
+    return op.removesuffix(".out"), tuple((k, v) for k, v in kwargs if k != "out")
 
 
 def product_flops(op: str, args: tuple) -> int:
@@ -258,7 +269,7 @@ def row_slice(op: str, args: tuple, gflop: float = SLICE_GFLOP) -> tuple[tuple, 
         lead = tensors[-2]  # the left operand (addmm, baddbmm: after their input)
         rows = args[lead][1][0]
     m = max(1, min(rows, math.ceil(rows * gflop * 1e9 / max(1, product_flops(op, args)))))
-    batched = op in ("bmm", "baddbmm")
+    batched = op.removesuffix(".out") in ("bmm", "baddbmm")
     cut = []
     for i, a in enumerate(args):
         is_tensor = isinstance(a, tuple) and a and a[0] == "tensor"
@@ -291,7 +302,8 @@ def bf16_cost(calls: Counter) -> dict:
     for (op, args, kwargs), n in calls.items():
         cut, kept = row_slice(op, args)
         fp32 += n * _time_once(op, args, kwargs, None)
-        bf16 += n * _time_once(op, cut, kwargs, torch.bfloat16) / kept
+        fresh, fresh_kwargs = _fresh(op, kwargs)
+        bf16 += n * _time_once(fresh, cut, fresh_kwargs, torch.bfloat16) / kept
     return {"fp32_s": fp32, "bf16_s": bf16, "calls": sum(calls.values()), "distinct": len(calls)}
 
 
