@@ -32,7 +32,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -41,6 +40,7 @@ if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
 from minigpt.bf16_support import bf16_support  # noqa: E402
+from paced import run_paced, serve  # noqa: E402
 from report import Goal, Section  # noqa: E402
 from timing import (MIB, OPTIMIZER_NOTE, adamw, cpu_summary, current_rss_mib, fp32_product_libraries, peak_rss_mib,  # noqa: E402
                     reset_peak_rss)
@@ -187,18 +187,10 @@ def measure(contender: str, folder: str, dtype_name: str, steps: int, paced: boo
         t0 = time.perf_counter()
         losses.append(step())
         times.append(time.perf_counter() - t0)
-    if paced:
-        _say({"ready": True})
-        for command in iter(sys.stdin.readline, ""):
-            if command.strip() not in ("step", "warm"):
-                break
-            t0 = time.perf_counter()
-            losses.append(step())
-            if command.strip() == "step":
-                times.append(time.perf_counter() - t0)
-            else:
-                warm_times.append(time.perf_counter() - t0)
-            _say({"step_s": time.perf_counter() - t0})
+    if paced:  # the parent's turns (paced.run_paced)
+        timed, warm_times, paced_losses = serve(step)
+        times += timed
+        losses += paced_losses
     train_peak = peak_rss_mib()
     split_trained = _rss_split_mib()
     return {"rss_anon_file_loaded_mib": split_loaded, "rss_anon_file_trained_mib": split_trained,"contender": contender, "dtype": dtype_name, "load_s": load_s, "load_cpu_s": load_cpu_s,
@@ -208,13 +200,6 @@ def measure(contender: str, folder: str, dtype_name: str, steps: int, paced: boo
             "peak_reset": reset_ok,
             "trainable_params": sum(p.numel() for p in trainable), "threads": torch.get_num_threads(),
             "loadavg_at_start": load_avg, "loadavg_at_end": os.getloadavg()[0], **facts}
-
-
-PACE = "@@bench "  # the prefix of a paced contender's protocol lines on stdout (libraries may print too)
-
-
-def _say(message: dict) -> None:
-    print(PACE + json.dumps(message), flush=True)
 
 
 def _rss_split_mib() -> list[float]:
@@ -248,83 +233,13 @@ def _run_contender(contender: str, folder: Path, dtype: str, steps: int) -> dict
 
 
 def _run_paced(contenders: tuple[str, ...], folder: Path, dtype: str, steps: int) -> list[dict]:
-    """Every contender in its own live subprocess: each loads and takes its first step in turn (alone on the
-    machine but for the others' idle memory), then their timed steps alternate, the order rotating each round, so
-    that load from other processes falls on both sides alike. Each returns measure()'s result."""
-    procs: dict[str, subprocess.Popen] = {}
-    started: dict[str, float] = {}
-    errors: dict[str, dict] = {}
-    logs: dict[str, tempfile.SpooledTemporaryFile] = {}
-    watchdog = threading.Timer(PACED_TIMEOUT_S, lambda: [p.kill() for p in procs.values()])  # a hung child: its
-    watchdog.daemon = True  # pipe closes, read() returns None and it is recorded as failed
-    watchdog.start()
-
-    def read(name: str) -> dict | None:  # the next protocol line of `name`; None when it ended
-        for line in iter(procs[name].stdout.readline, ""):
-            if PACE in line:  # anywhere: a library's output without a newline may come first
-                return json.loads(line[line.index(PACE) + len(PACE):])
-        return None
-
-    def send(name: str, command: str) -> dict | None:  # None when the child is gone (its answer otherwise)
-        try:
-            procs[name].stdin.write(command + "\n")
-            procs[name].stdin.flush()
-        except OSError:  # BrokenPipeError: it died while the other ran
-            return None
-        return read(name)
-
-    def fail(name: str) -> None:
-        procs[name].kill()  # ended already, or hung: either way its result is an error
-        procs[name].wait()
-        logs[name].seek(0)
-        err = logs[name].read().decode(errors="replace")
-        _log(f"[bench]   {name} {dtype} failed:\n{err[-3000:]}")
-        errors[name] = {"contender": name, "dtype": dtype, "error": (err.strip().splitlines() or ["?"])[-1]}
-
-    try:
-        for name in contenders:
-            cmd = [sys.executable, str(Path(__file__).resolve()), "--contender", name, "--folder", str(folder),
-                   "--dtype", dtype, "--steps", str(steps), "--paced"]
-            logs[name] = tempfile.TemporaryFile()
-            started[name] = time.perf_counter()
-            procs[name] = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=logs[name],
-                                           text=True, env={**os.environ, **CONTENDER_ENV.get(name, {})})
-            if read(name) is None:
-                fail(name)
-        live = [n for n in contenders if n not in errors]
-        for i in range(steps if live else 0):
-            for name in live[i % len(live):] + live[:i % len(live)]:
-                if name in errors:
-                    continue
-                for command in ("warm",) * PACED_WARM + ("step",):  # its turn: untimed steps first, then one timed
-                    if name not in errors and send(name, command) is None:
-                        fail(name)
-        results = []
-        for name in contenders:
-            if name in errors:
-                results.append(errors[name])
-                continue
-            try:
-                procs[name].stdin.write("done\n")
-                procs[name].stdin.close()
-            except OSError:
-                pass  # it died: wait() below says so
-            last = procs[name].stdout.read().strip().splitlines()
-            if procs[name].wait() != 0 or not last:
-                fail(name)
-                results.append(errors[name])
-                continue
-            res = json.loads(last[-1])
-            res["wall_s"] = time.perf_counter() - started[name]
-            results.append(res)
-        return results
-    finally:
-        watchdog.cancel()
-        for proc in procs.values():
-            if proc.poll() is None:
-                proc.kill()
-        for log in logs.values():
-            log.close()
+    """Every contender in its own live subprocess, their timed steps alternating (paced.run_paced). Each returns
+    measure()'s result."""
+    children = {name: ([sys.executable, str(Path(__file__).resolve()), "--contender", name, "--folder", str(folder),
+                        "--dtype", dtype, "--steps", str(steps), "--paced"], CONTENDER_ENV.get(name))
+                for name in contenders}
+    results = run_paced(children, turns=steps, warm=PACED_WARM, timeout_s=PACED_TIMEOUT_S, label=f" {dtype}")
+    return [res if "error" not in res else {"contender": name, "dtype": dtype, **res} for name, res in results.items()]
 
 
 def _planner(folder: Path) -> dict:
