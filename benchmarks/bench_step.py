@@ -4,10 +4,11 @@ The stack: MiniGPT d_model 512, 8 layers, 8 heads, vocab 4096, block 128; batch 
 r = 8, alpha 16 on all six block Linears (q/k/v/o_proj, fc1, fc2); AdamW over the trainable parameters.
 Every configuration starts from the same weights (seed 0) and trains on the same batch (seed 1).
 
-Each configuration runs in its own subprocess (`python bench_step.py --config NAME`), so its peak
-memory is its own. Every subprocess imports the same libraries (torch, transformers, peft,
-bitsandbytes, minituner) before building anything, so their baselines match. Peak RSS is the
-kernel's high-water mark (VmHWM), reset after the warm-up steps and read after the timed ones.
+Each configuration runs in its own subprocess (`python bench_step.py --config NAME --paced`), so its peak
+memory is its own; all stay alive and their timed steps alternate (paced.run_paced), so a ratio of two
+step times is measured under the same load. Every subprocess imports the same libraries (torch,
+transformers, peft, bitsandbytes, minituner) before building anything, so their baselines match. Peak RSS
+is the kernel's high-water mark (VmHWM), reset after the warm-up steps and read after the timed ones.
 """
 from __future__ import annotations
 
@@ -16,7 +17,6 @@ import gc
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -31,6 +31,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from minigpt.model import GPTConfig, MiniGPT  # noqa: E402
 from minigpt.train import lm_loss  # noqa: E402
+from paced import run_paced, serve  # noqa: E402
 from report import Goal, Section  # noqa: E402
 from timing import (MIB, OPTIMIZER_NOTE, adamw, current_rss_mib, fmt_ratio, fmt_seconds,  # noqa: E402
                     fp32_product_libraries, our_fp32_library, peak_rss_mib, reset_peak_rss, wait_for_quiet)
@@ -42,7 +43,9 @@ TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "fc1", "fc2"]
 LR = 1e-4
 QLORA_VS_PEFT_BNB_GOAL = 0.85  # our QLoRA step / PEFT + bitsandbytes QLoRA step
 QLORA_VS_LORA_GOAL = 1.15  # our QLoRA step / our LoRA fp32 step
-WAIT_PER_CONFIG_S = 60.0  # before each subprocess, wait up to this long for other processes to go quiet
+WAIT_S = 120.0  # before starting the subprocesses, wait up to this long for other processes to go quiet
+PACED_WARM = 1  # untimed steps at the start of each turn: a process's first step after another's ran slower
+PACED_TIMEOUT_S = 3600.0  # the whole paced run
 
 # name -> label, in the order of the table (and of the first round)
 CONFIGS = {
@@ -160,8 +163,9 @@ def _gemm_share(step) -> tuple[float, float]:
     return gemm, total
 
 
-def measure(config: str, warmup: int, steps: int) -> dict:
-    """Build, warm up, then time `steps` optimizer steps; peak RSS over the timed steps."""
+def measure(config: str, warmup: int, steps: int, paced: bool = False) -> dict:
+    """Build, warm up, then time `steps` optimizer steps (paced: as the parent asks, paced.serve); peak RSS over
+    the steps after the warm-up."""
     import bitsandbytes  # noqa: F401  the same imports in every configuration: equal baselines
     import peft  # noqa: F401
     import transformers  # noqa: F401
@@ -197,7 +201,10 @@ def measure(config: str, warmup: int, steps: int) -> dict:
     rss_before = current_rss_mib()
     peak_reset = reset_peak_rss()
     times = []
-    for _ in range(steps):
+    if paced:
+        times, _, paced_losses = serve(step)
+        losses += paced_losses
+    for _ in range(0 if paced else steps):
         t0 = time.perf_counter()
         losses.append(step())
         times.append(time.perf_counter() - t0)
@@ -219,62 +226,59 @@ def _other_library() -> str:
     return "aten" if fp32_gemm.backend() == "onednn" else "onednn"
 
 
-def _run_config(config: str, warmup: int, steps: int) -> dict:
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--config", config, "--warmup", str(warmup),
-           "--steps", str(steps)]
-    env = {**os.environ, "MINIKERNELS_FP32_GEMM": _other_library()} if config.endswith("_other") else None  # fp32_gemm's override
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env=env)
-    if out.returncode != 0:
-        raise RuntimeError(f"{config} failed:\n{out.stderr[-3000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+def _command(config: str, warmup: int) -> tuple[list[str], dict | None]:
+    """A configuration's paced subprocess (command, extra environment)."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--config", config, "--warmup", str(warmup), "--paced"]
+    return cmd, {"MINIKERNELS_FP32_GEMM": _other_library()} if config.endswith("_other") else None  # fp32_gemm's override
 
 
 def run(quick: bool = False) -> Section:
     from minigpt.bf16_support import bf16_support
 
-    warmup, steps, rounds = (1, 2, 1) if quick else (2, 4, 2)
+    warmup, steps = (1, 2) if quick else (2, 8)
     support = bf16_support("cpu")  # without bf16 units the bf16 rows would take many times the rest: left out
-    results: dict[str, list[dict]] = {c: [] for c in CONFIGS if support.fast or not c.endswith("bf16")}
-    order = list(results)
-    for r in range(rounds):  # the second round in reverse order, so drift in machine load evens out
-        for config in order if r % 2 == 0 else order[::-1]:
-            log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
-            busy, _ = wait_for_quiet(0.0 if quick else WAIT_PER_CONFIG_S, log=log)
-            log(f"[bench]   step: {config} (round {r + 1}/{rounds}, machine busy {busy:.0f}%)")
-            results[config].append({**_run_config(config, warmup, steps), "busy_before": busy})
-    med = {c: statistics.median([t for res in rs for t in res["times"]]) for c, rs in results.items()}
+    configs = [c for c in CONFIGS if support.fast or not c.endswith("bf16")]
+    log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+    busy, _ = wait_for_quiet(0.0 if quick else WAIT_S, log=log)
+    log(f"[bench]   step: {len(configs)} configurations side by side, {steps} turns (machine busy {busy:.0f}%)")
+    load_before = os.getloadavg()
+    results = run_paced({c: _command(c, warmup) for c in configs}, turns=steps, warm=PACED_WARM,
+                        timeout_s=PACED_TIMEOUT_S)
+    failed = {c: r["error"] for c, r in results.items() if "error" in r}
+    if failed:
+        raise RuntimeError(f"step configurations failed: {failed}")
+    load_after = os.getloadavg()
+    med = {c: statistics.median(r["times"]) for c, r in results.items()}
     section = Section(
         "Training step, GPT-shaped stack",
         f"MiniGPT d_model {STACK.d_model}, {STACK.n_layer} layers, {STACK.n_head} heads, vocab {STACK.vocab_size}, "
         f"block {STACK.block_size}; batch {BATCH} × {STACK.block_size} tokens; LoRA r = {RANK}, alpha {ALPHA:g} on "
         f"{', '.join(TARGETS)}; float32 compute; {OPTIMIZER_NOTE}. One step = forward, cross-entropy, backward, optimizer "
-        f"step. Median of {steps} timed steps × {rounds} subprocess(es) per configuration ('per round': each "
-        f"subprocess's own median; their spread is this machine's run-to-run noise), after {warmup} warm-up "
-        "step(s); 'first step' is the first step of the first subprocess. Peak RSS: the process's high-water mark "
-        "over the timed steps; 'over imports' subtracts the RSS right after importing the libraries, before the "
-        "model was built (model, optimizer state, activations, temporaries and allocator caches). 'machine busy "
-        "before': the whole machine's CPU use in the 2 s before each subprocess started (one figure per round). "
+        f"step. Every configuration in its own subprocess, all alive together: each built and warmed up "
+        f"({warmup} step(s)) in turn, then {steps} turns in which each takes {PACED_WARM} untimed step and one "
+        "timed step, the order rotating each turn (paced.run_paced), so load from other processes falls on every "
+        f"row alike; 'median step' is the median of its {steps} timed steps, 'fastest' the fastest; 'first step' "
+        "is its first step after building. Peak RSS: the process's high-water mark over the steps after the "
+        "warm-up; 'over imports' subtracts the RSS right after importing the libraries, before the model was built "
+        "(model, optimizer state, activations, temporaries and allocator caches). "
         f"'matrix products': self time of {', '.join(GEMM_OPS)} in one profiled step after the timed ones. Ours are "
         "built as every command builds them (build_for_training: on CPU glibc keeps what a step frees, "
-        "minituner.memory.heap.keep_freed_memory); PEFT's subprocesses run with glibc's defaults, as transformers does.",
-        ["configuration", "median step", "per round", "first step", "vs our LoRA", "trainable params", "peak RSS (MiB)",
-         "peak over imports (MiB)", "matrix products (% of step)", "loss step 0 → last",
-         "machine busy before (%)"],
+        "minituner.memory.heap.keep_freed_memory); PEFT's subprocesses run with glibc's defaults, as transformers "
+        f"does. The whole machine's CPU use before the subprocesses started: {busy:.0f}%; load average "
+        f"{load_before[0]:.1f} then, {load_after[0]:.1f} at the end (1 min).",
+        ["configuration", "median step", "fastest step", "first step", "vs our LoRA", "trainable params",
+         "peak RSS (MiB)", "peak over imports (MiB)", "matrix products (% of step)", "loss step 0 → last"],
     )
-    for config in results:
-        label = CONFIGS[config]
-        res = results[config][0]
-        peak = max(r["peak_mib"] for r in results[config])
-        over = max(r["peak_mib"] - r["rss_imports_mib"] for r in results[config])
-        per_round = " / ".join(fmt_seconds(statistics.median(r["times"])) for r in results[config])
-        section.rows.append([label, fmt_seconds(med[config]), per_round, fmt_seconds(res["first_s"]),
-                             fmt_ratio(med[config] / med["lora"]), f"{res['trainable_params']:,}", f"{peak:.0f}",
-                             f"{over:.0f}", f"{100 * statistics.median(r['gemm_s'] / r['profiled_step_s'] for r in results[config]):.0f}",
-                             f"{res['loss_first']:.4f} → {res['loss_last']:.4f}",
-                             " / ".join(f"{r['busy_before']:.0f}" for r in results[config])])
-    ours_deq = results["qlora"][0]["dequantize_all_s"]
-    bnb_deq = results["peft_bnb_qlora"][0]["dequantize_all_s"]
-    share = {c: statistics.median(r["gemm_s"] / r["profiled_step_s"] for r in rs) for c, rs in results.items()}
+    for config, res in results.items():
+        section.rows.append([CONFIGS[config], fmt_seconds(med[config]), fmt_seconds(min(res["times"])),
+                             fmt_seconds(res["first_s"]), fmt_ratio(med[config] / med["lora"]),
+                             f"{res['trainable_params']:,}", f"{res['peak_mib']:.0f}",
+                             f"{res['peak_mib'] - res['rss_imports_mib']:.0f}",
+                             f"{100 * res['gemm_s'] / res['profiled_step_s']:.0f}",
+                             f"{res['loss_first']:.4f} → {res['loss_last']:.4f}"])
+    ours_deq = results["qlora"]["dequantize_all_s"]
+    bnb_deq = results["peft_bnb_qlora"]["dequantize_all_s"]
+    share = {c: r["gemm_s"] / r["profiled_step_s"] for c, r in results.items()}
     rest = {c: med[c] * (1 - share[c]) for c in results}
     budget = QLORA_VS_PEFT_BNB_GOAL * med["peft_bnb_qlora"] - med["qlora"] * share["qlora"]
     section.goals.append(Goal(
@@ -294,7 +298,7 @@ def run(quick: bool = False) -> Section:
         f"Function around each; wrap_minigpt_qlora's finite-output guards: {fmt_seconds(med['qlora'])} with, "
         f"{fmt_seconds(med['qlora_noguard'])} without",
     ))
-    same = results["peft_bnb_qlora"][0].get("nf4_bytes_equal_ours")
+    same = results["peft_bnb_qlora"].get("nf4_bytes_equal_ours")
     other_library = "oneDNN" if _other_library() == "onednn" else "PyTorch's F.linear"
     section.notes += [
         f"full fine-tuning with its fp32 products and input gradients through {our_fp32_library()} "
@@ -319,9 +323,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="one training-step configuration, as JSON on the last line")
     parser.add_argument("--config", required=True, choices=list(CONFIGS))
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=4, help="timed steps, alone (without --paced)")
+    parser.add_argument("--paced", action="store_true", help="timed steps on 'step' lines from stdin (paced.serve)")
     args = parser.parse_args(argv)
-    print(json.dumps(measure(args.config, max(1, args.warmup), max(1, args.steps))))
+    print(json.dumps(measure(args.config, max(1, args.warmup), max(1, args.steps), args.paced)))
     return 0
 
 
