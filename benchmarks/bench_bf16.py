@@ -520,11 +520,11 @@ def run_shape(shape: str, quick: bool = False, wait_s: float | None = None) -> S
              measurable=support.fast),
         Goal(f"bf16 step ({shape}): ours QLoRA / its matrix products alone", t["qlora_bf16"] / floor, VS_FLOOR_GOAL,
              False,
-             f"{not_here}the rest, {fmt_seconds(rest)} a step: the step's products themselves take longer than "
-             f"replayed ({fmt_seconds(products_in_step)} in one profiled step against "
-             f"{fmt_seconds(products_replayed)} for the replay profiled the same way, which reruns each product on "
-             "the same operands back to back, so they stay in cache), and outside the products, in that profiled "
-             "step, attention "
+             f"{not_here}the rest, {fmt_seconds(rest)} a step: the step's products themselves take "
+             f"{'longer than' if products_in_step > products_replayed else 'no longer than'} replayed "
+             f"({fmt_seconds(products_in_step)} in one profiled step against {fmt_seconds(products_replayed)} for "
+             "the replay profiled the same way, which reruns each product on the same operands back to back, so they "
+             "stay in cache), and outside the products, in that profiled step, attention "
              f"outside its GEMMs (minigpt.native_attention's C softmax and softmax gradient) took "
              f"{fmt_seconds(q.get('attention kernel', 0.0))}, NF4 dequantization (C, into the workspace, twice per "
              f"weight, with the Python of the Function around each product) "
