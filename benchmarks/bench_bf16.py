@@ -416,8 +416,9 @@ def measure(shape_name: str, warmup: int, repeats: int) -> dict:
     calls = record_products(steps[floor_of].forward_backward)  # AdamW holds no products; the weights stay
     floor = products_fn(calls)
     timings = time_interleaved({**steps, "floor": floor}, repeats=repeats, warmup=warmup)
-    # the floor profiled as the step is, so the two profiles' product times compare like for like
-    profiles = {c: profile_groups(steps[c]) for c in configs} | {"floor": profile_groups(floor)}
+    profiles = {c: profile_groups(steps[c]) for c in configs}
+    if bf16:  # the floor profiled as the step is, so the two profiles' product times compare like for like
+        profiles["floor"] = profile_groups(floor)
     return {"timings": {c: [t.median_s, t.min_s, t.first_s] for c, t in timings.items()},
             "rounds": timings["floor"].repeats, "configs": configs, "floor_of": floor_of,
             "bf16_cost": None if bf16 else bf16_cost(calls),
@@ -504,7 +505,8 @@ def run_shape(shape: str, quick: bool = False, wait_s: float | None = None) -> S
     peft_best = min(PEFT_BF16, key=lambda c: t[c])
     q = res["groups"]["qlora_bf16"]
     rest = t["qlora_bf16"] - floor
-    products_in_step, products_replayed = q.get("matrix products", 0.0), res["groups"]["floor"]["matrix products"]
+    products_in_step = q.get("matrix products", 0.0)
+    products_replayed = res["groups"].get("floor", {}).get("matrix products", 0.0)
     not_here = "" if support.fast else "not measurable here: this CPU has no bf16 units. "
     section.goals += [
         Goal(f"bf16 step ({shape}): ours QLoRA / PEFT + bitsandbytes (autocast, its faster setting)",
@@ -523,8 +525,8 @@ def run_shape(shape: str, quick: bool = False, wait_s: float | None = None) -> S
              f"{not_here}the rest, {fmt_seconds(rest)} a step: the step's products themselves take "
              f"{'longer than' if products_in_step > products_replayed else 'no longer than'} replayed "
              f"({fmt_seconds(products_in_step)} in one profiled step against {fmt_seconds(products_replayed)} for "
-             "the replay profiled the same way, which reruns each product on the same operands back to back, so they "
-             "stay in cache), and outside the products, in that profiled step, attention "
+             "the replay profiled the same way, which reruns each product on the same operands back to back, so "
+             "operands that fit in cache stay there), and outside the products, in that profiled step, attention "
              f"outside its GEMMs (minigpt.native_attention's C softmax and softmax gradient) took "
              f"{fmt_seconds(q.get('attention kernel', 0.0))}, NF4 dequantization (C, into the workspace, twice per "
              f"weight, with the Python of the Function around each product) "

@@ -144,8 +144,8 @@ def _build_peft_bnb(folder: str, dtype):
 def measure(contender: str, folder: str, dtype_name: str, steps: int, paced: bool = False) -> dict:
     """Load (timed, peak RSS), prepare, then 1 + `steps` optimizer steps (peak RSS over all of them).
 
-    paced: after the first step, print READY and take each further step when the parent writes "step" on stdin
-    (answering with its time), until "done": the parent alternates two contenders' steps (_run_paced)."""
+    paced: after the first step, take each further step as the parent asks (paced.serve), until "done": the parent
+    alternates two contenders' steps (_run_paced)."""
     import torch
 
     dtype = getattr(torch, dtype_name)

@@ -47,7 +47,7 @@ WAIT_S = 120.0  # before starting the subprocesses, wait up to this long for oth
 PACED_WARM = 1  # untimed steps at the start of each turn: a process's first step after another's ran slower
 PACED_TIMEOUT_S = 3600.0  # the whole paced run
 
-# name -> label, in the order of the table (and of the first round)
+# name -> label, in the order of the table (and of the first turn)
 CONFIGS = {
     "full": "ours, full fine-tuning",
     "full_other": "informational: ours, full fine-tuning, fp32 products through the library minikernels.fp32_gemm did not choose here (MINIKERNELS_FP32_GEMM)",
@@ -256,8 +256,9 @@ def run(quick: bool = False) -> Section:
         f"{', '.join(TARGETS)}; float32 compute; {OPTIMIZER_NOTE}. One step = forward, cross-entropy, backward, optimizer "
         f"step. Every configuration in its own subprocess, all alive together: each built and warmed up "
         f"({warmup} step(s)) in turn, then {steps} turns in which each takes {PACED_WARM} untimed step and one "
-        "timed step, the order rotating each turn (paced.run_paced), so load from other processes falls on every "
-        f"row alike; 'median step' is the median of its {steps} timed steps, 'fastest' the fastest; 'first step' "
+        "timed step, who goes first rotating and the rest shuffled (paced.run_paced), so load from other "
+        f"processes falls on every row alike; 'median step' is the median of its {steps} timed steps, 'fastest' "
+        "the fastest; 'first step' "
         "is its first step after building. Peak RSS: the process's high-water mark over the steps after the "
         "warm-up; 'over imports' subtracts the RSS right after importing the libraries, before the model was built "
         "(model, optimizer state, activations, temporaries and allocator caches). "

@@ -2,8 +2,9 @@
 
 A ratio of two step times measured one process after the other carries the machine's drift between the two
 (on a shared 2-core VM the same step has taken 250 ms in one minute and 330 in the next). Here every
-contender starts, builds and warms up in turn, then the parent asks each for one step at a time, the order
-rotating each turn, so load from other processes falls on all of them alike; each keeps its own peak memory.
+contender starts, builds and warms up in turn, then the parent asks each for one step at a time (turn_order:
+who goes first rotates, the rest are shuffled), so load from other processes falls on all of them alike; each
+keeps its own peak memory.
 
     # in the child, after building and warming up
     timed, warm, losses = serve(step)                  # step() -> loss; until the parent says "done"
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import subprocess
 import sys
 import tempfile
@@ -50,6 +52,15 @@ def serve(step: Callable[[], float]) -> tuple[list[float], list[float], list[flo
     return timed, warm, losses
 
 
+def turn_order(names: list[str], turn: int) -> list[str]:
+    """Who steps when in turn `turn`: each name first in turn in rotation, the rest in a shuffled order (seeded by
+    the turn), so that no contender always follows the same one (a process's step after another's runs slower)."""
+    first = names[turn % len(names)]
+    rest = [n for n in names if n != first]
+    random.Random(turn).shuffle(rest)
+    return [first, *rest]
+
+
 def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
@@ -58,7 +69,7 @@ def run_paced(children: dict[str, tuple[list[str], dict | None]], turns: int, wa
               label: str = "") -> dict[str, dict]:
     """Parent side: start every child (name -> (command, extra environment)) in turn, each building and warming up
     alone on the machine but for the others' idle memory, then `turns` turns in which each takes `warm` untimed
-    steps and one timed step, the order rotating each turn. name -> the JSON of its last stdout line, with
+    steps and one timed step, in turn_order. name -> the JSON of its last stdout line, with
     "wall_s" (from its start to its end) added, or {"error": its last line of stderr} for a child that failed,
     hung (past timeout_s for the whole run) or died."""
     procs: dict[str, subprocess.Popen] = {}
@@ -101,7 +112,7 @@ def run_paced(children: dict[str, tuple[list[str], dict | None]], turns: int, wa
                 fail(name)
         live = [n for n in children if n not in errors]
         for i in range(turns if live else 0):
-            for name in live[i % len(live):] + live[:i % len(live)]:
+            for name in turn_order(live, i):
                 for command in ("warm",) * warm + ("step",):  # its turn: untimed steps first, then one timed
                     if name not in errors and send(name, command) is None:
                         fail(name)

@@ -22,9 +22,10 @@ import psutil
 import torch
 
 MIB = 2**20
-OPTIMIZER_NOTE = ("AdamW fused (torch.optim.AdamW(fused=True), torch's default betas (0.9, 0.999)) for every row: "
-                  "the kernel minigpt.train.adamw runs (it trains with betas (0.9, 0.95), the same work), and "
-                  "transformers' Trainer's default optimizer on torch >= 2.8 (adamw_torch_fused)")
+OPTIMIZER_NOTE = ("AdamW fused (torch.optim.AdamW(fused=True), torch's defaults: betas (0.9, 0.999), weight decay "
+                  "0.01) for every row: the kernel minigpt.train.adamw runs (it trains with betas (0.9, 0.95) and the "
+                  "run's weight decay, the same work), and transformers' Trainer's default optimizer on torch >= 2.8 "
+                  "(adamw_torch_fused)")
 
 
 def adamw(params: list[torch.nn.Parameter], lr: float) -> torch.optim.AdamW:
