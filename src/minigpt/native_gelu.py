@@ -47,43 +47,54 @@ int gelu_vectorized(void) {
 #define K_BETA 0.7978845608028654f   /* √(2/π) */
 #define K_KAPPA 0.044715f
 
-/* values [i0, i1): y = bf16(x · σ(2u)), u = K_BETA · (x + K_KAPPA · x³) */
-void gelu_tanh_forward(const uint16_t* x, int64_t i0, int64_t i1, uint16_t* y) {
-    int64_t i = i0;
 #ifdef __AVX512F__
-    __m512 two_beta = _mm512_set1_ps(2.0f * K_BETA), kappa = _mm512_set1_ps(K_KAPPA);
-    for (; i + 16 <= i1; i += 16) {
-        __m512 v = load16(x + i);
-        __m512 inner = _mm512_add_ps(v, _mm512_mul_ps(kappa, _mm512_mul_ps(v, _mm512_mul_ps(v, v))));
-        put16(y + i, _mm512_mul_ps(v, sigmoid16(_mm512_mul_ps(two_beta, inner))));
-    }
-#endif
-    for (; i < i1; i++) {
-        float v = f32_from_bf16(x[i]);
-        y[i] = bf16_from_f32(v * sigmoid1(2.0f * K_BETA * (v + K_KAPPA * (v * v * v))));
-    }
+/* 16 values: y = bf16(x · σ(2u)), u = K_BETA · (x + K_KAPPA · x³) */
+static inline void gelu_forward16(const uint16_t* x, uint16_t* y) {
+    __m512 v = load16(x);
+    __m512 inner = _mm512_add_ps(v, _mm512_mul_ps(_mm512_set1_ps(K_KAPPA), _mm512_mul_ps(v, _mm512_mul_ps(v, v))));
+    put16(y, _mm512_mul_ps(v, sigmoid16(_mm512_mul_ps(_mm512_set1_ps(2.0f * K_BETA), inner))));
 }
 
-/* values [i0, i1): dx = bf16(dy · (s + 2·x·s·(1 - s)·K_BETA·(1 + 3·K_KAPPA·x²))), s = σ(2u) */
-void gelu_tanh_backward(const uint16_t* dy, const uint16_t* x, int64_t i0, int64_t i1, uint16_t* dx) {
-    int64_t i = i0;
+/* 16 values: dx = bf16(dy · (s + 2·x·s·(1 - s)·K_BETA·(1 + 3·K_KAPPA·x²))), s = σ(2u) */
+static inline void gelu_backward16(const uint16_t* dy, const uint16_t* x, uint16_t* dx) {
+    __m512 two_beta = _mm512_set1_ps(2.0f * K_BETA), one = _mm512_set1_ps(1.0f);
+    __m512 v = load16(x), v2 = _mm512_mul_ps(v, v);
+    __m512 s = sigmoid16(_mm512_mul_ps(two_beta, _mm512_add_ps(v, _mm512_mul_ps(_mm512_set1_ps(K_KAPPA),
+                                                                                _mm512_mul_ps(v, v2)))));
+    __m512 slope = _mm512_mul_ps(_mm512_mul_ps(_mm512_mul_ps(v, s), _mm512_sub_ps(one, s)),
+                                 _mm512_mul_ps(two_beta, _mm512_add_ps(one, _mm512_mul_ps(_mm512_set1_ps(3.0f * K_KAPPA),
+                                                                                          v2))));
+    put16(dx, _mm512_mul_ps(load16(dy), _mm512_add_ps(s, slope)));
+}
+#endif
+
+/* values [i0, i1) by gelu_forward16; the last n < 16 through the same code in a zero-padded block (TAIL16) */
+void gelu_tanh_forward(const uint16_t* x, int64_t i0, int64_t i1, uint16_t* y) {
 #ifdef __AVX512F__
-    __m512 two_beta = _mm512_set1_ps(2.0f * K_BETA), kappa = _mm512_set1_ps(K_KAPPA);
-    __m512 three_kappa = _mm512_set1_ps(3.0f * K_KAPPA), one = _mm512_set1_ps(1.0f);
-    for (; i + 16 <= i1; i += 16) {
-        __m512 v = load16(x + i), v2 = _mm512_mul_ps(v, v);
-        __m512 s = sigmoid16(_mm512_mul_ps(two_beta, _mm512_add_ps(v, _mm512_mul_ps(kappa, _mm512_mul_ps(v, v2)))));
-        __m512 slope = _mm512_mul_ps(_mm512_mul_ps(_mm512_mul_ps(v, s), _mm512_sub_ps(one, s)),
-                                     _mm512_mul_ps(two_beta, _mm512_add_ps(one, _mm512_mul_ps(three_kappa, v2))));
-        put16(dx + i, _mm512_mul_ps(load16(dy + i), _mm512_add_ps(s, slope)));
+    int64_t i = i0;
+    for (; i + 16 <= i1; i += 16) gelu_forward16(x + i, y + i);
+    if (i < i1) {
+        TAIL16(i1 - i, x + i, xt);
+        uint16_t yt[16];
+        gelu_forward16(xt, yt);
+        memcpy(y + i, yt, (size_t)(i1 - i) * 2);
     }
 #endif
-    for (; i < i1; i++) {
-        float v = f32_from_bf16(x[i]), v2 = v * v;
-        float s = sigmoid1(2.0f * K_BETA * (v + K_KAPPA * (v * v2)));
-        float slope = ((v * s) * (1.0f - s)) * (2.0f * K_BETA * (1.0f + 3.0f * K_KAPPA * v2));
-        dx[i] = bf16_from_f32(f32_from_bf16(dy[i]) * (s + slope));
+}
+
+/* values [i0, i1) by gelu_backward16, the tail as in gelu_tanh_forward */
+void gelu_tanh_backward(const uint16_t* dy, const uint16_t* x, int64_t i0, int64_t i1, uint16_t* dx) {
+#ifdef __AVX512F__
+    int64_t i = i0;
+    for (; i + 16 <= i1; i += 16) gelu_backward16(dy + i, x + i, dx + i);
+    if (i < i1) {
+        TAIL16(i1 - i, dy + i, dyt);
+        TAIL16(i1 - i, x + i, xt);
+        uint16_t dxt[16];
+        gelu_backward16(dyt, xt, dxt);
+        memcpy(dx + i, dxt, (size_t)(i1 - i) * 2);
     }
+#endif
 }
 
 /* the two above over OpenMP's threads, in `chunks` ranges (minikernels.build's MK_PARALLEL_RANGES) */

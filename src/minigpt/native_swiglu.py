@@ -46,49 +46,62 @@ int swiglu_vectorized(void) {
 #endif
 }
 
-/* values [i0, i1): h = bf16(bf16(g·σ(g)) · u) */
-void swiglu_forward(const uint16_t* g, const uint16_t* u, int64_t i0, int64_t i1, uint16_t* h) {
-    int64_t i = i0;
 #ifdef __AVX512F__
-    for (; i + 16 <= i1; i += 16) {
-        __m512 x = load16(g + i);
-        __m512 s = round16(_mm512_mul_ps(x, sigmoid16(x)));
-        put16(h + i, _mm512_mul_ps(s, load16(u + i)));
-    }
-#endif
-    for (; i < i1; i++) {
-        float x = f32_from_bf16(g[i]);
-        float s = f32_from_bf16(bf16_from_f32(x * sigmoid1(x)));
-        h[i] = bf16_from_f32(s * f32_from_bf16(u[i]));
-    }
+/* 16 values: h = bf16(bf16(g·σ(g)) · u) */
+static inline void swiglu_forward16(const uint16_t* g, const uint16_t* u, uint16_t* h) {
+    __m512 x = load16(g);
+    __m512 s = round16(_mm512_mul_ps(x, sigmoid16(x)));
+    put16(h, _mm512_mul_ps(s, load16(u)));
 }
 
-/* values [i0, i1): du = bf16(dh · s) (du may be NULL), dg = bf16(bf16(dh · u) · σ·(1 + g·(1 - σ))) (dg may be NULL) */
-void swiglu_backward(const uint16_t* dh, const uint16_t* g, const uint16_t* u, int64_t i0, int64_t i1,
-                     uint16_t* dg, uint16_t* du) {
-    int64_t i = i0;
-#ifdef __AVX512F__
+/* 16 values: du = bf16(dh · s) (du may be NULL), dg = bf16(bf16(dh · u) · σ·(1 + g·(1 - σ))) (dg may be NULL) */
+static inline void swiglu_backward16(const uint16_t* dh, const uint16_t* g, const uint16_t* u, uint16_t* dg,
+                                     uint16_t* du) {
     __m512 one = _mm512_set1_ps(1.0f);
-    for (; i + 16 <= i1; i += 16) {
-        __m512 x = load16(g + i), d = load16(dh + i);
-        __m512 sg = sigmoid16(x);
-        if (du) put16(du + i, _mm512_mul_ps(d, round16(_mm512_mul_ps(x, sg))));
-        if (dg) {
-            __m512 ds = round16(_mm512_mul_ps(d, load16(u + i)));
-            __m512 slope = _mm512_mul_ps(sg, _mm512_add_ps(one, _mm512_mul_ps(x, _mm512_sub_ps(one, sg))));
-            put16(dg + i, _mm512_mul_ps(ds, slope));
-        }
+    __m512 x = load16(g), d = load16(dh);
+    __m512 sg = sigmoid16(x);
+    if (du) put16(du, _mm512_mul_ps(d, round16(_mm512_mul_ps(x, sg))));
+    if (dg) {
+        __m512 ds = round16(_mm512_mul_ps(d, load16(u)));
+        __m512 slope = _mm512_mul_ps(sg, _mm512_add_ps(one, _mm512_mul_ps(x, _mm512_sub_ps(one, sg))));
+        put16(dg, _mm512_mul_ps(ds, slope));
+    }
+}
+#endif
+
+/* values [i0, i1) by swiglu_forward16; the last n < 16 through the same code in a zero-padded block (TAIL16) */
+void swiglu_forward(const uint16_t* g, const uint16_t* u, int64_t i0, int64_t i1, uint16_t* h) {
+#ifdef __AVX512F__
+    int64_t i = i0;
+    for (; i + 16 <= i1; i += 16) swiglu_forward16(g + i, u + i, h + i);
+    if (i < i1) {
+        TAIL16(i1 - i, g + i, gt);
+        TAIL16(i1 - i, u + i, ut);
+        uint16_t ht[16];
+        swiglu_forward16(gt, ut, ht);
+        memcpy(h + i, ht, (size_t)(i1 - i) * 2);
     }
 #endif
-    for (; i < i1; i++) {
-        float x = f32_from_bf16(g[i]), d = f32_from_bf16(dh[i]);
-        float sg = sigmoid1(x);
-        if (du) du[i] = bf16_from_f32(d * f32_from_bf16(bf16_from_f32(x * sg)));
-        if (dg) {
-            float ds = f32_from_bf16(bf16_from_f32(d * f32_from_bf16(u[i])));
-            dg[i] = bf16_from_f32(ds * (sg * (1.0f + x * (1.0f - sg))));
-        }
+}
+
+/* values [i0, i1) by swiglu_backward16 (u is read only for dg), the tail as in swiglu_forward */
+void swiglu_backward(const uint16_t* dh, const uint16_t* g, const uint16_t* u, int64_t i0, int64_t i1,
+                     uint16_t* dg, uint16_t* du) {
+#ifdef __AVX512F__
+    int64_t i = i0;
+    for (; i + 16 <= i1; i += 16) swiglu_backward16(dh + i, g + i, dg ? u + i : NULL, dg ? dg + i : NULL,
+                                                    du ? du + i : NULL);
+    if (i < i1) {
+        size_t n = (size_t)(i1 - i) * 2;
+        TAIL16(i1 - i, dh + i, dht);
+        TAIL16(i1 - i, g + i, gt);
+        TAIL16(i1 - i, dg ? u + i : NULL, ut);
+        uint16_t dgt[16], dut[16];
+        swiglu_backward16(dht, gt, ut, dg ? dgt : NULL, du ? dut : NULL);
+        if (dg) memcpy(dg + i, dgt, n);
+        if (du) memcpy(du + i, dut, n);
     }
+#endif
 }
 
 /* the two above over OpenMP's threads, in `chunks` ranges (minikernels.build's MK_PARALLEL_RANGES) */

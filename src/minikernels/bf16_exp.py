@@ -8,9 +8,10 @@ exp is computed as Cephes' expf does (x = n·ln2 + r with |r| <= ln2/2, a degree
 same bits. Inputs below -87.34 give 0 (fp32 denormals are not produced). bf16 is rounded to nearest even, NaN
 to 0x7FC0 (PyTorch's rule). Used by ``minigpt.native_loss`` and ``minigpt.native_attention``.
 
-``BF16_SIGMOID_C`` (after BF16_EXP_C) adds σ(x) (a shorter exp with fused multiply-adds, about 2e-6 relative,
-ample for a bf16 result) and the bf16 stores of the activation kernels, ``minigpt.native_swiglu`` and
-``minigpt.native_gelu``.
+``BF16_SIGMOID_C`` (after BF16_EXP_C) adds σ(x) on 16 lanes (a shorter exp with fused multiply-adds, about 2e-6
+relative, ample for a bf16 result), the bf16 stores of the activation kernels, ``minigpt.native_swiglu`` and
+``minigpt.native_gelu``, and ``TAIL16``, which sends their last n < 16 values through the same 16-lane code (a
+zero-padded copy), so a value's bits do not depend on where it sits or how the threads split the tensor.
 """
 
 BF16_EXP_C = r"""
@@ -97,14 +98,6 @@ static inline void store16(uint16_t* out, __m512 v) {
 
 # σ(x) and the bf16 stores of the activation kernels (minigpt.native_swiglu, native_gelu); after BF16_EXP_C
 BF16_SIGMOID_C = r"""
-/* σ(x) = 1 / (1 + e^-x) from e^-|x| (never overflows); NaN stays NaN */
-static inline float sigmoid1(float x) {
-    if (x != x) return x;
-    float e = exp_nonpos(-fabsf(x));
-    float p = 1.0f / (1.0f + e);
-    return x >= 0.0f ? p : e * p;
-}
-
 #ifdef __AVX512F__
 /* e^x for x <= 0, 16 lanes, to about 2e-6 relative (a bf16 unit is 4e-3): x = n·ln2 + r, |r| <= ln2/2, e^r by its
    degree-5 Taylor polynomial with fused multiply-adds, times 2^n; 0 below -87 (no denormals); NaN stays NaN */
@@ -155,5 +148,12 @@ static inline void put16(uint16_t* out, __m512 v) {
     store16(out, v);  /* minikernels.bf16_exp's rounding: the same bits */
 }
 #endif
+
+/* name: a zero-padded block of 16 bf16 values holding the n < 16 at src (none when src is NULL), so a kernel's
+   last values go through its 16-lane code too: a value gives the same bits wherever it sits in its tensor and
+   however the threads split it (no scalar twin to drift one unit from the vector code) */
+#define TAIL16(n, src, name) \
+    uint16_t name[16] = {0}; \
+    if (src) memcpy(name, (src), (size_t)(n) * 2)
 
 """
