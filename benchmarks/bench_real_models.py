@@ -502,7 +502,7 @@ def section(results: dict[str, list[dict]], planner: dict, written: dict, plan: 
                 "after each large free, so activations then come from the heap, and the holes the forward's freed "
                 "temporaries leave there stay resident. Ours as built (build_for_training on CPU gives the heap's free "
                 "pages back with malloc_trim before every 8th block and before the head of a training forward, whenever "
-                "it holds at least 64 MiB free, and otherwise keeps what a step frees for the next, glibc's mmap "
+                "at least 64 MiB of it lies free and resident, and otherwise keeps what a step frees for the next, glibc's mmap "
                 "threshold fixed at 32 MiB and its own trimming off, "
                 f"minituner.memory.heap): {peak(base)}"
                 + (f"; without the trims: {peak(plain)}" if plain else "")

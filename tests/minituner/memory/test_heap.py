@@ -31,10 +31,11 @@ def decoder(n_layer: int) -> Decoder:
 
 @pytest.fixture
 def trims(monkeypatch) -> list[int]:
-    """Count the trims, with the heap reporting just enough free memory for each to happen."""
+    """Count the trims, with the heap reporting just enough resident free memory for each to happen."""
     calls: list[int] = []
     monkeypatch.setattr(heap, "trim_heap", lambda: calls.append(1) or True)
-    monkeypatch.setattr(heap, "heap_free_bytes", lambda: heap.TRIM_MIN_FREE_BYTES)
+    monkeypatch.setattr(heap, "free_to_trim", lambda: heap.TRIM_MIN_FREE_BYTES)
+    monkeypatch.setitem(heap._after_last_trim, "outside", None)
     return calls
 
 
@@ -47,11 +48,73 @@ def test_trim_heap_calls_glibc():
 @glibc
 def test_no_trim_while_the_heap_holds_little_free(trims, monkeypatch):
     """Below TRIM_MIN_FREE_BYTES free, handing pages back would save little and cost their faults later."""
-    monkeypatch.setattr(heap, "heap_free_bytes", lambda: heap.TRIM_MIN_FREE_BYTES - 1)
+    monkeypatch.setattr(heap, "free_to_trim", lambda: heap.TRIM_MIN_FREE_BYTES - 1)
     model = minigpt(9)
     heap.trim_heap_in_forward(model)
     model(torch.randint(0, 64, (2, 8)))
     assert trims == []
+
+
+def test_free_to_trim_counts_what_became_resident_since_the_last_trim(monkeypatch):
+    """Before any trim, every free byte may be resident; after one, only the growth of the anonymous resident memory
+    beyond malloc's bytes in use: the pages trimmed stay free in malloc's books but are no longer resident."""
+    MiB = 2**20
+    readings = {"outside": 300 * MiB, "free": 200 * MiB}
+    monkeypatch.setattr(heap, "outside_malloc_bytes", lambda: readings["outside"])
+    monkeypatch.setattr(heap, "heap_free_bytes", lambda: readings["free"])
+    monkeypatch.setattr(heap, "trim_heap", lambda: True)
+    monkeypatch.setitem(heap._after_last_trim, "outside", None)
+    assert heap.free_to_trim() == 200 * MiB
+    readings["outside"] = 120 * MiB  # the trim gave 180 MiB back; the free bytes stay free
+    assert heap.trim_now() and heap._after_last_trim["outside"] == 120 * MiB
+    assert heap.free_to_trim() == 0
+    readings["outside"] = 170 * MiB  # a step faulted 50 MiB in again and freed it
+    assert heap.free_to_trim() == 50 * MiB
+    readings["outside"] = 100 * MiB  # the process's own memory shrank: the new floor
+    assert heap.free_to_trim() == 0 and heap._after_last_trim["outside"] == 100 * MiB
+    readings["outside"] = 110 * MiB
+    assert heap.free_to_trim() == 10 * MiB
+
+
+def test_free_to_trim_without_glibcs_figures(monkeypatch):
+    monkeypatch.setattr(heap, "outside_malloc_bytes", lambda: None)
+    monkeypatch.setattr(heap, "heap_free_bytes", lambda: None)
+    monkeypatch.setitem(heap._after_last_trim, "outside", 5)
+    assert heap.free_to_trim() is None
+
+
+RESIDENT = r"""
+import sys, torch
+from minituner.memory import heap
+heap.keep_freed_memory()  # as build_for_training sets it: what a step frees stays in the heap
+MiB = 2**20
+kept = []
+def churn():  # a step's pattern in small: 128 MiB in blocks of 8 MiB, held together, then freed, while a tensor
+    held = [torch.ones(1 << 21) for _ in range(16)]  # made after them lives on (a hole, not the heap's top)
+    kept.append(torch.ones(1 << 18))
+    del held
+churn()
+first = heap.free_to_trim()
+heap.trim_now()
+after = heap.free_to_trim(), heap.heap_free_bytes()
+churn()
+print(first // MiB, after[0] // MiB, after[1] // MiB, heap.free_to_trim() // MiB)
+"""
+
+
+@glibc
+def test_a_trimmed_heap_is_not_trimmed_again_until_its_pages_are_resident_again():
+    """In a fresh process (the allocator's setting is process-wide): 128 MiB freed is resident free; after the trim
+    malloc still counts it free (the old gate trimmed again at every trim point) but nothing is left to give back,
+    until a step faults it in and frees it again."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", RESIDENT], capture_output=True, text=True, check=True)
+    first, after, free_after, again = map(int, out.stdout.split())
+    assert first >= 120 and free_after >= 120  # free in malloc's books before and after the trim
+    assert after < 8  # but no longer resident
+    assert 100 <= again <= 140  # resident again after the next churn
 
 
 @pytest.mark.parametrize("make", [minigpt, decoder])
