@@ -58,6 +58,11 @@ VS_PEFT_BNB_GOAL = 0.5  # our QLoRA bf16 step / PEFT + bitsandbytes bf16 (autoca
 VS_FLOOR_GOAL = 1.3  # our QLoRA bf16 step / the sum of its matrix products timed alone
 VS_LORA_GOAL = 1.10  # our QLoRA bf16 step / our LoRA bf16 step
 WAIT_PER_CONFIG_S = 60.0
+# untimed steps of a row right before each of its timed ones: a training step follows its own last step, not another
+# model's (whose caches it would inherit, and whose freed memory our heap trim would hand back: the rows share this
+# process's heap); in one process on the gpt shape, ours QLoRA bf16 took 250 ms a step after other rows and 231 ms
+# after its own (PEFT + bitsandbytes in bf16: 321 and 320 ms; the floor 149 and 148), medians of 8 rounds, 2026-12-03
+SETTLE_STEPS = 1
 LR = 1e-4
 
 
@@ -415,7 +420,7 @@ def measure(shape_name: str, warmup: int, repeats: int) -> dict:
     floor_of = "qlora_bf16" if bf16 else "qlora_fp32"
     calls = record_products(steps[floor_of].forward_backward)  # AdamW holds no products; the weights stay
     floor = products_fn(calls)
-    timings = time_interleaved({**steps, "floor": floor}, repeats=repeats, warmup=warmup)
+    timings = time_interleaved({**steps, "floor": floor}, repeats=repeats, warmup=warmup, settle=SETTLE_STEPS)
     profiles = {c: profile_groups(steps[c]) for c in configs}
     if bf16:  # the floor profiled as the step is, so the two profiles' product times compare like for like
         profiles["floor"] = profile_groups(floor)
@@ -484,8 +489,9 @@ def run_shape(shape: str, quick: bool = False, wait_s: float | None = None) -> S
         "kernel as transformers' models do on CPU (an informational row gives it our attention instead); the goal "
         "compares ours with the faster of its two settings. "
         f"All rows live in one process and are timed in {res['rounds']} interleaved rounds (each round calls every "
-        f"row once, in rotating order) after {warmup} warm-up round(s), so load from other processes falls on all "
-        f"rows alike. The floor: every matrix product of one QLoRA bf16 step ({res['products']} calls; dtypes "
+        f"row once, in rotating order, right after {SETTLE_STEPS} untimed call(s) of the same row, so each timed "
+        f"step follows its own last step, as in training) after {warmup} warm-up round(s), so load from other "
+        f"processes falls on all rows alike. The floor: every matrix product of one QLoRA bf16 step ({res['products']} calls; dtypes "
         f"{', '.join(res['product_dtypes'])}; attention's GEMMs among them), recorded with a TorchDispatchMode and replayed back to back on random "
         "inputs of the same shapes and strides. 'profiled share': self CPU time by group in one profiled step "
         f"(profiler overhead included). CPU bf16 units: {support.reason}. Machine CPU use before the run: {busy:.0f}%.",
@@ -583,7 +589,8 @@ def fp32_only_section(shape: str, res: dict, support, busy: float, warmup: int) 
         "this section runs only the fp32 rows: ours LoRA and QLoRA (`precision=\"fp32\"`) and PEFT + "
         "bitsandbytes QLoRA with compute_dtype fp32 (our model code with Linear4bit swapped in, attending "
         f"through SDPA). All rows live in one process and are timed in {res['rounds']} interleaved rounds (each "
-        f"round calls every row once, in rotating order) after {warmup} warm-up round(s). The floor: every matrix "
+        f"round calls every row once, in rotating order, right after {SETTLE_STEPS} untimed call(s) of the same "
+        f"row) after {warmup} warm-up round(s). The floor: every matrix "
         f"product of one QLoRA fp32 step ({res['products']} calls; dtypes {', '.join(res['product_dtypes'])}; "
         "the frozen products through oneDNN's linear where minikernels.fp32_gemm chose it), recorded with a "
         "TorchDispatchMode and replayed back to back on random inputs of the same shapes and strides. 'profiled "

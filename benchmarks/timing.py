@@ -62,12 +62,16 @@ def time_call(fn: Callable[[], object], repeats: int = 7, warmup: int = 2, min_t
 
 
 def time_interleaved(
-    fns: dict[str, Callable[[], object]], repeats: int = 7, warmup: int = 2, min_total_s: float = 0.0
+    fns: dict[str, Callable[[], object]], repeats: int = 7, warmup: int = 2, min_total_s: float = 0.0,
+    settle: int = 0,
 ) -> dict[str, Timing]:
     """Median wall time of each fn, called once per round in rotating order, after warm-up rounds.
 
     Round i starts with fn number i mod len(fns), so no contender always runs first (cache state,
     frequency) or last. Runs at least `repeats` rounds, more (up to 10x) until `min_total_s` is spent.
+    `settle` untimed calls of a fn come right before each timed one, so that the timed call follows its own
+    (as a training step follows the last one) rather than another contender's, whose caches and freed
+    memory it would otherwise inherit.
     """
     names = list(fns)
     first: dict[str, float] = {}
@@ -83,6 +87,8 @@ def time_interleaved(
     while rounds < repeats or (sum(times[names[0]]) < min_total_s and rounds < 10 * repeats):
         for k in range(len(names)):
             name = names[(rounds + k) % len(names)]
+            for _ in range(settle):
+                fns[name]()
             t0 = time.perf_counter()
             fns[name]()
             times[name].append(time.perf_counter() - t0)
