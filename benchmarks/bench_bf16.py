@@ -14,7 +14,8 @@ through F.scaled_dot_product_attention (minigpt.native_attention switched off fo
 row gives the bf16 one our attention instead, to show what that alone is worth.
 
 The floor: one step of our QLoRA bf16 runs under a TorchDispatchMode that records every matrix product
-(aten::mm, addmm, addmm_, bmm, baddbmm) with its shapes, strides and dtypes; the floor row replays them all,
+(aten::mm, addmm, addmm_, bmm, baddbmm) with its shapes, strides and dtypes, and with the calls of
+minituner.native_lora (the adapters' thin products in C) recorded alike; the floor row replays them all,
 back to back, on random inputs of the same layouts, timed in the same interleaved rounds as the steps.
 Our attention's q·kᵀ and P·v are bf16 GEMMs (aten::bmm) and count among the products; its C softmax, and
 SDPA's fused kernel in the PEFT rows, are reported apart.
@@ -29,7 +30,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -50,6 +51,7 @@ from minigpt.bf16_support import bf16_support  # noqa: E402
 from minigpt.decoder import Decoder  # noqa: E402
 from minigpt.model import MiniGPT  # noqa: E402
 from minigpt.train import lm_loss  # noqa: E402
+from minituner import native_lora  # noqa: E402
 from minituner.hf_config import decoder_config_from_hf  # noqa: E402
 from report import Goal, Section  # noqa: E402
 from timing import OPTIMIZER_NOTE, adamw, fmt_ratio, fmt_seconds, peak_rss_mib, wait_for_quiet  # noqa: E402
@@ -201,12 +203,32 @@ def _spec(a):
     return a
 
 
+NATIVE_LORA = ("forward_", "backward", "input_update_")  # minituner.native_lora's calls: matrix products in C
+
+
+@contextmanager
+def _native_lora_wrapped(wrap: Callable[[str, Callable], Callable]):
+    """minituner.native_lora's calls replaced by wrap(name, call) for the while (LoRAProduct looks them up there)."""
+    with ExitStack() as stack:
+        for name in NATIVE_LORA:
+            stack.enter_context(mock.patch.object(native_lora, name, wrap(name, getattr(native_lora, name))))
+        yield
+
+
 def record_products(step: Callable[[], object]) -> Counter:
-    """Run step() once, counting each distinct matrix product (op, argument layouts) it dispatches."""
+    """Run step() once, counting each distinct matrix product (op, argument layouts) it dispatches, and each call of
+    minituner.native_lora ("native_lora.<name>")."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     ops = _product_ops()
     calls: Counter = Counter()
+
+    def counted(name: str, call: Callable) -> Callable:
+        def run(*args, **kwargs):
+            calls[(f"native_lora.{name}", tuple(_spec(a) for a in args),
+                   tuple(sorted((k, _spec(v)) for k, v in kwargs.items())))] += 1
+            return call(*args, **kwargs)
+        return run
 
     class Record(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -215,7 +237,7 @@ def record_products(step: Callable[[], object]) -> Counter:
                 calls[(ops[func], tuple(_spec(a) for a in args), tuple(sorted((k, _spec(v)) for k, v in kwargs.items())))] += 1
             return func(*args, **kwargs)
 
-    with Record():
+    with Record(), _native_lora_wrapped(counted):
         step()
     return calls
 
@@ -230,6 +252,8 @@ def _materialize(spec, dtype: torch.dtype | None = None):
 
 
 def _replay_op(op: str, dtype: torch.dtype | None):
+    if op.startswith("native_lora."):  # looked up at each call: profile_groups names it for the profiler
+        return lambda *args, **kwargs: getattr(native_lora, op.partition(".")[2])(*args, **kwargs)
     if op == "mkldnn_linear":  # (x, W, bias, "none", [], ""); in another dtype, as F.linear computes it
         return torch.ops.mkldnn._linear_pointwise.default if dtype is None else (lambda x, w, b, *_: F.linear(x, w, b))
     name, _, overload = op.partition(".")
@@ -331,6 +355,7 @@ PROFILE_GROUPS = {  # profiler op name -> group, for "what the rest of the step 
     "aten::mm": "matrix products", "aten::addmm": "matrix products", "aten::addmm_": "matrix products",
     "aten::bmm": "matrix products", "aten::baddbmm": "matrix products",
     "mkldnn::_linear_pointwise": "matrix products",  # the fp32 rows' frozen products (minikernels.fp32_gemm)
+    **{f"minituner::native_lora.{name}": "matrix products" for name in NATIVE_LORA},  # (profile_groups names them)
     "aten::_scaled_dot_product_flash_attention_for_cpu": "attention kernel",
     "aten::_scaled_dot_product_flash_attention_for_cpu_backward": "attention kernel",
     # minigpt.native_attention: its GEMMs are aten::bmm (matrix products); its own time is the C softmax kernels
@@ -350,9 +375,15 @@ PROFILE_GROUPS = {  # profiler op name -> group, for "what the rest of the step 
 
 def profile_groups(step: Callable[[], object]) -> tuple[float, dict[str, float]]:
     """(wall seconds of one profiled step, self CPU seconds by group); everything unlisted is 'other'."""
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity, profile, record_function
 
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    def named(name: str, call: Callable) -> Callable:  # C calls the profiler does not see on its own
+        def run(*args, **kwargs):
+            with record_function(f"minituner::native_lora.{name}"):
+                return call(*args, **kwargs)
+        return run
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof, _native_lora_wrapped(named):
         t0 = time.perf_counter()
         step()
         wall = time.perf_counter() - t0
@@ -492,7 +523,9 @@ def run_shape(shape: str, quick: bool = False, wait_s: float | None = None) -> S
         f"row once, in rotating order, right after {SETTLE_STEPS} untimed call(s) of the same row, so each timed "
         f"step follows its own last step, as in training) after {warmup} warm-up round(s), so load from other "
         f"processes falls on all rows alike. The floor: every matrix product of one QLoRA bf16 step ({res['products']} calls; dtypes "
-        f"{', '.join(res['product_dtypes'])}; attention's GEMMs among them), recorded with a TorchDispatchMode and replayed back to back on random "
+        f"{', '.join(res['product_dtypes'])}; attention's GEMMs among them, and the adapters' thin products, which "
+        "minituner.native_lora runs in C where the CPU has AVX512-BF16), recorded with a TorchDispatchMode (the C calls by "
+        "wrapping them) and replayed back to back on random "
         "inputs of the same shapes and strides. 'profiled share': self CPU time by group in one profiled step "
         f"(profiler overhead included). CPU bf16 units: {support.reason}. Machine CPU use before the run: {busy:.0f}%.",
         ["configuration", "median step", "fastest step", "vs ours QLoRA bf16",

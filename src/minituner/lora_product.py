@@ -14,10 +14,19 @@ in fp32 and rounded once, where the two pieces rounded it to bf16 first and then
 On the bench's GPT-shaped bf16 QLoRA step (benchmarks/bench_bf16.py, 48 such products; AMD EPYC, 2 cores) a
 step took 229.9 ms against 235.8 (medians of 25 steps, the two models alternating in one process, 2026-12-03).
 
-It saves what the two pieces save together: x (which LoRAUpdate kept), the bf16 copies of A and B, a = x·Aᵀ
-(N, r) and the base's own frozen tensors (an NF4 base's codes and scales, dequantized again in backward into
-miniquant's shared workspace; a bf16 Linear's weight), so ``minituner.planner`` counts it as it is. The base
-layer's own module is not called: the fused path is taken only where it has no hooks of its own.
+Where the CPU has AVX512-BF16 (``minituner.native_lora.fits``: an even rank, fp32 masters) the adapter's thin
+products run as C: one call in forward (x·Aᵀ, then the adapter added into y row by row), two in backward (the
+masters' gradients, summed in fp32 and handed over unrounded; then the adapter's share added into g·W), each
+reading the masters itself. Through PyTorch the same work is six thin products, four casts, two scalings and a
+copy a layer, each a separate op; the bench's step above took 275.6 ms against 307.4 through PyTorch (medians of
+24 steps, the two models alternating in one process, 2026-12-03).
+
+It saves what the two pieces save together: x (which LoRAUpdate kept), the bf16 copies of A and B (with the C
+kernels the fp32 masters themselves, no copies), a = x·Aᵀ (N, r) and the base's own frozen tensors (an NF4
+base's codes and scales, dequantized again in backward into miniquant's shared workspace; a bf16 Linear's
+weight), so ``minituner.planner`` counts it as it is (the copies' r·(in + out) values a layer too, where the C
+kernels keep none). The base layer's own module is not called: the fused path is taken only where it has no hooks
+of its own.
 """
 from __future__ import annotations
 
@@ -27,6 +36,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from minikernels import fp32_gemm
+from minituner import native_lora
 
 
 def _frozen_weight(base: nn.Module, tensors: tuple[Tensor, ...], dtype: torch.dtype) -> Tensor:
@@ -74,21 +84,28 @@ class LoRAProduct(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, A: Tensor, B: Tensor, bias: Tensor | None, base: nn.Module, scale: float,
                 *frozen: Tensor) -> Tensor:
-        a_low, b_low = A.to(x.dtype), B.to(x.dtype)  # (r, in), (out, r): the masters computed in x's dtype
         w = _frozen_weight(base, frozen, x.dtype)  # (out, in)
         y = base_product(x, w, None if bias is None else bias.to(x.dtype))  # (N, out)
-        a = x @ a_low.t()  # (N, r)
-        y.addmm_(a, b_low.t(), alpha=scale)  # (N, out): the adapter added in place
-        ctx.save_for_backward(x, a_low, b_low, a, *frozen)
+        ctx.native = native_lora.fits(x, A, B)
+        if ctx.native:  # the adapter's thin products in C, from the fp32 masters (minituner.native_lora)
+            a = native_lora.forward_(y, x, A, B, scale)  # (N, r); y += scale·a·Bᵀ in place
+            ctx.save_for_backward(x, A, B, a, *frozen)
+        else:
+            a_low, b_low = A.to(x.dtype), B.to(x.dtype)  # (r, in), (out, r): the masters computed in x's dtype
+            a = x @ a_low.t()  # (N, r)
+            y.addmm_(a, b_low.t(), alpha=scale)  # (N, out): the adapter added in place
+            ctx.save_for_backward(x, a_low, b_low, a, *frozen)
         ctx.base, ctx.scale, ctx.master_dtypes = base, scale, (A.dtype, B.dtype)
         return y
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, g: Tensor):  # g (N, out)
-        x, a_low, b_low, a, *frozen = ctx.saved_tensors
+        x, a_low, b_low, a, *frozen = ctx.saved_tensors  # (native: the fp32 masters A and B)
         need_x, need_A, need_B = ctx.needs_input_grad[:3]
         g = g.to(x.dtype)
+        if ctx.native:
+            return _backward_native(ctx, g.contiguous(), x, a_low, b_low, a, frozen)
         grad_x = grad_A = grad_B = None
         grad_a_t = (b_low.t().contiguous() @ g.t()).mul_(ctx.scale) if need_x or need_A else None  # (r, N)
         if need_A:
@@ -99,6 +116,18 @@ class LoRAProduct(torch.autograd.Function):
             grad_x = g @ _frozen_weight(ctx.base, tuple(frozen), x.dtype)  # (N, in): the base's share
             grad_x.addmm_(grad_a_t.t(), a_low)  # plus the adapter's, in the same pass
         return (grad_x, grad_A, grad_B, None, None, None) + (None,) * len(frozen)
+
+
+def _backward_native(ctx, g: Tensor, x: Tensor, A: Tensor, B: Tensor, a: Tensor, frozen: list[Tensor]):
+    """LoRAProduct.backward with the adapter's thin products in C: the masters' gradients summed in fp32 and handed
+    over unrounded, the adapter's share of the input's gradient added into g·W in place."""
+    need_x, need_A, need_B = ctx.needs_input_grad[:3]
+    grad_a, grad_A, grad_B = native_lora.backward(g, x, a, B, ctx.scale, need_x, need_A, need_B)
+    grad_x = None
+    if need_x:
+        grad_x = g @ _frozen_weight(ctx.base, tuple(frozen), x.dtype)  # (N, in): the base's share
+        native_lora.input_update_(grad_x, grad_a, A)  # plus the adapter's, rounded once
+    return (grad_x, grad_A, grad_B, None, None, None) + (None,) * len(frozen)
 
 
 def lora_product(lora: nn.Module, x2: Tensor, name: str, scale: float) -> Tensor:

@@ -7,7 +7,7 @@ import torch
 import torch.nn as nn
 
 from miniquant import QuantizedLinear
-from minituner import lora_product
+from minituner import lora_product, native_lora
 from minituner.lora import LoRALinear
 from minituner.precision import use_bf16_compute
 
@@ -41,6 +41,12 @@ def fused(t: torch.Tensor) -> bool:
     return any("LoRAProduct" in n for n in graph_names(t))
 
 
+@pytest.fixture
+def torch_products(monkeypatch):
+    """LoRAProduct with the adapter's thin products as PyTorch ops (minituner.native_lora off)."""
+    monkeypatch.setattr(native_lora, "fits", lambda *a: False)
+
+
 def run(model: nn.Module, x: torch.Tensor, on: bool, monkeypatch) -> tuple:
     """(output, grad of x, grad of A, grad of B, whether it was fused) with the fused path on or off."""
     import minituner.lora as lora
@@ -57,8 +63,8 @@ def run(model: nn.Module, x: torch.Tensor, on: bool, monkeypatch) -> tuple:
 
 @pytest.mark.parametrize("base_kind", ["linear", "nf4"])
 @pytest.mark.parametrize("bias", [True, False])
-def test_the_same_numbers_as_the_two_pieces(base_kind, bias, monkeypatch):
-    """Output and the masters' gradients bit for bit; x's gradient rounds the adapter's share once instead of
+def test_the_same_numbers_as_the_two_pieces(base_kind, bias, monkeypatch, torch_products):
+    """With PyTorch's products: output and the masters' gradients bit for bit; x's gradient rounds the adapter's share once instead of
     twice: on average as close to the fp32 reference as the two pieces' or closer, each about a unit apart."""
     model = layer_in_bf16(base_kind, bias)
     x = torch.randn(8, 32, 64, generator=torch.Generator().manual_seed(1)).to(BF16)
@@ -148,3 +154,54 @@ def test_a_model_step_in_bf16_takes_it_for_every_adapted_linear():
     finally:
         lora_product.LoRAProduct.apply = real
     assert len(applied) == 2 * 6  # q, k, v, o, fc1, fc2 of each block
+
+
+def reference(model: nn.Module, x: torch.Tensor, base_kind: str) -> tuple:
+    """fp32 references of (output, grad of x, grad of A, grad of B) from the bf16 operands, g as run() draws it."""
+    layer = model[0]
+    w = (layer.base_layer.weight if base_kind == "linear" else layer.base_layer.dequantize(BF16)).float()
+    bias = layer.base_layer.bias
+    A, B = (layer.lora_A["default"].weight.to(BF16).float(), layer.lora_B["default"].weight.to(BF16).float())
+    xf = x.float().reshape(-1, x.shape[-1])
+    a = (xf @ A.t()).to(BF16).float()  # the kernel hands a over rounded, as the PyTorch path does
+    y = xf @ w.t() + 2.0 * a @ B.t() + (0 if bias is None else bias.to(BF16).float())
+    g = torch.randn(*x.shape[:-1], w.shape[0], generator=torch.Generator().manual_seed(3)).to(BF16).float()
+    g = g.reshape(-1, w.shape[0])
+    grad_a = (2.0 * g @ B).to(BF16).float()
+    return y, g @ w + grad_a @ A, grad_a.t() @ xf, 2.0 * g.t() @ a
+
+
+@pytest.mark.parametrize("base_kind", ["linear", "nf4"])
+def test_the_c_thin_products_match_fp32_and_beat_pytorchs_rounding_of_the_masters_gradients(base_kind,
+                                                                                              monkeypatch):
+    """With minituner.native_lora (where this CPU has AVX512-BF16): output and x's gradient within a bf16 unit of the
+    fp32 reference; the masters' gradients summed in fp32 and never rounded to bf16, so closer to it than the
+    PyTorch path's."""
+    if native_lora.kernels() is None:
+        pytest.skip("no AVX512-BF16 here: minituner.native_lora is not built")
+    model = layer_in_bf16(base_kind)
+    x = torch.randn(8, 32, 64, generator=torch.Generator().manual_seed(1)).to(BF16)
+    y, gx, gA, gB, name = run(model, x, True, monkeypatch)
+    assert name
+    monkeypatch.setattr(native_lora, "fits", lambda *a: False)
+    _, _, gA0, gB0, _ = run(model, x, True, monkeypatch)
+    ry, rgx, rgA, rgB = reference(model, x, base_kind)
+    for got, ref in ((y.reshape(ry.shape), ry), (gx.reshape(rgx.shape), rgx)):
+        assert torch.allclose(got.float(), ref, rtol=2**-7, atol=2**-8 * ref.abs().max().item())
+    for got, torch_path, ref in ((gA, gA0, rgA), (gB, gB0, rgB)):
+        assert got.dtype == torch.float32
+        assert torch.allclose(got, ref, rtol=1e-5, atol=1e-6 * ref.abs().max().item())
+        assert (got - ref).abs().max() < (torch_path - ref).abs().max()  # bf16 rounding left the PyTorch path's
+
+
+def test_native_lora_is_used_only_where_it_fits():
+    A, B = torch.randn(4, 64), torch.randn(48, 4)
+    x = torch.randn(3, 64).to(BF16)
+    if native_lora.kernels() is None:
+        assert not native_lora.fits(x, A, B)
+        return
+    assert native_lora.fits(x, A, B)
+    assert not native_lora.fits(x.float(), A, B)  # fp32 compute
+    assert not native_lora.fits(x, A[:3], B[:, :3])  # an odd rank: the kernels pair r
+    assert not native_lora.fits(x, A.to(BF16), B.to(BF16))  # bf16 masters
+    assert not native_lora.fits(x.t().contiguous().t(), A, B)  # rows not contiguous

@@ -26,7 +26,9 @@ under bf16 compute), the terms are:
 - ``LoRA A output`` N·r·e per LoRA layer: B saves A's output for its weight grad.
 - ``LoRA factor copies`` r·(in + out)·c per LoRA layer: under bf16 compute each LoRALinear casts its fp32
   masters A and B to bf16 per call and ``LoRAUpdate`` saves those copies (not parameters: activations).
-  Where c is 0 it saves the factors themselves, parameters, counted as weights.
+  Where c is 0 it saves the factors themselves, parameters, counted as weights; so does
+  ``minituner.native_lora`` (``bf16_compute_lora``: bf16 compute on a CPU with AVX512-BF16, an even rank, no LoRA
+  dropout), which reads the fp32 masters itself.
 - ``attention q, k, v`` 3·N·C·e, ``attention output`` N·C·e and ``attention logsumexp`` h·N·4 (fp32):
   ``F.scaled_dot_product_attention`` without dropout runs the fused (flash) kernel, which keeps its
   inputs, its output and one logsumexp per query and head, never the h·seq² score matrix. Its output is
@@ -77,6 +79,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from minigpt import native_attention, native_loss, native_swiglu
+from minituner import native_lora
 from minigpt.bf16_support import bf16_support
 from minigpt.cross_entropy import fp32_loss_chunked
 from minigpt.errors import InputError
@@ -111,6 +114,16 @@ def bf16_compute_loss(act_bytes: int, stream_bytes: int | None, on_cpu: bool = T
     these widths describe: minituner.precision's bf16 compute (e = 2 beside s = 4) on a CPU where its kernels are
     built (AVX-512)."""
     return on_cpu and act_bytes == 2 and stream_bytes == 4 and native_loss.takes_bf16_logits()
+
+
+def bf16_compute_lora(act_bytes: int, stream_bytes: int | None, rank: int, lora_dropout: float,
+                      on_cpu: bool = True) -> bool:
+    """Whether each LoRA layer's thin products run as ``minituner.native_lora`` in the run these widths describe:
+    minituner.precision's bf16 compute (e = 2 beside s = 4) on a CPU where its kernels are built (AVX512-BF16), an
+    even rank, no LoRA dropout (minituner.lora_product's fused Function). It reads the fp32 masters and saves them
+    as they are: no bf16 copies (``LoRA factor copies`` 0)."""
+    return (on_cpu and act_bytes == 2 and stream_bytes == 4 and rank % 2 == 0 and not lora_dropout
+            and native_lora.takes_bf16_run())
 
 
 def bf16_gemm_fallback(act_bytes: int, stream_bytes: int | None, on_cpu: bool = True) -> bool:
@@ -316,9 +329,11 @@ def minigpt_saved_by_layer(shape: ModelShape, batch_size: int, seq_len: int, reg
             terms["layernorm input"] += N * C * s
             terms["layernorm mean/rstd"] += 2 * N * s
 
+    copies = 0 if bf16_compute_lora(e, stream_bytes, r, lora_dropout, on_cpu) else lora_copy_bytes
+
     def lora_out(terms: Counter, path: str, input_hot: bool) -> None:
         if path in lora:
-            terms.update(lora_saved(linears[path], N, r, e, lora_copy_bytes))
+            terms.update(lora_saved(linears[path], N, r, e, copies))
             if lora_dropout:
                 terms.update(lora_dropout_saved(linears[path], N, e, input_hot, on_cpu))
 

@@ -33,7 +33,8 @@ the LoRA factors (``lora_copy_bytes``: 0, or 2 under bf16 compute), the terms ar
   ``DequantLinearFunction`` saves only the quantized buffers (the weights bucket), never the
   dequantized weight, which lives in one reused workspace (planner/peak.py counts it).
 - ``LoRA factor copies`` r·(in + out)·c per LoRA layer: the bf16 copies of the fp32 masters that each
-  LoRALinear makes per call under bf16 compute and ``LoRAUpdate`` saves (activations, not parameters).
+  LoRALinear makes per call under bf16 compute and ``LoRAUpdate`` saves (activations, not parameters); none
+  where ``minituner.native_lora`` runs (``bf16_compute_lora``), which reads and saves the masters themselves.
 - ``attention q, k, v`` 3·N·h·d·e, ``attention output`` N·h·d·e and ``attention logsumexp`` h·N·4
   (fp32): on CPU ``F.scaled_dot_product_attention`` without dropout runs the fused flash kernel, which
   keeps its inputs, its output and one logsumexp per query and head, never the h·T² scores. Its inputs
@@ -80,8 +81,9 @@ from minigpt.decoder import cpu_flash_takes_gqa
 from minigpt.errors import InputError
 
 from .activations import EXACT_FAMILIES as MINIGPT_FAMILIES
-from .activations import (FP32, INDEX_BYTES, SavedByLayer, bf16_compute_attention, bf16_compute_swiglu, check_dropout,
-                          counted_rows, lora_dropout_saved, loss_saved, lora_paths, lora_saved, minigpt_saved_by_layer)
+from .activations import (FP32, INDEX_BYTES, SavedByLayer, bf16_compute_attention, bf16_compute_lora,
+                          bf16_compute_swiglu, check_dropout, counted_rows, lora_dropout_saved, loss_saved, lora_paths,
+                          lora_saved, minigpt_saved_by_layer)
 from .counts import ALL_LINEAR
 from .shapes import ModelShape
 
@@ -144,9 +146,11 @@ def decoder_saved_by_layer(shape: ModelShape, batch_size: int, seq_len: int, reg
         if full:
             terms["rmsnorm normalized input"] += N * C * s
 
+    copies = 0 if bf16_compute_lora(e, stream_bytes, r, lora_dropout, on_cpu) else lora_copy_bytes
+
     def lora_out(terms: Counter, path: str, input_hot: bool) -> None:
         if path in lora:
-            terms.update(lora_saved(linears[path], N, r, e, lora_copy_bytes))
+            terms.update(lora_saved(linears[path], N, r, e, copies))
             if lora_dropout:
                 terms.update(lora_dropout_saved(linears[path], N, e, input_hot, on_cpu))
 

@@ -14,6 +14,7 @@ from minigpt import native_attention
 from minigpt.base_folder import save_base
 from minigpt.io import write_json
 from minigpt.model import GPTConfig, MiniGPT
+from minituner import native_lora
 from minituner.cli import main
 from minituner.hf_gpt2 import gpt2_config_dict
 from minituner.memory.check import BUCKETS, CheckConfig, SavedTensors, describe, memory_check
@@ -64,7 +65,8 @@ def test_activation_terms_follow_the_regime():
 
 def test_bf16_terms_follow_the_dataflow():
     """bf16 compute: norms save fp32 (they read the fp32 stream), the block between them saves bf16, and each
-    LoRA layer saves the bf16 copies of its fp32 masters."""
+    LoRA layer saves the bf16 copies of its fp32 masters, unless minituner.native_lora runs it (an even rank, no
+    LoRA dropout, its kernels built here), which saves the masters themselves."""
     shape, N, r = minigpt_shape(GPTConfig(**TINY)), 2 * 8, 4
     fp32 = minigpt_saved_by_layer(shape, 2, 8, "lora", r).terms()
     bf16 = minigpt_saved_by_layer(shape, 2, 8, "lora", r, **PRECISION_WIDTHS["bf16"]).terms()
@@ -85,7 +87,12 @@ def test_bf16_terms_follow_the_dataflow():
     cuda = minigpt_saved_by_layer(shape, 2, 8, "lora", r, on_cpu=False, **PRECISION_WIDTHS["bf16"]).terms()
     assert 2 * cuda["attention output"] == fp32["attention output"]  # a CUDA run attends through SDPA
     assert "LoRA factor copies" not in fp32  # fp32 LoRA saves its factors themselves: parameters
-    assert bf16["LoRA factor copies"] == 2 * r * (4 * (16 + 16) + 2 * (16 + 64)) * 2  # layers x r(in + out) x bf16
+    copies = 2 * r * (4 * (16 + 16) + 2 * (16 + 64)) * 2  # layers x r(in + out) x bf16
+    assert bf16.get("LoRA factor copies", 0) == (0 if native_lora.takes_bf16_run() else copies)
+    for odd_or_dropout in ({"rank": 3}, {"lora_dropout": 0.1}):  # the PyTorch path: LoRAUpdate saves the copies
+        kw = {"rank": r, **odd_or_dropout}
+        terms = minigpt_saved_by_layer(shape, 2, 8, "lora", **kw, **PRECISION_WIDTHS["bf16"]).terms()
+        assert terms["LoRA factor copies"] == copies * kw["rank"] // r
     ckpt = minigpt_saved_by_layer(shape, 2, 8, "lora", r, grad_checkpoint=True, **PRECISION_WIDTHS["bf16"])
     assert ckpt.blocks == ({"checkpointed block input": N * 16 * 4},) * 2  # the fp32 stream
 

@@ -1,0 +1,422 @@
+"""The adapter's thin products in bf16 on CPU, as C with AVX-512 bf16 dot products (vdpbf16ps): three calls a layer.
+
+    if fits(x, A, B):                                     # bf16 x on CPU, fp32 masters, an even rank, kernels here
+        a = forward_(y, x, A, B, scale)                   # a = x·Aᵀ (N, r); y += scale·a·Bᵀ in place
+        grad_a, grad_A, grad_B = backward(g, x, a, B, scale)   # scale·g·B (N, r); fp32 (r, in) and (out, r)
+        input_update_(grad_x, grad_a, A)                  # grad_x += grad_a·A in place (after the base's g·W)
+
+A LoRA layer at rank r adds six products with one side only r wide to the base's GEMM (forward x·Aᵀ and a·Bᵀ;
+backward g·B, aᵀ·g, (g·B)ᵀ·x and (g·B)·A). Each reads or writes a whole (N, in) or (N, out) tensor for 2·r
+multiply-adds per value, so each should cost about one pass over that tensor. Through PyTorch each is a oneDNN
+bf16 GEMM call plus the casts and scalings around them, separate ops: on the bench's GPT-shaped bf16 QLoRA step
+(benchmarks/bench_bf16.py: N 1,024, in and out 512 or 2,048, r 8, 48 layers; AMD EPYC with AVX512-BF16, 2 cores)
+the step's 285 thin products took 52 ms of a 270 ms step, 120-140 µs each for the (1024, 512) ones, against
+37-43 µs each timed alone; a (1024, 512) x·Aᵀ right after the base's GEMM took 130 µs in oneDNN and 47 µs as this
+file's loop (2026-12-03). Here each layer is three calls of C, each one pass over its wide operands:
+- ``forward_``: a = bf16(x·Aᵀ), then y = bf16(y + scale·a·Bᵀ), 16 rows at a time (a and y's rows still in cache);
+  rows split across threads.
+- ``backward``: grad_a = bf16(scale·g·B), rows split; then grad_A = grad_aᵀ·x and grad_B = scale·gᵀ·a, summed and
+  handed over in fp32 (the masters' dtype: no bf16 rounding on the way), columns split, so every value is summed
+  in one order whatever the number of threads.
+- ``input_update_``: grad_x = bf16(grad_x + grad_a·A) in place, rounded once as ``addmm_`` rounds; rows split.
+Each call rounds the fp32 masters it reads to bf16 itself (as ``.to(torch.bfloat16)`` rounds them), so the layer
+keeps no bf16 copies (minituner.planner counts none: ``bf16_compute_lora``). On the bench's step this took the
+step from 307.4 to 275.6 ms (medians of 24 steps, the two alternating in one process).
+
+Sums are fp32, in the instruction's order: vdpbf16ps adds two bf16 products per lane and, as oneDNN's bf16 GEMM
+does on these CPUs (the same instruction), treats denormal inputs as zero and flushes denormal results. Roundings
+to bf16 are PyTorch's (nearest even, NaN as 0x7FC0). The results are not oneDNN's bits (its sums run in another
+order); tests/minituner/test_native_lora.py holds them to fp32 references of the same bf16 operands.
+
+Used by ``minituner.lora_product`` where ``fits``: the library built with AVX512-BF16 (``lora_vectorized``), x with
+contiguous rows, contiguous fp32 masters, an even rank (the kernels pair r). Elsewhere LoRAProduct runs PyTorch's
+products. Threads: PyTorch's OpenMP team (minikernels.build), or the calling thread in a forked child.
+"""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+from torch import Tensor
+
+from minikernels.build import CPU_COUNT, OPENMP_PRELUDE, KernelFamily, ThreadSplit
+
+CFLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-ffp-contract=off", "-fno-fast-math", "-std=gnu11"]
+MIN_VALUES_PER_THREAD = 1 << 17  # a smaller wide operand stays on the calling thread (handing over costs ~10 µs)
+CHUNK_VALUES = 1 << 18  # threads take rows (columns) in chunks of about this many values
+
+_SOURCE = OPENMP_PRELUDE + r"""
+#include <stdlib.h>
+#include <string.h>
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define LORA_BF16 1
+#include <immintrin.h>
+#endif
+
+int lora_vectorized(void) {
+#ifdef LORA_BF16
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+#ifdef LORA_BF16
+/* fp32 -> bf16 bits, nearest even, NaN -> 0x7FC0 (PyTorch's rule), denormals kept */
+static inline uint16_t round1(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if (f != f) return 0x7FC0;
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+static inline __m256i round16(__m512 v) {
+    __m512i u = _mm512_castps_si512(v);
+    __m512i bias = _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1)));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, bias), 16);
+    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+    return _mm512_cvtepi32_epi16(r);
+}
+
+static inline __mmask32 mask32(int64_t n) { return n >= 32 ? (__mmask32)0xFFFFFFFFu : (((__mmask32)1 << n) - 1); }
+static inline __mmask16 mask16(int64_t n) { return n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1); }
+static inline __m512bh bh(__m512i v) { return (__m512bh)v; }
+#endif
+
+/* a[n * r + j] = bf16(scale * sum_k x[n * ldx + k] * A[j * K + k]) for rows [n0, n1): two rows at a time, r in
+   groups of 8 (a group short of 8 repeats its first row and discards the sums), K in steps of 32 (masked tail) */
+static void lora_rows_dot(const uint16_t* x, int64_t ldx, const uint16_t* A, int64_t K, int64_t r, float scale,
+                   uint16_t* a, int64_t n0, int64_t n1) {
+#ifdef LORA_BF16
+    for (int64_t n = n0; n < n1; n += 2) {
+        const int two = n + 1 < n1;
+        const uint16_t* x0 = x + n * ldx;
+        const uint16_t* x1 = two ? x0 + ldx : x0;
+        for (int64_t j0 = 0; j0 < r; j0 += 8) {
+            const int64_t jn = r - j0 < 8 ? r - j0 : 8;
+            const uint16_t* row[8];
+            for (int j = 0; j < 8; j++) row[j] = A + (j0 + (j < jn ? j : 0)) * K;
+            __m512 s0[8], s1[8];
+            for (int j = 0; j < 8; j++) s0[j] = s1[j] = _mm512_setzero_ps();
+            int64_t k = 0;
+            for (; k + 32 <= K; k += 32) {
+                const __m512i v0 = _mm512_loadu_si512(x0 + k), v1 = _mm512_loadu_si512(x1 + k);
+                for (int j = 0; j < 8; j++) {
+                    const __m512i w = _mm512_loadu_si512(row[j] + k);
+                    s0[j] = _mm512_dpbf16_ps(s0[j], bh(v0), bh(w));
+                    s1[j] = _mm512_dpbf16_ps(s1[j], bh(v1), bh(w));
+                }
+            }
+            if (k < K) {  /* the last K % 32 */
+                const __mmask32 m = mask32(K - k);
+                const __m512i v0 = _mm512_maskz_loadu_epi16(m, x0 + k), v1 = _mm512_maskz_loadu_epi16(m, x1 + k);
+                for (int j = 0; j < 8; j++) {
+                    const __m512i w = _mm512_maskz_loadu_epi16(m, row[j] + k);
+                    s0[j] = _mm512_dpbf16_ps(s0[j], bh(v0), bh(w));
+                    s1[j] = _mm512_dpbf16_ps(s1[j], bh(v1), bh(w));
+                }
+            }
+            for (int j = 0; j < jn; j++) {
+                a[n * r + j0 + j] = round1(scale * _mm512_reduce_add_ps(s0[j]));
+                if (two) a[(n + 1) * r + j0 + j] = round1(scale * _mm512_reduce_add_ps(s1[j]));
+            }
+        }
+    }
+#endif
+}
+
+/* out[j * ldj + m * ldm] = scale * sum_n a[n * r + j] * y[n * ldy + m] (fp32) for the columns of blocks [b0, b1)
+   of 32 (the last cut at M): 8 of r at a time, rows in pairs (each lane of vdpbf16ps sums rows n and n + 1 of one
+   column) */
+static void lora_cols_outer(const uint16_t* a, int64_t r, const uint16_t* y, int64_t ldy, int64_t N, int64_t M, float scale,
+                     float* out, int64_t ldj, int64_t ldm, int64_t b0, int64_t b1) {
+#ifdef LORA_BF16
+    const int64_t m0 = 32 * b0, m1 = 32 * b1 < M ? 32 * b1 : M;
+    const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
+                                        39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+    const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+    const __m512 sv = _mm512_set1_ps(scale);
+    uint32_t* pairs = malloc((size_t)((N + 1) / 2) * 8 * sizeof(uint32_t));
+    if (!pairs) return;  /* (the caller checks nothing: a few KB per call) */
+    for (int64_t j0 = 0; j0 < r; j0 += 8) {
+        const int64_t jn = r - j0 < 8 ? r - j0 : 8;
+        for (int64_t n = 0; n < N; n += 2)  /* (a[n, j], a[n + 1, j]) as one word, for 8 j; a group short of 8
+                                               repeats its first j and discards the sums */
+            for (int j = 0; j < 8; j++) {
+                const int64_t c = j0 + (j < jn ? j : 0);
+                pairs[(n / 2) * 8 + j] = (uint32_t)a[n * r + c] | (n + 1 < N ? (uint32_t)a[(n + 1) * r + c] << 16 : 0u);
+            }
+        for (int64_t mb = m0; mb < m1; mb += 32) {
+            const int64_t mn = m1 - mb < 32 ? m1 - mb : 32;
+            const __mmask32 m = mask32(mn);
+            __m512 s[8][2];
+            for (int j = 0; j < 8; j++) s[j][0] = s[j][1] = _mm512_setzero_ps();
+            for (int64_t n = 0; n < N; n += 2) {
+                const int two = n + 1 < N;
+                __m512i y0, y1 = _mm512_setzero_si512();
+                if (mn == 32) {  /* (a masked load costs twice a plain one here) */
+                    y0 = _mm512_loadu_si512(y + n * ldy + mb);
+                    if (two) y1 = _mm512_loadu_si512(y + (n + 1) * ldy + mb);
+                } else {
+                    y0 = _mm512_maskz_loadu_epi16(m, y + n * ldy + mb);
+                    if (two) y1 = _mm512_maskz_loadu_epi16(m, y + (n + 1) * ldy + mb);
+                }
+                const __m512i p0 = _mm512_permutex2var_epi16(y0, lo, y1), p1 = _mm512_permutex2var_epi16(y0, hi, y1);
+                const uint32_t* pn = pairs + (n / 2) * 8;
+                for (int j = 0; j < 8; j++) {
+                    const __m512i b = _mm512_set1_epi32((int32_t)pn[j]);
+                    s[j][0] = _mm512_dpbf16_ps(s[j][0], bh(p0), bh(b));
+                    s[j][1] = _mm512_dpbf16_ps(s[j][1], bh(p1), bh(b));
+                }
+            }
+            for (int j = 0; j < jn; j++) {
+                float v[32];
+                _mm512_storeu_ps(v, _mm512_mul_ps(s[j][0], sv));
+                _mm512_storeu_ps(v + 16, _mm512_mul_ps(s[j][1], sv));
+                float* o = out + (j0 + j) * ldj + mb * ldm;
+                if (ldm == 1) memcpy(o, v, (size_t)mn * sizeof(float));
+                else for (int64_t i = 0; i < mn; i++) o[i * ldm] = v[i];
+            }
+        }
+    }
+    free(pairs);
+#endif
+}
+
+/* y[n * ldy + m] = bf16(y + scale * sum_j a[n * r + j] * B[m, j]) for rows [n0, n1), in place; r even; P holds B
+   as pairs, P[i * M + m] = (B[m, 2i], B[m, 2i + 1]) in one 32-bit word: each lane of vdpbf16ps sums two j */
+static void lora_rows_update(uint16_t* y, int64_t ldy, const uint16_t* a, int64_t r, const uint32_t* P, int64_t M,
+                      float scale, int64_t n0, int64_t n1) {
+#ifdef LORA_BF16
+    const __m512 sv = _mm512_set1_ps(scale);
+    for (int64_t n = n0; n < n1; n++) {
+        const uint32_t* an = (const uint32_t*)(a + n * r);
+        uint16_t* yn = y + n * ldy;
+        int64_t mb = 0;
+        for (; mb + 64 <= M; mb += 64) {  /* 64 columns: 4 vectors of sums */
+            __m512 s[4];
+            for (int q = 0; q < 4; q++) s[q] = _mm512_setzero_ps();
+            for (int64_t i = 0; i < r / 2; i++) {
+                const __m512i b = _mm512_set1_epi32((int32_t)an[i]);
+                for (int q = 0; q < 4; q++)
+                    s[q] = _mm512_dpbf16_ps(s[q], bh(_mm512_loadu_si512(P + i * M + mb + 16 * q)), bh(b));
+            }
+            for (int q = 0; q < 4; q++) {
+                uint16_t* o = yn + mb + 16 * q;
+                const __m512 old = _mm512_castsi512_ps(_mm512_slli_epi32(
+                    _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)o)), 16));
+                _mm256_storeu_si256((__m256i*)o, round16(_mm512_add_ps(old, _mm512_mul_ps(s[q], sv))));
+            }
+        }
+        for (; mb < M; mb += 16) {  /* the rest, 16 columns at a time (masked) */
+            const __mmask16 m = mask16(M - mb);
+            __m512 s = _mm512_setzero_ps();
+            for (int64_t i = 0; i < r / 2; i++)
+                s = _mm512_dpbf16_ps(s, bh(_mm512_maskz_loadu_epi32(m, P + i * M + mb)), bh(_mm512_set1_epi32((int32_t)an[i])));
+            const __m512 old = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, yn + mb)), 16));
+            _mm256_mask_storeu_epi16(yn + mb, m, round16(_mm512_add_ps(old, _mm512_mul_ps(s, sv))));
+        }
+    }
+#endif
+}
+
+#ifdef LORA_BF16
+/* fp32 masters rounded to bf16 as PyTorch's .to(bfloat16) rounds them: rows (r, K) as they are, or B (M, r) as
+   r / 2 rows of pairs (B[m, 2i], B[m, 2i + 1]) for rows_update, or Bᵀ (r, M) */
+static void round_rows(const float* A, int64_t n, uint16_t* out) {
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) _mm256_storeu_si256((__m256i*)(out + i), round16(_mm512_loadu_ps(A + i)));
+    for (; i < n; i++) out[i] = round1(A[i]);
+}
+static void col_pairs(const float* B, int64_t M, int64_t r, uint32_t* P) {
+    for (int64_t i = 0; i < r / 2; i++)
+        for (int64_t m = 0; m < M; m++)
+            P[i * M + m] = (uint32_t)round1(B[m * r + 2 * i]) | (uint32_t)round1(B[m * r + 2 * i + 1]) << 16;
+}
+static void row_pairs(const float* A, int64_t K, int64_t r, uint32_t* P) {
+    for (int64_t i = 0; i < r / 2; i++)
+        for (int64_t k = 0; k < K; k++)
+            P[i * K + k] = (uint32_t)round1(A[2 * i * K + k]) | (uint32_t)round1(A[(2 * i + 1) * K + k]) << 16;
+}
+static void transpose_round(const float* B, int64_t M, int64_t r, uint16_t* Bt) {
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t j = 0; j < r; j++) Bt[j * M + m] = round1(B[m * r + j]);
+}
+#endif
+
+/* CALL for the `chunks` ranges [u0, u1) of [0, n) on `threads` of OpenMP's team (dynamic: a thread that waits for a
+   core leaves its share to the others), or for [0, n) on this thread (threads 1: also a forked child's, where
+   libgomp must not be entered) */
+#define LORA_RANGES(n, u0, u1, CALL) do { \
+    if (threads > 1) { \
+        _Pragma("omp parallel for schedule(dynamic, 1) num_threads(threads)") \
+        for (int64_t c_ = 0; c_ < chunks; c_++) { \
+            const int64_t u0 = (n) * c_ / chunks, u1 = (n) * (c_ + 1) / chunks; \
+            CALL; \
+        } \
+    } else { \
+        const int64_t u0 = 0, u1 = (n); \
+        CALL; \
+    } \
+} while (0)
+#define LORA_ROW_BLOCK 16  /* rows_dot then rows_update on 16 rows at a time: a and y's rows still in L1 */
+
+/* forward: a = bf16(x·Aᵀ) (N, r), then y += scale·a·Bᵀ in place, rounded once; A (r, K), B (M, r) fp32 masters */
+int lora_forward(const uint16_t* x, int64_t ldx, const float* A, const float* B, int64_t N, int64_t K, int64_t M,
+                 int64_t r, float scale, uint16_t* a, uint16_t* y, int64_t ldy, int64_t chunks, int threads) {
+#ifdef LORA_BF16
+    uint16_t* Ab = malloc((size_t)(r * K) * sizeof(uint16_t));
+    uint32_t* P = malloc((size_t)(r / 2 * M) * sizeof(uint32_t));
+    if (!Ab || !P) { free(Ab); free(P); return 1; }
+    round_rows(A, r * K, Ab);
+    col_pairs(B, M, r, P);
+    LORA_RANGES(N, u0, u1, {
+        for (int64_t n = u0; n < u1; n += LORA_ROW_BLOCK) {
+            const int64_t e = n + LORA_ROW_BLOCK < u1 ? n + LORA_ROW_BLOCK : u1;
+            lora_rows_dot(x, ldx, Ab, K, r, 1.0f, a, n, e);
+            lora_rows_update(y, ldy, a, r, P, M, scale, n, e);
+        }
+    });
+    free(Ab);
+    free(P);
+#endif
+    return 0;
+}
+
+/* backward, from g (N, M), x (N, K) and a (N, r): grad_a = bf16(scale·g·B) (N, r) rows split across threads; then,
+   columns split, grad_A = grad_aᵀ·x (r, K) and grad_B = scale·(aᵀ·g)ᵀ (M, r), fp32 (either may be NULL) */
+int lora_backward(const uint16_t* g, int64_t ldg, const uint16_t* x, int64_t ldx, const uint16_t* a, const float* B,
+                  int64_t N, int64_t K, int64_t M, int64_t r, float scale, uint16_t* grad_a, float* grad_A,
+                  float* grad_B, int64_t chunks, int threads) {
+#ifdef LORA_BF16
+    if (grad_a) {
+        uint16_t* Bt = malloc((size_t)(r * M) * sizeof(uint16_t));
+        if (!Bt) return 1;
+        transpose_round(B, M, r, Bt);
+        LORA_RANGES(N, u0, u1, lora_rows_dot(g, ldg, Bt, M, r, scale, grad_a, u0, u1));
+        free(Bt);
+    }
+    const int64_t kb = grad_A ? (K + 31) / 32 : 0, mb = grad_B ? (M + 31) / 32 : 0;
+    const int64_t blocks = kb + mb;
+    if (chunks > blocks) chunks = blocks;
+    LORA_RANGES(blocks, u0, u1, {
+        if (u0 < kb) lora_cols_outer(grad_a, r, x, ldx, N, K, 1.0f, grad_A, K, 1, u0, u1 < kb ? u1 : kb);
+        if (u1 > kb) lora_cols_outer(a, r, g, ldg, N, M, scale, grad_B, 1, r, (u0 > kb ? u0 : kb) - kb, u1 - kb);
+    });
+#endif
+    return 0;
+}
+
+/* grad_x += grad_a·A in place (N, K), rounded once; A (r, K) the fp32 master */
+int lora_input_update(uint16_t* grad_x, int64_t ldx, const uint16_t* grad_a, const float* A, int64_t N, int64_t K,
+                      int64_t r, int64_t chunks, int threads) {
+#ifdef LORA_BF16
+    uint32_t* P = malloc((size_t)(r / 2 * K) * sizeof(uint32_t));
+    if (!P) return 1;
+    row_pairs(A, K, r, P);
+    LORA_RANGES(N, u0, u1, lora_rows_update(grad_x, ldx, grad_a, r, P, K, 1.0f, u0, u1));
+    free(P);
+#endif
+    return 0;
+}
+"""
+
+
+
+class NativeLoRA:
+    """The compiled kernels: each call one pass of C, on PyTorch's OpenMP team where the library has OpenMP."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        i64, ptr, f32, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
+        self._forward, self._backward, self._input_update = lib.lora_forward, lib.lora_backward, lib.lora_input_update
+        self._forward.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, i64, f32, ptr, ptr, i64, i64, i32]
+        self._backward.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64, i64, f32, ptr, ptr, ptr, i64, i32]
+        self._input_update.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, i64, i32]
+        for f in (self._forward, self._backward, self._input_update):
+            f.restype = ctypes.c_int
+        self._split = ThreadSplit("minituner-lora", openmp=bool(lib.mk_openmp()))  # its openmp: off in a forked child
+
+    def _threads(self, values: int) -> tuple[int, int]:
+        """(chunks, threads) for a call reading about `values` values: OpenMP's threads from MIN_VALUES_PER_THREAD
+        each, else this one."""
+        if not self._split.openmp or values < 2 * MIN_VALUES_PER_THREAD:
+            return 1, 1
+        threads = min(torch.get_num_threads(), CPU_COUNT, values // MIN_VALUES_PER_THREAD)
+        return max(threads, values // CHUNK_VALUES), threads
+
+    @staticmethod
+    def _check(rc: int) -> None:
+        if rc:
+            raise MemoryError("minituner.native_lora: out of memory for a kernel's bf16 copy of the adapter")
+
+    def forward_(self, y: Tensor, x: Tensor, A: Tensor, B: Tensor, scale: float) -> Tensor:
+        (n, k), (m, r) = x.shape, B.shape
+        a = torch.empty(n, r, dtype=torch.bfloat16)
+        self._check(self._forward(x.data_ptr(), x.stride(0), A.data_ptr(), B.data_ptr(), n, k, m, r, scale,
+                                  a.data_ptr(), y.data_ptr(), y.stride(0), *self._threads(n * (k + m))))
+        return a
+
+    def backward(self, g: Tensor, x: Tensor, a: Tensor, B: Tensor, scale: float, need_a: bool, need_A: bool,
+                 need_B: bool) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+        (n, k), (m, r) = x.shape, B.shape
+        grad_a = torch.empty(n, r, dtype=torch.bfloat16) if need_a or need_A else None
+        grad_A = torch.empty(r, k, dtype=torch.float32) if need_A else None
+        grad_B = torch.empty(m, r, dtype=torch.float32) if need_B else None
+        ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
+        self._check(self._backward(g.data_ptr(), g.stride(0), x.data_ptr(), x.stride(0), a.data_ptr(), B.data_ptr(),
+                                   n, k, m, r, scale, ptr(grad_a), ptr(grad_A), ptr(grad_B),
+                                   *self._threads(n * (k + 2 * m))))
+        return grad_a, grad_A, grad_B
+
+    def input_update_(self, grad_x: Tensor, grad_a: Tensor, A: Tensor) -> Tensor:
+        (n, k), r = grad_x.shape, A.shape[0]
+        self._check(self._input_update(grad_x.data_ptr(), grad_x.stride(0), grad_a.data_ptr(), A.data_ptr(), n, k, r,
+                                       *self._threads(n * k)))
+        return grad_x
+
+
+_FAMILY = KernelFamily("lora", _SOURCE, CFLAGS, "minituner's bf16 LoRA kernels", NativeLoRA,
+                       vectorized="lora_vectorized", parallel=True)
+
+
+def kernels() -> NativeLoRA | None:
+    """The kernels, built on first use; None where they are off (MINIQUANT_NATIVE=0), cannot be built, or the CPU
+    lacks AVX512-BF16 (``lora_vectorized``)."""
+    return _FAMILY.kernels()
+
+
+def takes_bf16_run() -> bool:
+    """Whether a bf16 CPU training run's LoRA layers (an even rank, no dropout) run these kernels here (what
+    minituner.planner counts: no bf16 copies of the masters)."""
+    return kernels() is not None
+
+
+def _bf16_rows(t: Tensor) -> bool:
+    return t.dtype == torch.bfloat16 and t.device.type == "cpu" and t.dim() == 2 and t.stride(1) == 1
+
+
+def fits(x: Tensor, A: Tensor, B: Tensor) -> bool:
+    """Whether these kernels run the adapter (A (r, in), B (out, r)) on x: x (N, in) bf16 on CPU with contiguous
+    rows, A and B contiguous fp32 CPU masters, r even, the kernels built here."""
+    return (_bf16_rows(x) and A.shape[0] % 2 == 0 and A.shape[0] > 0
+            and all(t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous() for t in (A, B))
+            and kernels() is not None)
+
+
+def forward_(y: Tensor, x: Tensor, A: Tensor, B: Tensor, scale: float) -> Tensor:
+    """a = bf16(x·Aᵀ) (N, r), returned; y (N, out) += scale·a·Bᵀ in place, rounded once. x and y bf16 with contiguous
+    rows; A (r, in) and B (out, r) fp32, rounded to bf16 as .to(torch.bfloat16) rounds them."""
+    return kernels().forward_(y, x, A, B, scale)
+
+
+def backward(g: Tensor, x: Tensor, a: Tensor, B: Tensor, scale: float, need_a: bool = True, need_A: bool = True,
+             need_B: bool = True) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """(grad_a, grad_A, grad_B) from g (N, out), x (N, in), a = x·Aᵀ (N, r), B (out, r) fp32: grad_a = bf16(scale·g·B)
+    (N, r; made when grad_A is asked for too), grad_A = grad_aᵀ·x (r, in) and grad_B = scale·gᵀ·a (out, r), both
+    fp32; None for what is not asked for."""
+    return kernels().backward(g, x, a.contiguous(), B, scale, need_a, need_A, need_B)
+
+
+def input_update_(grad_x: Tensor, grad_a: Tensor, A: Tensor) -> Tensor:
+    """grad_x (N, in) += grad_a·A in place, rounded once to bf16; grad_a (N, r) bf16, A (r, in) fp32."""
+    return kernels().input_update_(grad_x, grad_a.contiguous(), A)

@@ -1,0 +1,86 @@
+"""minituner.native_lora: the adapter's thin products in C (AVX512-BF16), against fp32 references of the same bf16
+operands, on ragged shapes and strided rows; the same bits on one thread or two; NaN carried."""
+import pytest
+import torch
+
+from minituner import native_lora
+
+pytestmark = pytest.mark.skipif(native_lora.kernels() is None,
+                                reason="minituner.native_lora needs AVX512-BF16 and a C compiler")
+BF16 = torch.bfloat16
+SHAPES = [  # N, K (in), M (out), r: full vectors, every tail (K % 32, M % 64 and % 16, odd N), r not a multiple of 8
+    (1024, 512, 512, 8), (7, 45, 33, 2), (33, 100, 70, 10), (5, 32, 64, 16), (1, 31, 17, 18), (130, 2048, 96, 16)]
+
+
+def close(got: torch.Tensor, ref: torch.Tensor, unit: float) -> bool:
+    """Within `unit` of each value (relative), or of the largest for values near 0 (the sums' order differs)."""
+    return torch.allclose(got.float(), ref, rtol=unit, atol=unit * ref.abs().max().item())
+
+
+def operands(n, k, m, r, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, k + 3, generator=g).to(BF16)[:, :k]  # rows with a stride of their own
+    return (x, torch.randn(r, k, generator=g), torch.randn(m, r, generator=g),
+            torch.randn(n, m, generator=g).to(BF16), torch.randn(n, m, generator=g).to(BF16))
+
+
+@pytest.mark.parametrize("n, k, m, r", SHAPES)
+def test_forward_backward_and_input_update_match_fp32(n, k, m, r):
+    x, A, B, g, y0 = operands(n, k, m, r)
+    Ab, Bb, xf, gf = A.to(BF16).float(), B.to(BF16).float(), x.float(), g.float()  # the masters as .to(bf16) rounds
+    y = y0.clone()
+    a = native_lora.forward_(y, x, A, B, 0.5)
+    assert a.dtype == BF16 and a.shape == (n, r)
+    assert close(a, xf @ Ab.t(), 2**-8)
+    assert close(y, y0.float() + 0.5 * a.float() @ Bb.t(), 2**-8)  # rounded once, from the rounded a
+    grad_a, grad_A, grad_B = native_lora.backward(g, x, a, B, 0.5)
+    assert close(grad_a, 0.5 * gf @ Bb, 2**-8)
+    assert grad_A.dtype == grad_B.dtype == torch.float32
+    assert close(grad_A, grad_a.float().t() @ xf, 1e-5)  # fp32 sums of exact products of bf16 values
+    assert close(grad_B, 0.5 * gf.t() @ a.float(), 1e-5)
+    grad_x = x.contiguous()
+    native_lora.input_update_(grad_x, grad_a, A)
+    assert close(grad_x, xf + grad_a.float() @ Ab, 2**-8)
+
+
+def test_only_what_is_asked_for():
+    x, A, B, g, y0 = operands(64, 96, 80, 4)
+    a = native_lora.forward_(y0.clone(), x, A, B, 1.0)
+    grad_a, grad_A, grad_B = native_lora.backward(g, x, a, B, 1.0)
+    none_a, none_A, only_B = native_lora.backward(g, x, a, B, 1.0, need_a=False, need_A=False)
+    assert none_a is None and none_A is None and torch.equal(only_B, grad_B)
+    ga, gA, none_B = native_lora.backward(g, x, a, B, 1.0, need_B=False)
+    assert none_B is None and torch.equal(ga, grad_a) and torch.equal(gA, grad_A)
+
+
+def test_the_same_bits_on_one_thread_or_two():
+    """Rows (forward, grad_a, the input's update) and columns (the masters' gradients) are split across threads, so
+    every value is summed in one order whatever the split."""
+    x, A, B, g, y0 = operands(1024, 512, 512, 8)
+
+    def everything():
+        y = y0.clone()
+        a = native_lora.forward_(y, x, A, B, 2.0)
+        grads = native_lora.backward(g, x, a, B, 2.0)
+        grad_x = x.contiguous()
+        native_lora.input_update_(grad_x, grads[0], A)
+        return (y, a, *grads, grad_x)
+
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = everything()
+        torch.set_num_threads(2)
+        two = everything()
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(p, q) for p, q in zip(one, two))
+
+
+def test_nan_is_carried_as_pytorch_writes_it():
+    x, A, B, g, y0 = operands(4, 64, 32, 2)
+    x[1, 5] = float("nan")
+    y = y0.clone()
+    a = native_lora.forward_(y, x, A, B, 1.0)
+    assert a[1].isnan().all() and y[1].isnan().all() and not a[[0, 2, 3]].isnan().any()
+    assert (y[1].view(torch.int16) == 0x7FC0).all()  # PyTorch's NaN
