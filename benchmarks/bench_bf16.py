@@ -208,10 +208,11 @@ NATIVE_LORA = ("forward_", "backward", "input_update_")  # minituner.native_lora
 
 @contextmanager
 def _native_lora_wrapped(wrap: Callable[[str, Callable], Callable]):
-    """minituner.native_lora's calls replaced by wrap(name, call) for the while (LoRAProduct looks them up there)."""
+    """minituner.native_lora's calls (NativeLoRA's methods, self first) replaced by wrap(name, call) for the while."""
     with ExitStack() as stack:
         for name in NATIVE_LORA:
-            stack.enter_context(mock.patch.object(native_lora, name, wrap(name, getattr(native_lora, name))))
+            call = getattr(native_lora.NativeLoRA, name)
+            stack.enter_context(mock.patch.object(native_lora.NativeLoRA, name, wrap(name, call)))
         yield
 
 
@@ -224,10 +225,10 @@ def record_products(step: Callable[[], object]) -> Counter:
     calls: Counter = Counter()
 
     def counted(name: str, call: Callable) -> Callable:
-        def run(*args, **kwargs):
+        def run(self, *args, **kwargs):
             calls[(f"native_lora.{name}", tuple(_spec(a) for a in args),
                    tuple(sorted((k, _spec(v)) for k, v in kwargs.items())))] += 1
-            return call(*args, **kwargs)
+            return call(self, *args, **kwargs)
         return run
 
     class Record(TorchDispatchMode):
@@ -253,7 +254,9 @@ def _materialize(spec, dtype: torch.dtype | None = None):
 
 def _replay_op(op: str, dtype: torch.dtype | None):
     if op.startswith("native_lora."):  # looked up at each call: profile_groups names it for the profiler
-        return lambda *args, **kwargs: getattr(native_lora, op.partition(".")[2])(*args, **kwargs)
+        if dtype is not None:  # (recorded only in bf16 steps, never replayed in another dtype)
+            raise ValueError(f"{op} runs in bf16 only")
+        return lambda *args, **kwargs: getattr(native_lora.kernels(), op.partition(".")[2])(*args, **kwargs)
     if op == "mkldnn_linear":  # (x, W, bias, "none", [], ""); in another dtype, as F.linear computes it
         return torch.ops.mkldnn._linear_pointwise.default if dtype is None else (lambda x, w, b, *_: F.linear(x, w, b))
     name, _, overload = op.partition(".")
@@ -378,9 +381,9 @@ def profile_groups(step: Callable[[], object]) -> tuple[float, dict[str, float]]
     from torch.profiler import ProfilerActivity, profile, record_function
 
     def named(name: str, call: Callable) -> Callable:  # C calls the profiler does not see on its own
-        def run(*args, **kwargs):
+        def run(self, *args, **kwargs):
             with record_function(f"minituner::native_lora.{name}"):
-                return call(*args, **kwargs)
+                return call(self, *args, **kwargs)
         return run
 
     with profile(activities=[ProfilerActivity.CPU]) as prof, _native_lora_wrapped(named):
@@ -462,6 +465,7 @@ def measure(shape_name: str, warmup: int, repeats: int) -> dict:
             "groups": {c: p[1] for c, p in profiles.items()}, "threads": torch.get_num_threads(),
             "peak_rss_mib": peak_rss_mib(),
             "products": sum(calls.values()),
+            "native_lora": native_lora.kernels() is not None,  # the adapters' thin products in C (not aten's)
             "product_dtypes": sorted({a[3] for (_, args, _), _ in calls.items() for a in args
                                       if isinstance(a, tuple) and a and a[0] == "tensor"}),
             }
@@ -573,7 +577,7 @@ def run_shape(shape: str, quick: bool = False, wait_s: float | None = None) -> S
              + (f"the C norm and activation kernels {fmt_seconds(q['C norms and activations'])}, "
                 if q.get("C norms and activations") else "")
              + "dtype casts and copies (aten's copy_: attention's heads grouped for its GEMMs and back, the residual "
-             "adds' bf16 gradients, the LoRA masters' bf16 copies) "
+             "adds' bf16 gradients" + ("" if res.get("native_lora") else ", the LoRA masters' bf16 copies") + ") "
              f"{fmt_seconds(q.get('dtype casts and copies', 0.0))}, everything else (PyTorch's exact GELU, RoPE, the "
              f"residual adds, the loss, embeddings, AdamW, the finite-output guards, autograd) "
              f"{fmt_seconds(q.get('other', 0.0))}",

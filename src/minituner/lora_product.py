@@ -24,8 +24,8 @@ copy a layer, each a separate op; the bench's step above took 275.6 ms against 3
 It saves what the two pieces save together: x (which LoRAUpdate kept), the bf16 copies of A and B (with the C
 kernels the fp32 masters themselves, no copies), a = x·Aᵀ (N, r) and the base's own frozen tensors (an NF4
 base's codes and scales, dequantized again in backward into miniquant's shared workspace; a bf16 Linear's
-weight), so ``minituner.planner`` counts it as it is (the copies' r·(in + out) values a layer too, where the C
-kernels keep none). The base layer's own module is not called: the fused path is taken only where it has no hooks
+weight), so ``minituner.planner`` counts it as it is (the copies' r·(in + out) values a layer, none where the C
+kernels run). The base layer's own module is not called: the fused path is taken only where it has no hooks
 of its own.
 """
 from __future__ import annotations
@@ -86,9 +86,9 @@ class LoRAProduct(torch.autograd.Function):
                 *frozen: Tensor) -> Tensor:
         w = _frozen_weight(base, frozen, x.dtype)  # (out, in)
         y = base_product(x, w, None if bias is None else bias.to(x.dtype))  # (N, out)
-        ctx.native = native_lora.fits(x, A, B)
-        if ctx.native:  # the adapter's thin products in C, from the fp32 masters (minituner.native_lora)
-            a = native_lora.forward_(y, x, A, B, scale)  # (N, r); y += scale·a·Bᵀ in place
+        ctx.native = native_lora.kernels() if native_lora.fits(x, A, B) else None  # (backward uses the same)
+        if ctx.native is not None:  # the adapter's thin products in C, from the fp32 masters (minituner.native_lora)
+            a = ctx.native.forward_(y, x, A, B, scale)  # (N, r); y += scale·a·Bᵀ in place
             ctx.save_for_backward(x, A, B, a, *frozen)
         else:
             a_low, b_low = A.to(x.dtype), B.to(x.dtype)  # (r, in), (out, r): the masters computed in x's dtype
@@ -104,7 +104,7 @@ class LoRAProduct(torch.autograd.Function):
         x, a_low, b_low, a, *frozen = ctx.saved_tensors  # (native: the fp32 masters A and B)
         need_x, need_A, need_B = ctx.needs_input_grad[:3]
         g = g.to(x.dtype)
-        if ctx.native:
+        if ctx.native is not None:
             return _backward_native(ctx, g.contiguous(), x, a_low, b_low, a, frozen)
         grad_x = grad_A = grad_B = None
         grad_a_t = (b_low.t().contiguous() @ g.t()).mul_(ctx.scale) if need_x or need_A else None  # (r, N)
@@ -122,11 +122,11 @@ def _backward_native(ctx, g: Tensor, x: Tensor, A: Tensor, B: Tensor, a: Tensor,
     """LoRAProduct.backward with the adapter's thin products in C: the masters' gradients summed in fp32 and handed
     over unrounded, the adapter's share of the input's gradient added into g·W in place."""
     need_x, need_A, need_B = ctx.needs_input_grad[:3]
-    grad_a, grad_A, grad_B = native_lora.backward(g, x, a, B, ctx.scale, need_x, need_A, need_B)
+    grad_a, grad_A, grad_B = ctx.native.backward(g, x, a, B, ctx.scale, need_x, need_A, need_B)
     grad_x = None
     if need_x:
         grad_x = g @ _frozen_weight(ctx.base, tuple(frozen), x.dtype)  # (N, in): the base's share
-        native_lora.input_update_(grad_x, grad_a, A)  # plus the adapter's, rounded once
+        ctx.native.input_update_(grad_x, grad_a, A)  # plus the adapter's, rounded once
     return (grad_x, grad_A, grad_B, None, None, None) + (None,) * len(frozen)
 
 

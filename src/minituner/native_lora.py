@@ -1,9 +1,10 @@
 """The adapter's thin products in bf16 on CPU, as C with AVX-512 bf16 dot products (vdpbf16ps): three calls a layer.
 
-    if fits(x, A, B):                                     # bf16 x on CPU, fp32 masters, an even rank, kernels here
-        a = forward_(y, x, A, B, scale)                   # a = x·Aᵀ (N, r); y += scale·a·Bᵀ in place
-        grad_a, grad_A, grad_B = backward(g, x, a, B, scale)   # scale·g·B (N, r); fp32 (r, in) and (out, r)
-        input_update_(grad_x, grad_a, A)                  # grad_x += grad_a·A in place (after the base's g·W)
+    if fits(x, A, B):                                  # bf16 x on CPU, fp32 masters, an even rank, kernels here
+        k = kernels()
+        a = k.forward_(y, x, A, B, scale)              # a = x·Aᵀ (N, r); y += scale·a·Bᵀ in place
+        grad_a, grad_A, grad_B = k.backward(g, x, a, B, scale)   # scale·g·B (N, r); fp32 (r, in), (out, r)
+        k.input_update_(grad_x, grad_a, A)             # grad_x += grad_a·A in place (after the base's g·W)
 
 A LoRA layer at rank r adds six products with one side only r wide to the base's GEMM (forward x·Aᵀ and a·Bᵀ;
 backward g·B, aᵀ·g, (g·B)ᵀ·x and (g·B)·A). Each reads or writes a whole (N, in) or (N, out) tensor for 2·r
@@ -44,11 +45,13 @@ from minikernels.build import CPU_COUNT, OPENMP_PRELUDE, KernelFamily, ThreadSpl
 CFLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-ffp-contract=off", "-fno-fast-math", "-std=gnu11"]
 MIN_VALUES_PER_THREAD = 1 << 17  # a smaller wide operand stays on the calling thread (handing over costs ~10 µs)
 CHUNK_VALUES = 1 << 18  # threads take rows (columns) in chunks of about this many values
+MAX_RANK = 1024  # the C's MAX_RANK: larger ranks run as PyTorch ops
 
 _SOURCE = OPENMP_PRELUDE + r"""
 #include <stdlib.h>
 #include <string.h>
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define MAX_RANK 1024  /* ranks above this run as PyTorch ops (fits; MAX_RANK there) */
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define LORA_BF16 1
 #include <immintrin.h>
 #endif
@@ -125,27 +128,36 @@ static void lora_rows_dot(const uint16_t* x, int64_t ldx, const uint16_t* A, int
 #endif
 }
 
-/* out[j * ldj + m * ldm] = scale * sum_n a[n * r + j] * y[n * ldy + m] (fp32) for the columns of blocks [b0, b1)
-   of 32 (the last cut at M): 8 of r at a time, rows in pairs (each lane of vdpbf16ps sums rows n and n + 1 of one
-   column) */
-static void lora_cols_outer(const uint16_t* a, int64_t r, const uint16_t* y, int64_t ldy, int64_t N, int64_t M, float scale,
-                     float* out, int64_t ldj, int64_t ldm, int64_t b0, int64_t b1) {
+/* the pairs lora_cols_outer reads: for each group of 8 of a's r columns and each pair of rows n, n + 1, the 8 words
+   (a[n, j], a[n + 1, j]) (a zero row after an odd N; a group short of 8 repeats its first j, whose sums are
+   discarded); (r + 7) / 8 * (N + 1) / 2 * 8 words */
+static int64_t pair_words(int64_t N, int64_t r) { return (r + 7) / 8 * ((N + 1) / 2) * 8; }
+static void pack_pairs(const uint16_t* a, int64_t N, int64_t r, uint32_t* pairs) {
+    for (int64_t j0 = 0, g = 0; j0 < r; j0 += 8, g++) {
+        const int64_t jn = r - j0 < 8 ? r - j0 : 8;
+        for (int64_t n = 0; n < N; n += 2)
+            for (int j = 0; j < 8; j++) {
+                const int64_t c = j0 + (j < jn ? j : 0);
+                pairs[(g * ((N + 1) / 2) + n / 2) * 8 + j] =
+                    (uint32_t)a[n * r + c] | (n + 1 < N ? (uint32_t)a[(n + 1) * r + c] << 16 : 0u);
+            }
+    }
+}
+
+/* out[j * ldj + m * ldm] = scale * sum_n a[n, j] * y[n * ldy + m] (fp32) for the columns of blocks [b0, b1) of 32
+   (the last cut at M): 8 of a's r columns at a time (from pack_pairs), rows in pairs (each lane of vdpbf16ps sums
+   rows n and n + 1 of one column) */
+static void lora_cols_outer(const uint32_t* pairs, int64_t r, const uint16_t* y, int64_t ldy, int64_t N, int64_t M,
+                            float scale, float* out, int64_t ldj, int64_t ldm, int64_t b0, int64_t b1) {
 #ifdef LORA_BF16
     const int64_t m0 = 32 * b0, m1 = 32 * b1 < M ? 32 * b1 : M;
     const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
                                         39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
     const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
     const __m512 sv = _mm512_set1_ps(scale);
-    uint32_t* pairs = malloc((size_t)((N + 1) / 2) * 8 * sizeof(uint32_t));
-    if (!pairs) return;  /* (the caller checks nothing: a few KB per call) */
-    for (int64_t j0 = 0; j0 < r; j0 += 8) {
+    for (int64_t j0 = 0, g = 0; j0 < r; j0 += 8, g++) {
         const int64_t jn = r - j0 < 8 ? r - j0 : 8;
-        for (int64_t n = 0; n < N; n += 2)  /* (a[n, j], a[n + 1, j]) as one word, for 8 j; a group short of 8
-                                               repeats its first j and discards the sums */
-            for (int j = 0; j < 8; j++) {
-                const int64_t c = j0 + (j < jn ? j : 0);
-                pairs[(n / 2) * 8 + j] = (uint32_t)a[n * r + c] | (n + 1 < N ? (uint32_t)a[(n + 1) * r + c] << 16 : 0u);
-            }
+        const uint32_t* group = pairs + g * ((N + 1) / 2) * 8;
         for (int64_t mb = m0; mb < m1; mb += 32) {
             const int64_t mn = m1 - mb < 32 ? m1 - mb : 32;
             const __mmask32 m = mask32(mn);
@@ -162,7 +174,7 @@ static void lora_cols_outer(const uint16_t* a, int64_t r, const uint16_t* y, int
                     if (two) y1 = _mm512_maskz_loadu_epi16(m, y + (n + 1) * ldy + mb);
                 }
                 const __m512i p0 = _mm512_permutex2var_epi16(y0, lo, y1), p1 = _mm512_permutex2var_epi16(y0, hi, y1);
-                const uint32_t* pn = pairs + (n / 2) * 8;
+                const uint32_t* pn = group + (n / 2) * 8;
                 for (int j = 0; j < 8; j++) {
                     const __m512i b = _mm512_set1_epi32((int32_t)pn[j]);
                     s[j][0] = _mm512_dpbf16_ps(s[j][0], bh(p0), bh(b));
@@ -179,7 +191,6 @@ static void lora_cols_outer(const uint16_t* a, int64_t r, const uint16_t* y, int
             }
         }
     }
-    free(pairs);
 #endif
 }
 
@@ -190,7 +201,8 @@ static void lora_rows_update(uint16_t* y, int64_t ldy, const uint16_t* a, int64_
 #ifdef LORA_BF16
     const __m512 sv = _mm512_set1_ps(scale);
     for (int64_t n = n0; n < n1; n++) {
-        const uint32_t* an = (const uint32_t*)(a + n * r);
+        uint32_t an[MAX_RANK / 2];  /* a[n, 2i] and a[n, 2i + 1] as one word (memcpy: no uint32_t view of bf16) */
+        memcpy(an, a + n * r, (size_t)r * sizeof(uint16_t));
         uint16_t* yn = y + n * ldy;
         int64_t mb = 0;
         for (; mb + 64 <= M; mb += 64) {  /* 64 columns: 4 vectors of sums */
@@ -289,6 +301,7 @@ int lora_backward(const uint16_t* g, int64_t ldg, const uint16_t* x, int64_t ldx
                   int64_t N, int64_t K, int64_t M, int64_t r, float scale, uint16_t* grad_a, float* grad_A,
                   float* grad_B, int64_t chunks, int threads) {
 #ifdef LORA_BF16
+    if (grad_A && !grad_a) return 2;  /* grad_A is summed from grad_a */
     if (grad_a) {
         uint16_t* Bt = malloc((size_t)(r * M) * sizeof(uint16_t));
         if (!Bt) return 1;
@@ -297,12 +310,19 @@ int lora_backward(const uint16_t* g, int64_t ldg, const uint16_t* x, int64_t ldx
         free(Bt);
     }
     const int64_t kb = grad_A ? (K + 31) / 32 : 0, mb = grad_B ? (M + 31) / 32 : 0;
-    const int64_t blocks = kb + mb;
+    const int64_t blocks = kb + mb, words = pair_words(N, r);
+    uint32_t* pa = grad_A ? malloc((size_t)(words + 1) * sizeof(uint32_t)) : NULL;  /* (+1: never malloc(0)) */
+    uint32_t* pb = grad_B ? malloc((size_t)(words + 1) * sizeof(uint32_t)) : NULL;
+    if ((grad_A && !pa) || (grad_B && !pb)) { free(pa); free(pb); return 1; }
+    if (pa) pack_pairs(grad_a, N, r, pa);
+    if (pb) pack_pairs(a, N, r, pb);
     if (chunks > blocks) chunks = blocks;
     LORA_RANGES(blocks, u0, u1, {
-        if (u0 < kb) lora_cols_outer(grad_a, r, x, ldx, N, K, 1.0f, grad_A, K, 1, u0, u1 < kb ? u1 : kb);
-        if (u1 > kb) lora_cols_outer(a, r, g, ldg, N, M, scale, grad_B, 1, r, (u0 > kb ? u0 : kb) - kb, u1 - kb);
+        if (u0 < kb) lora_cols_outer(pa, r, x, ldx, N, K, 1.0f, grad_A, K, 1, u0, u1 < kb ? u1 : kb);
+        if (u1 > kb) lora_cols_outer(pb, r, g, ldg, N, M, scale, grad_B, 1, r, (u0 > kb ? u0 : kb) - kb, u1 - kb);
     });
+    free(pa);
+    free(pb);
 #endif
     return 0;
 }
@@ -324,7 +344,10 @@ int lora_input_update(uint16_t* grad_x, int64_t ldx, const uint16_t* grad_a, con
 
 
 class NativeLoRA:
-    """The compiled kernels: each call one pass of C, on PyTorch's OpenMP team where the library has OpenMP."""
+    """The compiled kernels; each call one pass of C, on PyTorch's OpenMP team where the library has OpenMP.
+
+    The arguments are as ``fits`` admits them: x, y, g and grad_x bf16 (N, ·) with contiguous rows, A (r, in) and B
+    (out, r) contiguous fp32 masters, r even and at most MAX_RANK."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         i64, ptr, f32, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
@@ -346,22 +369,32 @@ class NativeLoRA:
 
     @staticmethod
     def _check(rc: int) -> None:
-        if rc:
+        if rc == 1:
             raise MemoryError("minituner.native_lora: out of memory for a kernel's bf16 copy of the adapter")
+        if rc:
+            raise ValueError("minituner.native_lora: the masters' gradients need grad_a")
 
     def forward_(self, y: Tensor, x: Tensor, A: Tensor, B: Tensor, scale: float) -> Tensor:
+        """a = bf16(x·Aᵀ) (N, r), returned; y (N, out) += scale·a·Bᵀ in place, rounded once. A and B are rounded to
+        bf16 as .to(torch.bfloat16) rounds them."""
         (n, k), (m, r) = x.shape, B.shape
         a = torch.empty(n, r, dtype=torch.bfloat16)
         self._check(self._forward(x.data_ptr(), x.stride(0), A.data_ptr(), B.data_ptr(), n, k, m, r, scale,
                                   a.data_ptr(), y.data_ptr(), y.stride(0), *self._threads(n * (k + m))))
         return a
 
-    def backward(self, g: Tensor, x: Tensor, a: Tensor, B: Tensor, scale: float, need_a: bool, need_A: bool,
-                 need_B: bool) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    def backward(self, g: Tensor, x: Tensor, a: Tensor, B: Tensor, scale: float, need_a: bool = True,
+                 need_A: bool = True, need_B: bool = True) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+        """(grad_a, grad_A, grad_B) from g (N, out), x (N, in), a = x·Aᵀ (N, r) and B: grad_a = bf16(scale·g·B)
+        (N, r; made when grad_A is asked for too), grad_A = grad_aᵀ·x (r, in) and grad_B = scale·gᵀ·a (out, r),
+        both fp32; None for what is not asked for."""
         (n, k), (m, r) = x.shape, B.shape
+        g, a = g.contiguous(), a.contiguous()
         grad_a = torch.empty(n, r, dtype=torch.bfloat16) if need_a or need_A else None
         grad_A = torch.empty(r, k, dtype=torch.float32) if need_A else None
         grad_B = torch.empty(m, r, dtype=torch.float32) if need_B else None
+        if n == 0:  # no rows: nothing summed (an empty tensor's pointer may be NULL, which the C reads as absent)
+            return grad_a, None if grad_A is None else grad_A.zero_(), None if grad_B is None else grad_B.zero_()
         ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
         self._check(self._backward(g.data_ptr(), g.stride(0), x.data_ptr(), x.stride(0), a.data_ptr(), B.data_ptr(),
                                    n, k, m, r, scale, ptr(grad_a), ptr(grad_A), ptr(grad_B),
@@ -369,7 +402,9 @@ class NativeLoRA:
         return grad_a, grad_A, grad_B
 
     def input_update_(self, grad_x: Tensor, grad_a: Tensor, A: Tensor) -> Tensor:
+        """grad_x (N, in) += grad_a·A in place, rounded once to bf16; grad_a (N, r) bf16."""
         (n, k), r = grad_x.shape, A.shape[0]
+        grad_a = grad_a.contiguous()
         self._check(self._input_update(grad_x.data_ptr(), grad_x.stride(0), grad_a.data_ptr(), A.data_ptr(), n, k, r,
                                        *self._threads(n * k)))
         return grad_x
@@ -395,28 +430,15 @@ def _bf16_rows(t: Tensor) -> bool:
     return t.dtype == torch.bfloat16 and t.device.type == "cpu" and t.dim() == 2 and t.stride(1) == 1
 
 
+def _fp32_master(t: Tensor) -> bool:
+    return t.dtype == torch.float32 and t.device.type == "cpu" and t.dim() == 2 and t.is_contiguous()
+
+
 def fits(x: Tensor, A: Tensor, B: Tensor) -> bool:
-    """Whether these kernels run the adapter (A (r, in), B (out, r)) on x: x (N, in) bf16 on CPU with contiguous
-    rows, A and B contiguous fp32 CPU masters, r even, the kernels built here."""
-    return (_bf16_rows(x) and A.shape[0] % 2 == 0 and A.shape[0] > 0
-            and all(t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous() for t in (A, B))
-            and kernels() is not None)
-
-
-def forward_(y: Tensor, x: Tensor, A: Tensor, B: Tensor, scale: float) -> Tensor:
-    """a = bf16(x·Aᵀ) (N, r), returned; y (N, out) += scale·a·Bᵀ in place, rounded once. x and y bf16 with contiguous
-    rows; A (r, in) and B (out, r) fp32, rounded to bf16 as .to(torch.bfloat16) rounds them."""
-    return kernels().forward_(y, x, A, B, scale)
-
-
-def backward(g: Tensor, x: Tensor, a: Tensor, B: Tensor, scale: float, need_a: bool = True, need_A: bool = True,
-             need_B: bool = True) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
-    """(grad_a, grad_A, grad_B) from g (N, out), x (N, in), a = x·Aᵀ (N, r), B (out, r) fp32: grad_a = bf16(scale·g·B)
-    (N, r; made when grad_A is asked for too), grad_A = grad_aᵀ·x (r, in) and grad_B = scale·gᵀ·a (out, r), both
-    fp32; None for what is not asked for."""
-    return kernels().backward(g, x, a.contiguous(), B, scale, need_a, need_A, need_B)
-
-
-def input_update_(grad_x: Tensor, grad_a: Tensor, A: Tensor) -> Tensor:
-    """grad_x (N, in) += grad_a·A in place, rounded once to bf16; grad_a (N, r) bf16, A (r, in) fp32."""
-    return kernels().input_update_(grad_x, grad_a.contiguous(), A)
+    """Whether these kernels run the adapter A (r, in), B (out, r) on x (N, in): x bf16 on CPU with contiguous rows,
+    A and B contiguous fp32 CPU masters of matching shapes, r even and at most MAX_RANK, the kernels built here.
+    (The output y and the gradients g and grad_x that go with x are bf16 with contiguous rows as LoRAProduct makes
+    them.)"""
+    r = A.shape[0] if A.dim() == 2 else 0
+    return (_bf16_rows(x) and _fp32_master(A) and _fp32_master(B) and 0 < r <= MAX_RANK and r % 2 == 0
+            and A.shape[1] == x.shape[1] and B.shape[1] == r and kernels() is not None)

@@ -15,7 +15,9 @@ the dtype RoPE is applied in; the residual stream stays fp32):
 - a ``QuantizedLinear`` computes in bf16 (``compute_dtype``): NF4 dequantizes straight to bf16 into a
   workspace reused by every layer (miniquant.quantize), its bias is stored in bf16;
 - a ``LoRALinear`` runs the base and the LoRA path in bf16 (the fp32 masters A and B are cast per call:
-  r × in values, and autograd returns their gradients in fp32) and returns its input's dtype;
+  r × in values, and autograd returns their gradients in fp32; on a CPU with AVX512-BF16 the C of
+  ``minituner.native_lora`` rounds them as it reads them and sums their gradients in fp32) and returns its
+  input's dtype;
 - norms (LayerNorm, RMSNorm) compute in fp32 on the fp32 residual stream and hand their output to the
   products that follow in bf16: one cast per norm, shared by q/k/v or gate/up, where each product casting its
   own input would cast the same tensor three times. The decoder's RMSNorm becomes a ``Bf16OutRMSNorm`` and an

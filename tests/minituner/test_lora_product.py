@@ -205,3 +205,17 @@ def test_native_lora_is_used_only_where_it_fits():
     assert not native_lora.fits(x, A[:3], B[:, :3])  # an odd rank: the kernels pair r
     assert not native_lora.fits(x, A.to(BF16), B.to(BF16))  # bf16 masters
     assert not native_lora.fits(x.t().contiguous().t(), A, B)  # rows not contiguous
+
+
+def test_backward_uses_the_kernels_forward_took(monkeypatch):
+    """The kernels are looked up once, in forward: turned off before backward (MINIQUANT_NATIVE=0), the step still
+    finishes on the path its forward took."""
+    if native_lora.kernels() is None:
+        pytest.skip("no AVX512-BF16 here: minituner.native_lora is not built")
+    model = layer_in_bf16("nf4")
+    x = torch.randn(5, 64).to(BF16).requires_grad_()
+    y = model(x)
+    monkeypatch.setenv("MINIQUANT_NATIVE", "0")
+    assert native_lora.kernels() is None
+    y.float().sum().backward()
+    assert x.grad is not None and model[0].lora_A["default"].weight.grad is not None

@@ -8,6 +8,7 @@ from minituner import native_lora
 pytestmark = pytest.mark.skipif(native_lora.kernels() is None,
                                 reason="minituner.native_lora needs AVX512-BF16 and a C compiler")
 BF16 = torch.bfloat16
+K = native_lora.kernels()
 SHAPES = [  # N, K (in), M (out), r: full vectors, every tail (K % 32, M % 64 and % 16, odd N), r not a multiple of 8
     (1024, 512, 512, 8), (7, 45, 33, 2), (33, 100, 70, 10), (5, 32, 64, 16), (1, 31, 17, 18), (130, 2048, 96, 16)]
 
@@ -29,27 +30,27 @@ def test_forward_backward_and_input_update_match_fp32(n, k, m, r):
     x, A, B, g, y0 = operands(n, k, m, r)
     Ab, Bb, xf, gf = A.to(BF16).float(), B.to(BF16).float(), x.float(), g.float()  # the masters as .to(bf16) rounds
     y = y0.clone()
-    a = native_lora.forward_(y, x, A, B, 0.5)
+    a = K.forward_(y, x, A, B, 0.5)
     assert a.dtype == BF16 and a.shape == (n, r)
     assert close(a, xf @ Ab.t(), 2**-8)
     assert close(y, y0.float() + 0.5 * a.float() @ Bb.t(), 2**-8)  # rounded once, from the rounded a
-    grad_a, grad_A, grad_B = native_lora.backward(g, x, a, B, 0.5)
+    grad_a, grad_A, grad_B = K.backward(g, x, a, B, 0.5)
     assert close(grad_a, 0.5 * gf @ Bb, 2**-8)
     assert grad_A.dtype == grad_B.dtype == torch.float32
     assert close(grad_A, grad_a.float().t() @ xf, 1e-5)  # fp32 sums of exact products of bf16 values
     assert close(grad_B, 0.5 * gf.t() @ a.float(), 1e-5)
     grad_x = x.contiguous()
-    native_lora.input_update_(grad_x, grad_a, A)
+    K.input_update_(grad_x, grad_a, A)
     assert close(grad_x, xf + grad_a.float() @ Ab, 2**-8)
 
 
 def test_only_what_is_asked_for():
     x, A, B, g, y0 = operands(64, 96, 80, 4)
-    a = native_lora.forward_(y0.clone(), x, A, B, 1.0)
-    grad_a, grad_A, grad_B = native_lora.backward(g, x, a, B, 1.0)
-    none_a, none_A, only_B = native_lora.backward(g, x, a, B, 1.0, need_a=False, need_A=False)
+    a = K.forward_(y0.clone(), x, A, B, 1.0)
+    grad_a, grad_A, grad_B = K.backward(g, x, a, B, 1.0)
+    none_a, none_A, only_B = K.backward(g, x, a, B, 1.0, need_a=False, need_A=False)
     assert none_a is None and none_A is None and torch.equal(only_B, grad_B)
-    ga, gA, none_B = native_lora.backward(g, x, a, B, 1.0, need_B=False)
+    ga, gA, none_B = K.backward(g, x, a, B, 1.0, need_B=False)
     assert none_B is None and torch.equal(ga, grad_a) and torch.equal(gA, grad_A)
 
 
@@ -60,10 +61,10 @@ def test_the_same_bits_on_one_thread_or_two():
 
     def everything():
         y = y0.clone()
-        a = native_lora.forward_(y, x, A, B, 2.0)
-        grads = native_lora.backward(g, x, a, B, 2.0)
+        a = K.forward_(y, x, A, B, 2.0)
+        grads = K.backward(g, x, a, B, 2.0)
         grad_x = x.contiguous()
-        native_lora.input_update_(grad_x, grads[0], A)
+        K.input_update_(grad_x, grads[0], A)
         return (y, a, *grads, grad_x)
 
     threads = torch.get_num_threads()
@@ -81,6 +82,34 @@ def test_nan_is_carried_as_pytorch_writes_it():
     x, A, B, g, y0 = operands(4, 64, 32, 2)
     x[1, 5] = float("nan")
     y = y0.clone()
-    a = native_lora.forward_(y, x, A, B, 1.0)
+    a = K.forward_(y, x, A, B, 1.0)
     assert a[1].isnan().all() and y[1].isnan().all() and not a[[0, 2, 3]].isnan().any()
     assert (y[1].view(torch.int16) == 0x7FC0).all()  # PyTorch's NaN
+
+
+def test_fits_refuses_what_the_c_does_not_take():
+    x, A, B = torch.randn(3, 64).to(BF16), torch.randn(4, 64), torch.randn(48, 4)
+    assert native_lora.fits(x, A, B)
+    assert not native_lora.fits(x, A[:, :32], B)  # A's width is not x's
+    assert not native_lora.fits(x, A, B[:, :2])  # B's rank is not A's
+    big = native_lora.MAX_RANK + 2
+    assert not native_lora.fits(x, torch.randn(big, 64), torch.randn(48, big))
+    assert not native_lora.fits(x, A.t().contiguous().t(), B)  # a master that is a transposed view
+
+
+def test_the_masters_gradients_without_grad_a_are_refused_in_c():
+    """grad_A is summed from grad_a: the C refuses to be asked for one without the other (no NULL read)."""
+    x, A, B, g, _ = operands(8, 64, 32, 2)
+    a = K.forward_(g.clone(), x, A, B, 1.0)
+    grad_A = torch.empty(2, 64)
+    rc = K._backward(g.data_ptr(), g.stride(0), x.data_ptr(), x.stride(0), a.data_ptr(), B.data_ptr(), 8, 64, 32, 2,
+                     1.0, None, grad_A.data_ptr(), None, 1, 1)
+    assert rc == 2
+    with pytest.raises(ValueError, match="grad_a"):
+        K._check(rc)
+
+
+def test_no_rows_give_zero_gradients():
+    x, A, B, g, _ = operands(0, 64, 32, 2)
+    _, grad_A, grad_B = K.backward(g, x, torch.empty(0, 2, dtype=BF16), B, 1.0)
+    assert grad_A.shape == (2, 64) and not grad_A.any() and grad_B.shape == (32, 2) and not grad_B.any()

@@ -120,10 +120,12 @@ def bf16_compute_lora(act_bytes: int, stream_bytes: int | None, rank: int, lora_
                       on_cpu: bool = True) -> bool:
     """Whether each LoRA layer's thin products run as ``minituner.native_lora`` in the run these widths describe:
     minituner.precision's bf16 compute (e = 2 beside s = 4) on a CPU where its kernels are built (AVX512-BF16), an
-    even rank, no LoRA dropout (minituner.lora_product's fused Function). It reads the fp32 masters and saves them
-    as they are: no bf16 copies (``LoRA factor copies`` 0)."""
-    return (on_cpu and act_bytes == 2 and stream_bytes == 4 and rank % 2 == 0 and not lora_dropout
-            and native_lora.takes_bf16_run())
+    even rank up to its MAX_RANK, no LoRA dropout. It reads the fp32 masters and saves them as they are: no bf16
+    copies (``LoRA factor copies`` 0). The rest of what minituner.lora_product's fused Function and
+    native_lora.fits ask (one active adapter, a frozen plain or quantized base without hooks, fp32 masters, inputs
+    with contiguous rows) holds for every run the planner plans, as build_for_training and finetune make them."""
+    return (on_cpu and act_bytes == 2 and stream_bytes == 4 and 0 < rank <= native_lora.MAX_RANK and rank % 2 == 0
+            and not lora_dropout and native_lora.takes_bf16_run())
 
 
 def bf16_gemm_fallback(act_bytes: int, stream_bytes: int | None, on_cpu: bool = True) -> bool:
