@@ -6,7 +6,8 @@ exp is computed as Cephes' expf does (x = n·ln2 + r with |r| <= ln2/2, a degree
 2^n), to about 1 unit in the last place of fp32, on AVX-512 16 values at a time (``exp16``) and in plain C
 (``exp_nonpos``) with the same operations: built with -ffp-contract=off (no fused multiply-add), both give the
 same bits. Inputs below -87.34 give 0 (fp32 denormals are not produced). bf16 is rounded to nearest even, NaN
-to 0x7FC0 (PyTorch's rule). Used by ``minigpt.native_loss`` and ``minigpt.native_attention``.
+to 0x7FC0 (PyTorch's rule). Used by ``minigpt.native_loss`` and ``minigpt.native_attention``, and for its bf16
+conversions by ``minituner.native_lora``.
 
 ``BF16_SIGMOID_C`` (after BF16_EXP_C) adds σ(x) on 16 lanes (a shorter exp with fused multiply-adds, about 2e-6
 relative, ample for a bf16 result), the bf16 stores of the activation kernels, ``minigpt.native_swiglu`` and

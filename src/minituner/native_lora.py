@@ -40,6 +40,7 @@ import ctypes
 import torch
 from torch import Tensor
 
+from minikernels.bf16_exp import BF16_EXP_C
 from minikernels.build import CPU_COUNT, OPENMP_PRELUDE, KernelFamily, ThreadSplit
 
 CFLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-ffp-contract=off", "-fno-fast-math", "-std=gnu11"]
@@ -47,7 +48,7 @@ MIN_VALUES_PER_THREAD = 1 << 17  # a smaller wide operand stays on the calling t
 CHUNK_VALUES = 1 << 18  # threads take rows (columns) in chunks of about this many values
 MAX_RANK = 1024  # the C's MAX_RANK: larger ranks run as PyTorch ops
 
-_SOURCE = OPENMP_PRELUDE + r"""
+_SOURCE = OPENMP_PRELUDE + BF16_EXP_C + r"""
 #include <stdlib.h>
 #include <string.h>
 #define MAX_RANK 1024  /* ranks above this run as PyTorch ops (fits; MAX_RANK there) */
@@ -65,22 +66,7 @@ int lora_vectorized(void) {
 }
 
 #ifdef LORA_BF16
-/* fp32 -> bf16 bits, nearest even, NaN -> 0x7FC0 (PyTorch's rule), denormals kept */
-static inline uint16_t round1(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if (f != f) return 0x7FC0;
-    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
-
-static inline __m256i round16(__m512 v) {
-    __m512i u = _mm512_castps_si512(v);
-    __m512i bias = _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1)));
-    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, bias), 16);
-    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
-    return _mm512_cvtepi32_epi16(r);
-}
-
+/* bf16 <-> fp32: BF16_EXP_C's bf16_from_f32, load16 and store16 (nearest even, NaN -> 0x7FC0, denormals kept) */
 static inline __mmask32 mask32(int64_t n) { return n >= 32 ? (__mmask32)0xFFFFFFFFu : (((__mmask32)1 << n) - 1); }
 static inline __mmask16 mask16(int64_t n) { return n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1); }
 static inline __m512bh bh(__m512i v) { return (__m512bh)v; }
@@ -120,8 +106,8 @@ static void lora_rows_dot(const uint16_t* x, int64_t ldx, const uint16_t* A, int
                 }
             }
             for (int j = 0; j < jn; j++) {
-                a[n * r + j0 + j] = round1(scale * _mm512_reduce_add_ps(s0[j]));
-                if (two) a[(n + 1) * r + j0 + j] = round1(scale * _mm512_reduce_add_ps(s1[j]));
+                a[n * r + j0 + j] = bf16_from_f32(scale * _mm512_reduce_add_ps(s0[j]));
+                if (two) a[(n + 1) * r + j0 + j] = bf16_from_f32(scale * _mm512_reduce_add_ps(s1[j]));
             }
         }
     }
@@ -215,9 +201,7 @@ static void lora_rows_update(uint16_t* y, int64_t ldy, const uint16_t* a, int64_
             }
             for (int q = 0; q < 4; q++) {
                 uint16_t* o = yn + mb + 16 * q;
-                const __m512 old = _mm512_castsi512_ps(_mm512_slli_epi32(
-                    _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)o)), 16));
-                _mm256_storeu_si256((__m256i*)o, round16(_mm512_add_ps(old, _mm512_mul_ps(s[q], sv))));
+                store16(o, _mm512_add_ps(load16(o), _mm512_mul_ps(s[q], sv)));
             }
         }
         for (; mb < M; mb += 16) {  /* the rest, 16 columns at a time (masked) */
@@ -225,8 +209,11 @@ static void lora_rows_update(uint16_t* y, int64_t ldy, const uint16_t* a, int64_
             __m512 s = _mm512_setzero_ps();
             for (int64_t i = 0; i < r / 2; i++)
                 s = _mm512_dpbf16_ps(s, bh(_mm512_maskz_loadu_epi32(m, P + i * M + mb)), bh(_mm512_set1_epi32((int32_t)an[i])));
-            const __m512 old = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, yn + mb)), 16));
-            _mm256_mask_storeu_epi16(yn + mb, m, round16(_mm512_add_ps(old, _mm512_mul_ps(s, sv))));
+            uint16_t t[16] = {0};  /* the last M % 16 through a padded copy: store16 writes 16 */
+            const int64_t left = M - mb < 16 ? M - mb : 16;
+            memcpy(t, yn + mb, (size_t)left * sizeof(uint16_t));
+            store16(t, _mm512_add_ps(load16(t), _mm512_mul_ps(s, sv)));
+            memcpy(yn + mb, t, (size_t)left * sizeof(uint16_t));
         }
     }
 #endif
@@ -237,22 +224,22 @@ static void lora_rows_update(uint16_t* y, int64_t ldy, const uint16_t* a, int64_
    r / 2 rows of pairs (B[m, 2i], B[m, 2i + 1]) for rows_update, or Bᵀ (r, M) */
 static void round_rows(const float* A, int64_t n, uint16_t* out) {
     int64_t i = 0;
-    for (; i + 16 <= n; i += 16) _mm256_storeu_si256((__m256i*)(out + i), round16(_mm512_loadu_ps(A + i)));
-    for (; i < n; i++) out[i] = round1(A[i]);
+    for (; i + 16 <= n; i += 16) store16(out + i, _mm512_loadu_ps(A + i));
+    for (; i < n; i++) out[i] = bf16_from_f32(A[i]);
 }
 static void col_pairs(const float* B, int64_t M, int64_t r, uint32_t* P) {
     for (int64_t i = 0; i < r / 2; i++)
         for (int64_t m = 0; m < M; m++)
-            P[i * M + m] = (uint32_t)round1(B[m * r + 2 * i]) | (uint32_t)round1(B[m * r + 2 * i + 1]) << 16;
+            P[i * M + m] = (uint32_t)bf16_from_f32(B[m * r + 2 * i]) | (uint32_t)bf16_from_f32(B[m * r + 2 * i + 1]) << 16;
 }
 static void row_pairs(const float* A, int64_t K, int64_t r, uint32_t* P) {
     for (int64_t i = 0; i < r / 2; i++)
         for (int64_t k = 0; k < K; k++)
-            P[i * K + k] = (uint32_t)round1(A[2 * i * K + k]) | (uint32_t)round1(A[(2 * i + 1) * K + k]) << 16;
+            P[i * K + k] = (uint32_t)bf16_from_f32(A[2 * i * K + k]) | (uint32_t)bf16_from_f32(A[(2 * i + 1) * K + k]) << 16;
 }
 static void transpose_round(const float* B, int64_t M, int64_t r, uint16_t* Bt) {
     for (int64_t m = 0; m < M; m++)
-        for (int64_t j = 0; j < r; j++) Bt[j * M + m] = round1(B[m * r + j]);
+        for (int64_t j = 0; j < r; j++) Bt[j * M + m] = bf16_from_f32(B[m * r + j]);
 }
 #endif
 
