@@ -45,6 +45,7 @@ _DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 _SOURCE = OPENMP_PRELUDE + r"""
 #include <stdint.h>
+#include <math.h>
 #include <string.h>
 /* one vector path, the widest this CPU has (built with -march=native); plain C for the rest */
 #if defined(__AVX512F__)
@@ -409,6 +410,13 @@ void nf4_dequantize(const uint8_t* packed, const float* scales, int64_t b0, int6
     for (int64_t b = b0; b < b1; b++) dequantize_block_c(packed + b * (bs / 2), scales[b], bs, code, out, dtype, b * bs);
 }
 
+/* 1 when every scale s has |s| <= limit (so is finite: NaN fails the comparison), else 0; one vectorized pass */
+int nf4_scales_within(const float* scales, int64_t n, float limit) {
+    int ok = 1;
+    for (int64_t i = 0; i < n; i++) ok &= fabsf(scales[i]) <= limit;
+    return ok;
+}
+
 /* the two above over OpenMP's threads, in `chunks` ranges (minikernels.build's MK_PARALLEL_RANGES) */
 void nf4_quantize_parallel(const void* x, int dtype, int64_t b0, int64_t b1, int64_t bs, const float* mids,
                            uint8_t* packed, float* absmax, int64_t chunks, int threads) {
@@ -437,6 +445,9 @@ class NativeKernels:
         self._dequantize = lib.nf4_dequantize
         self._dequantize.argtypes = [ptr, ptr, i64, i64, i64, ptr, ptr, ctypes.c_int]
         self._dequantize.restype = None
+        self._scales_within = lib.nf4_scales_within
+        self._scales_within.argtypes = [ptr, i64, ctypes.c_float]
+        self._scales_within.restype = ctypes.c_int
         self._quantize_parallel = parallel_entry(lib, self._quantize)  # over OpenMP's threads
         self._dequantize_parallel = parallel_entry(lib, self._dequantize)  # over OpenMP's threads
         self.dtypes = tuple(d for d, c in _DTYPE_CODE.items() if c != 2 or lib.nf4_has_f16())
@@ -460,6 +471,12 @@ class NativeKernels:
         self._split(blocks, bs, lambda b0, b1: self._quantize(*args, b0, b1, *tail),
                     lambda b0, b1, chunks, threads: self._quantize_parallel(*args, b0, b1, *tail, chunks, threads))
         return packed, absmax
+
+    def scales_within(self, scales: Tensor, limit: float) -> bool:
+        """Whether every value of a contiguous float32 CPU tensor has |value| <= limit (NaN has not)."""
+        if scales.dtype != torch.float32 or not scales.is_contiguous() or scales.device.type != "cpu":
+            raise ValueError(f"scales must be a contiguous float32 CPU tensor, got {scales.dtype} on {scales.device}")
+        return bool(self._scales_within(scales.data_ptr(), scales.numel(), limit))
 
     def dequantize(self, packed: Tensor, scales: Tensor, code: Tensor, dtype: torch.dtype,
                    out: Tensor | None = None) -> Tensor:

@@ -36,6 +36,7 @@ from torch import Tensor, nn
 
 from minikernels import fp32_gemm
 
+from . import native
 from .errors import QuantizationError
 from .int_quant import IntQuantized, dequantize_symmetric_per_group, quantize_symmetric_per_group
 from .nf4 import NF4Tensor, dequantize_nf4, quantize_nf4
@@ -80,6 +81,9 @@ def _buffer_shapes(scheme: QuantScheme, out_features: int, in_features: int) -> 
 def _nf4_surely_finite(absmax: Tensor, dtype: torch.dtype) -> bool:
     """True when every NF4 value code x absmax is finite in dtype: |code| <= 1, so finite scales no larger
     than dtype's largest value are enough. False means "look at the values" (it does not mean non-finite)."""
+    kernels = native.kernels() if absmax.device.type == "cpu" and absmax.dtype == torch.float32 else None
+    if kernels is not None and absmax.is_contiguous():  # one C call: no ops, no tensors made, no .item()
+        return kernels.scales_within(absmax, torch.finfo(dtype).max)
     low, high = (float(v) for v in torch.aminmax(absmax))  # one pass, nothing allocated; NaN if any is NaN
     return math.isfinite(low) and math.isfinite(high) and max(-low, high) <= torch.finfo(dtype).max
 

@@ -10,6 +10,7 @@ idempotent, computed in fp32 and refused when the result is not finite.
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import asdict, dataclass
 from typing import NamedTuple
 
@@ -131,6 +132,7 @@ class LoRALinear(nn.Module):
         self.merged_adapters: dict[str, float] = {}  # what merge() added into the base weight
         self.disabled = False  # True: output is the base layer's alone
         self.compute_dtype: torch.dtype | None = None  # e.g. bf16: base and LoRA path computed in it (one input cast)
+        self._seen_finite: tuple[weakref.ref, int] | None = None  # (the last output, its version): see output_seen_finite
         self.train(base_layer.training)  # a wrapper in an eval()-mode model stays in eval mode
         self.add_adapter(adapter_name, r, alpha, dropout, use_rslora)
         self.active_adapters = {adapter_name: 1.0}
@@ -159,8 +161,19 @@ class LoRALinear(nn.Module):
         for d in (self.r, self.lora_alpha, self.use_rslora, self.scaling, self.active_adapters):
             d.pop(name, None)
 
+    def __getstate__(self) -> dict:
+        return {**super().__getstate__(), "_seen_finite": None}  # (a weak reference does not pickle)
+
+    def output_seen_finite(self, output: torch.Tensor) -> bool:
+        """Whether `output`, what forward just returned, is known to be all finite without reading it again: the bf16
+        C kernels (minituner.native_lora) look at every value as they write it. True only for that very tensor,
+        unchanged since (its version counter); asked once (the answer is forgotten)."""
+        seen, self._seen_finite = getattr(self, "_seen_finite", None), None
+        return seen is not None and seen[0]() is output and output._version == seen[1]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         cd = self.compute_dtype
+        self._seen_finite = None
         if self.disabled or self.merged_adapters:  # merged adapters already live in the base weight
             return self.base_layer(x) if cd is None else self.base_layer(x.to(cd)).to(x.dtype)  # (..., out)
         x2 = x.reshape(-1, self.in_features)  # (N, in): 2-D, so the base output is a plain (N, out) tensor
@@ -169,8 +182,10 @@ class LoRALinear(nn.Module):
         if len(self.active_adapters) == 1:  # under bf16 compute, base and adapter as one Function (lora_product)
             (name, weight), = self.active_adapters.items()
             if name in self.lora_A and fused_fits(self, x2, name):
-                y = lora_product(self, x2, name, self.scaling[name] * weight)  # (N, out): the lines below, fused
-                return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+                y, finite = lora_product(self, x2, name, self.scaling[name] * weight)  # (N, out): the lines below, fused
+                out = y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+                self._seen_finite = (weakref.ref(out), out._version) if finite else None
+                return out
         y = self.base_layer(x2)  # (N, out)
         for name, weight in self.active_adapters.items():
             if name not in self.lora_A:

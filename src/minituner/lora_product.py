@@ -83,12 +83,13 @@ class LoRAProduct(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: Tensor, A: Tensor, B: Tensor, bias: Tensor | None, base: nn.Module, scale: float,
-                *frozen: Tensor) -> Tensor:
+                seen_finite: list, *frozen: Tensor) -> Tensor:
         w = _frozen_weight(base, frozen, x.dtype)  # (out, in)
         y = base_product(x, w, None if bias is None else bias.to(x.dtype))  # (N, out)
         ctx.native = native_lora.kernels() if native_lora.fits(x, A, B) else None  # (backward uses the same)
         if ctx.native is not None:  # the adapter's thin products in C, from the fp32 masters (minituner.native_lora)
-            a = ctx.native.forward_(y, x, A, B, scale)  # (N, r); y += scale·a·Bᵀ in place
+            a, finite = ctx.native.forward_(y, x, A, B, scale)  # (N, r); y += scale·a·Bᵀ in place
+            seen_finite.append(finite)  # (every value of y looked at as it was written)
             ctx.save_for_backward(x, A, B, a, *frozen)
         else:
             a_low, b_low = A.to(x.dtype), B.to(x.dtype)  # (r, in), (out, r): the masters computed in x's dtype
@@ -115,7 +116,7 @@ class LoRAProduct(torch.autograd.Function):
         if need_x:
             grad_x = g @ _frozen_weight(ctx.base, tuple(frozen), x.dtype)  # (N, in): the base's share
             grad_x.addmm_(grad_a_t.t(), a_low)  # plus the adapter's, in the same pass
-        return (grad_x, grad_A, grad_B, None, None, None) + (None,) * len(frozen)
+        return (grad_x, grad_A, grad_B, None, None, None, None) + (None,) * len(frozen)
 
 
 def _backward_native(ctx, g: Tensor, x: Tensor, A: Tensor, B: Tensor, a: Tensor, frozen: list[Tensor]):
@@ -127,11 +128,14 @@ def _backward_native(ctx, g: Tensor, x: Tensor, A: Tensor, B: Tensor, a: Tensor,
     if need_x:
         grad_x = g @ _frozen_weight(ctx.base, tuple(frozen), x.dtype)  # (N, in): the base's share
         ctx.native.input_update_(grad_x, grad_a, A)  # plus the adapter's, rounded once
-    return (grad_x, grad_A, grad_B, None, None, None) + (None,) * len(frozen)
+    return (grad_x, grad_A, grad_B, None, None, None, None) + (None,) * len(frozen)
 
 
-def lora_product(lora: nn.Module, x2: Tensor, name: str, scale: float) -> Tensor:
-    """The base and adapter `name` of a LoRALinear on x2 (N, in) as one Function (``fused_fits`` first)."""
-    base = lora.base_layer
-    return LoRAProduct.apply(x2, lora.lora_A[name].weight, lora.lora_B[name].weight, base.bias, base, scale,
-                             *_frozen_tensors(base))
+def lora_product(lora: nn.Module, x2: Tensor, name: str, scale: float) -> tuple[Tensor, bool]:
+    """(y, seen_finite): the base and adapter `name` of a LoRALinear on x2 (N, in) as one Function (``fused_fits``
+    first); seen_finite: the C kernels found every value of y finite as they wrote it (False: not looked at, or not
+    all finite)."""
+    base, seen = lora.base_layer, []
+    y = LoRAProduct.apply(x2, lora.lora_A[name].weight, lora.lora_B[name].weight, base.bias, base, scale, seen,
+                          *_frozen_tensors(base))
+    return y, bool(seen) and seen[0]

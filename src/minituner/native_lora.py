@@ -2,7 +2,7 @@
 
     if fits(x, A, B):                                  # bf16 x on CPU, fp32 masters, an even rank, kernels here
         k = kernels()
-        a = k.forward_(y, x, A, B, scale)              # a = x·Aᵀ (N, r); y += scale·a·Bᵀ in place
+        a, finite = k.forward_(y, x, A, B, scale)      # a = x·Aᵀ (N, r); y += scale·a·Bᵀ in place, all finite?
         grad_a, grad_A, grad_B = k.backward(g, x, a, B, scale)   # scale·g·B (N, r); fp32 (r, in), (out, r)
         k.input_update_(grad_x, grad_a, A)             # grad_x += grad_a·A in place (after the base's g·W)
 
@@ -180,11 +180,22 @@ static void lora_cols_outer(const uint32_t* pairs, int64_t r, const uint16_t* y,
 #endif
 }
 
-/* y[n * ldy + m] = bf16(y + scale * sum_j a[n * r + j] * B[m, j]) for rows [n0, n1), in place; r even; P holds B
-   as pairs, P[i * M + m] = (B[m, 2i], B[m, 2i + 1]) in one 32-bit word: each lane of vdpbf16ps sums two j */
-static void lora_rows_update(uint16_t* y, int64_t ldy, const uint16_t* a, int64_t r, const uint32_t* P, int64_t M,
-                      float scale, int64_t n0, int64_t n1) {
 #ifdef LORA_BF16
+/* lanes of 16 bf16 values that are NaN or ±inf (all exponent bits set) */
+static inline __mmask16 nonfinite16(const uint16_t* v) {
+    const __m256i e = _mm256_set1_epi16(0x7F80);
+    return _mm256_cmpeq_epi16_mask(_mm256_and_si256(_mm256_loadu_si256((const __m256i*)v), e), e);
+}
+#endif
+
+/* y[n * ldy + m] = bf16(y + scale * sum_j a[n * r + j] * B[m, j]) for rows [n0, n1), in place; r even; P holds B
+   as pairs, P[i * M + m] = (B[m, 2i], B[m, 2i + 1]) in one 32-bit word: each lane of vdpbf16ps sums two j.
+   Returns 1 when a value it wrote is NaN or ±inf, else 0 (each checked in L1 right after its store) */
+static int lora_rows_update(uint16_t* y, int64_t ldy, const uint16_t* a, int64_t r, const uint32_t* P, int64_t M,
+                      float scale, int64_t n0, int64_t n1) {
+    int bad = 0;
+#ifdef LORA_BF16
+    __mmask16 seen = 0;
     const __m512 sv = _mm512_set1_ps(scale);
     for (int64_t n = n0; n < n1; n++) {
         uint32_t an[MAX_RANK / 2];  /* a[n, 2i] and a[n, 2i + 1] as one word (memcpy: no uint32_t view of bf16) */
@@ -202,6 +213,7 @@ static void lora_rows_update(uint16_t* y, int64_t ldy, const uint16_t* a, int64_
             for (int q = 0; q < 4; q++) {
                 uint16_t* o = yn + mb + 16 * q;
                 store16(o, _mm512_add_ps(load16(o), _mm512_mul_ps(s[q], sv)));
+                seen |= nonfinite16(o);
             }
         }
         for (; mb < M; mb += 16) {  /* the rest, 16 columns at a time (masked) */
@@ -213,10 +225,13 @@ static void lora_rows_update(uint16_t* y, int64_t ldy, const uint16_t* a, int64_
             const int64_t left = M - mb < 16 ? M - mb : 16;
             memcpy(t, yn + mb, (size_t)left * sizeof(uint16_t));
             store16(t, _mm512_add_ps(load16(t), _mm512_mul_ps(s, sv)));
+            seen |= nonfinite16(t) & mask16(left);
             memcpy(yn + mb, t, (size_t)left * sizeof(uint16_t));
         }
     }
+    bad = seen != 0;
 #endif
+    return bad;
 }
 
 #ifdef LORA_BF16
@@ -260,9 +275,12 @@ static void transpose_round(const float* B, int64_t M, int64_t r, uint16_t* Bt) 
 } while (0)
 #define LORA_ROW_BLOCK 16  /* rows_dot then rows_update on 16 rows at a time: a and y's rows still in L1 */
 
-/* forward: a = bf16(x·Aᵀ) (N, r), then y += scale·a·Bᵀ in place, rounded once; A (r, K), B (M, r) fp32 masters */
+/* forward: a = bf16(x·Aᵀ) (N, r), then y += scale·a·Bᵀ in place, rounded once; A (r, K), B (M, r) fp32 masters.
+   *nonfinite = 1 when a value of y it wrote is NaN or ±inf, else 0 */
 int lora_forward(const uint16_t* x, int64_t ldx, const float* A, const float* B, int64_t N, int64_t K, int64_t M,
-                 int64_t r, float scale, uint16_t* a, uint16_t* y, int64_t ldy, int64_t chunks, int threads) {
+                 int64_t r, float scale, uint16_t* a, uint16_t* y, int64_t ldy, int* nonfinite, int64_t chunks,
+                 int threads) {
+    *nonfinite = 0;
 #ifdef LORA_BF16
     uint16_t* Ab = malloc((size_t)(r * K) * sizeof(uint16_t));
     uint32_t* P = malloc((size_t)(r / 2 * M) * sizeof(uint32_t));
@@ -273,7 +291,7 @@ int lora_forward(const uint16_t* x, int64_t ldx, const float* A, const float* B,
         for (int64_t n = u0; n < u1; n += LORA_ROW_BLOCK) {
             const int64_t e = n + LORA_ROW_BLOCK < u1 ? n + LORA_ROW_BLOCK : u1;
             lora_rows_dot(x, ldx, Ab, K, r, 1.0f, a, n, e);
-            lora_rows_update(y, ldy, a, r, P, M, scale, n, e);
+            if (lora_rows_update(y, ldy, a, r, P, M, scale, n, e)) __atomic_store_n(nonfinite, 1, __ATOMIC_RELAXED);
         }
     });
     free(Ab);
@@ -321,7 +339,7 @@ int lora_input_update(uint16_t* grad_x, int64_t ldx, const uint16_t* grad_a, con
     uint32_t* P = malloc((size_t)(r / 2 * K) * sizeof(uint32_t));
     if (!P) return 1;
     row_pairs(A, K, r, P);
-    LORA_RANGES(N, u0, u1, lora_rows_update(grad_x, ldx, grad_a, r, P, K, 1.0f, u0, u1));
+    LORA_RANGES(N, u0, u1, (void)lora_rows_update(grad_x, ldx, grad_a, r, P, K, 1.0f, u0, u1));
     free(P);
 #endif
     return 0;
@@ -339,7 +357,7 @@ class NativeLoRA:
     def __init__(self, lib: ctypes.CDLL) -> None:
         i64, ptr, f32, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
         self._forward, self._backward, self._input_update = lib.lora_forward, lib.lora_backward, lib.lora_input_update
-        self._forward.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, i64, f32, ptr, ptr, i64, i64, i32]
+        self._forward.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, i64, f32, ptr, ptr, i64, ptr, i64, i32]
         self._backward.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64, i64, f32, ptr, ptr, ptr, i64, i32]
         self._input_update.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, i64, i32]
         for f in (self._forward, self._backward, self._input_update):
@@ -361,14 +379,17 @@ class NativeLoRA:
         if rc:
             raise ValueError("minituner.native_lora: the masters' gradients need grad_a")
 
-    def forward_(self, y: Tensor, x: Tensor, A: Tensor, B: Tensor, scale: float) -> Tensor:
-        """a = bf16(x·Aᵀ) (N, r), returned; y (N, out) += scale·a·Bᵀ in place, rounded once. A and B are rounded to
-        bf16 as .to(torch.bfloat16) rounds them."""
+    def forward_(self, y: Tensor, x: Tensor, A: Tensor, B: Tensor, scale: float) -> tuple[Tensor, bool]:
+        """(a, finite): a = bf16(x·Aᵀ) (N, r); y (N, out) += scale·a·Bᵀ in place, rounded once; finite: whether every
+        value written into y is finite (each checked as it is stored, while in L1). A and B are rounded to bf16 as
+        .to(torch.bfloat16) rounds them."""
         (n, k), (m, r) = x.shape, B.shape
         a = torch.empty(n, r, dtype=torch.bfloat16)
+        nonfinite = ctypes.c_int(0)
         self._check(self._forward(x.data_ptr(), x.stride(0), A.data_ptr(), B.data_ptr(), n, k, m, r, scale,
-                                  a.data_ptr(), y.data_ptr(), y.stride(0), *self._threads(n * (k + m))))
-        return a
+                                  a.data_ptr(), y.data_ptr(), y.stride(0), ctypes.byref(nonfinite),
+                                  *self._threads(n * (k + m))))
+        return a, not nonfinite.value
 
     def backward(self, g: Tensor, x: Tensor, a: Tensor, B: Tensor, scale: float, need_a: bool = True,
                  need_A: bool = True, need_B: bool = True) -> tuple[Tensor | None, Tensor | None, Tensor | None]:

@@ -190,3 +190,24 @@ def test_forked_child_quantizes_with_threads(monkeypatch):
         os._exit(0 if torch.equal(quantize_nf4(w).packed, expected) else 1)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_scales_within_agrees_with_a_look_at_every_value():
+    """quantize._nf4_surely_finite's C check: |s| <= limit for all, NaN and ±inf failing, at any position."""
+    k = native.kernels()
+    if k is None:
+        pytest.skip("no native kernels here")
+    g = torch.Generator().manual_seed(0)
+    for n in (1, 15, 16, 17, 4096, 16385):
+        s = torch.randn(n, generator=g) * 100
+        assert k.scales_within(s, 1e4) is bool((s.abs() <= 1e4).all())
+        for bad in (float("nan"), float("inf"), -float("inf"), 2e4, -2e4):
+            for i in {0, n // 2, n - 1}:
+                t = s.clone()
+                t[i] = bad
+                assert k.scales_within(t, 1e4) is False, (n, bad, i)
+    edge = torch.tensor([65504.0, -65504.0])  # fp16's largest value: within, exactly
+    assert k.scales_within(edge, torch.finfo(torch.float16).max) is True
+    assert k.scales_within(edge * 1.001, torch.finfo(torch.float16).max) is False
+    with pytest.raises(ValueError, match="contiguous float32"):
+        k.scales_within(torch.ones(4, dtype=torch.float64), 1.0)

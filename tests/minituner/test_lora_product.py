@@ -219,3 +219,49 @@ def test_backward_uses_the_kernels_forward_took(monkeypatch):
     assert native_lora.kernels() is None
     y.float().sum().backward()
     assert x.grad is not None and model[0].lora_A["default"].weight.grad is not None
+
+
+def test_an_output_the_kernels_saw_finite_is_not_read_again_by_the_guard(monkeypatch):
+    """The C forward looks at every value it writes: the finite-output guard (minituner.qlora) skips its pass over
+    that output, and still stops a non-finite one, naming the path; the answer holds for that tensor only, unchanged,
+    once."""
+    if native_lora.kernels() is None:
+        pytest.skip("no AVX512-BF16 here: minituner.native_lora is not built")
+    from minituner.qlora import add_finite_guards
+
+    model = layer_in_bf16("nf4")
+    layer = model[0]
+    x = torch.randn(5, 64).to(BF16)
+    y = layer(x)
+    assert layer.output_seen_finite(y) and not layer.output_seen_finite(y)  # asked once
+    y = layer(x)
+    assert not layer.output_seen_finite(y.clone())  # another tensor
+    y = layer(x)
+    y.add_(1)
+    assert not layer.output_seen_finite(y)  # changed since
+    with monkeypatch.context() as m:  # PyTorch's products: nothing seen
+        m.setattr(native_lora, "fits", lambda *a: False)
+        y = layer(x)
+        assert not layer.output_seen_finite(y)
+
+    add_finite_guards(model)
+    sums = []
+    real_sum = torch.sum
+    monkeypatch.setattr(torch, "sum", lambda *a, **k: sums.append(1) or real_sum(*a, **k))
+    model(x)
+    assert sums == []  # the guard took the kernels' word
+    with torch.no_grad():
+        layer.lora_B["default"].weight.fill_(float("inf"))
+    with pytest.raises(FloatingPointError, match=r"0: non-finite output .*the LoRA path"):
+        model(x)
+    monkeypatch.setattr(native_lora, "fits", lambda *a: False)
+    with pytest.raises(FloatingPointError, match=r"0: non-finite output .*the LoRA path"):
+        model(x)  # PyTorch's products: the guard's own pass finds it
+    assert sums
+
+
+def test_a_model_that_ran_the_kernels_still_pickles():
+    model = layer_in_bf16("nf4")
+    model(torch.randn(5, 64).to(BF16))
+    import io
+    torch.save(model, io.BytesIO())

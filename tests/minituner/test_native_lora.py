@@ -1,5 +1,6 @@
 """minituner.native_lora: the adapter's thin products in C (AVX512-BF16), against fp32 references of the same bf16
-operands, on ragged shapes and strided rows; the same bits on one thread or two; NaN carried."""
+operands, on ragged shapes and strided rows; the same bits on one thread or two; NaN carried; every value the
+forward writes looked at for NaN and inf."""
 import pytest
 import torch
 
@@ -30,8 +31,8 @@ def test_forward_backward_and_input_update_match_fp32(n, k, m, r):
     x, A, B, g, y0 = operands(n, k, m, r)
     Ab, Bb, xf, gf = A.to(BF16).float(), B.to(BF16).float(), x.float(), g.float()  # the masters as .to(bf16) rounds
     y = y0.clone()
-    a = K.forward_(y, x, A, B, 0.5)
-    assert a.dtype == BF16 and a.shape == (n, r)
+    a, finite = K.forward_(y, x, A, B, 0.5)
+    assert a.dtype == BF16 and a.shape == (n, r) and finite is True
     assert close(a, xf @ Ab.t(), 2**-8)
     assert close(y, y0.float() + 0.5 * a.float() @ Bb.t(), 2**-8)  # rounded once, from the rounded a
     grad_a, grad_A, grad_B = K.backward(g, x, a, B, 0.5)
@@ -46,7 +47,7 @@ def test_forward_backward_and_input_update_match_fp32(n, k, m, r):
 
 def test_only_what_is_asked_for():
     x, A, B, g, y0 = operands(64, 96, 80, 4)
-    a = K.forward_(y0.clone(), x, A, B, 1.0)
+    a, _ = K.forward_(y0.clone(), x, A, B, 1.0)
     grad_a, grad_A, grad_B = K.backward(g, x, a, B, 1.0)
     none_a, none_A, only_B = K.backward(g, x, a, B, 1.0, need_a=False, need_A=False)
     assert none_a is None and none_A is None and torch.equal(only_B, grad_B)
@@ -61,7 +62,7 @@ def test_the_same_bits_on_one_thread_or_two():
 
     def everything():
         y = y0.clone()
-        a = K.forward_(y, x, A, B, 2.0)
+        a, _ = K.forward_(y, x, A, B, 2.0)
         grads = K.backward(g, x, a, B, 2.0)
         grad_x = x.contiguous()
         K.input_update_(grad_x, grads[0], A)
@@ -82,7 +83,8 @@ def test_nan_is_carried_as_pytorch_writes_it():
     x, A, B, g, y0 = operands(4, 64, 32, 2)
     x[1, 5] = float("nan")
     y = y0.clone()
-    a = K.forward_(y, x, A, B, 1.0)
+    a, finite = K.forward_(y, x, A, B, 1.0)
+    assert not finite
     assert a[1].isnan().all() and y[1].isnan().all() and not a[[0, 2, 3]].isnan().any()
     assert (y[1].view(torch.int16) == 0x7FC0).all()  # PyTorch's NaN
 
@@ -100,7 +102,7 @@ def test_fits_refuses_what_the_c_does_not_take():
 def test_the_masters_gradients_without_grad_a_are_refused_in_c():
     """grad_A is summed from grad_a: the C refuses to be asked for one without the other (no NULL read)."""
     x, A, B, g, _ = operands(8, 64, 32, 2)
-    a = K.forward_(g.clone(), x, A, B, 1.0)
+    a, _ = K.forward_(g.clone(), x, A, B, 1.0)
     grad_A = torch.empty(2, 64)
     rc = K._backward(g.data_ptr(), g.stride(0), x.data_ptr(), x.stride(0), a.data_ptr(), B.data_ptr(), 8, 64, 32, 2,
                      1.0, None, grad_A.data_ptr(), None, 1, 1)
@@ -113,3 +115,34 @@ def test_no_rows_give_zero_gradients():
     x, A, B, g, _ = operands(0, 64, 32, 2)
     _, grad_A, grad_B = K.backward(g, x, torch.empty(0, 2, dtype=BF16), B, 1.0)
     assert grad_A.shape == (2, 64) and not grad_A.any() and grad_B.shape == (32, 2) and not grad_B.any()
+
+
+@pytest.mark.parametrize("n, k, m, r", [(33, 100, 70, 10), (5, 32, 64, 16), (130, 64, 17, 2)])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_forward_reports_any_non_finite_value_it_writes(n, k, m, r, bad):
+    """Whichever row and column (the 64-wide blocks, the 16-wide rest and its last ragged columns), on one thread
+    or two."""
+    x, A, B, _, y0 = operands(n, k, m, r)
+    threads = torch.get_num_threads()
+    try:
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            for row, col in [(0, 0), (n - 1, m - 1), (n // 2, m // 2), (n - 1, 63 % m), (0, (m - 1) // 16 * 16)]:
+                y = y0.clone()
+                y[row, col] = bad
+                assert K.forward_(y, x, A, B, 0.5)[1] is False, (t, row, col)
+                assert K.forward_(y0.clone(), x, A, B, 0.5)[1] is True
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_a_sum_beyond_bf16s_range_is_reported():
+    """Finite fp32 sums that round to inf in bf16 count as what is written: inf."""
+    x, A, B = torch.ones(4, 64, dtype=BF16), torch.full((2, 64), 0.01), torch.zeros(32, 2)
+    B[3] = 7.8e35  # a[n, j] = 0.64: y[:, 3] gets about 1.0e36 more
+    y = torch.zeros(4, 32, dtype=BF16)
+    y[2, 3] = torch.finfo(BF16).max  # 3.3895e38: + 1.0e36 is a finite fp32 sum past the midpoint to bf16's inf
+    a, finite = K.forward_(y, x, A, B, 1.0)
+    assert not finite and y[2, 3] == float("inf") and torch.isfinite(y[[0, 1, 3]]).all()
+    y[2, 3] = 3.0e38
+    assert K.forward_(y, x, A, B, 1.0)[1] is True and torch.isfinite(y).all()
