@@ -473,7 +473,10 @@ class NativeKernels:
         return packed, absmax
 
     def scales_within(self, scales: Tensor, limit: float) -> bool:
-        """Whether every value of a contiguous float32 CPU tensor has |value| <= limit (NaN has not)."""
+        """Whether every value of a contiguous float32 CPU tensor has |value| <= limit (NaN has not); limit a finite
+        float32 value."""
+        if not abs(limit) <= torch.finfo(torch.float32).max:
+            raise ValueError(f"limit must be a finite float32 value, got {limit}")
         if scales.dtype != torch.float32 or not scales.is_contiguous() or scales.device.type != "cpu":
             raise ValueError(f"scales must be a contiguous float32 CPU tensor, got {scales.dtype} on {scales.device}")
         return bool(self._scales_within(scales.data_ptr(), scales.numel(), limit))

@@ -83,7 +83,8 @@ def _nf4_surely_finite(absmax: Tensor, dtype: torch.dtype) -> bool:
     than dtype's largest value are enough. False means "look at the values" (it does not mean non-finite)."""
     kernels = native.kernels() if absmax.device.type == "cpu" and absmax.dtype == torch.float32 else None
     if kernels is not None and absmax.is_contiguous():  # one C call: no ops, no tensors made, no .item()
-        return kernels.scales_within(absmax, torch.finfo(dtype).max)
+        # (code x scale is an fp32 product before its cast: an fp64 weight is finite where the fp32 product is)
+        return kernels.scales_within(absmax, min(torch.finfo(dtype).max, torch.finfo(torch.float32).max))
     low, high = (float(v) for v in torch.aminmax(absmax))  # one pass, nothing allocated; NaN if any is NaN
     return math.isfinite(low) and math.isfinite(high) and max(-low, high) <= torch.finfo(dtype).max
 
@@ -104,7 +105,8 @@ class _Workspace(threading.local):
         key = (device, dtype)
         buf = self.buffers.get(key)
         if buf is None or buf.numel() < numel:
-            buf = self.buffers[key] = torch.empty(numel, dtype=dtype, device=device)
+            with torch.inference_mode(False):  # a normal tensor even when first needed under inference_mode, so
+                buf = self.buffers[key] = torch.empty(numel, dtype=dtype, device=device)  # it is written after it too
         return buf[:numel]
 
 

@@ -113,6 +113,11 @@ class LoRAUpdate(torch.autograd.Function):
         return g if need_y else None, grad_h, grad_A, grad_B, None
 
 
+def _keeps_finite(src: torch.dtype, dst: torch.dtype) -> bool:
+    """Whether a finite src value stays finite cast to dst (bf16 -> fp16 can overflow: 65,504 is fp16's largest)."""
+    return torch.finfo(dst).max >= torch.finfo(src).max
+
+
 class LoRALinear(nn.Module):
     """A base linear layer plus named low-rank adapters: base_layer(x) + Σ w·scaling·B(A(dropout(x)))."""
 
@@ -184,7 +189,8 @@ class LoRALinear(nn.Module):
             if name in self.lora_A and fused_fits(self, x2, name):
                 y, finite = lora_product(self, x2, name, self.scaling[name] * weight)  # (N, out): the lines below, fused
                 out = y.to(x.dtype).view(*x.shape[:-1], self.out_features)
-                self._seen_finite = (weakref.ref(out), out._version) if finite else None
+                if finite and _keeps_finite(y.dtype, out.dtype) and not out.is_inference():  # (no version counter)
+                    self._seen_finite = (weakref.ref(out), out._version)
                 return out
         y = self.base_layer(x2)  # (N, out)
         for name, weight in self.active_adapters.items():

@@ -1,7 +1,8 @@
 """One adapter on a frozen base as one autograd Function, for bf16 compute: y = x·Wᵀ + b + s·(x·Aᵀ)·Bᵀ.
 
     if fused_fits(lora, x2, name):                           # bf16 compute, one adapter, no dropout, a plain base
-        y = lora_product(lora, x2, name, scale)              # (N, out), what LoRALinear.forward computes
+        y, seen_finite = lora_product(lora, x2, name, scale) # (N, out), what LoRALinear.forward computes; whether
+                                                             # the C kernels saw every value of y finite
 
 ``LoRALinear.forward`` computes the same as two pieces that autograd joins: the base layer (for an NF4 base
 miniquant's ``DequantLinearFunction``) and ``LoRAUpdate``. Joined, the fp32 masters' casts to bf16 are two

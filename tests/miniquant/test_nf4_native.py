@@ -211,3 +211,9 @@ def test_scales_within_agrees_with_a_look_at_every_value():
     assert k.scales_within(edge * 1.001, torch.finfo(torch.float16).max) is False
     with pytest.raises(ValueError, match="contiguous float32"):
         k.scales_within(torch.ones(4, dtype=torch.float64), 1.0)
+    with pytest.raises(ValueError, match="finite float32"):
+        k.scales_within(edge, torch.finfo(torch.float64).max)  # inf as a C float: every finite scale within
+    from miniquant.quantize import _nf4_surely_finite
+    for dtype in (torch.float64, torch.float32, torch.bfloat16, torch.float16):
+        assert _nf4_surely_finite(torch.ones(64), dtype)
+        assert not _nf4_surely_finite(torch.tensor([1.0, float("inf")]), dtype)

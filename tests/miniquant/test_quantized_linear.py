@@ -173,6 +173,22 @@ def test_layer_built_and_run_under_inference_mode():
         assert torch.isfinite(q(torch.randn(2, 64))).all() and q.dequantize().shape == (48, 64)
 
 
+@pytest.mark.parametrize("size", [(48, 64), (512, 256)])  # the eager dequantization path and the native one
+def test_a_layer_first_run_under_inference_mode_then_trains(size):
+    """The shared dequantization workspace is made a normal tensor even under inference_mode, so a forward with grad
+    afterwards can write into it (an inference tensor refuses in-place writes outside inference_mode)."""
+    from miniquant.quantize import release_workspace
+
+    release_workspace()
+    q = QuantizedLinear.from_linear(make_linear(size[1], size[0]), "nf4_per_group_64")  # size (out, in)
+    x = torch.randn(3, size[1])
+    with torch.inference_mode():
+        ref = q(x)
+    x.requires_grad_()
+    q(x).sum().backward()
+    assert torch.equal(q(x).detach(), ref) and x.grad is not None
+
+
 def test_fp16_overflow_is_caught():
     lin = make_linear()
     with torch.no_grad():

@@ -260,6 +260,29 @@ def test_an_output_the_kernels_saw_finite_is_not_read_again_by_the_guard(monkeyp
     assert sums
 
 
+def test_the_guard_still_reads_an_output_cast_to_fp16_or_made_in_inference_mode():
+    """bf16 compute, fp16 in and out: a finite bf16 value above 65,504 is inf once cast, so the kernels' word does
+    not carry over; under inference_mode (tensors without a version counter) the layer runs and the guard reads."""
+    if native_lora.kernels() is None:
+        pytest.skip("no AVX512-BF16 here: minituner.native_lora is not built")
+    from minituner.qlora import add_finite_guards
+
+    model = layer_in_bf16("nf4")
+    add_finite_guards(model)
+    x = torch.randn(5, 64)
+    with torch.no_grad():
+        model[0].lora_B["default"].weight.fill_(1e5)
+    assert torch.isfinite(model(x.to(BF16))).all()  # finite in bf16
+    with pytest.raises(FloatingPointError, match="non-finite output"):
+        model(x.half())
+    with torch.inference_mode():
+        assert torch.isfinite(model(x.to(BF16))).all()
+        with torch.no_grad():
+            model[0].lora_B["default"].weight.fill_(float("inf"))
+        with pytest.raises(FloatingPointError, match="non-finite output"):
+            model(x.to(BF16))
+
+
 def test_a_model_that_ran_the_kernels_still_pickles():
     model = layer_in_bf16("nf4")
     model(torch.randn(5, 64).to(BF16))

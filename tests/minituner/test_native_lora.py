@@ -117,12 +117,15 @@ def test_no_rows_give_zero_gradients():
     assert grad_A.shape == (2, 64) and not grad_A.any() and grad_B.shape == (32, 2) and not grad_B.any()
 
 
-@pytest.mark.parametrize("n, k, m, r", [(33, 100, 70, 10), (5, 32, 64, 16), (130, 64, 17, 2)])
+@pytest.mark.parametrize("n, k, m, r", [(33, 100, 70, 10), (5, 32, 64, 16), (130, 64, 17, 2),
+                                        (2048, 128, 136, 8)])  # (the last large enough for two threads)
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
 def test_forward_reports_any_non_finite_value_it_writes(n, k, m, r, bad):
     """Whichever row and column (the 64-wide blocks, the 16-wide rest and its last ragged columns), on one thread
     or two."""
     x, A, B, _, y0 = operands(n, k, m, r)
+    if n * (k + m) >= 2 * native_lora.MIN_VALUES_PER_THREAD:
+        assert K._threads(n * (k + m))[1] == min(2, torch.get_num_threads(), native_lora.CPU_COUNT) or not K._split.openmp
     threads = torch.get_num_threads()
     try:
         for t in (1, 2):
