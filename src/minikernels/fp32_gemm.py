@@ -20,7 +20,7 @@ Which library: ``backend()``. On x86 CPUs of other vendors (AMD, Hygon) that hav
 PyTorch's own (``F.linear``: MKL on Intel, where it takes its AVX-512 kernels, and on AVX2-only CPUs).
 ``MINIKERNELS_FP32_GEMM=onednn`` or ``=aten`` forces one. Only fp32 on CPU takes oneDNN here; everything else
 (bf16, CUDA) is ``F.linear`` as before (``minituner.lora_product`` calls ``onednn_linear`` itself for a bf16 base
-product with a bias, which oneDNN adds inside its kernel).
+product with a bias, which oneDNN adds inside its kernel, where oneDNN takes bf16: ``onednn_bf16_available``).
 
 Gradients, each one product: for x, grad_y·W through oneDNN (W read transposed, as a view); for a trainable W
 (full fine-tuning), grad_yᵀ·x by ``torch.mm``, which reads the transposed grad_y as it is: oneDNN would first
@@ -78,6 +78,15 @@ def choose_backend(vendor: str, forced: str | None, onednn_available: bool, avx5
 def onednn_available() -> bool:
     """Whether this PyTorch has oneDNN and its linear (``onednn_linear``)."""
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+@lru_cache(maxsize=None)
+def onednn_bf16_available() -> bool:
+    """Whether oneDNN's linear takes bf16 on this CPU: it needs AVX-512 (or AMX) for bf16, and elsewhere
+    (an AVX2-only CPU) fails to create its kernel ("could not create a primitive descriptor"), where F.linear
+    runs bf16 through PyTorch's own code."""
+    is_supported = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return onednn_available() and is_supported is not None and bool(is_supported())
 
 
 @lru_cache(maxsize=None)

@@ -56,7 +56,7 @@ def _frozen_tensors(base: nn.Module) -> tuple[Tensor, ...]:
 def base_product(x: Tensor, w: Tensor, bias: Tensor | None) -> Tensor:
     """x·wᵀ + bias. bf16 on CPU through oneDNN's linear, which adds the bias inside its kernel: F.linear's addmm
     first copies the bias into every row of the output, one more pass over (N, out). The same bits (tested)."""
-    if x.dtype == torch.bfloat16 and x.device.type == "cpu" and bias is not None and fp32_gemm.onednn_available():
+    if x.dtype == torch.bfloat16 and x.device.type == "cpu" and bias is not None and fp32_gemm.onednn_bf16_available():
         return fp32_gemm.onednn_linear(x, w, bias)
     return F.linear(x, w, bias)
 

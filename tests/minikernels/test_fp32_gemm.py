@@ -158,3 +158,18 @@ def test_a_weight_gradient_copies_nothing(backend, monkeypatch):
     linear(x, w).sum().backward()
     assert calls == ([(6, 8)] if backend == "onednn" else [])  # the forward only
     _close(w.grad, torch.ones(6, 16).t() @ x, 10)
+
+
+def test_onednn_takes_bf16_only_where_it_says_so(monkeypatch):
+    """oneDNN's linear needs AVX-512 or AMX for bf16 (on an AVX2-only CPU it fails to create its kernel): where
+    onednn_bf16_available says yes, a bf16 product with a bias runs and gives F.linear's bits; PyTorch's own
+    answer, mocked to no, makes it no."""
+    if fp32_gemm.onednn_bf16_available():
+        x, w, b = (torch.randn(*s).bfloat16() for s in ((5, 24), (16, 24), (16,)))
+        assert torch.equal(fp32_gemm.onednn_linear(x, w, b), F.linear(x, w, b))
+    fp32_gemm.onednn_bf16_available.cache_clear()
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False, raising=False)
+    try:
+        assert not fp32_gemm.onednn_bf16_available()
+    finally:
+        fp32_gemm.onednn_bf16_available.cache_clear()

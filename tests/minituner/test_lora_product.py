@@ -288,3 +288,13 @@ def test_a_model_that_ran_the_kernels_still_pickles():
     model(torch.randn(5, 64).to(BF16))
     import io
     torch.save(model, io.BytesIO())
+
+
+def test_a_bf16_base_product_with_a_bias_runs_where_onednn_has_no_bf16(monkeypatch):
+    """On a CPU whose oneDNN takes no bf16 (AVX2 only) the base product with a bias is F.linear's, the same bits."""
+    from minikernels import fp32_gemm
+
+    x, w, b = (torch.randn(*s).to(BF16) for s in ((7, 64), (48, 64), (48,)))
+    monkeypatch.setattr(fp32_gemm, "onednn_bf16_available", lambda: False)
+    monkeypatch.setattr(fp32_gemm, "onednn_linear", lambda *a: pytest.fail("oneDNN called for bf16"))
+    assert torch.equal(lora_product.base_product(x, w, b), torch.nn.functional.linear(x, w, b))
