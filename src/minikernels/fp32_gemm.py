@@ -28,8 +28,14 @@ copy grad_yᵀ (tokens·out·4 bytes that ``minituner.planner`` does not count; 
 step of the bench's GPT-shaped stack took 0.57× F.linear's time, without it 0.70×, measured side by side); for
 a trainable bias, the sum of grad_y over the tokens. Autograd keeps what it keeps for F.linear: x when W
 trains, W when x needs a gradient. Like the frozen path before it, the Function is differentiable once (no
-``create_graph`` through it; ``MINIKERNELS_FP32_GEMM=aten`` gives F.linear back); under CPU autocast, and for an
-empty batch, ``F.linear`` runs.
+``create_graph`` through it); under CPU autocast, and for an empty batch, ``F.linear`` runs.
+
+A trainable fp32 weight takes this Function on either library (the forward and x's gradient then F.linear's
+products where ``backend()`` is aten), for its weight gradient: F.linear's autograd hands W's gradient on as
+the transpose of a (in, out) product, a view, and where one weight gets two gradients (an embedding tied to
+the head) autograd cannot add the second into a view in place and makes a third (vocab × d_model × 4 bytes,
+98 MiB at 50,000 × 512, which ``minituner.planner`` does not count); grad_yᵀ·x is a fresh tensor, added into
+in place.
 """
 from __future__ import annotations
 
@@ -100,10 +106,14 @@ def backend() -> str:
                           cpu_has_avx512(cpuinfo))
 
 
-def _takes_onednn(x: Tensor, weight: Tensor) -> bool:
+def _fp32_on_cpu(x: Tensor, weight: Tensor) -> bool:
     return (x.dtype == weight.dtype == torch.float32 and x.device.type == weight.device.type == "cpu"
-            and x.layout == weight.layout == torch.strided and x.numel() > 0 and backend() == "onednn"
+            and x.layout == weight.layout == torch.strided and x.numel() > 0
             and not torch.is_autocast_enabled("cpu"))  # autocast would run F.linear in bf16: leave it that
+
+
+def _takes_onednn(x: Tensor, weight: Tensor) -> bool:
+    return _fp32_on_cpu(x, weight) and backend() == "onednn"
 
 
 def onednn_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
@@ -114,14 +124,14 @@ def onednn_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
 
 
 class _Linear(torch.autograd.Function):
-    """y = x·Wᵀ + b through oneDNN, and through it each gradient autograd asks for (see the module docstring)."""
+    """y = x·Wᵀ + b and each gradient autograd asks for, through backend()'s library (see the module docstring)."""
 
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         x_needs, w_needs = x.requires_grad, weight.requires_grad
         # what autograd keeps for F.linear: x for the weight's gradient, W for x's (references: no new memory)
         ctx.save_for_backward(x if w_needs else None, weight if x_needs else None)
-        return onednn_linear(x, weight, bias)  # (..., out)
+        return product(x, weight, bias)  # (..., out)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -159,10 +169,13 @@ def product(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """F.linear, with fp32 CPU products (and their gradients) through oneDNN where backend() chose it."""
-    if not _takes_onednn(x, weight):
+    """F.linear, with fp32 CPU products (and their gradients) through oneDNN where backend() chose it, and a
+    trainable fp32 weight's gradient made fresh on either library (see the module docstring)."""
+    if not _fp32_on_cpu(x, weight):
         return F.linear(x, weight, bias)
     tensors = (x, weight) if bias is None else (x, weight, bias)
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        return _Linear.apply(x, weight, bias)
-    return onednn_linear(x, weight, bias)
+        if weight.requires_grad or backend() == "onednn":
+            return _Linear.apply(x, weight, bias)
+        return F.linear(x, weight, bias)
+    return product(x, weight, bias)

@@ -173,3 +173,16 @@ def test_onednn_takes_bf16_only_where_it_says_so(monkeypatch):
         assert not fp32_gemm.onednn_bf16_available()
     finally:
         fp32_gemm.onednn_bf16_available.cache_clear()
+
+
+def test_a_trainable_weight_gets_a_fresh_gradient_on_either_library(backend):
+    """F.linear hands W's gradient on as a view (the transpose of a product), and a tied weight's second gradient
+    then cannot be added into it in place (autograd makes a third vocab x d_model tensor); ours is a fresh one."""
+    w = torch.randn(40, 8, requires_grad=True)
+    x = torch.randn(2, 3, 8)
+    views = []
+    w.register_hook(lambda g: views.append(g._base is not None))
+    F.linear(x, w).sum().backward()
+    assert views == [True]  # F.linear's: the case the Function is for
+    linear(x, w).sum().backward()
+    assert views == [True, False]
