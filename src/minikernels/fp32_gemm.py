@@ -22,7 +22,8 @@ PyTorch's own (``F.linear``: MKL on Intel, where it takes its AVX-512 kernels, a
 (bf16, CUDA) is ``F.linear`` as before (``minituner.lora_product`` calls ``onednn_linear`` itself for a bf16 base
 product with a bias, which oneDNN adds inside its kernel, where oneDNN takes bf16: ``onednn_bf16_available``).
 
-Gradients, each one product: for x, grad_y·W through oneDNN (W read transposed, as a view); for a trainable W
+Gradients, each one product: for x, grad_y·W through backend()'s library (oneDNN reads W transposed, as a view);
+for a trainable W
 (full fine-tuning), grad_yᵀ·x by ``torch.mm``, which reads the transposed grad_y as it is: oneDNN would first
 copy grad_yᵀ (tokens·out·4 bytes that ``minituner.planner`` does not count; with that copy a full fine-tuning
 step of the bench's GPT-shaped stack took 0.57× F.linear's time, without it 0.70×, measured side by side); for
@@ -35,7 +36,8 @@ products where ``backend()`` is aten), for its weight gradient: F.linear's autog
 the transpose of a (in, out) product, a view, and where one weight gets two gradients (an embedding tied to
 the head) autograd cannot add the second into a view in place and makes a third (vocab × d_model × 4 bytes,
 98 MiB at 50,000 × 512, which ``minituner.planner`` does not count); grad_yᵀ·x is a fresh tensor, added into
-in place.
+in place. So a full fine-tune's Linears are differentiable once on every CPU (nothing here differentiates twice;
+a caller that needs ``create_graph`` through them calls ``F.linear``).
 """
 from __future__ import annotations
 

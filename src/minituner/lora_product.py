@@ -8,7 +8,8 @@
 miniquant's ``DequantLinearFunction``) and ``LoRAUpdate``. Joined, the fp32 masters' casts to bf16 are two
 graph nodes of their own, and the input's gradient arrives in two halves (the base's g·W and the adapter's
 s·(g·B)·A) that autograd adds in one more pass over the (N, in) tensor. Here one Function holds the whole
-product: forward as before (the base product, its bias added by oneDNN inside the GEMM on CPU, then the adapter
+product: forward as before (the base product, its bias added by oneDNN inside the GEMM on a CPU whose oneDNN
+takes bf16, then the adapter
 added into its output in place), backward
 with the adapter's share added into g·W by the same GEMM (``addmm_``: its (N, r)·(r, in) product is summed
 in fp32 and rounded once, where the two pieces rounded it to bf16 first and then rounded the sum).
@@ -55,7 +56,8 @@ def _frozen_tensors(base: nn.Module) -> tuple[Tensor, ...]:
 
 def base_product(x: Tensor, w: Tensor, bias: Tensor | None) -> Tensor:
     """x·wᵀ + bias. bf16 on CPU through oneDNN's linear, which adds the bias inside its kernel: F.linear's addmm
-    first copies the bias into every row of the output, one more pass over (N, out). The same bits (tested)."""
+    first copies the bias into every row of the output, one more pass over (N, out). The same bits (tested).
+    Where oneDNN takes no bf16 (an AVX2-only CPU: ``fp32_gemm.onednn_bf16_available``), F.linear."""
     if x.dtype == torch.bfloat16 and x.device.type == "cpu" and bias is not None and fp32_gemm.onednn_bf16_available():
         return fp32_gemm.onednn_linear(x, w, bias)
     return F.linear(x, w, bias)

@@ -38,7 +38,8 @@ the dtype RoPE is applied in; the residual stream stays fp32):
 In fp32 (``use_fp32_products``, what ``build_for_training`` does for every method in fp32), an fp32
 ``nn.Linear`` other than a LoRA factor (the frozen base of LoRA and QLoRA, every Linear of a full fine-tune)
 becomes an ``Fp32Linear``: the same Parameters, its products and their gradients through
-``minikernels.fp32_gemm`` (oneDNN on CPUs where PyTorch's MKL takes slow kernels; ``F.linear`` elsewhere).
+``minikernels.fp32_gemm`` (oneDNN on CPUs where PyTorch's MKL takes slow kernels; ``F.linear``'s products
+elsewhere, with a trainable weight's gradient made fresh by fp32_gemm's Function on either library).
 
 A 16-bit checkpoint computing in fp32 keeps its weights as read: ``minituner.upcast``.
 
@@ -81,7 +82,7 @@ class Bf16Linear(nn.Linear):
 
 class Fp32Linear(nn.Linear):
     """An fp32 Linear, frozen or trainable, whose products take minikernels.fp32_gemm (oneDNN on CPUs where MKL
-    is slow; F.linear elsewhere)."""
+    is slow; F.linear's elsewhere, a trainable weight's gradient through fp32_gemm's Function)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return fp32_gemm.linear(x, self.weight, self.bias)  # (..., out); F.linear off fp32 CPU
@@ -250,7 +251,8 @@ def use_fp32_products(model: nn.Module) -> nn.Module:
     for, through minikernels.fp32_gemm); in place.
 
     The weights are not touched or copied, only the module's class: on a CPU where oneDNN is not chosen, and
-    off CPU, an Fp32Linear computes exactly as nn.Linear. Returns the model. Idempotent.
+    off CPU, an Fp32Linear computes the products nn.Linear does (on CPU a trainable weight's gradient made fresh,
+    not F.linear's view, and differentiable once: see minikernels.fp32_gemm). Returns the model. Idempotent.
     """
     lora_factors = lora_factor_modules(model)  # thin products: left to F.linear
     swap_modules(model, [(path, _fp32_linear(m)) for path, m in model.named_modules()

@@ -65,9 +65,11 @@ The phases:
 - backward, embeddings (full FT): W + O + G, + V·C·4 when tied. G counts the embedding's .grad as made; an
   untied embedding's dense gradient becomes that .grad. A tied weight's two gradients (the head's, which
   waits in autograd's buffer, and the lookup's) are both alive before they are summed into it: one V·C·4
-  more than G. Under gradient accumulation each new gradient is added into a .grad that already exists: one
-  V·C·4 more (``accumulating``). Measured (memory-check, vocab 50,000, d_model 512, 1 × 64 tokens): tied
-  537.1 MiB against W + O + G + V·C·4 = 537.0; untied, the embeddings' phase stays below the forward's.
+  more than G (the head's a fresh tensor, as ``minikernels.fp32_gemm`` makes it on CPU: F.linear's is a view,
+  into which autograd cannot add the lookup's in place, one V·C·4 more again). Under gradient accumulation
+  each new gradient is added into a .grad that already exists: one V·C·4 more (``accumulating``). Measured
+  (memory-check, vocab 50,000, d_model 512, 1 × 64 tokens): tied 537.1 MiB against W + O + G + V·C·4 = 537.0;
+  untied, the embeddings' phase stays below the forward's.
 - optimizer step: W + G + O (minigpt.train's AdamW is PyTorch's fused kernel on CPU and CUDA, which updates
   every tensor in place and allocates nothing; gradient clipping adds nothing). Torch's default off CUDA,
   the single-tensor loop, would add two temporaries of the largest trainable tensor's size.
