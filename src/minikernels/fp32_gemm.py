@@ -23,11 +23,10 @@ PyTorch's own (``F.linear``: MKL on Intel, where it takes its AVX-512 kernels, a
 product with a bias, which oneDNN adds inside its kernel, where oneDNN takes bf16: ``onednn_bf16_available``).
 
 Gradients, each one product: for x, grad_y·W through backend()'s library (oneDNN reads W transposed, as a view);
-for a trainable W
-(full fine-tuning), grad_yᵀ·x by ``torch.mm``, which reads the transposed grad_y as it is: oneDNN would first
-copy grad_yᵀ (tokens·out·4 bytes that ``minituner.planner`` does not count; with that copy a full fine-tuning
-step of the bench's GPT-shaped stack took 0.57× F.linear's time, without it 0.70×, measured side by side); for
-a trainable bias, the sum of grad_y over the tokens. Autograd keeps what it keeps for F.linear: x when W
+for a trainable W (full fine-tuning), grad_yᵀ·x by ``torch.mm``, which reads the transposed grad_y as it is: oneDNN
+would first copy grad_yᵀ (tokens·out·4 bytes that ``minituner.planner`` does not count; with that copy a full
+fine-tuning step of the bench's GPT-shaped stack took 0.57× F.linear's time, without it 0.70×, measured side by
+side); for a trainable bias, the sum of grad_y over the tokens. Autograd keeps what it keeps for F.linear: x when W
 trains, W when x needs a gradient. Like the frozen path before it, the Function is differentiable once (no
 ``create_graph`` through it); under CPU autocast, and for an empty batch, ``F.linear`` runs.
 

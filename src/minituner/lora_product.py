@@ -5,14 +5,13 @@
                                                              # the C kernels saw every value of y finite
 
 ``LoRALinear.forward`` computes the same as two pieces that autograd joins: the base layer (for an NF4 base
-miniquant's ``DequantLinearFunction``) and ``LoRAUpdate``. Joined, the fp32 masters' casts to bf16 are two
-graph nodes of their own, and the input's gradient arrives in two halves (the base's g·W and the adapter's
-s·(g·B)·A) that autograd adds in one more pass over the (N, in) tensor. Here one Function holds the whole
-product: forward as before (the base product, its bias added by oneDNN inside the GEMM on a CPU whose oneDNN
-takes bf16, then the adapter
-added into its output in place), backward
-with the adapter's share added into g·W by the same GEMM (``addmm_``: its (N, r)·(r, in) product is summed
-in fp32 and rounded once, where the two pieces rounded it to bf16 first and then rounded the sum).
+miniquant's ``DequantLinearFunction``) and ``LoRAUpdate``. Joined, the fp32 masters' casts to bf16 are two graph
+nodes of their own, and the input's gradient arrives in two halves (the base's g·W and the adapter's s·(g·B)·A)
+that autograd adds in one more pass over the (N, in) tensor. Here one Function holds the whole product: forward as
+before (the base product, its bias added by oneDNN inside the GEMM on a CPU whose oneDNN takes bf16, then the
+adapter added into its output in place), backward with the adapter's share added into g·W by the same GEMM
+(``addmm_``: its (N, r)·(r, in) product is summed in fp32 and rounded once, where the two pieces rounded it to bf16
+first and then rounded the sum).
 On the bench's GPT-shaped bf16 QLoRA step (benchmarks/bench_bf16.py, 48 such products; AMD EPYC, 2 cores) a
 step took 229.9 ms against 235.8 (medians of 25 steps, the two models alternating in one process, 2026-12-03).
 
