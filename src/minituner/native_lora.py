@@ -48,7 +48,25 @@ MIN_VALUES_PER_THREAD = 1 << 17  # a smaller wide operand stays on the calling t
 CHUNK_VALUES = 1 << 18  # threads take rows (columns) in chunks of about this many values
 MAX_RANK = 1024  # the C's MAX_RANK: larger ranks run as PyTorch ops
 
-_SOURCE = OPENMP_PRELUDE + BF16_EXP_C + r"""
+RANGES_C = r"""
+/* CALL for the `chunks` ranges [u0, u1) of [0, n) on `threads` of OpenMP's team (dynamic: a thread that waits for a
+   core leaves its share to the others), or for [0, n) on this thread (threads 1: also a forked child's, where
+   libgomp must not be entered) */
+#define LORA_RANGES(n, u0, u1, CALL) do { \
+    if (threads > 1) { \
+        _Pragma("omp parallel for schedule(dynamic, 1) num_threads(threads)") \
+        for (int64_t c_ = 0; c_ < chunks; c_++) { \
+            const int64_t u0 = (n) * c_ / chunks, u1 = (n) * (c_ + 1) / chunks; \
+            CALL; \
+        } \
+    } else { \
+        const int64_t u0 = 0, u1 = (n); \
+        CALL; \
+    } \
+} while (0)
+"""  # (also minituner.native_lora_fp32's)
+
+_SOURCE = OPENMP_PRELUDE + RANGES_C + BF16_EXP_C + r"""
 #include <stdlib.h>
 #include <string.h>
 #define MAX_RANK 1024  /* ranks above this run as PyTorch ops (fits; MAX_RANK there) */
@@ -258,21 +276,6 @@ static void transpose_round(const float* B, int64_t M, int64_t r, uint16_t* Bt) 
 }
 #endif
 
-/* CALL for the `chunks` ranges [u0, u1) of [0, n) on `threads` of OpenMP's team (dynamic: a thread that waits for a
-   core leaves its share to the others), or for [0, n) on this thread (threads 1: also a forked child's, where
-   libgomp must not be entered) */
-#define LORA_RANGES(n, u0, u1, CALL) do { \
-    if (threads > 1) { \
-        _Pragma("omp parallel for schedule(dynamic, 1) num_threads(threads)") \
-        for (int64_t c_ = 0; c_ < chunks; c_++) { \
-            const int64_t u0 = (n) * c_ / chunks, u1 = (n) * (c_ + 1) / chunks; \
-            CALL; \
-        } \
-    } else { \
-        const int64_t u0 = 0, u1 = (n); \
-        CALL; \
-    } \
-} while (0)
 #define LORA_ROW_BLOCK 16  /* rows_dot then rows_update on 16 rows at a time: a and y's rows still in L1 */
 
 /* forward: a = bf16(x·Aᵀ) (N, r), then y += scale·a·Bᵀ in place, rounded once; A (r, K), B (M, r) fp32 masters.
@@ -351,10 +354,12 @@ int lora_input_update(uint16_t* grad_x, int64_t ldx, const uint16_t* grad_a, con
 class NativeLoRA:
     """The compiled kernels; each call one pass of C, on PyTorch's OpenMP team where the library has OpenMP.
 
-    The arguments are as ``fits`` admits them: x, y, g and grad_x bf16 (N, ·) with contiguous rows, A (r, in) and B
-    (out, r) contiguous fp32 masters, r even and at most MAX_RANK."""
+    The arguments are as ``fits`` admits them: x, y, g and grad_x (N, ·) in the kernels' dtype (bf16 here, fp32 for
+    ``minituner.native_lora_fp32``, whose library has the same three entry points) with contiguous rows, A (r, in)
+    and B (out, r) contiguous fp32 masters, r at most MAX_RANK (even, for these)."""
 
-    def __init__(self, lib: ctypes.CDLL) -> None:
+    def __init__(self, lib: ctypes.CDLL, dtype: torch.dtype = torch.bfloat16) -> None:
+        self.dtype = dtype  # of x, y, g, grad_x and of what the kernels hand back for a and grad_a
         i64, ptr, f32, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
         self._forward, self._backward, self._input_update = lib.lora_forward, lib.lora_backward, lib.lora_input_update
         self._forward.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, i64, f32, ptr, ptr, i64, ptr, i64, i32]
@@ -375,16 +380,16 @@ class NativeLoRA:
     @staticmethod
     def _check(rc: int) -> None:
         if rc == 1:
-            raise MemoryError("minituner.native_lora: out of memory for a kernel's bf16 copy of the adapter")
+            raise MemoryError("minituner.native_lora: out of memory for a kernel's copy of the adapter")
         if rc:
             raise ValueError("minituner.native_lora: the masters' gradients need grad_a")
 
     def forward_(self, y: Tensor, x: Tensor, A: Tensor, B: Tensor, scale: float) -> tuple[Tensor, bool]:
-        """(a, finite): a = bf16(x·Aᵀ) (N, r); y (N, out) += scale·a·Bᵀ in place, rounded once; finite: whether every
-        value written into y is finite (each checked as it is stored, while in L1). A and B are rounded to bf16 as
-        .to(torch.bfloat16) rounds them."""
+        """(a, finite): a = x·Aᵀ (N, r; bf16: rounded); y (N, out) += scale·a·Bᵀ in place, rounded once; finite:
+        whether every value written into y is finite (each checked as it is stored, while in L1). bf16: A and B are
+        rounded to bf16 as .to(torch.bfloat16) rounds them."""
         (n, k), (m, r) = x.shape, B.shape
-        a = torch.empty(n, r, dtype=torch.bfloat16)
+        a = torch.empty(n, r, dtype=self.dtype)
         nonfinite = ctypes.c_int(0)
         self._check(self._forward(x.data_ptr(), x.stride(0), A.data_ptr(), B.data_ptr(), n, k, m, r, scale,
                                   a.data_ptr(), y.data_ptr(), y.stride(0), ctypes.byref(nonfinite),
@@ -393,12 +398,12 @@ class NativeLoRA:
 
     def backward(self, g: Tensor, x: Tensor, a: Tensor, B: Tensor, scale: float, need_a: bool = True,
                  need_A: bool = True, need_B: bool = True) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
-        """(grad_a, grad_A, grad_B) from g (N, out), x (N, in), a = x·Aᵀ (N, r) and B: grad_a = bf16(scale·g·B)
-        (N, r; made when grad_A is asked for too), grad_A = grad_aᵀ·x (r, in) and grad_B = scale·gᵀ·a (out, r),
+        """(grad_a, grad_A, grad_B) from g (N, out), x (N, in), a = x·Aᵀ (N, r) and B: grad_a = scale·g·B (N, r, in
+        x's dtype; made when grad_A is asked for too), grad_A = grad_aᵀ·x (r, in) and grad_B = scale·gᵀ·a (out, r),
         both fp32; None for what is not asked for."""
         (n, k), (m, r) = x.shape, B.shape
         g, a = g.contiguous(), a.contiguous()
-        grad_a = torch.empty(n, r, dtype=torch.bfloat16) if need_a or need_A else None
+        grad_a = torch.empty(n, r, dtype=self.dtype) if need_a or need_A else None
         grad_A = torch.empty(r, k, dtype=torch.float32) if need_A else None
         grad_B = torch.empty(m, r, dtype=torch.float32) if need_B else None
         if n == 0:  # no rows: nothing summed (an empty tensor's pointer may be NULL, which the C reads as absent)
@@ -410,7 +415,7 @@ class NativeLoRA:
         return grad_a, grad_A, grad_B
 
     def input_update_(self, grad_x: Tensor, grad_a: Tensor, A: Tensor) -> Tensor:
-        """grad_x (N, in) += grad_a·A in place, rounded once to bf16; grad_a (N, r) bf16."""
+        """grad_x (N, in) += grad_a·A in place, rounded once (to bf16, for bf16); grad_a (N, r) in grad_x's dtype."""
         (n, k), r = grad_x.shape, A.shape[0]
         grad_a = grad_a.contiguous()
         self._check(self._input_update(grad_x.data_ptr(), grad_x.stride(0), grad_a.data_ptr(), A.data_ptr(), n, k, r,
