@@ -31,6 +31,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from minigpt.model import GPTConfig, MiniGPT  # noqa: E402
 from minigpt.train import lm_loss  # noqa: E402
+from minituner import native_lora_fp32  # noqa: E402
 from paced import run_paced, serve  # noqa: E402
 from report import Goal, Section  # noqa: E402
 from timing import (MIB, OPTIMIZER_NOTE, adamw, current_rss_mib, fmt_ratio, fmt_seconds,  # noqa: E402
@@ -147,6 +148,8 @@ def _dequantize_all_seconds(model: nn.Module, config: str) -> float | None:
 
 
 # addmm_ (LoRA's thin update) not counted; mkldnn::_linear_pointwise is minikernels.fp32_gemm's oneDNN product
+THIN_IN_C = (" (BLAS's: our adapters' thin products, r wide, run as C here, minituner.native_lora_fp32, and count "
+             "outside them)")
 GEMM_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "mkldnn::_linear_pointwise")
 
 
@@ -285,7 +288,7 @@ def run(quick: bool = False) -> Section:
     section.goals.append(Goal(
         "QLoRA step: ours / PEFT + bitsandbytes", med["qlora"] / med["peft_bnb_qlora"], QLORA_VS_PEFT_BNB_GOAL, False,
         f"both run float32 products of the same shapes on dequantized weights, {fp32_product_libraries()}. Matrix "
-        f"products take {share['qlora']:.0%} of "
+        f"products{THIN_IN_C if native_lora_fp32.kernels() is not None else ''} take {share['qlora']:.0%} of "
         f"our step and {share['peft_bnb_qlora']:.0%} of theirs (one profiled step each). The goal allows "
         f"{fmt_seconds(budget)} for everything else in ours; it spends {fmt_seconds(rest['qlora'])} (PEFT + "
         f"bitsandbytes: {fmt_seconds(rest['peft_bnb_qlora'])}), much of it the model's own attention, norms, GELU, "

@@ -184,7 +184,7 @@ class LoRALinear(nn.Module):
         x2 = x.reshape(-1, self.in_features)  # (N, in): 2-D, so the base output is a plain (N, out) tensor
         if cd is not None:
             x2 = x2.to(cd)  # one cast, shared by the base and every adapter; the base computes in its input's dtype
-        if len(self.active_adapters) == 1:  # under bf16 compute, base and adapter as one Function (lora_product)
+        if len(self.active_adapters) == 1:  # base and adapter as one Function (lora_product: bf16, or fp32 with C)
             (name, weight), = self.active_adapters.items()
             if name in self.lora_A and fused_fits(self, x2, name):
                 y, finite = lora_product(self, x2, name, self.scaling[name] * weight)  # (N, out): the lines below, fused

@@ -1,6 +1,7 @@
-"""One adapter on a frozen base as one autograd Function, for bf16 compute: y = x·Wᵀ + b + s·(x·Aᵀ)·Bᵀ.
+"""One adapter on a frozen base as one autograd Function: y = x·Wᵀ + b + s·(x·Aᵀ)·Bᵀ, for bf16 compute, and for fp32
+where the adapter's thin products run as C (``minituner.native_lora_fp32``).
 
-    if fused_fits(lora, x2, name):                           # bf16 compute, one adapter, no dropout, a plain base
+    if fused_fits(lora, x2, name):                           # one adapter, no dropout, a frozen plain or NF4 base
         y, seen_finite = lora_product(lora, x2, name, scale) # (N, out), what LoRALinear.forward computes; whether
                                                              # the C kernels saw every value of y finite
 
@@ -22,11 +23,15 @@ reading the masters itself. Through PyTorch the same work is six thin products, 
 copy a layer, each a separate op; the bench's step above took 275.6 ms against 307.4 through PyTorch (medians of
 24 steps, the two models alternating in one process, 2026-12-03).
 
+In fp32 the Function is taken only where ``minituner.native_lora_fp32`` runs (a CPU with AVX2 and FMA, or AVX-512):
+the same three C calls a layer, the base's products through the library ``minikernels.fp32_gemm`` chose, as the
+base's own Function runs them; elsewhere (CUDA, other CPUs) fp32 keeps the two pieces.
+
 It saves what the two pieces save together: x (which LoRAUpdate kept), the bf16 copies of A and B (with the C
 kernels the fp32 masters themselves, no copies), a = x·Aᵀ (N, r) and the base's own frozen tensors (an NF4
-base's codes and scales, dequantized again in backward into miniquant's shared workspace; a bf16 Linear's
-weight), so ``minituner.planner`` counts it as it is (the copies' r·(in + out) values a layer, none where the C
-kernels run). The base layer's own module is not called: the fused path is taken only where it has no hooks
+base's codes and scales, dequantized again in backward into miniquant's shared workspace; a frozen Linear's
+weight), so ``minituner.planner`` counts it as it is (the bf16 copies' r·(in + out) values a layer, none where the
+C kernels run; in fp32 the masters are what the two pieces save too). The base layer's own module is not called: the fused path is taken only where it has no hooks
 of its own.
 """
 from __future__ import annotations
@@ -37,7 +42,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from minikernels import fp32_gemm
-from minituner import native_lora
+from minituner import native_lora, native_lora_fp32
 
 
 def _frozen_weight(base: nn.Module, tensors: tuple[Tensor, ...], dtype: torch.dtype) -> Tensor:
@@ -56,27 +61,53 @@ def _frozen_tensors(base: nn.Module) -> tuple[Tensor, ...]:
 def base_product(x: Tensor, w: Tensor, bias: Tensor | None) -> Tensor:
     """x·wᵀ + bias. bf16 on CPU through oneDNN's linear, which adds the bias inside its kernel: F.linear's addmm
     first copies the bias into every row of the output, one more pass over (N, out). The same bits (tested).
-    Where oneDNN takes no bf16 (an AVX2-only CPU: ``fp32_gemm.onednn_bf16_available``), F.linear."""
+    Where oneDNN takes no bf16 (an AVX2-only CPU: ``fp32_gemm.onednn_bf16_available``), F.linear. fp32 through
+    the library ``fp32_gemm`` chose for this CPU, as a frozen base's own product (``DequantLinearFunction``)."""
     if x.dtype == torch.bfloat16 and x.device.type == "cpu" and bias is not None and fp32_gemm.onednn_bf16_available():
         return fp32_gemm.onednn_linear(x, w, bias)
-    return F.linear(x, w, bias)
+    return fp32_gemm.product(x, w, bias)
+
+
+def native_kernels(x: Tensor, A: Tensor, B: Tensor) -> native_lora.NativeLoRA | None:
+    """The C kernels that run the adapter's thin products on x: bf16 (``native_lora``) or fp32
+    (``native_lora_fp32``); None: PyTorch's ops."""
+    if native_lora.fits(x, A, B):
+        return native_lora.kernels()
+    return native_lora_fp32.kernels() if native_lora_fp32.fits(x, A, B) else None
+
+
+def _fp32_fits(lora: nn.Module, x2: Tensor, name: str) -> bool:
+    """fp32 compute where ``native_lora_fp32`` runs: a frozen fp32 Linear base, or a quantized one computing in
+    fp32. (Elsewhere fp32 takes LoRALinear's two pieces: the fused Function gains only from the C kernels.)"""
+    base = lora.base_layer
+    if x2.dtype != torch.float32 or not native_lora_fp32.fits(x2, lora.lora_A[name].weight, lora.lora_B[name].weight):
+        return False
+    if isinstance(base, nn.Linear):
+        return base.weight.dtype == torch.float32
+    return getattr(base, "compute_dtype", None) in (None, torch.float32) and hasattr(base, "quantized_tensors")
 
 
 def fused_fits(lora: nn.Module, x2: Tensor, name: str) -> bool:
-    """Whether lora_product computes this call: a low-precision compute dtype that x2 (N, in) already has, `name`
-    its one active adapter without dropout in play, and a base that is a frozen Linear stored in that dtype or a
-    quantized linear computing in it (``quantized_tensors``, ``dequantize_from``), with no hooks of its own."""
+    """Whether lora_product computes this call: `name` the one active adapter without dropout in play, a base with
+    no hooks of its own, and either a low-precision compute dtype that x2 (N, in) already has with a base that is
+    a frozen Linear stored in that dtype or a quantized linear computing in it (``quantized_tensors``,
+    ``dequantize_from``), or fp32 where the fp32 C kernels run (``_fp32_fits``)."""
     cd, base = lora.compute_dtype, lora.base_layer
-    if cd is None or x2.dtype != cd or x2.dim() != 2 or len(lora.active_adapters) != 1:
+    if x2.dim() != 2 or len(lora.active_adapters) != 1:
         return False
     dropout = lora.lora_dropout[name]
     if not isinstance(dropout, nn.Identity) and dropout.training:
         return False
     if base._forward_hooks or base._forward_pre_hooks:
         return False
+    if isinstance(base, nn.Linear) and (base.weight.requires_grad or (base.bias is not None and base.bias.requires_grad)):
+        return False
+    if cd is None or cd == torch.float32:
+        return _fp32_fits(lora, x2, name)
+    if x2.dtype != cd:
+        return False
     if isinstance(base, nn.Linear):
-        return base.weight.dtype == cd and not base.weight.requires_grad and (base.bias is None
-                                                                            or not base.bias.requires_grad)
+        return base.weight.dtype == cd
     return getattr(base, "compute_dtype", None) == cd and hasattr(base, "quantized_tensors")
 
 
@@ -88,8 +119,8 @@ class LoRAProduct(torch.autograd.Function):
                 seen_finite: list, *frozen: Tensor) -> Tensor:
         w = _frozen_weight(base, frozen, x.dtype)  # (out, in)
         y = base_product(x, w, None if bias is None else bias.to(x.dtype))  # (N, out)
-        ctx.native = native_lora.kernels() if native_lora.fits(x, A, B) else None  # (backward uses the same)
-        if ctx.native is not None:  # the adapter's thin products in C, from the fp32 masters (minituner.native_lora)
+        ctx.native = native_kernels(x, A, B)  # (backward uses the same)
+        if ctx.native is not None:  # the adapter's thin products in C, from the fp32 masters (native_lora*)
             a, finite = ctx.native.forward_(y, x, A, B, scale)  # (N, r); y += scale·a·Bᵀ in place
             seen_finite.append(finite)  # (every value of y looked at as it was written)
             ctx.save_for_backward(x, A, B, a, *frozen)
@@ -116,7 +147,7 @@ class LoRAProduct(torch.autograd.Function):
         if need_B:
             grad_B = (a.t() @ g).mul_(ctx.scale).t().to(ctx.master_dtypes[1])  # (r, out) -> (out, r)
         if need_x:
-            grad_x = g @ _frozen_weight(ctx.base, tuple(frozen), x.dtype)  # (N, in): the base's share
+            grad_x = fp32_gemm.input_grad(g, _frozen_weight(ctx.base, tuple(frozen), x.dtype))  # (N, in): the base's
             grad_x.addmm_(grad_a_t.t(), a_low)  # plus the adapter's, in the same pass
         return (grad_x, grad_A, grad_B, None, None, None, None) + (None,) * len(frozen)
 
@@ -128,8 +159,8 @@ def _backward_native(ctx, g: Tensor, x: Tensor, A: Tensor, B: Tensor, a: Tensor,
     grad_a, grad_A, grad_B = ctx.native.backward(g, x, a, B, ctx.scale, need_x, need_A, need_B)
     grad_x = None
     if need_x:
-        grad_x = g @ _frozen_weight(ctx.base, tuple(frozen), x.dtype)  # (N, in): the base's share
-        ctx.native.input_update_(grad_x, grad_a, A)  # plus the adapter's, rounded once
+        grad_x = fp32_gemm.input_grad(g, _frozen_weight(ctx.base, tuple(frozen), x.dtype))  # (N, in): the base's
+        ctx.native.input_update_(grad_x, grad_a, A)  # plus the adapter's (bf16: rounded once)
     return (grad_x, grad_A, grad_B, None, None, None, None) + (None,) * len(frozen)
 
 

@@ -1,5 +1,6 @@
-"""minituner.lora_product: one adapter on a frozen base as one Function under bf16 compute, the same numbers as the
-two pieces it replaces (LoRAUpdate after the base), and where it is not taken."""
+"""minituner.lora_product: one adapter on a frozen base as one Function under bf16 compute (and fp32 where the fp32 C
+kernels run: tests/minituner/test_native_lora_fp32.py), the same numbers as the two pieces it replaces (LoRAUpdate
+after the base), and where it is not taken."""
 import copy
 
 import pytest
@@ -7,7 +8,7 @@ import torch
 import torch.nn as nn
 
 from miniquant import QuantizedLinear
-from minituner import lora_product, native_lora
+from minituner import lora_product, native_lora, native_lora_fp32
 from minituner.lora import LoRALinear
 from minituner.precision import use_bf16_compute
 
@@ -112,10 +113,15 @@ def _not_fused(model: nn.Module, x: torch.Tensor) -> bool:
     return not fused(model(x))
 
 
-def test_not_taken_in_fp32_with_two_adapters_dropout_or_a_hooked_base():
+def test_not_taken_in_fp32_without_the_fp32_kernels_with_two_adapters_dropout_or_a_hooked_base(monkeypatch):
     torch.manual_seed(0)
     fp32 = nn.Sequential(LoRALinear(nn.Linear(64, 48), r=4))
     fp32[0].base_layer.requires_grad_(False)
+    assert _not_fused(fp32, torch.randn(3, 64)) == (native_lora_fp32.kernels() is None)
+    with monkeypatch.context() as m:
+        m.setattr(native_lora_fp32, "kernels", lambda: None)  # a CPU without AVX2 and FMA: LoRAUpdate after the base
+        assert _not_fused(fp32, torch.randn(3, 64))
+    fp32[0].base_layer.bias.requires_grad_(True)  # a trained bias: not a frozen base
     assert _not_fused(fp32, torch.randn(3, 64))
 
     x = torch.randn(3, 64).to(BF16)
