@@ -51,7 +51,7 @@ from minigpt.bf16_support import bf16_support  # noqa: E402
 from minigpt.decoder import Decoder  # noqa: E402
 from minigpt.model import MiniGPT  # noqa: E402
 from minigpt.train import lm_loss  # noqa: E402
-from minituner import native_lora  # noqa: E402
+from minituner import native_lora, native_lora_fp32  # noqa: E402
 from minituner.hf_config import decoder_config_from_hf  # noqa: E402
 from report import Goal, Section  # noqa: E402
 from timing import OPTIMIZER_NOTE, adamw, fmt_ratio, fmt_seconds, peak_rss_mib, wait_for_quiet  # noqa: E402
@@ -203,12 +203,19 @@ def _spec(a):
     return a
 
 
-NATIVE_LORA = ("forward_", "backward", "input_update_")  # minituner.native_lora's calls: matrix products in C
+NATIVE_LORA = ("forward_", "backward", "input_update_")  # the C kernels' calls: matrix products in C
+NATIVE_MODULES = {"native_lora": native_lora, "native_lora_fp32": native_lora_fp32}  # bf16 and fp32 kernels
+
+
+def _native_module(kernels: native_lora.NativeLoRA) -> str:
+    """The module a NativeLoRA instance comes from: both families share the class, each with its own dtype."""
+    return "native_lora" if kernels.dtype == torch.bfloat16 else "native_lora_fp32"
 
 
 @contextmanager
 def _native_lora_wrapped(wrap: Callable[[str, Callable], Callable]):
-    """minituner.native_lora's calls (NativeLoRA's methods, self first) replaced by wrap(name, call) for the while."""
+    """The C kernels' calls (NativeLoRA's methods, self first; minituner.native_lora's in bf16 and native_lora_fp32's)
+    replaced by wrap(name, call) for the while."""
     with ExitStack() as stack:
         for name in NATIVE_LORA:
             call = getattr(native_lora.NativeLoRA, name)
@@ -218,7 +225,7 @@ def _native_lora_wrapped(wrap: Callable[[str, Callable], Callable]):
 
 def record_products(step: Callable[[], object]) -> Counter:
     """Run step() once, counting each distinct matrix product (op, argument layouts) it dispatches, and each call of
-    minituner.native_lora ("native_lora.<name>")."""
+    the C kernels ("native_lora.<name>" in bf16, "native_lora_fp32.<name>" in fp32)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     ops = _product_ops()
@@ -226,7 +233,7 @@ def record_products(step: Callable[[], object]) -> Counter:
 
     def counted(name: str, call: Callable) -> Callable:
         def run(self, *args, **kwargs):
-            calls[(f"native_lora.{name}", tuple(_spec(a) for a in args),
+            calls[(f"{_native_module(self)}.{name}", tuple(_spec(a) for a in args),
                    tuple(sorted((k, _spec(v)) for k, v in kwargs.items())))] += 1
             return call(self, *args, **kwargs)
         return run
@@ -253,14 +260,32 @@ def _materialize(spec, dtype: torch.dtype | None = None):
 
 
 def _replay_op(op: str, dtype: torch.dtype | None):
-    if op.startswith("native_lora."):  # looked up at each call: profile_groups names it for the profiler
+    module, _, name = op.partition(".")
+    if module in NATIVE_MODULES:  # looked up at each call: profile_groups names it for the profiler
+        if dtype is not None and module == "native_lora_fp32":  # (bf16_cost: the same products in bf16, by aten)
+            return _THIN_PRODUCTS[name]
         if dtype is not None:  # (recorded only in bf16 steps, never replayed in another dtype)
             raise ValueError(f"{op} runs in bf16 only")
-        return lambda *args, **kwargs: getattr(native_lora.kernels(), op.partition(".")[2])(*args, **kwargs)
+        return lambda *args, **kwargs: getattr(NATIVE_MODULES[module].kernels(), name)(*args, **kwargs)
     if op == "mkldnn_linear":  # (x, W, bias, "none", [], ""); in another dtype, as F.linear computes it
         return torch.ops.mkldnn._linear_pointwise.default if dtype is None else (lambda x, w, b, *_: F.linear(x, w, b))
     name, _, overload = op.partition(".")
     return getattr(getattr(torch.ops.aten, name), overload or "default")
+
+
+def _thin_forward(y, x, A, B, scale):
+    y.addmm_(a := x.mm(A.t()), B.t(), alpha=scale)
+    return a, True
+
+
+def _thin_backward(g, x, a, B, scale, need_a=True, need_A=True, need_B=True):
+    grad_a = g.mm(B).mul_(scale) if need_a or need_A else None
+    return grad_a, grad_a.t().mm(x) if need_A else None, g.t().mm(a).mul_(scale) if need_B else None
+
+
+# native_lora_fp32's calls as aten's products, for timing them in bf16 where the bf16 kernels do not run
+_THIN_PRODUCTS = {"forward_": _thin_forward, "backward": _thin_backward,
+                  "input_update_": lambda grad_x, grad_a, A: grad_x.addmm_(grad_a, A)}
 
 
 def _fresh(op: str, kwargs: tuple) -> tuple[str, tuple]:
@@ -324,7 +349,8 @@ def bf16_cost(calls: Counter) -> dict:
     """What bf16 products cost on this CPU against fp32, without replaying the step in bf16 (many minutes where it
     is slow): each distinct product of the step timed once whole in its recorded fp32, and once in bf16 cut along
     its first dimension to about SLICE_GFLOP GFLOP (the operands' layouts kept), after an untimed call each; the
-    bf16 slice's time scaled back to the whole product, each weighted by how often the step calls it.
+    bf16 slice's time scaled back to the whole product, each weighted by how often the step calls it. The adapters'
+    thin products in C (native_lora_fp32's calls, a few MFLOP each) are timed whole, in bf16 as aten's products.
 
     fp32 is timed whole because a thin slice of it is bound by reading the weight, not by its arithmetic: at the
     1B shape's head (512 x 128,256 x 2,048) the input gradient took 51 ms a row on 2 rows and 5.6 on 32, so
@@ -332,7 +358,8 @@ def bf16_cost(calls: Counter) -> dict:
     on 2, 8 and 32 rows of the same product (ad hoc, the AMD EPYC of benchmarks/results/amd-epyc_avx2.md)."""
     fp32 = bf16 = 0.0
     for (op, args, kwargs), n in calls.items():
-        cut, kept = row_slice(op, args)
+        # (native_lora_fp32's thin products, a few MFLOP each, timed whole in bf16 by aten)
+        cut, kept = (args, 1.0) if op.partition(".")[0] in NATIVE_MODULES else row_slice(op, args)
         fp32 += n * _time_once(op, args, kwargs, None)
         fresh, fresh_kwargs = _fresh(op, kwargs)
         bf16 += n * _time_once(fresh, cut, fresh_kwargs, torch.bfloat16) / kept
@@ -358,7 +385,8 @@ PROFILE_GROUPS = {  # profiler op name -> group, for "what the rest of the step 
     "aten::mm": "matrix products", "aten::addmm": "matrix products", "aten::addmm_": "matrix products",
     "aten::bmm": "matrix products", "aten::baddbmm": "matrix products",
     "mkldnn::_linear_pointwise": "matrix products",  # the fp32 rows' frozen products (minikernels.fp32_gemm)
-    **{f"minituner::native_lora.{name}": "matrix products" for name in NATIVE_LORA},  # (profile_groups names them)
+    **{f"minituner::{module}.{name}": "matrix products" for module in NATIVE_MODULES for name in NATIVE_LORA},
+    # (profile_groups names them)
     "aten::_scaled_dot_product_flash_attention_for_cpu": "attention kernel",
     "aten::_scaled_dot_product_flash_attention_for_cpu_backward": "attention kernel",
     # minigpt.native_attention: its GEMMs are aten::bmm (matrix products); its own time is the C softmax kernels
@@ -382,7 +410,7 @@ def profile_groups(step: Callable[[], object]) -> tuple[float, dict[str, float]]
 
     def named(name: str, call: Callable) -> Callable:  # C calls the profiler does not see on its own
         def run(self, *args, **kwargs):
-            with record_function(f"minituner::native_lora.{name}"):
+            with record_function(f"minituner::{_native_module(self)}.{name}"):
                 return call(self, *args, **kwargs)
         return run
 

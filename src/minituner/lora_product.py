@@ -80,7 +80,9 @@ def _fp32_fits(lora: nn.Module, x2: Tensor, name: str) -> bool:
     """fp32 compute where ``native_lora_fp32`` runs: a frozen fp32 Linear base, or a quantized one computing in
     fp32. (Elsewhere fp32 takes LoRALinear's two pieces: the fused Function gains only from the C kernels.)"""
     base = lora.base_layer
-    if x2.dtype != torch.float32 or not native_lora_fp32.fits(x2, lora.lora_A[name].weight, lora.lora_B[name].weight):
+    if x2.dtype != torch.float32 or torch.is_autocast_enabled("cpu"):  # (autocast would make the base's y bf16)
+        return False
+    if not native_lora_fp32.fits(x2, lora.lora_A[name].weight, lora.lora_B[name].weight):
         return False
     if isinstance(base, nn.Linear):
         return base.weight.dtype == torch.float32

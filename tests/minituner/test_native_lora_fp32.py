@@ -177,3 +177,11 @@ def test_the_output_seen_finite_spares_the_guards_a_pass():
         model[0].lora_B["default"].weight[0, 0] = float("inf")
     y = model(torch.randn(6, 64))
     assert model[0].output_seen_finite(y) is False
+
+
+def test_not_taken_under_autocast(monkeypatch):
+    """CPU autocast runs the base's product in bf16: the fp32 kernels would be handed a bf16 output."""
+    model = layer("linear")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y, calls, *_ = run(model, torch.randn(6, 64), True, monkeypatch)
+    assert calls == 0 and y.dtype == torch.bfloat16
