@@ -151,7 +151,7 @@ static int rows_update(float* y, int64_t ldy, const float* a, int64_t r, const f
 /* out[j * ldj + m * ldm] = scale * sum_n a[n * r + j] * y[n * ldy + m] for the columns of blocks [b0, b1) of 16
    (the last cut at M): the rows n in order, LORA_ROW_TILE at a time; within a tile, for each block of 16 columns and
    JG of a's r columns, 2 x JG vectors of sums in registers, carried from tile to tile in acc (r rows of the
-   chunk's columns, as many floats as the chunk's share of out), so each sum runs over n in order as one chain.
+   blocks' 16 columns each), so each sum runs over n in order as one chain.
    (One block through all N rows at a time reads one cache line per row at the rows' stride, a page every row or
    two: 4.6 ms for the six x·grad_a of a GPT-stack layer set against 1.1 ms to read every g and x once.) */
 static void cols_outer(const float* a, int64_t r, const float* y, int64_t ldy, int64_t N, int64_t M, float scale,
@@ -244,18 +244,19 @@ int lora_backward(const float* g, int64_t ldg, const float* x, int64_t ldx, cons
     const int64_t kb = grad_A ? (K + 15) / 16 : 0, mb = grad_B ? (M + 15) / 16 : 0;
     const int64_t blocks = kb + mb;
     if (chunks > blocks) chunks = blocks;
-    int failed = 0;
+    /* the running sums, each chunk its own 16·r per block (allocated here, on the calling thread: a malloc on one
+       of OpenMP's threads would give it a heap arena of its own, resident from then on) */
+    float* acc = malloc((size_t)(16 * r * (blocks > 0 ? blocks : 1)) * sizeof(float));
+    if (!acc) return 1;
     LORA_RANGES(blocks, u0, u1, {
-        float* acc = malloc((size_t)(16 * r * (u1 - u0)) * sizeof(float));  /* the chunk's running sums */
-        if (!acc) {
-            __atomic_store_n(&failed, 1, __ATOMIC_RELAXED);
-        } else {
-            if (u0 < kb) cols_outer(grad_a, r, x, ldx, N, K, 1.0f, grad_A, K, 1, u0, u1 < kb ? u1 : kb, acc);
-            if (u1 > kb) cols_outer(a, r, g, ldg, N, M, scale, grad_B, 1, r, (u0 > kb ? u0 : kb) - kb, u1 - kb, acc);
-            free(acc);
+        if (u0 < kb) cols_outer(grad_a, r, x, ldx, N, K, 1.0f, grad_A, K, 1, u0, u1 < kb ? u1 : kb, acc + 16 * r * u0);
+        if (u1 > kb) {
+            const int64_t v0 = u0 > kb ? u0 : kb;
+            cols_outer(a, r, g, ldg, N, M, scale, grad_B, 1, r, v0 - kb, u1 - kb, acc + 16 * r * v0);
         }
     });
-    return failed;
+    free(acc);
+    return 0;
 }
 
 /* grad_x += grad_a·A in place (N, K); A (r, K) the master */
