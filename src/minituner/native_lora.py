@@ -380,7 +380,8 @@ class NativeLoRA:
     @staticmethod
     def _check(rc: int) -> None:
         if rc == 1:
-            raise MemoryError("minituner.native_lora: out of memory for a kernel's scratch (its copy of the adapter, or the masters' running sums)")
+            raise MemoryError("minituner.native_lora: out of memory for a kernel's scratch (its copy of the adapter, "
+                              "or the masters' running sums)")
         if rc:
             raise ValueError("minituner.native_lora: the masters' gradients need grad_a")
 
