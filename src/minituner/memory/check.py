@@ -14,9 +14,15 @@ Measured, bucket by bucket (bytes; every storage counted once, so tied weights a
   first frees and keeps them, and the resident set then holds freed activations of earlier steps); on
   CUDA ``torch.cuda.max_memory_allocated``. The process's own memory (Python, libraries' buffers,
   allocator slack) is measured before the measured steps as the resident set minus the live tensors'
-  bytes (QLoRA's dequantization workspace among them), shown as its own line ("baseline": its growth since before the model was built) and taken out
-  of the peak, which the planner's peak model (``planner/peak.py``) predicts; the raw resident-set peak
-  above the pre-build process is shown too.
+  bytes (QLoRA's dequantization workspace among them), shown as its own line ("baseline": its growth since
+  before the model was built) and taken out of the peak, which the planner's peak model
+  (``planner/peak.py``) predicts; the raw resident-set peak above the pre-build process is shown too.
+  With the threshold pinned, the heap's free pages are handed back first (``malloc_trim``): the small blocks
+  (under 16 KiB) that the first step freed inside the heap stay resident in varying amounts, and the next
+  step's small blocks refill them unseen, so a baseline that counted them made the peak above it vary by
+  about 0.4 MB from run to run, 10% of the smallest point of the bench's sweep (MiniGPT LoRA at 4 x 32
+  tokens, a 3.6 MiB peak: errors from -8.1% to +9.9% in 16 runs on 1 and 2 threads, -8.1% to -3.6% in 10
+  once trimmed; the larger points moved by under a point, 2026-12-04).
 
 The prediction is ``planner.regime_bytes`` told the run's dtypes (fp32 weights, grads and Adam; under
 --precision bf16 a bf16 frozen base beside fp32 norms and LoRA masters) with the exact activation model of
@@ -50,7 +56,7 @@ from ..build import build_for_training, float_dtype
 from ..dropout import config_dropout, set_model_dropout
 from ..lora import ALL_LINEAR, LoRAConfig
 from .accounting import account, storage_bytes
-from .heap import pin_allocator
+from .heap import pin_allocator, trim_heap
 from .stored_dtypes import EMBEDDING_PARTS, dtype_of, stored_dtypes
 from ..planner import (MemoryConfig, ModelShape, Regime, korthikanti_activation_bytes, minigpt_shape,
                        param_counts, regime_bytes, seed_activation_bytes)
@@ -411,6 +417,8 @@ def memory_check(build: Callable[[], nn.Module], check: CheckConfig, device: tor
     for step in range(check.steps):
         measuring = step >= first
         if step == first:
+            if pinned:  # the heap's free pages back to the system: not the process's own (see the docstring)
+                trim_heap()
             own = meter.level() - account(model, opt)["total"] - workspace_bytes()  # QLoRA's workspace: live
             meter.reset_peak()
         micro = [random_batch(vocab, check, gen, device) for _ in range(check.grad_accum)]
