@@ -582,7 +582,11 @@ def run_shape(shape: str, quick: bool = False, wait_s: float | None = None) -> S
     section.goals += [
         Goal(f"bf16 step ({shape}): ours QLoRA / PEFT + bitsandbytes (autocast, its faster setting)",
              t["qlora_bf16"] / t[peft_best], VS_PEFT_BNB_GOAL, False,
-             f"{not_here}PEFT + bitsandbytes' faster bf16 setting here: {PEFT_SETTING[peft_best]} "
+             f"{not_here}our step's own matrix products, replayed alone (the floor), take "
+             f"{fmt_ratio(floor / t[peft_best])} PEFT + bitsandbytes' step: "
+             + ("no step that runs them reaches the goal on this CPU. " if floor / t[peft_best] > VS_PEFT_BNB_GOAL
+                else f"the goal leaves {fmt_seconds(VS_PEFT_BNB_GOAL * t[peft_best] - floor)} a step for all else. ")
+             + f"PEFT + bitsandbytes' faster bf16 setting here: {PEFT_SETTING[peft_best]} "
              f"({fmt_seconds(t[peft_best])}; the other {fmt_seconds(max(t[c] for c in PEFT_BF16))}). Under autocast it "
              "dequantizes to bf16 and casts activations per call; both run the same bf16 products; its attention is "
              "SDPA's fused kernel on bf16 (autocast lists SDPA), as in transformers' models, ours bf16 GEMMs around "
