@@ -1,13 +1,16 @@
 """bf16 training steps (issue 13): ours (use_bf16_compute) against PEFT + bitsandbytes under CPU autocast, and the floor.
 
 For each model shape (SHAPES: a builder of the float base model plus its batch; the GPT-shaped stack of
-bench_step.py and Llama-3.2-1B cut to LLAMA_LAYERS of its 16 layers, a section each) one subprocess builds
-every configuration (CONFIGS) and times their optimizer steps in interleaved rounds (timing.time_interleaved:
-each round calls every row once, in rotating order), so load from other processes falls on all rows alike;
-then it profiles one more step of each. Rows: our LoRA and QLoRA in fp32 and in bf16, PEFT + bitsandbytes
-QLoRA in fp32 and with compute_dtype bf16 under torch.autocast, the rest of its model in fp32 or in bf16 (as
-from_pretrained(dtype=bfloat16) loads it); its best CPU setting is the faster of those two, and the goal takes
-it. Every row starts from the same weights and batch. Each side computes its loss its own way: ours with
+bench_step.py and Llama-3.2-1B cut to LLAMA_LAYERS of its 16 layers, a section each) every configuration
+(CONFIGS) and the floor run in a subprocess of their own, all alive together, and their optimizer steps are timed
+in turns (paced.run_paced: each turn gives every row SETTLE_STEPS untimed steps and one timed step, who goes
+first rotating), so load from other processes falls on all rows alike, while each row has its process to itself
+as a training run does: its own heap, and the allocator settings its library leaves (ours: build_for_training's
+keep_freed_memory and heap trims, minituner.memory.heap; PEFT's: glibc's defaults, as transformers leaves them).
+After the timed turns each row profiles one more step of its own. Rows: our LoRA and QLoRA in fp32 and in
+bf16, PEFT + bitsandbytes QLoRA in fp32 and with compute_dtype bf16 under torch.autocast, the rest of its model
+in fp32 or in bf16 (as from_pretrained(dtype=bfloat16) loads it); its best CPU setting is the faster of those
+two, and the goal takes it. Every row starts from the same weights and batch. Each side computes its loss its own way: ours with
 minigpt.train.lm_loss (as finetune does), theirs as transformers does (the logits upcast to fp32). The PEFT
 rows run our model code with bitsandbytes' Linear4bit swapped in; they attend as transformers' models do on CPU,
 through F.scaled_dot_product_attention (minigpt.native_attention switched off for them), and one informational
@@ -16,7 +19,8 @@ row gives the bf16 one our attention instead, to show what that alone is worth.
 The floor: one step of our QLoRA bf16 runs under a TorchDispatchMode that records every matrix product
 (aten::mm, addmm, addmm_, bmm, baddbmm) with its shapes, strides and dtypes, and with the calls of
 minituner.native_lora (the adapters' thin products in C) recorded alike; the floor row replays them all,
-back to back, on random inputs of the same layouts, timed in the same interleaved rounds as the steps.
+back to back, on random inputs of the same layouts (in its own process: the model it recorded is dropped first),
+timed in the same turns as the steps.
 Our attention's q·kᵀ and P·v are bf16 GEMMs (aten::bmm) and count among the products; its C softmax, and
 SDPA's fused kernel in the PEFT rows, are reported apart.
 On a CPU without bf16 units (minigpt.bf16_support) the bf16 goals are reported as not measurable here.
@@ -24,9 +28,10 @@ On a CPU without bf16 units (minigpt.bf16_support) the bf16 goals are reported a
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
-import subprocess
+import statistics
 import sys
 import time
 from collections import Counter
@@ -54,17 +59,22 @@ from minigpt.train import lm_loss  # noqa: E402
 from minituner import native_lora, native_lora_fp32  # noqa: E402
 from minituner.hf_config import decoder_config_from_hf  # noqa: E402
 from report import Goal, Section  # noqa: E402
-from timing import OPTIMIZER_NOTE, adamw, fmt_ratio, fmt_seconds, peak_rss_mib, wait_for_quiet  # noqa: E402
+from minituner.memory.heap import trim_now  # noqa: E402
+from paced import run_paced  # noqa: E402
+from timing import OPTIMIZER_NOTE, adamw, fmt_ratio, fmt_seconds, peak_rss_mib, reset_peak_rss, wait_for_quiet  # noqa: E402
 
 VS_PEFT_BNB_GOAL = 0.5  # our QLoRA bf16 step / PEFT + bitsandbytes bf16 (autocast) step
 VS_FLOOR_GOAL = 1.3  # our QLoRA bf16 step / the sum of its matrix products timed alone
 VS_LORA_GOAL = 1.10  # our QLoRA bf16 step / our LoRA bf16 step
 WAIT_PER_CONFIG_S = 60.0
 # untimed steps of a row right before each of its timed ones: a training step follows its own last step, not another
-# model's (whose caches it would inherit, and whose freed memory our heap trim would hand back: the rows share this
-# process's heap); in one process on the gpt shape, ours QLoRA bf16 took 250 ms a step after other rows and 231 ms
-# after its own (PEFT + bitsandbytes in bf16: 321 and 320 ms; the floor 149 and 148), medians of 8 rounds, 2026-12-03
+# process's (whose caches it would inherit, and whose OpenMP threads may still spin for a while)
 SETTLE_STEPS = 1
+# Why a process per row: with every row in one process (the layout until 2026-12-04) their heap was shared, and what
+# the other rows left free in it set off our forward's heap trims (minituner.memory.heap) at every step, which then
+# faulted the pages they handed back in again. On the gpt shape ours QLoRA bf16 took 251 ms a step there (8,000
+# page faults a step) against 214 ms for the same model without its trims (300 faults), medians of 10 interleaved
+# rounds with one settling step each (AMD EPYC, 2 cores, 2026-12-04); alone in its process it faults 7 pages a step.
 LR = 1e-4
 
 
@@ -81,14 +91,15 @@ class Shape:
     rank: int = 8
     alpha: float = 16.0
     note: str = ""  # a note under the section's table (e.g. why a shape is cut short)
+    turns: int = 7  # timed steps of each row (paced turns): more where steps are short, the medians steadier
 
 
 LLAMA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # not lm_head
 LLAMA_LAYERS = 6  # of Llama-3.2-1B's 16, for the bench time and memory (LLAMA_NOTE)
 LLAMA_NOTE = (
-    f"{LLAMA_LAYERS} of Llama-3.2-1B's 16 layers: every configuration lives in one process and runs in every "
-    "round, so the section's time and memory grow with each layer; sized so that this section takes about 9 "
-    "minutes and fits a 23 GiB machine (in matrix-product FLOPs the tied lm_head over 128,256 tokens weighs "
+    f"{LLAMA_LAYERS} of Llama-3.2-1B's 16 layers: every row runs in every turn, in a process of its own, all alive "
+    "together, so the section's time and memory grow with each layer; sized to fit a 23 GiB machine (each "
+    "process's peak is in the note above; in matrix-product FLOPs the tied lm_head over 128,256 tokens weighs "
     "about 4 layers)")
 
 
@@ -115,7 +126,7 @@ SHAPES: dict[str, Shape] = {
         f"MiniGPT d_model {bench_step.STACK.d_model}, {bench_step.STACK.n_layer} layers, {bench_step.STACK.n_head} "
         f"heads, vocab {bench_step.STACK.vocab_size}; batch {bench_step.BATCH} × {bench_step.STACK.block_size} tokens",
         lambda: MiniGPT(bench_step.STACK), bench_step.STACK.vocab_size, bench_step.BATCH, bench_step.STACK.block_size,
-        tuple(bench_step.TARGETS)),
+        tuple(bench_step.TARGETS), turns=21),
     "llama-1b": llama_1b(LLAMA_LAYERS, note=LLAMA_NOTE),
     # the quick run's stand-in: the same code path in seconds
     "llama-1b-tiny": llama_1b(1, vocab=8192, note="a smoke-run stand-in for the llama-1b shape: 1 layer, vocab 8,192"),
@@ -435,82 +446,116 @@ def _sdpa_attention(on: bool):
         yield
 
 
-def measure(shape_name: str, warmup: int, repeats: int) -> dict:
-    """Every configuration and the floor in this one process, timed in interleaved rounds (timing.py)."""
-    import bitsandbytes  # noqa: F401
-    import peft  # noqa: F401
-
-    from timing import time_interleaved
-
-    shape = SHAPES[shape_name]
+def _batch(shape: Shape) -> tuple[torch.Tensor, torch.Tensor]:
+    """The one batch every row trains on: token ids and targets (B, T), seeded."""
     g = torch.Generator().manual_seed(1)
     x = torch.randint(0, shape.vocab, (shape.batch, shape.seq), generator=g)
     y = torch.randint(0, shape.vocab, (shape.batch, shape.seq), generator=g)
-    losses: dict[str, list[float]] = {c: [] for c in CONFIGS}
+    return x, y
 
-    def make_step(config: str) -> Callable[[], None]:
-        model = build(shape, config)
-        model.train()
-        opt = adamw([p for p in model.parameters() if p.requires_grad], lr=LR)
-        autocast = config in (*PEFT_BF16, *OUR_ATTENTION)
-        sdpa = config.startswith("peft_bnb") and config not in OUR_ATTENTION
 
-        def forward_backward() -> torch.Tensor:
-            opt.zero_grad(set_to_none=True)
-            if config.startswith("peft_bnb"):  # transformers' loss: the logits upcast to fp32, then cross-entropy
-                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast), _sdpa_attention(sdpa):
-                    logits = model(x)  # (B, T, V)
-                loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1))
-            else:  # ours as finetune runs it: minigpt.cross_entropy reads the logits in the head's dtype
-                loss = lm_loss(model, x, y)
-            with _sdpa_attention(sdpa):  # the backward of the attention the forward ran
-                loss.backward()
-            return loss
+def make_step(shape: Shape, config: str, x: torch.Tensor, y: torch.Tensor) -> Callable[[], float]:
+    """One configuration's optimizer step on (x, y), returning its loss; ``step.forward_backward`` is the step
+    without the update (for recording its products)."""
+    model = build(shape, config)
+    model.train()
+    opt = adamw([p for p in model.parameters() if p.requires_grad], lr=LR)
+    autocast = config in (*PEFT_BF16, *OUR_ATTENTION)
+    sdpa = config.startswith("peft_bnb") and config not in OUR_ATTENTION
+
+    def forward_backward() -> torch.Tensor:
+        opt.zero_grad(set_to_none=True)
+        if config.startswith("peft_bnb"):  # transformers' loss: the logits upcast to fp32, then cross-entropy
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast), _sdpa_attention(sdpa):
+                logits = model(x)  # (B, T, V)
+            loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1))
+        else:  # ours as finetune runs it: minigpt.cross_entropy reads the logits in the head's dtype
+            loss = lm_loss(model, x, y)
+        with _sdpa_attention(sdpa):  # the backward of the attention the forward ran
+            loss.backward()
+        return loss
+
+    def step() -> float:
+        loss = forward_backward().item()
+        opt.step()
+        return loss
+
+    step.forward_backward = forward_backward
+    return step
+
+
+def rows(bf16: bool) -> list[str]:
+    """The rows a CPU runs: every configuration where it has bf16 units; else the fp32 ones (see measure_row)."""
+    return list(CONFIGS) if bf16 else list(FP32_CONFIGS)
+
+
+def measure_row(shape_name: str, row: str, warmup: int) -> dict:
+    """One row in this process of its own: build it (the floor: record one QLoRA step's products, drop that model,
+    prepare the replay), warm up, take the steps the parent asks for (paced.serve), then profile one more."""
+    import bitsandbytes  # noqa: F401  the same imports in every row: equal baselines
+    import peft  # noqa: F401
+
+    from paced import serve
+
+    shape = SHAPES[shape_name]
+    x, y = _batch(shape)
+    # without bf16 units a bf16 step takes many times an fp32 one: only the fp32 rows run, their products form the
+    # floor, and bf16_cost times them in bf16 against fp32, to show what bf16 costs here
+    bf16 = bf16_support("cpu").fast
+    facts: dict = {}
+    if row == "floor":
+        floor_of = "qlora_bf16" if bf16 else "qlora_fp32"
+        calls = record_products(make_step(shape, floor_of, x, y).forward_backward)  # AdamW holds no products
+        gc.collect()  # the model recorded is gone, and the heap hands back what it held: this process holds the
+        trim_now()  # replay's operands only
+        replay = products_fn(calls)
 
         def step() -> None:
-            losses[config].append(forward_backward().item())
-            opt.step()
+            replay()
 
-        step.forward_backward = forward_backward  # the step without the update, for recording its products
-        return step
-
-    # without bf16 units a bf16 step takes many times an fp32 one: only the fp32 rows run, their products
-    # form the floor, and bf16_cost times them in bf16 against fp32, to show what bf16 costs here
-    bf16 = bf16_support("cpu").fast
-    configs = list(CONFIGS) if bf16 else list(FP32_CONFIGS)
-    steps = {c: make_step(c) for c in configs}
-    floor_of = "qlora_bf16" if bf16 else "qlora_fp32"
-    calls = record_products(steps[floor_of].forward_backward)  # AdamW holds no products; the weights stay
-    floor = products_fn(calls)
-    timings = time_interleaved({**steps, "floor": floor}, repeats=repeats, warmup=warmup, settle=SETTLE_STEPS)
-    profiles = {c: profile_groups(steps[c]) for c in configs}
-    if bf16:  # the floor profiled as the step is, so the two profiles' product times compare like for like
-        profiles["floor"] = profile_groups(floor)
-    return {"timings": {c: [t.median_s, t.min_s, t.first_s] for c, t in timings.items()},
-            "rounds": timings["floor"].repeats, "configs": configs, "floor_of": floor_of,
-            "bf16_cost": None if bf16 else bf16_cost(calls),
-            "losses": {c: [v[0], v[-1]] for c, v in losses.items() if v},
-            "groups": {c: p[1] for c, p in profiles.items()}, "threads": torch.get_num_threads(),
-            "peak_rss_mib": peak_rss_mib(),
-            "products": sum(calls.values()),
-            "native_lora": native_lora.kernels() is not None,  # the adapters' thin products in C (not aten's)
-            "product_dtypes": sorted({a[3] for (_, args, _), _ in calls.items() for a in args
-                                      if isinstance(a, tuple) and a and a[0] == "tensor"}),
-            }
+        facts = {"floor_of": floor_of, "products": sum(calls.values()),
+                 "native_lora": native_lora.kernels() is not None,  # the adapters' thin products in C (not aten's)
+                 "product_dtypes": sorted({a[3] for (_, args, _), _ in calls.items() for a in args
+                                           if isinstance(a, tuple) and a and a[0] == "tensor"})}
+    else:
+        step = make_step(shape, row, x, y)
+    t0 = time.perf_counter()
+    losses = [step()]
+    first_s = time.perf_counter() - t0
+    for _ in range(warmup - 1):
+        losses.append(step())
+    reset_peak_rss()
+    times, _, served = serve(step)
+    peak = peak_rss_mib()  # over the timed steps (before the profiled one and its records)
+    losses = [v for v in losses + served if v is not None]
+    if row == "floor" and not bf16:
+        facts["bf16_cost"] = bf16_cost(calls)
+    return {"times": times, "first_s": first_s, "losses": losses[:1] + losses[-1:], "groups": profile_groups(step)[1],
+            "threads": torch.get_num_threads(), "peak_rss_mib": peak, **facts}
 
 
 # ---- the section (runs in the parent) ------------------------------------------------------------
 
 
 def _run(shape: str, warmup: int, repeats: int) -> dict:
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--shape", shape, "--warmup", str(warmup),
-           "--repeats", str(repeats)]
+    """Every row of the shape in a subprocess of its own, all alive together, their timed steps alternating
+    (paced.run_paced); the rows' results gathered."""
+    configs = rows(bf16_support("cpu").fast)
+    children = {r: ([sys.executable, str(Path(__file__).resolve()), "--shape", shape, "--row", r, "--warmup",
+                     str(warmup)], None) for r in (*configs, "floor")}
     t0 = time.perf_counter()
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+    results = run_paced(children, turns=repeats, warm=SETTLE_STEPS, timeout_s=3600)
     wall = time.perf_counter() - t0
-    if out.returncode != 0:
-        raise RuntimeError(f"bf16 {shape} failed:\n{out.stderr[-3000:]}")
-    return {**json.loads(out.stdout.strip().splitlines()[-1]), "wall_s": wall}
+    failed = {r: v["error"] for r, v in results.items() if "error" in v}
+    if failed:
+        raise RuntimeError(f"bf16 {shape} failed: {failed}")
+    floor = results["floor"]
+    return {"timings": {r: [statistics.median(v["times"]), min(v["times"]), v["first_s"]] for r, v in results.items()},
+            "rounds": repeats, "configs": configs, "floor_of": floor["floor_of"], "bf16_cost": floor.get("bf16_cost"),
+            "losses": {r: v["losses"] for r, v in results.items() if r != "floor"},
+            "groups": {r: v["groups"] for r, v in results.items()}, "threads": floor["threads"],
+            "peak_rss_mib": {r: v["peak_rss_mib"] for r, v in results.items()}, "products": floor["products"],
+            "native_lora": floor["native_lora"], "product_dtypes": floor["product_dtypes"], "wall_s": wall}
 
 
 GROUPS = ("matrix products", "attention kernel", "NF4 dequantization", "C norms and activations", "dtype casts and copies",
@@ -523,12 +568,12 @@ def run(quick: bool = False, wait_s: float | None = None) -> list[Section]:
 
 
 def run_shape(shape: str, quick: bool = False, wait_s: float | None = None) -> Section:
-    warmup, repeats = (1, 2) if quick else (2, 7)
-    wait_s = (0.0 if quick else WAIT_PER_CONFIG_S) if wait_s is None else wait_s
     spec, support = SHAPES[shape], bf16_support("cpu")
+    warmup, repeats = (1, 2) if quick else (2, spec.turns)
+    wait_s = (0.0 if quick else WAIT_PER_CONFIG_S) if wait_s is None else wait_s
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     busy, _ = wait_for_quiet(wait_s, log=log)
-    log(f"[bench]   bf16 {shape}: {len(CONFIGS if support.fast else FP32_CONFIGS)} configurations and the floor, interleaved (machine busy {busy:.0f}%)")
+    log(f"[bench]   bf16 {shape}: {len(CONFIGS if support.fast else FP32_CONFIGS)} configurations and the floor, each in a process of its own (machine busy {busy:.0f}%)")
     res = _run(shape, warmup, repeats)
     if res["floor_of"] != "qlora_bf16":  # a CPU without bf16 units: the fp32 rows only
         return fp32_only_section(shape, res, support, busy, warmup)
@@ -543,18 +588,15 @@ def run_shape(shape: str, quick: bool = False, wait_s: float | None = None) -> S
         "(attention: q·kᵀ and P·v as bf16 GEMMs, the softmax and its gradient in fp32 in C, "
         "`minigpt.native_attention`), the residual stream and "
         "norms in fp32, bf16 logits whose loss `minigpt.cross_entropy` computes in fp32 a few rows at a time; "
-        "glibc keeps what a step frees, `minituner.memory.heap.keep_freed_memory`, set when ours are built and so "
-        "for every row of this one process). "
+        "glibc keeps what a step frees and the forward trims the heap where much lies free in it, "
+        "`minituner.memory.heap`, both set when ours are built). "
         "PEFT + bitsandbytes in bf16: Linear4bit(compute_dtype=bf16) with the forward under torch.autocast('cpu', "
         "bf16), the rest of the model in fp32 or, as `from_pretrained(dtype=bfloat16)` loads it, in bf16 (NF4 "
         "quantized from the bf16 weights); its logits upcast to fp32 for the loss, as transformers' "
         "ForCausalLMLoss does; it runs our model code with Linear4bit swapped in, attending through SDPA's fused "
         "kernel as transformers' models do on CPU (an informational row gives it our attention instead); the goal "
         "compares ours with the faster of its two settings. "
-        f"All rows live in one process and are timed in {res['rounds']} interleaved rounds (each round calls every "
-        f"row once, in rotating order, right after {SETTLE_STEPS} untimed call(s) of the same row, so each timed "
-        f"step follows its own last step, as in training) after {warmup} warm-up round(s), so load from other "
-        f"processes falls on all rows alike. The floor: every matrix product of one QLoRA bf16 step ({res['products']} calls; dtypes "
+        f"{_PACED_NOTE.format(turns=res['rounds'], warmup=warmup)} The floor: every matrix product of one QLoRA bf16 step ({res['products']} calls; dtypes "
         f"{', '.join(res['product_dtypes'])}; attention's GEMMs among them, and the adapters' thin products, which "
         "minituner.native_lora runs in C where the CPU has AVX512-BF16), recorded with a TorchDispatchMode (the C calls by "
         "wrapping them) and replayed back to back on random "
@@ -627,9 +669,21 @@ def run_shape(shape: str, quick: bool = False, wait_s: float | None = None) -> S
     return _closing_notes(section, res, spec)
 
 
+_PACED_NOTE = (
+    "Every row, the floor too, runs in a subprocess of its own, all alive together, as a training run has its "
+    "process to itself (its heap; ours with build_for_training's allocator settings, PEFT's with glibc's "
+    "defaults): each built and warmed up ({warmup} step(s)) in turn, then timed in {turns} turns, each giving "
+    f"every row {SETTLE_STEPS} untimed step(s) and then one timed step, who goes first rotating and the rest "
+    "shuffled (paced.run_paced), so load from other processes falls on all rows alike.")
+
+
 def _closing_notes(section: Section, res: dict, spec: Shape) -> Section:
-    section.notes.append(f"torch threads: {res['threads']}; the subprocess that built and timed every row took "
-                         f"{fmt_seconds(res['wall_s'])}, peak RSS {res['peak_rss_mib'] / 1024:.1f} GiB")
+    peaks = res["peak_rss_mib"]
+    largest = max(peaks, key=peaks.get)
+    section.notes.append(f"torch threads: {res['threads']}; the section's subprocesses took {fmt_seconds(res['wall_s'])} "
+                         f"from the first start to the last result; peak RSS over the timed steps, by process: "
+                         + ", ".join(f"{r} {v / 1024:.1f} GiB" for r, v in peaks.items())
+                         + f" (the largest: {largest}; {sum(peaks.values()) / 1024:.1f} GiB summed)")
     if spec.note:
         section.notes.append(spec.note)
     return section
@@ -657,9 +711,7 @@ def fp32_only_section(shape: str, res: dict, support, busy: float, warmup: int) 
         f"that runs slower than its fp32 products ({timed}), so `finetune` refuses bf16 here and "
         "this section runs only the fp32 rows: ours LoRA and QLoRA (`precision=\"fp32\"`) and PEFT + "
         "bitsandbytes QLoRA with compute_dtype fp32 (our model code with Linear4bit swapped in, attending "
-        f"through SDPA). All rows live in one process and are timed in {res['rounds']} interleaved rounds (each "
-        f"round calls every row once, in rotating order, right after {SETTLE_STEPS} untimed call(s) of the same "
-        f"row) after {warmup} warm-up round(s). The floor: every matrix "
+        f"through SDPA). {_PACED_NOTE.format(turns=res['rounds'], warmup=warmup)} The floor: every matrix "
         f"product of one QLoRA fp32 step ({res['products']} calls; dtypes {', '.join(res['product_dtypes'])}; "
         "the frozen products through oneDNN's linear where minikernels.fp32_gemm chose it), recorded with a "
         "TorchDispatchMode and replayed back to back on random inputs of the same shapes and strides. 'profiled "
@@ -695,12 +747,12 @@ def fp32_only_section(shape: str, res: dict, support, busy: float, warmup: int) 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="every bf16-section configuration of one shape, as JSON on the last line")
+    parser = argparse.ArgumentParser(description="one row of a bf16 section (paced.serve), its result as JSON on the last line")
     parser.add_argument("--shape", default="gpt", choices=list(SHAPES))
+    parser.add_argument("--row", required=True, choices=[*CONFIGS, "floor"])
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=7)
     args = parser.parse_args(argv)
-    print(json.dumps(measure(args.shape, max(1, args.warmup), max(1, args.repeats))))
+    print(json.dumps(measure_row(args.shape, args.row, max(1, args.warmup))))
     return 0
 
 
