@@ -44,6 +44,7 @@ from . import native_attention, native_gelu, native_swiglu
 from .errors import InputError, check_config_values, check_known_fields
 from .kv_cache import KVCache, LayerKV, attention_mask
 from .model import head_rows
+from .residual import add_then_norm
 from .sampling import generate
 
 
@@ -293,8 +294,8 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
                 kv: LayerKV | None = None) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, kv)  # (B, T, C)
-        return x + self.mlp(self.post_attention_layernorm(x))  # (B, T, C)
+        x, h = add_then_norm(x, self.self_attn(self.input_layernorm(x), rope, kv), self.post_attention_layernorm)
+        return x + self.mlp(h)  # (B, T, C)
 
 
 class DecoderStack(nn.Module):

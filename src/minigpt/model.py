@@ -25,6 +25,7 @@ from torch.utils.checkpoint import checkpoint
 from . import native_attention, native_gelu
 from .errors import InputError, check_config_values, check_known_fields
 from .kv_cache import KVCache, LayerKV, attention_mask
+from .residual import add_then_norm
 from .sampling import generate
 
 ACTIVATIONS = {"gelu": "none", "gelu_tanh": "tanh"}  # name -> F.gelu(approximate=...)
@@ -127,8 +128,8 @@ class Block(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x: torch.Tensor, kv: LayerKV | None = None) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x), kv)
-        return x + self.mlp(self.ln_2(x))
+        x, h = add_then_norm(x, self.attn(self.ln_1(x), kv), self.ln_2)  # x + attn(ln_1(x)), ln_2 of it (B, T, C)
+        return x + self.mlp(h)
 
 
 class MiniGPT(nn.Module):

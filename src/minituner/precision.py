@@ -29,7 +29,9 @@ the dtype RoPE is applied in; the residual stream stays fp32):
   the probabilities rounded to bf16 for the product with v; elsewhere, and past its 1,024 tokens,
   ``scaled_dot_product_attention``'s fused kernel, which also keeps q·kᵀ in fp32), RoPE (``Decoder.compute_dtype``: cos and sin made in fp32, applied in bf16, as
   transformers does for a bf16 model), GELU / SwiGLU, and the projections back; ``x + f(x)`` adds the bf16
-  output into the fp32 stream (type promotion: fp32 result, no separate cast);
+  output into the fp32 stream (type promotion: fp32 result, no separate cast); in the middle of a block
+  (``minigpt.residual.add_then_norm``) the second norm does that add itself, in the same pass of C as the norm
+  (``add_and_norm``), and in backward hands the branch its bf16 gradient from that pass too;
 - a frozen head computes in bf16 and returns bf16 logits (it reads the final norm's bf16 output), as a
   transformers model in bf16 does; the loss (``minigpt.cross_entropy``) computes in fp32 a few rows at a time
   and hands back a bf16 gradient, so no (N, V) tensor is ever fp32. AdamW holds fp32 state for the fp32
@@ -109,6 +111,13 @@ class Bf16OutRMSNorm(RMSNorm):
             return native_norm.rms_norm_bf16(x, self.weight, self.eps)  # (..., C) bf16
         return super().forward(x).to(self._output_dtype)
 
+    def add_and_norm(self, x: torch.Tensor, branch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(x + branch, self(x + branch)) in one pass of C each way where it takes them (minigpt.residual); None:
+        not taken."""
+        if self._output_dtype == BF16 and native_norm.fits(x, self.weight) and native_norm.add_fits(x, branch):
+            return native_norm.add_rms_norm_bf16(x, branch, self.weight, self.eps)
+        return None
+
 
 class Bf16OutLayerNorm(nn.LayerNorm):
     """A LayerNorm computing in fp32 on the stream and handing out `_output_dtype` (bf16): one pass of C each way
@@ -121,6 +130,14 @@ class Bf16OutLayerNorm(nn.LayerNorm):
                 and native_norm.layer_norm_fits(x, self.weight, self.bias)):
             return native_norm.layer_norm_bf16(x, self.weight, self.bias, self.eps)  # (..., C) bf16
         return super().forward(x).to(self._output_dtype)
+
+    def add_and_norm(self, x: torch.Tensor, branch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(x + branch, self(x + branch)) in one pass of C each way where it takes them (minigpt.residual); None:
+        not taken."""
+        if (self._output_dtype == BF16 and len(self.normalized_shape) == 1
+                and native_norm.layer_norm_fits(x, self.weight, self.bias) and native_norm.add_fits(x, branch)):
+            return native_norm.add_layer_norm_bf16(x, branch, self.weight, self.bias, self.eps)
+        return None
 
 
 def _bf16_out_layernorm(m: nn.LayerNorm, dtype: torch.dtype) -> Bf16OutLayerNorm:

@@ -191,3 +191,79 @@ def test_bf16_compute_swaps_layer_norms_for_the_kernel():
     finally:
         native_norm.layer_norm_bf16 = real
     assert called == [1]
+
+
+# ---- the residual add fused in front of the norm (minigpt.residual.add_then_norm) ------------------------------
+
+
+def _add_norm_case(shape, layer_norm, seed=0):
+    x, weight, grad_y = _inputs(shape, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    branch = torch.randn(*shape, generator=g).to(torch.bfloat16)
+    bias = 0.1 * torch.randn(shape[-1], generator=g) if layer_norm else None
+    grad_sum = torch.randn(*shape, generator=g)
+    return x, branch, weight, bias, grad_sum, grad_y
+
+
+def _add_norm_run(fused, x, branch, weight, bias, grads, layer_norm):
+    """(sum, y, x's gradient, the branch's gradient), fused or as the add followed by the norm's own kernel."""
+    xr, br = x.clone().requires_grad_(), branch.clone().requires_grad_()
+    if fused:
+        s, y = (native_norm.add_layer_norm_bf16(xr, br, weight, bias, 1e-5) if layer_norm
+                else native_norm.add_rms_norm_bf16(xr, br, weight, 1e-5))
+    else:
+        s = xr + br
+        y = native_norm.layer_norm_bf16(s, weight, bias, 1e-5) if layer_norm else native_norm.rms_norm_bf16(s, weight, 1e-5)
+    outs, gs = zip(*[(t, g) for t, g in zip((s, y), grads) if g is not None])
+    torch.autograd.backward(outs, gs)
+    return s.detach(), y.detach(), xr.grad, br.grad
+
+
+@needs_kernels
+@pytest.mark.parametrize("layer_norm", [True, False], ids=["LayerNorm", "RMSNorm"])
+@pytest.mark.parametrize("shape", [(1, 5, 16), (2, 7, 17), (3, 64), (1, 33, 768)])  # each 16-lane tail
+@pytest.mark.parametrize("used", ["both", "sum only", "norm only"])
+def test_add_then_norm_gives_the_bits_of_the_add_and_the_norm(shape, layer_norm, used):
+    """The sum, the norm of it, and both gradients are those of PyTorch's add followed by the norm's kernel, bit for
+    bit, whichever of the two outputs the rest of the graph uses."""
+    x, branch, weight, bias, grad_sum, grad_y = _add_norm_case(shape, layer_norm, seed=shape[-1])
+    assert native_norm.add_fits(x, branch)
+    grads = (grad_sum if used != "norm only" else None, grad_y if used != "sum only" else None)
+    fused = _add_norm_run(True, x, branch, weight, bias, grads, layer_norm)
+    unfused = _add_norm_run(False, x, branch, weight, bias, grads, layer_norm)
+    assert [t.dtype for t in fused] == [torch.float32, torch.bfloat16, torch.float32, torch.bfloat16]
+    for a, b in zip(fused, unfused):
+        assert torch.equal(a, b)
+
+
+@needs_kernels
+@pytest.mark.parametrize("layer_norm", [True, False], ids=["LayerNorm", "RMSNorm"])
+def test_add_then_norm_nan_and_inf_as_the_unfused_ops(layer_norm):
+    x, branch, weight, bias, grad_sum, grad_y = _add_norm_case((4, 32), layer_norm)
+    x[1, 4] = float("nan")
+    branch[2, 0] = float("inf")
+    fused = _add_norm_run(True, x, branch, weight, bias, (grad_sum, grad_y), layer_norm)
+    unfused = _add_norm_run(False, x, branch, weight, bias, (grad_sum, grad_y), layer_norm)
+    for a, b in zip(fused, unfused):
+        assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a[~a.isnan()], b[~b.isnan()])
+    assert fused[1][1].isnan().all() and not fused[1][0].isnan().any()
+
+
+def test_add_fits_takes_a_bf16_branch_of_the_stream_shape():
+    x, _, _ = _inputs((2, 8))
+    branch = torch.zeros(2, 8, dtype=torch.bfloat16)
+    assert native_norm.add_fits(x, branch)
+    assert not native_norm.add_fits(x, branch.float())  # an fp32 branch: the plain add
+    assert not native_norm.add_fits(x, torch.zeros(8, 2, dtype=torch.bfloat16).t())  # not contiguous
+    assert not native_norm.add_fits(x, torch.zeros(1, 8, dtype=torch.bfloat16))  # broadcast: the plain add
+
+
+@needs_kernels
+def test_add_then_norm_saves_what_the_norm_alone_saves():
+    """The sum (the stream tensor the next add reads), one fp32 mean and one rstd per row; the add saves nothing."""
+    x, branch, weight, bias, _, _ = _add_norm_case((2, 6, 32), True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        s, _ = native_norm.add_layer_norm_bf16(x.requires_grad_(), branch.requires_grad_(), weight, bias, 1e-5)
+    sizes = sorted(t.untyped_storage().nbytes() for t in saved if t is not weight)
+    assert sizes == [12 * 4, 12 * 4, s.nbytes] and any(t is s for t in saved)
