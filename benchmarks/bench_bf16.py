@@ -23,6 +23,11 @@ back to back, on random inputs of the same layouts (in its own process: the mode
 timed in the same turns as the steps.
 Our attention's q·kᵀ and P·v are bf16 GEMMs (aten::bmm) and count among the products; its C softmax, and
 SDPA's fused kernel in the PEFT rows, are reported apart.
+The fixed cost of a step: FIXED_ROWS (ours QLoRA bf16, PEFT + bitsandbytes with the model in bf16) also run, in
+the same turns and processes of their own, on each shape's small variant (SMALL_SHAPES: the same layers, targets
+and rank at a small width, 16 tokens), whose arithmetic is next to nothing: what is left, Python, PyTorch's dispatch
+and autograd around each op and each kernel's call, is paid by a step of these layers at any width, and the floor
+goal says how much of our rest over the floor it is.
 On a CPU without bf16 units (minigpt.bf16_support) the bf16 goals are reported as not measurable here.
 """
 from __future__ import annotations
@@ -36,7 +41,7 @@ import sys
 import time
 from collections import Counter
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 from unittest import mock
@@ -76,6 +81,13 @@ SETTLE_STEPS = 1
 # page faults a step) against 214 ms for the same model without its trims (300 faults), medians of 10 interleaved
 # rounds with one settling step each (AMD EPYC, 2 cores, 2026-12-04); alone in its process it faults 7 pages a step.
 LR = 1e-4
+# The fixed cost of a step: FIXED_ROWS also run on the shape's small variant (SMALL_SHAPES: the same layers, targets
+# and rank at a small width, SMALL_TOKENS tokens), where the arithmetic is next to nothing and what is left is what a
+# step pays whatever its shape: Python, PyTorch's dispatch and autograd around each op, each kernel's call. The widths
+# keep every quantized weight at NF4's native size or more (miniquant.nf4.NATIVE_MIN_ELEMENTS), as at full size.
+SMALL_TOKENS = 16
+FIXED_SUFFIX = "@small"
+FIXED_ROWS = ("qlora_bf16", "peft_bnb_bf16_base")  # ours, and PEFT + bitsandbytes with the model in bf16
 
 
 @dataclass(frozen=True)
@@ -121,6 +133,29 @@ def llama_1b(n_layer: int, vocab: int | None = None, note: str = "") -> Shape:
         lambda: Decoder(cfg), cfg.vocab_size, 1, 512, LLAMA_TARGETS, rank=16, alpha=32.0, note=note)
 
 
+def small_gpt() -> Shape:
+    """The gpt shape's layers at d_model 128 (8 heads of 16, d_ff 512), batch 1 × 16 tokens: the same ops, next to
+    no arithmetic (the fixed cost of a step, FIXED_ROWS)."""
+    cfg = replace(bench_step.STACK, d_model=128, d_ff=0)
+    return Shape(f"MiniGPT d_model {cfg.d_model}, {cfg.n_layer} layers, {cfg.n_head} heads, vocab {cfg.vocab_size}; "
+                 f"batch 1 × {SMALL_TOKENS} tokens", lambda: MiniGPT(cfg), cfg.vocab_size, 1, SMALL_TOKENS,
+                 tuple(bench_step.TARGETS))
+
+
+def small_llama(n_layer: int) -> Shape:
+    """n_layer layers built as Llama-3.2-1B's (grouped-query attention, 4 heads of 64 over 1 K/V head; SwiGLU; RoPE
+    llama3; tied head) at d_model 256, d_ff 1,024, vocab 4,096, batch 1 × 16 tokens, LoRA r 16 as llama_1b: the same
+    ops, next to no arithmetic (the fixed cost of a step, FIXED_ROWS)."""
+    hf = {**real_checkpoints.SHAPES["llama-3.2-1b"], "num_hidden_layers": n_layer, "hidden_size": 256,
+          "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 64, "intermediate_size": 1024,
+          "vocab_size": 4096}
+    cfg = decoder_config_from_hf(hf)
+    return Shape(f"{n_layer} layer{'s' if n_layer > 1 else ''} built as Llama-3.2-1B's at d_model {cfg.d_model} "
+                 f"({cfg.n_head} heads, {cfg.n_kv_head} KV head, SwiGLU d_ff {cfg.d_ff}, vocab {cfg.vocab_size:,}); "
+                 f"batch 1 × {SMALL_TOKENS} tokens", lambda: Decoder(cfg), cfg.vocab_size, 1, SMALL_TOKENS,
+                 LLAMA_TARGETS, rank=16, alpha=32.0)
+
+
 SHAPES: dict[str, Shape] = {
     "gpt": Shape(
         f"MiniGPT d_model {bench_step.STACK.d_model}, {bench_step.STACK.n_layer} layers, {bench_step.STACK.n_head} "
@@ -131,6 +166,9 @@ SHAPES: dict[str, Shape] = {
     # the quick run's stand-in: the same code path in seconds
     "llama-1b-tiny": llama_1b(1, vocab=8192, note="a smoke-run stand-in for the llama-1b shape: 1 layer, vocab 8,192"),
 }
+# each bench shape's small variant: the same layers and LoRA at a small width, 16 tokens (FIXED_ROWS)
+SMALL_SHAPES: dict[str, Callable[[], Shape]] = {"gpt": small_gpt, "llama-1b": lambda: small_llama(LLAMA_LAYERS),
+                                                "llama-1b-tiny": lambda: small_llama(1)}
 BENCH_SHAPES = ("gpt", "llama-1b")  # a section each, in this order
 QUICK_SHAPES = ("gpt", "llama-1b-tiny")
 
@@ -498,6 +536,8 @@ def measure_row(shape_name: str, row: str, warmup: int) -> dict:
     from paced import serve
 
     shape = SHAPES[shape_name]
+    if row.endswith(FIXED_SUFFIX):  # a FIXED_ROWS configuration on the shape's small variant
+        shape, row = SMALL_SHAPES[shape_name](), row.removesuffix(FIXED_SUFFIX)
     x, y = _batch(shape)
     # without bf16 units a bf16 step takes many times an fp32 one: only the fp32 rows run, their products form the
     # floor, and bf16_cost times them in bf16 against fp32, to show what bf16 costs here
@@ -540,9 +580,11 @@ def measure_row(shape_name: str, row: str, warmup: int) -> dict:
 def _run(shape: str, warmup: int, repeats: int) -> dict:
     """Every row of the shape in a subprocess of its own, all alive together, their timed steps alternating
     (paced.run_paced); the rows' results gathered."""
-    configs = rows(bf16_support("cpu").fast)
+    bf16 = bf16_support("cpu").fast
+    configs = rows(bf16)
+    fixed = [r + FIXED_SUFFIX for r in FIXED_ROWS] if bf16 else []
     children = {r: ([sys.executable, str(Path(__file__).resolve()), "--shape", shape, "--row", r, "--warmup",
-                     str(warmup)], None) for r in (*configs, "floor")}
+                     str(warmup)], None) for r in (*configs, "floor", *fixed)}
     t0 = time.perf_counter()
     results = run_paced(children, turns=repeats, warm=SETTLE_STEPS, timeout_s=3600)
     wall = time.perf_counter() - t0
@@ -616,6 +658,7 @@ def run_shape(shape: str, quick: bool = False, wait_s: float | None = None) -> S
                          " / ".join(["100%"] + ["–"] * (len(GROUPS) - 1)),
                          ""])
     peft_best = min(PEFT_BF16, key=lambda c: t[c])
+    fixed = {r: t[r + FIXED_SUFFIX] for r in FIXED_ROWS}  # the small variants' medians
     q = res["groups"]["qlora_bf16"]
     rest = t["qlora_bf16"] - floor
     products_in_step = q.get("matrix products", 0.0)
@@ -639,7 +682,9 @@ def run_shape(shape: str, quick: bool = False, wait_s: float | None = None) -> S
              measurable=support.fast),
         Goal(f"bf16 step ({shape}): ours QLoRA / its matrix products alone", t["qlora_bf16"] / floor, VS_FLOOR_GOAL,
              False,
-             f"{not_here}the rest, {fmt_seconds(rest)} a step: the step's products themselves take "
+             f"{not_here}the rest, {fmt_seconds(rest)} a step: {fmt_seconds(fixed['qlora_bf16'])} of it the fixed cost "
+             f"of any step of these layers (the same configuration at a small width and {SMALL_TOKENS} tokens, see "
+             "the notes: Python, dispatch and autograd around each op); the step's products themselves take "
              f"{'longer than' if products_in_step > products_replayed else 'no longer than'} replayed "
              f"({fmt_seconds(products_in_step)} in one profiled step against {fmt_seconds(products_replayed)} for "
              "the replay profiled the same way, which reruns each product on the same operands back to back, so "
@@ -661,7 +706,16 @@ def run_shape(shape: str, quick: bool = False, wait_s: float | None = None) -> S
              "the finite-output guards QLoRA adds (build_for_training)",
              measurable=support.fast),
     ]
+    small = SMALL_SHAPES[shape]()
     section.notes += [
+        f"The fixed cost of a step: ours QLoRA bf16 and PEFT + bitsandbytes ({PEFT_SETTING[FIXED_ROWS[1]]}) on the "
+        f"shape made small ({small.describe}; the same layers, targets and rank: the same ops, every NF4 weight "
+        "dequantized by the C kernel as at full size, next to no arithmetic), timed in the same turns, each in a process "
+        f"of its own: ours {fmt_seconds(fixed['qlora_bf16'])}, PEFT + bitsandbytes {fmt_seconds(fixed[FIXED_ROWS[1]])} "
+        "a step. That is what a step of these layers pays whatever its width: Python, PyTorch's dispatch and "
+        "autograd around each op, and each kernel's call (a large call also hands work to a second thread, which "
+        f"these small ones do not: a lower bound). Ours: {100 * fixed['qlora_bf16'] / rest:.0f}% of its rest over "
+        f"the floor ({fmt_seconds(rest)}).",
         f"bf16 over fp32, same run: ours LoRA {fmt_ratio(t['lora_fp32'] / t['lora_bf16'])} faster, ours QLoRA "
         f"{fmt_ratio(t['qlora_fp32'] / t['qlora_bf16'])}, PEFT + bitsandbytes "
         f"{fmt_ratio(t['peft_bnb_fp32'] / t[peft_best])} (its faster bf16 setting)",
@@ -749,7 +803,7 @@ def fp32_only_section(shape: str, res: dict, support, busy: float, warmup: int) 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="one row of a bf16 section (paced.serve), its result as JSON on the last line")
     parser.add_argument("--shape", default="gpt", choices=list(SHAPES))
-    parser.add_argument("--row", required=True, choices=[*CONFIGS, "floor"])
+    parser.add_argument("--row", required=True, choices=[*CONFIGS, "floor", *(r + FIXED_SUFFIX for r in FIXED_ROWS)])
     parser.add_argument("--warmup", type=int, default=2)
     args = parser.parse_args(argv)
     print(json.dumps(measure_row(args.shape, args.row, max(1, args.warmup))))
