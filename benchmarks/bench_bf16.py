@@ -615,7 +615,9 @@ def run_shape(shape: str, quick: bool = False, wait_s: float | None = None) -> S
     wait_s = (0.0 if quick else WAIT_PER_CONFIG_S) if wait_s is None else wait_s
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     busy, _ = wait_for_quiet(wait_s, log=log)
-    log(f"[bench]   bf16 {shape}: {len(CONFIGS if support.fast else FP32_CONFIGS)} configurations and the floor, each in a process of its own (machine busy {busy:.0f}%)")
+    small = f", {len(FIXED_ROWS)} of them made small" if support.fast else ""
+    log(f"[bench]   bf16 {shape}: {len(CONFIGS if support.fast else FP32_CONFIGS)} configurations and the floor{small}, "
+        f"each in a process of its own (machine busy {busy:.0f}%)")
     res = _run(shape, warmup, repeats)
     if res["floor_of"] != "qlora_bf16":  # a CPU without bf16 units: the fp32 rows only
         return fp32_only_section(shape, res, support, busy, warmup)
