@@ -324,37 +324,25 @@ class NormKernels:
     """The compiled kernels, rows split across threads."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
-        i64, ptr = ctypes.c_int64, ctypes.c_void_p
-        self._forward = lib.rms_forward
-        self._forward.argtypes = [ptr, ptr, i64, ctypes.c_float, i64, i64, ptr, ptr]
-        self._forward.restype = None
-        self._forward_parallel = parallel_entry(lib, self._forward)  # over OpenMP's threads
-        self._backward = lib.rms_backward
-        self._backward.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, ptr]
-        self._backward.restype = None
-        self._backward_parallel = parallel_entry(lib, self._backward)  # over OpenMP's threads
-        self._ln_forward = lib.ln_forward
-        self._ln_forward.argtypes = [ptr, ptr, ptr, i64, ctypes.c_float, i64, i64, ptr, ptr, ptr]
-        self._ln_forward.restype = None
-        self._ln_forward_parallel = parallel_entry(lib, self._ln_forward)
-        self._ln_backward = lib.ln_backward
-        self._ln_backward.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, ptr]
-        self._ln_backward.restype = None
-        self._ln_backward_parallel = parallel_entry(lib, self._ln_backward)
-        f32 = ctypes.c_float
-        self._add = {}  # the residual add fused with each norm: name -> (function, its OpenMP entry)
-        for name, argtypes in (("rms_add_forward", [ptr, ptr, ptr, i64, f32, i64, i64, ptr, ptr, ptr]),
+        i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+        self._kernels = {}  # name -> (the C function over rows [r0, r1), its entry over OpenMP's threads)
+        for name, argtypes in (("rms_forward", [ptr, ptr, i64, f32, i64, i64, ptr, ptr]),
+                               ("rms_backward", [ptr, ptr, ptr, ptr, i64, i64, i64, ptr]),
+                               ("ln_forward", [ptr, ptr, ptr, i64, f32, i64, i64, ptr, ptr, ptr]),
+                               ("ln_backward", [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, ptr]),
+                               # the residual add fused with each norm
+                               ("rms_add_forward", [ptr, ptr, ptr, i64, f32, i64, i64, ptr, ptr, ptr]),
                                ("ln_add_forward", [ptr, ptr, ptr, ptr, i64, f32, i64, i64, ptr, ptr, ptr, ptr]),
                                ("rms_add_backward", [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, ptr, ptr]),
                                ("ln_add_backward", [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, ptr, ptr])):
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = argtypes, None
-            self._add[name] = fn, parallel_entry(lib, fn)
+            self._kernels[name] = fn, parallel_entry(lib, fn)
         self._threads = ThreadSplit("minigpt-norm", openmp=bool(lib.mk_openmp()))
 
     def _rows(self, name: str, n: int, c: int, head: tuple, tail: tuple) -> None:
         """Run kernel `name`(*head, r0, r1, *tail) over n rows of c values, split across threads."""
-        fn, parallel = self._add[name]
+        fn, parallel = self._kernels[name]
         self._threads.run(n, c, lambda r0, r1: fn(*head, r0, r1, *tail), MIN_VALUES_PER_THREAD, CHUNK_VALUES,
                           lambda r0, r1, k, t: parallel(*head, r0, r1, *tail, k, t))
 
@@ -363,19 +351,15 @@ class NormKernels:
         n, c = x.shape
         y = torch.empty(n, c, dtype=torch.bfloat16)
         rstd = torch.empty(n, dtype=torch.float32)
-        args = (x.data_ptr(), weight.data_ptr(), c, eps)
-        tail = (y.data_ptr(), rstd.data_ptr())
-        self._threads.run(n, c, lambda r0, r1: self._forward(*args, r0, r1, *tail), MIN_VALUES_PER_THREAD,
-                          CHUNK_VALUES, lambda r0, r1, k, t: self._forward_parallel(*args, r0, r1, *tail, k, t))
+        self._rows("rms_forward", n, c, (x.data_ptr(), weight.data_ptr(), c, eps), (y.data_ptr(), rstd.data_ptr()))
         return y, rstd
 
     def backward(self, gy: Tensor, x: Tensor, weight: Tensor, rstd: Tensor) -> Tensor:
         """gy (N, C) bf16, x (N, C) fp32 (both contiguous), rstd (N,) -> grad_x (N, C) fp32."""
         n, c = x.shape
         gx = torch.empty(n, c, dtype=torch.float32)
-        args = (gy.data_ptr(), x.data_ptr(), weight.data_ptr(), rstd.data_ptr(), c)
-        self._threads.run(n, c, lambda r0, r1: self._backward(*args, r0, r1, gx.data_ptr()), MIN_VALUES_PER_THREAD,
-                          CHUNK_VALUES, lambda r0, r1, k, t: self._backward_parallel(*args, r0, r1, gx.data_ptr(), k, t))
+        self._rows("rms_backward", n, c, (gy.data_ptr(), x.data_ptr(), weight.data_ptr(), rstd.data_ptr(), c),
+                   (gx.data_ptr(),))
         return gx
 
     def layer_norm_forward(self, x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float
@@ -384,22 +368,17 @@ class NormKernels:
         n, c = x.shape
         y = torch.empty(n, c, dtype=torch.bfloat16)
         mean, rstd = torch.empty(n, dtype=torch.float32), torch.empty(n, dtype=torch.float32)
-        args = (x.data_ptr(), _ptr(weight), _ptr(bias), c, eps)
-        tail = (y.data_ptr(), mean.data_ptr(), rstd.data_ptr())
-        self._threads.run(n, c, lambda r0, r1: self._ln_forward(*args, r0, r1, *tail), MIN_VALUES_PER_THREAD,
-                          CHUNK_VALUES, lambda r0, r1, k, t: self._ln_forward_parallel(*args, r0, r1, *tail, k, t))
+        self._rows("ln_forward", n, c, (x.data_ptr(), _ptr(weight), _ptr(bias), c, eps),
+                   (y.data_ptr(), mean.data_ptr(), rstd.data_ptr()))
         return y, mean, rstd
 
     def layer_norm_backward(self, gy: Tensor, x: Tensor, weight: Tensor | None, mean: Tensor, rstd: Tensor) -> Tensor:
         """gy (N, C) bf16, x (N, C) fp32 (both contiguous), mean and rstd (N,) -> grad_x (N, C) fp32."""
         n, c = x.shape
         gx = torch.empty(n, c, dtype=torch.float32)
-        args = (gy.data_ptr(), x.data_ptr(), _ptr(weight), mean.data_ptr(), rstd.data_ptr(), c)
-        self._threads.run(n, c, lambda r0, r1: self._ln_backward(*args, r0, r1, gx.data_ptr()), MIN_VALUES_PER_THREAD,
-                          CHUNK_VALUES,
-                          lambda r0, r1, k, t: self._ln_backward_parallel(*args, r0, r1, gx.data_ptr(), k, t))
+        head = (gy.data_ptr(), x.data_ptr(), _ptr(weight), mean.data_ptr(), rstd.data_ptr(), c)
+        self._rows("ln_backward", n, c, head, (gx.data_ptr(),))
         return gx
-
 
     def add_forward(self, x: Tensor, branch: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float,
                     layer_norm: bool) -> tuple[Tensor, ...]:
