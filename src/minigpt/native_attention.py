@@ -77,64 +77,111 @@ static void fill_nan(uint16_t* row, int64_t lo, int64_t hi, int64_t T) {
     for (int64_t j = 0; j < T; j++) row[j] = j >= lo && j < hi ? 0x7FC0 : 0;
 }
 
+#ifdef __AVX512F__
+/* the n < 16 bf16 values at src in lanes [0, n) as fp32, 0 in the others: a masked load where the CPU has
+   AVX512-BW (a copy into TAIL16's zero-padded block, read back at once, stalls on store forwarding) */
+static inline __m512 load_tail16(const uint16_t* src, int64_t n) {
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+    __m256i h = _mm256_maskz_loadu_epi16((__mmask16)((1u << n) - 1u), src);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+#else
+    TAIL16(n, src, block);
+    return load16(block);
+#endif
+}
+
+/* lanes [0, n) of v to bf16 at dst, rounded as store16 rounds; the others not written */
+static inline void store_tail16(uint16_t* dst, int64_t n, __m512 v) {
+    uint16_t block[16];
+    store16(block, v);
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+    _mm256_mask_storeu_epi16(dst, (__mmask16)((1u << n) - 1u), _mm256_loadu_si256((const __m256i*)block));
+#else
+    memcpy(dst, block, (size_t)n * 2);
+#endif
+}
+#endif
+
 /* Rows [r0, r1) of s (bf16 scores, rows `ld` apart, T keys each; row r is query r mod T): overwrite each row
    with P = softmax(s·scale) over its visible keys, 0 elsewhere, in bf16. have_lse = 0: compute each row's
-   logsumexp (of s·scale) into lse[r]; 1: take lse[r] as given (the backward's recomputation). */
+   logsumexp (of s·scale) into lse[r]; 1: take lse[r] as given (the backward's recomputation). On AVX-512 a row's
+   last n < 16 visible keys go through the 16-lane code too (load_tail16): a causal row is on average half a
+   vector longer than a multiple of 16, and at 128 keys the scalar remainder took about half the kernel's time. */
 void attn_softmax(uint16_t* s, int64_t ld, int64_t T, int64_t window, float scale, int64_t r0, int64_t r1,
                   float* lse, int have_lse) {
-    for (int64_t r = r0; r < r1; r++) {
+    for (int64_t r = r0, t = r0 % T; r < r1; r++, t = t + 1 == T ? 0 : t + 1) {
         uint16_t* row = s + r * ld;
         int64_t lo, hi;
-        visible(r % T, window, &lo, &hi);
+        visible(t, window, &lo, &hi);
+        uint16_t* v = row + lo;  /* the n scores query t sees */
+        int64_t n = hi - lo, j = 0;
+#ifdef __AVX512F__
+        int64_t tail = n % 16;
+        __mmask16 tm = (__mmask16)((1u << tail) - 1u);  /* the tail's lanes */
+        __m512 sb = _mm512_set1_ps(scale);
+#endif
         if (!have_lse) {
             float m = -INFINITY;
             int bad = 0;
-            int64_t j = lo;
 #ifdef __AVX512F__
-            __m512 mv = _mm512_set1_ps(-INFINITY), sb = _mm512_set1_ps(scale);
+            __m512 mv = _mm512_set1_ps(-INFINITY);
             __mmask16 odd = 0;  /* lanes that saw NaN or inf */
-            for (; j + 16 <= hi; j += 16) {
-                __m512 x = _mm512_mul_ps(load16(row + j), sb);
+            for (; j + 16 <= n; j += 16) {
+                __m512 x = _mm512_mul_ps(load16(v + j), sb);
                 odd |= _mm512_cmp_ps_mask(_mm512_sub_ps(x, x), _mm512_setzero_ps(), _CMP_NEQ_UQ);
                 mv = _mm512_max_ps(mv, x);
             }
+            if (tail) {
+                __m512 x = _mm512_mul_ps(load_tail16(v + j, tail), sb);
+                odd |= _mm512_mask_cmp_ps_mask(tm, _mm512_sub_ps(x, x), _mm512_setzero_ps(), _CMP_NEQ_UQ);
+                mv = _mm512_mask_max_ps(mv, tm, mv, x);
+            }
             m = _mm512_reduce_max_ps(mv);
             bad = odd != 0;
+            j = n;
 #endif
-            for (; j < hi; j++) {
-                float x = f32_from_bf16(row[j]) * scale;
+            for (; j < n; j++) {
+                float x = f32_from_bf16(v[j]) * scale;
                 if (!isfinite(x)) bad = 1;
                 if (x > m) m = x;
             }
             if (bad) { fill_nan(row, lo, hi, T); lse[r] = NAN; continue; }
             /* exp(x - m) once per key into e, summed; then P = e / Σ, rounded to bf16 */
-            float e[hi - lo + 16], sum = 0.0f;
-            j = lo;
+            float e[n + 16], sum = 0.0f;
+            j = 0;
 #ifdef __AVX512F__
             __m512 s0 = _mm512_setzero_ps(), s1 = s0, mb = _mm512_set1_ps(m);
-            for (; j + 32 <= hi; j += 32) {
-                __m512 e0 = exp16(_mm512_sub_ps(_mm512_mul_ps(load16(row + j), sb), mb));
-                __m512 e1 = exp16(_mm512_sub_ps(_mm512_mul_ps(load16(row + j + 16), sb), mb));
-                _mm512_storeu_ps(e + (j - lo), e0); _mm512_storeu_ps(e + (j - lo) + 16, e1);
+            for (; j + 32 <= n; j += 32) {
+                __m512 e0 = exp16(_mm512_sub_ps(_mm512_mul_ps(load16(v + j), sb), mb));
+                __m512 e1 = exp16(_mm512_sub_ps(_mm512_mul_ps(load16(v + j + 16), sb), mb));
+                _mm512_storeu_ps(e + j, e0); _mm512_storeu_ps(e + j + 16, e1);
                 s0 = _mm512_add_ps(s0, e0); s1 = _mm512_add_ps(s1, e1);
             }
-            for (; j + 16 <= hi; j += 16) {
-                __m512 e0 = exp16(_mm512_sub_ps(_mm512_mul_ps(load16(row + j), sb), mb));
-                _mm512_storeu_ps(e + (j - lo), e0);
+            for (; j + 16 <= n; j += 16) {
+                __m512 e0 = exp16(_mm512_sub_ps(_mm512_mul_ps(load16(v + j), sb), mb));
+                _mm512_storeu_ps(e + j, e0);
                 s0 = _mm512_add_ps(s0, e0);
             }
+            if (tail) {  /* (the padding lanes' exp is neither summed nor stored into P) */
+                __m512 e0 = exp16(_mm512_sub_ps(_mm512_mul_ps(load_tail16(v + j, tail), sb), mb));
+                _mm512_storeu_ps(e + j, e0);
+                s1 = _mm512_mask_add_ps(s1, tm, s1, e0);
+            }
             sum = _mm512_reduce_add_ps(_mm512_add_ps(s0, s1));
+            j = n;
 #endif
-            for (; j < hi; j++) { e[j - lo] = exp_nonpos(f32_from_bf16(row[j]) * scale - m); sum += e[j - lo]; }
+            for (; j < n; j++) { e[j] = exp_nonpos(f32_from_bf16(v[j]) * scale - m); sum += e[j]; }
             lse[r] = m + logf(sum);
             float inv = 1.0f / sum;
             memset(row, 0, (size_t)lo * 2);
-            j = lo;
+            j = 0;
 #ifdef __AVX512F__
             __m512 ib = _mm512_set1_ps(inv);
-            for (; j + 16 <= hi; j += 16) store16(row + j, _mm512_mul_ps(_mm512_loadu_ps(e + (j - lo)), ib));
+            for (; j + 16 <= n; j += 16) store16(v + j, _mm512_mul_ps(_mm512_loadu_ps(e + j), ib));
+            if (tail) store_tail16(v + j, tail, _mm512_mul_ps(_mm512_loadu_ps(e + j), ib));
+            j = n;
 #endif
-            for (; j < hi; j++) row[j] = bf16_from_f32(e[j - lo] * inv);
+            for (; j < n; j++) v[j] = bf16_from_f32(e[j] * inv);
             memset(row + hi, 0, (size_t)(T - hi) * 2);
             continue;
         }
@@ -142,48 +189,61 @@ void attn_softmax(uint16_t* s, int64_t ld, int64_t T, int64_t window, float scal
         float l = lse[r];
         if (!isfinite(l)) { fill_nan(row, lo, hi, T); continue; }
         memset(row, 0, (size_t)lo * 2);
-        int64_t j = lo;
 #ifdef __AVX512F__
-        __m512 lb = _mm512_set1_ps(l), sc = _mm512_set1_ps(scale);
-        for (; j + 16 <= hi; j += 16) {
-            __m512 x = _mm512_min_ps(_mm512_sub_ps(_mm512_mul_ps(load16(row + j), sc), lb), _mm512_setzero_ps());
-            store16(row + j, exp16(x));
-        }
+        __m512 lb = _mm512_set1_ps(l), zero = _mm512_setzero_ps();
+        for (; j + 16 <= n; j += 16)
+            store16(v + j, exp16(_mm512_min_ps(_mm512_sub_ps(_mm512_mul_ps(load16(v + j), sb), lb), zero)));
+        if (tail)
+            store_tail16(v + j, tail,
+                         exp16(_mm512_min_ps(_mm512_sub_ps(_mm512_mul_ps(load_tail16(v + j, tail), sb), lb), zero)));
+        j = n;
 #endif
-        for (; j < hi; j++) {
-            float x = f32_from_bf16(row[j]) * scale - l;
-            row[j] = bf16_from_f32(exp_nonpos(x < 0.0f ? x : 0.0f));
+        for (; j < n; j++) {
+            float x = f32_from_bf16(v[j]) * scale - l;
+            v[j] = bf16_from_f32(exp_nonpos(x < 0.0f ? x : 0.0f));
         }
         memset(row + hi, 0, (size_t)(T - hi) * 2);
     }
 }
 
 /* Rows [r0, r1): dp[r, j] = p[r, j]·(dp[r, j] - D)·scale over the visible keys, 0 elsewhere (bf16, in place),
-   with D = Σ_j p[r, j]·dp[r, j] over the same keys in fp32 (softmax's backward: each row of dS sums to 0) */
+   with D = Σ_j p[r, j]·dp[r, j] over the same keys in fp32 (softmax's backward: each row of dS sums to 0); the
+   last n < 16 keys through the 16-lane code, as in attn_softmax */
 void attn_softmax_grad(const uint16_t* p, uint16_t* dp, int64_t ld, int64_t T, int64_t window, float scale,
                        int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; r++) {
-        const uint16_t* pr = p + r * ld;
-        uint16_t* g = dp + r * ld;
+    for (int64_t r = r0, t = r0 % T; r < r1; r++, t = t + 1 == T ? 0 : t + 1) {
         int64_t lo, hi;
-        visible(r % T, window, &lo, &hi);
+        visible(t, window, &lo, &hi);
+        const uint16_t* pv = p + r * ld + lo;
+        uint16_t* g = dp + r * ld;
+        uint16_t* gv = g + lo;
+        int64_t n = hi - lo, j = 0;
         float d = 0.0f;
-        int64_t j = lo;
 #ifdef __AVX512F__
+        int64_t tail = n % 16;
         __m512 acc = _mm512_setzero_ps();
-        for (; j + 16 <= hi; j += 16) acc = _mm512_add_ps(acc, _mm512_mul_ps(load16(pr + j), load16(g + j)));
+        for (; j + 16 <= n; j += 16) acc = _mm512_add_ps(acc, _mm512_mul_ps(load16(pv + j), load16(gv + j)));
+        if (tail)
+            acc = _mm512_mask_add_ps(acc, (__mmask16)((1u << tail) - 1u), acc,
+                                     _mm512_mul_ps(load_tail16(pv + j, tail), load_tail16(gv + j, tail)));
         d = _mm512_reduce_add_ps(acc);
+        j = n;
 #endif
-        for (; j < hi; j++) d += f32_from_bf16(pr[j]) * f32_from_bf16(g[j]);
+        for (; j < n; j++) d += f32_from_bf16(pv[j]) * f32_from_bf16(gv[j]);
         memset(g, 0, (size_t)lo * 2);
-        j = lo;
+        j = 0;
 #ifdef __AVX512F__
         __m512 db = _mm512_set1_ps(d), sb = _mm512_set1_ps(scale);
-        for (; j + 16 <= hi; j += 16)
-            store16(g + j, _mm512_mul_ps(_mm512_mul_ps(load16(pr + j), _mm512_sub_ps(load16(g + j), db)), sb));
+        for (; j + 16 <= n; j += 16)
+            store16(gv + j, _mm512_mul_ps(_mm512_mul_ps(load16(pv + j), _mm512_sub_ps(load16(gv + j), db)), sb));
+        if (tail) {
+            __m512 pt = load_tail16(pv + j, tail), gt = load_tail16(gv + j, tail);
+            store_tail16(gv + j, tail, _mm512_mul_ps(_mm512_mul_ps(pt, _mm512_sub_ps(gt, db)), sb));
+        }
+        j = n;
 #endif
-        for (; j < hi; j++)
-            g[j] = bf16_from_f32((f32_from_bf16(pr[j]) * (f32_from_bf16(g[j]) - d)) * scale);
+        for (; j < n; j++)
+            gv[j] = bf16_from_f32((f32_from_bf16(pv[j]) * (f32_from_bf16(gv[j]) - d)) * scale);
         memset(g + hi, 0, (size_t)(T - hi) * 2);
     }
 }
