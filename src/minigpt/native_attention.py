@@ -106,7 +106,7 @@ static inline void store_tail16(uint16_t* dst, int64_t n, __m512 v) {
    with P = softmax(s·scale) over its visible keys, 0 elsewhere, in bf16. have_lse = 0: compute each row's
    logsumexp (of s·scale) into lse[r]; 1: take lse[r] as given (the backward's recomputation). On AVX-512 a row's
    last n < 16 visible keys go through the 16-lane code too (load_tail16): a causal row is on average half a
-   vector longer than a multiple of 16, and at 128 keys the scalar remainder took about half the kernel's time. */
+   vector longer than a multiple of 16, and at 128 keys the scalar remainder took about a third of the time. */
 void attn_softmax(uint16_t* s, int64_t ld, int64_t T, int64_t window, float scale, int64_t r0, int64_t r1,
                   float* lse, int have_lse) {
     for (int64_t r = r0, t = r0 % T; r < r1; r++, t = t + 1 == T ? 0 : t + 1) {

@@ -171,6 +171,33 @@ def test_a_build_without_avx512_is_not_used(tmp_path, monkeypatch):
     assert lib.attn_vectorized() == 0 and native_attention._usable(lib) is None
 
 
+@needs_kernels
+def test_a_build_without_avx512_bw_gives_the_same_bits(tmp_path, monkeypatch):
+    """A row's last n < 16 keys go through the 16-lane code either way: with AVX512-BW's masked loads and stores
+    (this build, where the CPU has them) or through TAIL16's zero-padded block (a build without them): the same
+    P, logsumexp and dS to the bit, for every tail length."""
+    compiler = find_compiler()
+    monkeypatch.setenv("MINIQUANT_CACHE", str(tmp_path))
+    path = build_library("bf16_attention_no_bw", native_attention._SOURCE,
+                         native_attention.CFLAGS + ["-mno-avx512bw", "-mno-avx512vl"], compiler, native_attention.LIBS)
+    other = native_attention._usable(ctypes.CDLL(str(path)))
+    assert other is not None  # still AVX-512F: vectorized
+    T = 37  # rows of 1 to 37 visible keys: every tail from 0 to 15
+    g = torch.Generator().manual_seed(3)
+    s = (torch.randn(2, 2 * T, T, generator=g) * 8).bfloat16()
+    dp = torch.randn(2, 2 * T, T, generator=g).bfloat16()
+    for window in (0, 5):
+        results = []
+        for lib in (kernels, other):
+            p, lse, again, ds = s.clone(), torch.empty(4 * T), s.clone(), dp.clone()
+            lib.softmax_(p, T, window, 0.125, lse, have_lse=False)
+            lib.softmax_(again, T, window, 0.125, lse, have_lse=True)
+            lib.softmax_grad_(p, ds, T, window, 0.125)
+            results.append((p, lse, again, ds))
+        for a, b in zip(*results):
+            assert torch.equal(a, b)
+
+
 def _grad_fn_names(y):
     seen, todo = set(), [y.grad_fn]
     while todo:
