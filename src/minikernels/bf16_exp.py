@@ -5,12 +5,12 @@
 exp is computed as Cephes' expf does (x = n·ln2 + r with |r| <= ln2/2, a degree-7 polynomial in r, times
 2^n, its multiply-adds fused), to about 1 unit in the last place of fp32, on AVX-512 16 values at a time
 (``exp16``) and in plain C (``exp_nonpos``, its fused multiply-adds written as fmaf) with the same operations:
-built with -ffp-contract=off (the compiler fuses nothing of its own), both give the same bits. (Fused, the
-polynomial is 13 operations a vector instead of 21: the attention softmax's recomputation took 23% less time.) Inputs below -87.34 give 0 (fp32 denormals are not produced). bf16 is rounded to nearest even, NaN
-to 0x7FC0 (PyTorch's rule). ``TAIL16`` sends a kernel's last n < 16 values through the same 16-lane code (a
-zero-padded copy), so a value's bits do not depend on where it sits or how the threads split the tensor, and
-a short row costs one more vector, not up to 15 scalar evaluations. Used by ``minigpt.native_loss`` and
-``minigpt.native_attention``, and for its bf16 conversions by ``minituner.native_lora``.
+built with -ffp-contract=off (the compiler fuses nothing of its own), both give the same bits. Fused, exp16 is
+13 vector operations instead of 21 (single-threaded, the attention softmax's recomputation took 23% less time).
+Inputs below -87.34 give 0 (fp32 denormals are not produced). bf16 is rounded to nearest even, NaN to 0x7FC0
+(PyTorch's rule). ``TAIL16`` sends a kernel's last n < 16 values through the same 16-lane code (a zero-padded
+copy), so a value's bits do not depend on where it sits or how the threads split the tensor. Used by
+``minigpt.native_loss`` and ``minigpt.native_attention``, and for its bf16 conversions by ``minituner.native_lora``.
 
 ``BF16_SIGMOID_C`` (after BF16_EXP_C) adds σ(x) on 16 lanes (a shorter exp with fused multiply-adds, about 2e-6
 relative, ample for a bf16 result) and the bf16 stores of the activation kernels, ``minigpt.native_swiglu`` and
