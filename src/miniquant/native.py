@@ -42,6 +42,12 @@ CHUNK_VALUES = 1 << 18  # threads take work in chunks of this many values, as th
 CFLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-ffp-contract=off", "-fno-fast-math", "-std=gnu11"]
 # dtype codes shared with the C source
 _DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_FLOAT32_MAX = torch.finfo(torch.float32).max
+
+
+def _float32_contiguous(t: Tensor) -> Tensor:
+    """t itself when it is already contiguous float32 (no op called), else a contiguous float32 copy."""
+    return t if t.dtype == torch.float32 and t.is_contiguous() else t.contiguous().float()
 
 _SOURCE = OPENMP_PRELUDE + r"""
 #include <stdint.h>
@@ -209,7 +215,7 @@ static inline __attribute__((always_inline)) void quantize_block_avx512(const vo
 }
 
 static inline __attribute__((always_inline)) void dequantize_block_avx512(const uint8_t* p, float s, int64_t bs, __m512 table, void* out, int dtype,
-                                    int64_t first) {
+                                    int64_t first, int stream) {
     const __m512 sv = _mm512_set1_ps(s);
     const __m512i even = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
     const __m512i odd = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
@@ -218,8 +224,14 @@ static inline __attribute__((always_inline)) void dequantize_block_avx512(const 
         __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(p + i)));
         __m512 high = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table), sv);
         __m512 low = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(15)), table), sv);
-        store16(out, dtype, first + 2 * i, _mm512_permutex2var_ps(high, even, low));
-        store16(out, dtype, first + 2 * i + 16, _mm512_permutex2var_ps(high, odd, low));
+        const __m512 v0 = _mm512_permutex2var_ps(high, even, low), v1 = _mm512_permutex2var_ps(high, odd, low);
+        if (stream) {  /* float32 out: whole cache lines (see nf4_dequantize) */
+            _mm512_stream_ps((float*)out + first + 2 * i, v0);
+            _mm512_stream_ps((float*)out + first + 2 * i + 16, v1);
+        } else {
+            store16(out, dtype, first + 2 * i, v0);
+            store16(out, dtype, first + 2 * i + 16, v1);
+        }
     }
     if (i < bs / 2) {  /* 8 bytes left (a block of 16 or 48 values) */
         float code[16], v[16];
@@ -239,7 +251,7 @@ static inline __attribute__((always_inline)) void dequantize_block_avx512(const 
    rounding each value, in a third of the instructions */
 static inline __attribute__((always_inline)) void dequantize_block_16bit(const uint8_t* p, float s, int64_t bs,
                                                                          __m512 table, void* out, int dtype,
-                                                                         int64_t first) {
+                                                                         int64_t first, int stream) {
     __m256i rounded = round16(dtype, _mm512_mul_ps(table, _mm512_set1_ps(s)));
     const __m512i lut = _mm512_castsi256_si512(rounded);  /* 16-bit lanes 0..15: the nibbles index no further */
     uint16_t* o = (uint16_t*)out + first;
@@ -247,7 +259,9 @@ static inline __attribute__((always_inline)) void dequantize_block_16bit(const u
     for (; i + 16 <= bs / 2; i += 16) {  /* 16 bytes -> 32 values: 32-bit lane k = (low nibble << 16) | high nibble */
         __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(p + i)));
         __m512i idx = _mm512_or_si512(_mm512_srli_epi32(b, 4), _mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(15)), 16));
-        _mm512_storeu_si512((void*)(o + 2 * i), _mm512_permutexvar_epi16(idx, lut));
+        const __m512i v = _mm512_permutexvar_epi16(idx, lut);
+        if (stream) _mm512_stream_si512((void*)(o + 2 * i), v);  /* a whole cache line (see nf4_dequantize) */
+        else _mm512_storeu_si512((void*)(o + 2 * i), v);
     }
     if (i < bs / 2) {  /* 8 bytes left (a block of 16 or 48 values) */
         uint16_t v[16];
@@ -375,25 +389,38 @@ void nf4_quantize(const void* x, int dtype, int64_t b0, int64_t b1, int64_t bs, 
     for (int64_t b = b0; b < b1; b++) quantize_block_c(x, dtype, b * bs, bs, mids, packed + b * (bs / 2), absmax + b);
 }
 
-/* blocks [b0, b1): out = code[nibble] * scales[block] in float32, then cast to dtype */
+/* blocks [b0, b1): out = code[nibble] * scales[block] in float32, then cast to dtype.
+   stream: the AVX-512 paths write with non-temporal stores where each 64-byte store is a whole cache line (out
+   64-byte aligned; bf16 and fp16 in blocks of a multiple of 32 values); a hint, ignored elsewhere. For a
+   destination that other cores' caches hold (see NativeKernels.dequantize), which a normal store would first have
+   to take from them. */
 void nf4_dequantize(const uint8_t* packed, const float* scales, int64_t b0, int64_t b1, int64_t bs,
-                    const float* code, void* out, int dtype) {
+                    const float* code, void* out, int dtype, int stream) {
 #ifdef NF4_AVX512
     if (bs % 16 == 0) {
         const __m512 table = _mm512_loadu_ps(code);
+        const int aligned = stream && ((uintptr_t)out & 63) == 0;
 #ifdef __AVX512BW__
         if (dtype != F32) {
+            const int nt = aligned && bs % 32 == 0;
             if (bs == 64)
-                for (int64_t b = b0; b < b1; b++) dequantize_block_16bit(packed + b * 32, scales[b], 64, table, out, dtype, b * 64);
+                for (int64_t b = b0; b < b1; b++)
+                    dequantize_block_16bit(packed + b * 32, scales[b], 64, table, out, dtype, b * 64, nt);
             else
-                for (int64_t b = b0; b < b1; b++) dequantize_block_16bit(packed + b * (bs / 2), scales[b], bs, table, out, dtype, b * bs);
+                for (int64_t b = b0; b < b1; b++)
+                    dequantize_block_16bit(packed + b * (bs / 2), scales[b], bs, table, out, dtype, b * bs, nt);
+            if (nt) _mm_sfence();  /* the streamed lines visible to every core before this call returns */
             return;
         }
 #endif
+        const int nt = aligned && dtype == F32;  /* (a 16-bit out here stores 32 bytes at a time: not streamed) */
         if (bs == 64)
-            for (int64_t b = b0; b < b1; b++) dequantize_block_avx512(packed + b * 32, scales[b], 64, table, out, dtype, b * 64);
+            for (int64_t b = b0; b < b1; b++)
+                dequantize_block_avx512(packed + b * 32, scales[b], 64, table, out, dtype, b * 64, nt);
         else
-            for (int64_t b = b0; b < b1; b++) dequantize_block_avx512(packed + b * (bs / 2), scales[b], bs, table, out, dtype, b * bs);
+            for (int64_t b = b0; b < b1; b++)
+                dequantize_block_avx512(packed + b * (bs / 2), scales[b], bs, table, out, dtype, b * bs, nt);
+        if (nt) _mm_sfence();
         return;
     }
 #endif
@@ -424,8 +451,8 @@ void nf4_quantize_parallel(const void* x, int dtype, int64_t b0, int64_t b1, int
 }
 
 void nf4_dequantize_parallel(const uint8_t* packed, const float* scales, int64_t b0, int64_t b1, int64_t bs,
-                             const float* code, void* out, int dtype, int64_t chunks, int threads) {
-    MK_PARALLEL_RANGES(b0, b1, r0, r1, nf4_dequantize(packed, scales, r0, r1, bs, code, out, dtype));
+                             const float* code, void* out, int dtype, int stream, int64_t chunks, int threads) {
+    MK_PARALLEL_RANGES(b0, b1, r0, r1, nf4_dequantize(packed, scales, r0, r1, bs, code, out, dtype, stream));
 }
 """
 
@@ -443,7 +470,7 @@ class NativeKernels:
         self._quantize.argtypes = [ptr, ctypes.c_int, i64, i64, i64, ptr, ptr, ptr]
         self._quantize.restype = None
         self._dequantize = lib.nf4_dequantize
-        self._dequantize.argtypes = [ptr, ptr, i64, i64, i64, ptr, ptr, ctypes.c_int]
+        self._dequantize.argtypes = [ptr, ptr, i64, i64, i64, ptr, ptr, ctypes.c_int, ctypes.c_int]
         self._dequantize.restype = None
         self._scales_within = lib.nf4_scales_within
         self._scales_within.argtypes = [ptr, i64, ctypes.c_float]
@@ -475,31 +502,40 @@ class NativeKernels:
     def scales_within(self, scales: Tensor, limit: float) -> bool:
         """Whether every value of a contiguous float32 CPU tensor has |value| <= limit (NaN has not); limit a finite
         float32 value."""
-        if not abs(limit) <= torch.finfo(torch.float32).max:
+        if not abs(limit) <= _FLOAT32_MAX:
             raise ValueError(f"limit must be a finite float32 value, got {limit}")
-        if scales.dtype != torch.float32 or not scales.is_contiguous() or scales.device.type != "cpu":
+        if scales.dtype != torch.float32 or not scales.is_contiguous() or not scales.is_cpu:
             raise ValueError(f"scales must be a contiguous float32 CPU tensor, got {scales.dtype} on {scales.device}")
         return bool(self._scales_within(scales.data_ptr(), scales.numel(), limit))
 
     def dequantize(self, packed: Tensor, scales: Tensor, code: Tensor, dtype: torch.dtype,
-                   out: Tensor | None = None) -> Tensor:
+                   out: Tensor | None = None, stream: bool = False) -> Tensor:
         """(blocks, blocksize/2) uint8, (blocks,) float32 scales -> (blocks, blocksize) dtype.
 
         With `out` (a contiguous CPU tensor of that shape and dtype) the values are written into it: no
-        allocation and, once it has been written before, no page faults."""
+        allocation and, once it has been written before, no page faults.
+        stream: write with non-temporal stores (on the AVX-512 paths, where out is 64-byte aligned and, for bf16
+        and fp16, the blocks hold a multiple of 32 values; the same values either way), for an `out` that other
+        cores' caches hold: the
+        layers' shared workspace, which each product reads on every thread of PyTorch's team. A normal store
+        first takes each such line from the other cores' caches: on a 2-core AMD EPYC, a 2 MiB write right after
+        a 2-thread oneDNN product read it took 205 µs with normal stores and 50 µs streamed (18 µs and 48 µs with
+        no product between: streaming bypasses this core's cache, so it pays only for such a destination)."""
         blocks, half = packed.shape
-        packed, scales, code = packed.contiguous(), scales.contiguous().float(), code.contiguous().float()
+        packed, scales, code = packed.contiguous(), _float32_contiguous(scales), _float32_contiguous(code)
         fresh = out is None
         if fresh:
             out = fresh_tensor((blocks, 2 * half), dtype)
-        elif out.shape != (blocks, 2 * half) or out.dtype != dtype or not out.is_contiguous() or out.device.type != "cpu":
+        elif out.shape != (blocks, 2 * half) or out.dtype != dtype or not out.is_contiguous() or not out.is_cpu:
             raise ValueError(f"out must be a contiguous CPU {dtype} tensor of shape {(blocks, 2 * half)}, "
                              f"got {out.dtype} {tuple(out.shape)} on {out.device}")
         head = (packed.data_ptr(), scales.data_ptr())
-        tail = (code.data_ptr(), out.data_ptr(), _DTYPE_CODE[dtype])
-        call = lambda b0, b1: self._dequantize(*head, b0, b1, 2 * half, *tail)  # noqa: E731
-        parallel = lambda b0, b1, chunks, threads: self._dequantize_parallel(*head, b0, b1, 2 * half, *tail, chunks,  # noqa: E731
-                                                                             threads)
+        tail = (2 * half, code.data_ptr(), out.data_ptr(), _DTYPE_CODE[dtype], int(stream))
+        if not fresh and blocks * 2 * half < 2 * MIN_VALUES_PER_THREAD_WARM:  # one thread's share (ThreadSplit.run's
+            self._dequantize(*head, 0, blocks, *tail)  # rule), called at once: the QLoRA step's transient weights
+            return out  # of fewer values, twice each a step, pay no more Python than this
+        call = lambda b0, b1: self._dequantize(*head, b0, b1, *tail)  # noqa: E731
+        parallel = lambda b0, b1, chunks, threads: self._dequantize_parallel(*head, b0, b1, *tail, chunks, threads)  # noqa: E731
         if fresh and not self._threads.openmp:  # a fresh output is bound by its first touch (page faults): on a
             call(0, blocks)  # 2-core AMD EPYC a second Python thread made a 64 MiB one slower
         else:  # an existing buffer (the layers' shared workspace) from 512 K values; a fresh one from 4 M on

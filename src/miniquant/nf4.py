@@ -186,7 +186,7 @@ def _chunk_elements(blocksize: int) -> int:
 
 def _native_for(t: Tensor, numel: int, blocksize: int, dtype: torch.dtype) -> native.NativeKernels | None:
     """The native kernels when they apply: a large enough CPU tensor, an even block size, a supported dtype."""
-    if t.device.type != "cpu" or numel < NATIVE_MIN_ELEMENTS or blocksize % 2 or blocksize > 4096:
+    if not t.is_cpu or numel < NATIVE_MIN_ELEMENTS or blocksize % 2 or blocksize > 4096:
         return None
     k = native.kernels()
     return k if k is not None and dtype in k.dtypes else None
@@ -256,31 +256,37 @@ def _dequantize_eager(packed: Tensor, count: int, scales: Tensor, blocksize: int
     return values
 
 
-def dequantize_nf4(q: NF4Tensor, dtype: torch.dtype | None = None, out: Tensor | None = None) -> Tensor:
+def dequantize_nf4(q: NF4Tensor, dtype: torch.dtype | None = None, out: Tensor | None = None,
+                   stream: bool = False) -> Tensor:
     """NF4Tensor -> tensor of q.shape: code value x block absmax in float32, then cast to dtype (default q.dtype).
 
     `out`: an existing contiguous tensor of q.numel values in dtype on q's device to write into (a reused
     workspace: no allocation, no page faults); the result is then `out` viewed as q.shape.
+    stream: the native kernel writes with non-temporal stores where it can, for an `out` that other cores'
+    caches hold (``native.NativeKernels.dequantize``); the same values either way.
     """
     dtype = dtype or q.dtype
-    n, bs = q.numel, q.blocksize
-    if q.packed.numel() != -(-n // 2) or q.absmax.numel() != -(-n // bs):
+    n, bs, packed = q.numel, q.blocksize, q.packed
+    if packed.numel() != -(-n // 2) or q.absmax.numel() != -(-n // bs):
         raise QuantizationError(
             f"NF4 tensor of {n} values in blocks of {bs} needs {-(-n // 2)} bytes and {-(-n // bs)} scales, "
-            f"got {q.packed.numel()} and {q.absmax.numel()}"
+            f"got {packed.numel()} and {q.absmax.numel()}"
         )
     if out is not None and (out.numel() != n or out.dtype != dtype or not out.is_contiguous()
-                            or out.device != q.packed.device):
-        raise QuantizationError(f"out must be a contiguous {dtype} tensor of {n} values on {q.packed.device}, "
+                            or out.get_device() != packed.get_device()):  # (-1 on CPU: no device objects made)
+        raise QuantizationError(f"out must be a contiguous {dtype} tensor of {n} values on {packed.device}, "
                                 f"got {out.dtype} of {out.numel()} on {out.device}")
     scales = q.block_scales()
     full = n - n % bs
-    kernels = _native_for(q.packed, n, bs, dtype) if full else None
+    kernels = _native_for(packed, n, bs, dtype) if full else None
+    if kernels is not None and full == n:  # whole blocks, written once (twice per weight in every QLoRA step: kept
+        # lean, no slices or copies of the code table)
+        return kernels.dequantize(packed.view(-1, bs // 2), scales, _nf4_code_cpu(), dtype,
+                                  None if out is None else out.view(-1, bs), stream).view(q.shape)
     if kernels is not None:
         head_out = None if out is None else out.view(-1)[:full].view(-1, bs)
-        head = kernels.dequantize(q.packed[: full // 2].view(-1, bs // 2), scales, nf4_code_table(), dtype, head_out)
-        if full == n:
-            return head.view(q.shape)  # written once
+        head = kernels.dequantize(packed[: full // 2].view(-1, bs // 2), scales, _nf4_code_cpu(), dtype, head_out,
+                                  stream)
     out = torch.empty(n, dtype=dtype, device=q.packed.device) if out is None else out.view(-1)
     done = 0
     if kernels is not None:  # whole blocks native, the partial last block eager

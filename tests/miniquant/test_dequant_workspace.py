@@ -73,3 +73,23 @@ def test_compute_dtype_bf16_returns_the_input_dtype():
     assert "compute_dtype=torch.bfloat16" in repr(q1)
     xb = x.detach().bfloat16()
     assert q1(xb).dtype == torch.bfloat16  # already in the compute dtype: no cast back
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_workspace_is_streamed_only_with_threads(monkeypatch, threads):
+    """A transient bf16 weight is written into the workspace with non-temporal stores only where PyTorch runs more
+    than one thread (the products then read the workspace on several cores; on one, normal stores are faster), and
+    its values are the fresh dequantization's either way."""
+    monkeypatch.setattr(nf4, "NATIVE_MIN_ELEMENTS", 1)
+    asked = []
+    monkeypatch.setattr(qmod, "dequantize_nf4", lambda *a, **k: asked.append(k["stream"]) or dequantize_nf4(*a, **k))
+    _, (q1, _) = _layers()
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        w = q1.dequantize_from(q1.quantized_tensors(), torch.bfloat16, transient=True).clone()
+        fresh = q1.dequantize(torch.bfloat16)
+    finally:
+        torch.set_num_threads(previous)
+    assert asked == [threads > 1, False]  # the transient weight, then the public (fresh) one
+    assert torch.equal(w, fresh)

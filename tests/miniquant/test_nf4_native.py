@@ -48,6 +48,9 @@ def assert_same(monkeypatch, w: torch.Tensor, blocksize: int = 64) -> None:
         d_into, _ = both_paths(monkeypatch, lambda: dequantize_nf4(slow, dtype, out=buffer).clone())  # before the
         # eager path writes the same buffer
         assert torch.equal(d_into, d_slow), f"dequantized {dtype} into a buffer differs from the eager path"
+        buffer.fill_(float("nan"))
+        d_streamed, _ = both_paths(monkeypatch, lambda: dequantize_nf4(slow, dtype, out=buffer, stream=True).clone())
+        assert torch.equal(d_streamed, d_slow), f"dequantized {dtype} with stream=True differs from the eager path"
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -55,6 +58,25 @@ def assert_same(monkeypatch, w: torch.Tensor, blocksize: int = 64) -> None:
 def test_native_equals_eager(monkeypatch, shape, dtype):
     torch.manual_seed(hash(shape) % 1000)
     assert_same(monkeypatch, (torch.randn(shape) * 0.05).to(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("blocksize", [16, 32, 48, 64, 128])
+@pytest.mark.parametrize("offset", [0, 1, 16], ids=lambda o: f"offset{o}")
+def test_streamed_stores_give_the_same_values(monkeypatch, blocksize, offset, dtype):
+    """stream=True (non-temporal stores, taken only into a 64-byte aligned out, for bf16 and fp16 with blocks of a
+    multiple of 32 values) gives the bits of normal stores: into an out offset by `offset` values from an aligned
+    start (1: not aligned, the normal stores; 16: aligned for float32 only), for every block size's path (16 and
+    48: the vector loop's 8-byte tail)."""
+    torch.manual_seed(blocksize + offset)
+    q = quantize_nf4(torch.randn(64, 96 * blocksize // 16) * 0.05, blocksize=blocksize)
+    backing = torch.full((q.numel + 64,), float("nan"), dtype=dtype)
+    assert backing.data_ptr() % 64 == 0  # (PyTorch's CPU allocations are 64-byte aligned)
+    out = backing[offset: offset + q.numel]
+    streamed, normal = both_paths(monkeypatch, lambda: dequantize_nf4(q, dtype, out=out, stream=True).clone())
+    assert torch.equal(streamed, normal)
+    assert torch.equal(streamed, dequantize_nf4(q, dtype, out=out.clone(), stream=False))
+    assert backing[:offset].isnan().all() and backing[offset + q.numel:].isnan().all()  # nothing written outside
 
 
 @pytest.mark.parametrize("blocksize", [32, 128, 256, 4096])
