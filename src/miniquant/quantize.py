@@ -175,8 +175,10 @@ class QuantizedLinear(nn.Module):
         self.scheme = self._scheme.name
         self.weight_dtype = weight_dtype  # dtype of the original weight; default for dequantize()
         self.compute_dtype: torch.dtype | None = None  # None: compute in the input's dtype
-        for name, (shape, dtype) in _buffer_shapes(self._scheme, out_features, in_features).items():
+        buffers = _buffer_shapes(self._scheme, out_features, in_features)
+        for name, (shape, dtype) in buffers.items():
             self.register_buffer(name, torch.zeros(shape, dtype=dtype, device=device))
+        self._buffer_names = tuple(buffers)  # in the order dequantize_from takes them
         self.register_buffer("bias", torch.zeros(out_features, dtype=weight_dtype, device=device) if bias else None)
 
     @classmethod
@@ -207,7 +209,8 @@ class QuantizedLinear(nn.Module):
 
     def quantized_tensors(self) -> tuple[Tensor, ...]:
         """The quantized weight buffers, in the order `dequantize_from` takes them."""
-        return tuple(getattr(self, name) for name in _buffer_shapes(self._scheme, 1, 1))
+        buffers = self._buffers
+        return tuple(buffers[name] for name in self._buffer_names)
 
     def dequantize_from(self, qtensors: tuple[Tensor, ...], dtype: torch.dtype, transient: bool = False) -> Tensor:
         """(out, in) weight from the given quantized buffers; raises if the result is not finite.

@@ -173,12 +173,18 @@ class LoRALinear(nn.Module):
         """Whether `output`, what forward just returned, is known to be all finite without reading it again: the bf16
         C kernels (minituner.native_lora) look at every value as they write it. True only for that very tensor,
         unchanged since (its version counter); asked once (the answer is forgotten)."""
-        seen, self._seen_finite = getattr(self, "_seen_finite", None), None
+        seen = self.__dict__.get("_seen_finite")
+        self._note_seen_finite(None)
         return seen is not None and seen[0]() is output and output._version == seen[1]
+
+    def _note_seen_finite(self, seen: tuple[weakref.ref, int] | None) -> None:
+        # straight into the instance's dict: nn.Module.__setattr__ looks for a parameter, buffer or module of the
+        # name first (about 1 µs, three times in each forward of a step)
+        self.__dict__["_seen_finite"] = seen
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         cd = self.compute_dtype
-        self._seen_finite = None
+        self._note_seen_finite(None)
         if self.disabled or self.merged_adapters:  # merged adapters already live in the base weight
             return self.base_layer(x) if cd is None else self.base_layer(x.to(cd)).to(x.dtype)  # (..., out)
         x2 = x.reshape(-1, self.in_features)  # (N, in): 2-D, so the base output is a plain (N, out) tensor
@@ -190,7 +196,7 @@ class LoRALinear(nn.Module):
                 y, finite = lora_product(self, x2, name, self.scaling[name] * weight)  # (N, out): the lines below, fused
                 out = y.to(x.dtype).view(*x.shape[:-1], self.out_features)
                 if finite and _keeps_finite(y.dtype, out.dtype) and not out.is_inference():  # (no version counter)
-                    self._seen_finite = (weakref.ref(out), out._version)
+                    self._note_seen_finite((weakref.ref(out), out._version))
                 return out
         y = self.base_layer(x2)  # (N, out)
         for name, weight in self.active_adapters.items():
