@@ -516,11 +516,11 @@ class NativeKernels:
         allocation and, once it has been written before, no page faults.
         stream: write with non-temporal stores (on the AVX-512 paths, where out is 64-byte aligned and, for bf16
         and fp16, the blocks hold a multiple of 32 values; the same values either way), for an `out` that other
-        cores' caches hold: the
-        layers' shared workspace, which each product reads on every thread of PyTorch's team. A normal store
-        first takes each such line from the other cores' caches: on a 2-core AMD EPYC, a 2 MiB write right after
-        a 2-thread oneDNN product read it took 205 µs with normal stores and 50 µs streamed (18 µs and 48 µs with
-        no product between: streaming bypasses this core's cache, so it pays only for such a destination)."""
+        cores' caches hold: the layers' shared workspace, which each product reads on every thread of PyTorch's
+        team. A normal store first takes each such line from the other cores' caches. On a 2-core AMD EPYC, a
+        2 MiB write right after a 2-thread oneDNN product had read it took 82-263 µs with normal stores (three
+        runs) and 49-52 µs streamed; 512 KiB took 65-67 µs against 13-15. With no product in between, 2 MiB took
+        18 µs against 48: streaming bypasses this core's cache too, so it pays only for such a destination."""
         blocks, half = packed.shape
         packed, scales, code = packed.contiguous(), _float32_contiguous(scales), _float32_contiguous(code)
         fresh = out is None

@@ -219,10 +219,12 @@ class QuantizedLinear(nn.Module):
         dequantization on this thread (for a product computed at once, as DequantLinearFunction does). With more
         than one thread the workspace is written with non-temporal stores: the last product read it on every
         thread, and a normal store would first take each line from the other cores' caches (``native``'s
-        dequantize). The bench's GPT-shaped bf16 QLoRA step (benchmarks/bench_bf16.py, 96 such writes) took
-        198.6 ms against 203.1 with normal stores (medians of 40 steps, the two alternating in one process; AMD
-        EPYC, 2 cores, 2026-12-05), its fp32 step 429.2 against 437.8 ms (20 steps); on one thread the bf16 step
-        took 321.7 against 317.7 ms, so there it writes normally."""
+        dequantize). On the bench's GPT-shaped bf16 QLoRA step (benchmarks/bench_bf16.py, 96 such writes; AMD
+        EPYC, 2 cores, 2026-12-05; medians of blocks of 16-30 pairs of steps, the two alternating in one process)
+        the gain followed the machine's pace, which changed from minute to minute: in every block where a step
+        took about 200 ms or more, streaming saved 2.4-8.1 ms a step; where it took 179-198 ms, it ranged from
+        1.2 ms saved to 1.7 ms lost (one block: 4.5 ms lost). The fp32 step: 429.2 against 437.8 ms. On one
+        thread the bf16 step took 321.7 against 317.7 ms, so there it writes normally."""
         s, shape = self._scheme, torch.Size((self.out_features, self.in_features))
         if s.kind == "nf4":
             out = workspace_buffer(shape.numel(), dtype, qtensors[0].device) if transient else None
