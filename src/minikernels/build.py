@@ -256,6 +256,11 @@ class ThreadSplit:
         # parallel ops hang there too): the child's kernels run on Python threads
         self.openmp = False
 
+    @staticmethod
+    def threads(values: int, min_values: int) -> int:
+        """How many threads `run` gives a call of `values` values, each at least `min_values` (1: this thread)."""
+        return 1 if values < 2 * min_values else min(torch.get_num_threads(), CPU_COUNT, values // min_values)
+
     def run(self, units: int, unit_values: int, call: Callable[[int, int], None], min_values: int,
             chunk_values: int, parallel: Callable[[int, int, int, int], None] | None = None) -> None:
         """call(b0, b1) over [0, units): threads take chunks of about `chunk_values` values as they get free,
@@ -266,7 +271,7 @@ class ThreadSplit:
         Many chunks per thread, taken as threads get free: on a busy machine a thread that waits for a core
         leaves its share to the others instead of holding up the whole call."""
         values = units * unit_values
-        threads = 1 if values < 2 * min_values else min(torch.get_num_threads(), CPU_COUNT, values // min_values)
+        threads = self.threads(values, min_values)
         if threads <= 1:
             call(0, units)
             return

@@ -531,8 +531,8 @@ class NativeKernels:
                              f"got {out.dtype} {tuple(out.shape)} on {out.device}")
         head = (packed.data_ptr(), scales.data_ptr())
         tail = (2 * half, code.data_ptr(), out.data_ptr(), _DTYPE_CODE[dtype], int(stream))
-        if not fresh and blocks * 2 * half < 2 * MIN_VALUES_PER_THREAD_WARM:  # one thread's share (ThreadSplit.run's
-            self._dequantize(*head, 0, blocks, *tail)  # rule), called at once: the QLoRA step's transient weights
+        if not fresh and self._threads.threads(blocks * 2 * half, MIN_VALUES_PER_THREAD_WARM) <= 1:  # one thread's
+            self._dequantize(*head, 0, blocks, *tail)  # share, called at once: the QLoRA step's transient weights
             return out  # of fewer values, twice each a step, pay no more Python than this
         call = lambda b0, b1: self._dequantize(*head, b0, b1, *tail)  # noqa: E731
         parallel = lambda b0, b1, chunks, threads: self._dequantize_parallel(*head, b0, b1, *tail, chunks, threads)  # noqa: E731
