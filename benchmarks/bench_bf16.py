@@ -450,6 +450,7 @@ PROFILE_GROUPS = {  # profiler op name -> group, for "what the rest of the step 
     "_LayerNormBf16": "C norms and activations", "_LayerNormBf16Backward": "C norms and activations",
     "_SwiGLU": "C norms and activations", "_SwiGLUBackward": "C norms and activations",
     "_GeluTanh": "C norms and activations", "_GeluTanhBackward": "C norms and activations",
+    "_GeluExactBackward": "C norms and activations",  # (its forward is PyTorch's aten::gelu: 'other')
 }
 
 
@@ -699,8 +700,8 @@ def run_shape(shape: str, quick: bool = False, wait_s: float | None = None) -> S
                 if q.get("C norms and activations") else "")
              + "dtype casts and copies (aten's copy_: attention's heads grouped for its GEMMs and back, the residual "
              "adds' bf16 gradients" + ("" if res.get("native_lora") else ", the LoRA masters' bf16 copies") + ") "
-             f"{fmt_seconds(q.get('dtype casts and copies', 0.0))}, everything else (PyTorch's exact GELU, RoPE, the "
-             f"residual adds, the loss, embeddings, AdamW, the finite-output guards, autograd) "
+             f"{fmt_seconds(q.get('dtype casts and copies', 0.0))}, everything else (PyTorch's exact GELU forward, "
+             f"RoPE, the residual adds, the loss, embeddings, AdamW, the finite-output guards, autograd) "
              f"{fmt_seconds(q.get('other', 0.0))}",
              measurable=support.fast),
         Goal(f"bf16 step ({shape}): ours QLoRA / ours LoRA", t["qlora_bf16"] / t["lora_bf16"], VS_LORA_GOAL, False,

@@ -76,7 +76,7 @@ POSITIONS = ("rope", "learned")
 MLPS = ("swiglu", "gelu")
 ACTIVATIONS = {  # hidden_act -> function
     "silu": F.silu,
-    "gelu": F.gelu,
+    "gelu": native_gelu.exact_gelu,  # its gradient in C for bf16 on CPU (minigpt.native_gelu), else F.gelu's
     "gelu_pytorch_tanh": native_gelu.tanh_gelu,  # in C for bf16 on CPU (minigpt.native_gelu), else F.gelu
     "gelu_new": native_gelu.tanh_gelu,
 }

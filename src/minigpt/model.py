@@ -10,7 +10,8 @@ block's input and the backward recomputes the block before differentiating it.
 
 Attention is ``F.scaled_dot_product_attention`` (causal), except in bf16 on CPU with as many keys as queries (no
 KV cache before them) and no attention dropout, where ``minigpt.native_attention`` computes the same with bf16
-GEMMs around a C softmax (faster there). GPT-2's tanh GELU runs in C for bf16 on CPU (``minigpt.native_gelu``).
+GEMMs around a C softmax (faster there). In bf16 on CPU GPT-2's tanh GELU runs in C, and the exact GELU's
+gradient (``minigpt.native_gelu``).
 """
 from __future__ import annotations
 
@@ -115,8 +116,8 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.fc1(x)  # (B, T, d_ff)
-        h = native_gelu.tanh_gelu(h) if self.approximate == "tanh" else F.gelu(h, approximate=self.approximate)
-        return self.drop(self.fc2(h))  # GPT-2's tanh form in C for bf16 on CPU (minigpt.native_gelu)
+        h = native_gelu.gelu(h, self.approximate)  # bf16 on CPU: C for the tanh form, the exact one's gradient
+        return self.drop(self.fc2(h))
 
 
 class Block(nn.Module):

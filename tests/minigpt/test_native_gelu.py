@@ -1,4 +1,5 @@
-"""minigpt.native_gelu: GPT-2's tanh GELU in C against PyTorch's bf16 F.gelu(approximate="tanh") on the same values."""
+"""minigpt.native_gelu: GPT-2's tanh GELU in C against PyTorch's bf16 F.gelu(approximate="tanh"), and the exact GELU's
+gradient in C against PyTorch's gelu_backward and against the exact value, on the same values."""
 import ctypes
 
 import pytest
@@ -90,7 +91,7 @@ def test_gpt2s_mlp_and_the_decoders_gelu_new_take_it_in_bf16(monkeypatch):
     ACTIVATIONS["gelu_pytorch_tanh"](torch.randn(5).to(torch.bfloat16))
     assert len(calls) == 3
     MLP(GPTConfig(vocab_size=8, d_model=16, n_head=2, activation="gelu")).to(torch.bfloat16)(
-        torch.randn(2, 3, 16).to(torch.bfloat16))  # the exact GELU stays PyTorch's
+        torch.randn(2, 3, 16).to(torch.bfloat16))  # the exact GELU: not the tanh kernels
     assert len(calls) == 3
 
 
@@ -108,3 +109,102 @@ def test_a_build_without_avx512_is_not_used(tmp_path, monkeypatch):
         pytest.skip(f"cannot build without AVX-512 here: {e}")
     lib = ctypes.CDLL(str(path))
     assert lib.gelu_vectorized() == 0 and native_gelu._usable(lib) is None
+
+
+def _exact_both(x, dy):
+    """(ours, PyTorch's) for the exact GELU: the values and the gradients for x."""
+    out = []
+    for fn in (native_gelu.exact_gelu, F.gelu):
+        xr = x.clone().requires_grad_()
+        y = fn(xr)
+        y.backward(dy)
+        out.append((y.detach(), xr.grad))
+    return out
+
+
+def _exact_gradient(x, dy):
+    """dy·(Φ(x) + x·φ(x)) in fp64."""
+    xd = x.double()
+    return dy.double() * (0.5 * torch.erfc(-xd / 2**0.5) + xd * torch.exp(-xd * xd / 2) / (2 * torch.pi) ** 0.5)
+
+
+@needs_kernels
+@pytest.mark.parametrize("n", [1, 15, 16, 17, 1000, 300_001])  # every 16-lane tail, and a call split on threads
+def test_exact_gelus_gradient_matches_pytorch_and_is_closer_to_the_exact_value(n):
+    x, dy = _inputs(n, seed=n)
+    (y, gx), (y_ref, gx_ref) = _exact_both(x, dy)
+    assert torch.equal(y.view(torch.int16), y_ref.view(torch.int16))  # the forward is PyTorch's own
+    assert gx.dtype == torch.bfloat16 and gx.shape == x.shape
+    usual = x.float() >= -3.0  # below, PyTorch's 1 + erf(x/√2) cancels (Φ under 0.0014)
+    assert _ulps(gx, gx_ref)[usual].max() <= 1
+    assert (_ulps(gx, gx_ref)[usual] == 0).float().mean() >= (0.99 if n >= 1000 else 0.9)
+    exact = _exact_gradient(x, dy)
+    rounded = (gx == exact.to(torch.bfloat16)).float().mean()  # the share of values exactly rounded
+    assert rounded >= (gx_ref == exact.to(torch.bfloat16)).float().mean() and rounded >= (0.995 if n >= 1000 else 0.9)
+    # within a bf16 unit of the exact value (2^-8 relative), the tail too, but for fp32's own error near the
+    # gradient's zero (x = -0.75, where Φ + x·φ cancels)
+    assert ((gx.double() - exact).abs() <= 2**-8 * exact.abs() + 1e-6 * dy.double().abs()).all()
+
+
+@needs_kernels
+def test_exact_gelus_gradient_in_the_tail():
+    """Where Φ(x) is small PyTorch's 1 + erf(x/√2) keeps few correct bits (zero from x = -5.4 on: the fp32 erf
+    is -1); ours keeps erfc's own form."""
+    x = torch.linspace(-9.0, -3.0, 600).to(torch.bfloat16)
+    dy = torch.ones_like(x)
+    (_, gx), (_, gx_ref) = _exact_both(x, dy)
+    exact = _exact_gradient(x, dy)
+    ours, theirs = ((g.double() - exact).abs() / exact.abs() for g in (gx, gx_ref))
+    assert ours.max() <= 2**-8 and theirs.max() > 0.5
+
+
+@needs_kernels
+def test_exact_gelus_nan_and_inf_as_pytorch():
+    x = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 1e30, -1e30, -10.0, 3.0] * 2,
+                     dtype=torch.bfloat16)
+    (_, gx), (_, gx_ref) = _exact_both(x, torch.ones_like(x))  # 16 lanes and a tail of 2
+    assert torch.equal(gx.isnan(), gx_ref.isnan())  # NaN at ±inf too (x·φ(x) = inf·0)
+    same = ~gx.isnan() & (x != -10.0)
+    assert torch.equal(gx[same].view(torch.int16), gx_ref[same].view(torch.int16))
+    # at -10 PyTorch's is 0 (the tail above); ours the exact -7.6e-22
+    exact = _exact_gradient(x, torch.ones_like(x))[x == -10.0]
+    assert ((gx[x == -10.0].double() - exact).abs() <= 2**-8 * exact.abs()).all()
+
+
+@needs_kernels
+def test_the_exact_gelu_keeps_its_input_only_when_a_gradient_is_wanted():
+    x, _ = _inputs(64)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        native_gelu.exact_gelu(x.clone().requires_grad_())
+        assert len(saved) == 1 and saved[0].dtype == torch.bfloat16 and saved[0].numel() == 64
+        native_gelu.exact_gelu(x)
+    assert len(saved) == 1
+
+
+@needs_kernels
+def test_minigpts_mlp_and_the_decoders_gelu_take_the_exact_gradient_in_bf16(monkeypatch):
+    from minigpt.decoder import ACTIVATIONS
+    from minigpt.model import MLP, GPTConfig
+
+    calls = []
+    real = native_gelu._GeluExact.apply
+    monkeypatch.setattr(native_gelu._GeluExact, "apply", lambda t: calls.append(t.shape) or real(t))
+    mlp = MLP(GPTConfig(vocab_size=8, d_model=16, n_head=2, activation="gelu")).to(torch.bfloat16)
+    mlp(torch.randn(2, 3, 16).to(torch.bfloat16))
+    assert calls == [torch.Size([2, 3, 64])]
+    ACTIVATIONS["gelu"](torch.randn(5).to(torch.bfloat16).requires_grad_())
+    assert len(calls) == 2
+    with torch.no_grad():
+        mlp(torch.randn(2, 3, 16).to(torch.bfloat16))  # no gradient wanted: F.gelu alone
+    MLP(GPTConfig(vocab_size=8, d_model=16, n_head=2, activation="gelu"))(torch.randn(2, 3, 16))  # fp32: F.gelu
+    assert len(calls) == 2
+
+
+def test_the_exact_gelu_elsewhere_is_pytorchs():
+    x, _ = _inputs(32)
+    y = native_gelu.exact_gelu(x.float().requires_grad_())
+    assert y.dtype == torch.float32 and torch.equal(y, F.gelu(x.float()))
+    assert y.grad_fn.name() == "GeluBackward0"
+    with pytest.raises(RuntimeError, match="approximate"):
+        native_gelu.gelu(x, approximate="sigmoid")  # F.gelu's own error

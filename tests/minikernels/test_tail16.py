@@ -16,11 +16,16 @@ def _gelu(k, x, other):
     return k.forward(x), k.backward(other, x)
 
 
+def _gelu_exact(k, x, other):
+    return (k.backward(other, x, exact=True),)
+
+
 def _swiglu(k, x, other):
     return (k.forward(x, other),) + k.backward(other, x, other, True, True)
 
 
-KERNELS = {"gelu": (native_gelu.kernels(), _gelu), "swiglu": (native_swiglu.kernels(), _swiglu)}
+KERNELS = {"gelu": (native_gelu.kernels(), _gelu), "gelu_exact": (native_gelu.kernels(), _gelu_exact),
+           "swiglu": (native_swiglu.kernels(), _swiglu)}
 
 
 @pytest.mark.parametrize("name", list(KERNELS))
