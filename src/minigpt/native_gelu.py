@@ -28,8 +28,8 @@ cancels (its gradient is 0 from x = -5.4 on), ours stays within a bf16 unit of t
 3 M values of N(0, 2²) exactly rounded, against PyTorch's 99.44%). At 1,024 × 2,048 (the bench's GPT shape)
 it takes 0.33 ms alone against PyTorch's 0.42; in that bf16 QLoRA step, 2.3 ms less a step at about 185 ms,
 5.4 ms less at about 207 ms (medians of 96 and 64 alternating pairs, one process, 2026-12-05). The forward
-stays PyTorch's: on one thread our C took 0.57 ms against its 0.40, and the step ran 1.4 ms slower with it. It saves its
-input, as F.gelu does.
+stays PyTorch's: on one thread our C took 0.57 ms against its 0.40, and the step ran 1.4 ms slower with it. It
+saves its input, as F.gelu does.
 
 Used only where the C was built with AVX-512 (``gelu_vectorized``); elsewhere, and for fp32, fp16 and CUDA, the
 model calls ``F.gelu``.
