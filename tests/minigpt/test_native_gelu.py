@@ -58,13 +58,14 @@ def test_nan_and_inf_as_pytorch():
 
 
 @needs_kernels
-def test_it_keeps_its_input_only_when_a_gradient_is_wanted():
+@pytest.mark.parametrize("gelu", [native_gelu.tanh_gelu, native_gelu.exact_gelu])
+def test_it_keeps_its_input_only_when_a_gradient_is_wanted(gelu):
     x, _ = _inputs(64)
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        native_gelu.tanh_gelu(x.clone().requires_grad_())
+        gelu(x.clone().requires_grad_())
         assert len(saved) == 1 and saved[0].dtype == torch.bfloat16 and saved[0].numel() == 64
-        native_gelu.tanh_gelu(x)
+        gelu(x)
     assert len(saved) == 1
 
 
@@ -77,22 +78,41 @@ def test_what_it_does_not_take():
 
 
 @needs_kernels
-def test_gpt2s_mlp_and_the_decoders_gelu_new_take_it_in_bf16(monkeypatch):
+@pytest.mark.parametrize("activation, function, other, decoder_names", [
+    ("gelu_tanh", "_GeluTanh", "gelu", ["gelu_new", "gelu_pytorch_tanh"]),
+    ("gelu", "_GeluExact", "gelu_tanh", ["gelu"]),
+])
+def test_minigpts_mlp_and_the_decoders_activations_take_their_kernels_in_bf16(monkeypatch, activation, function,
+                                                                              other, decoder_names):
     from minigpt.decoder import ACTIVATIONS
     from minigpt.model import MLP, GPTConfig
 
     calls = []
-    real = native_gelu._GeluTanh.apply
-    monkeypatch.setattr(native_gelu._GeluTanh, "apply", lambda t: calls.append(t.shape) or real(t))
-    mlp = MLP(GPTConfig(vocab_size=8, d_model=16, n_head=2, activation="gelu_tanh")).to(torch.bfloat16)
-    mlp(torch.randn(2, 3, 16).to(torch.bfloat16))
+    kernel = getattr(native_gelu, function)
+    real = kernel.apply
+    monkeypatch.setattr(kernel, "apply", lambda t: calls.append(t.shape) or real(t))
+    mlp = lambda act: MLP(GPTConfig(vocab_size=8, d_model=16, n_head=2, activation=act))  # noqa: E731
+    mlp(activation).to(torch.bfloat16)(torch.randn(2, 3, 16).to(torch.bfloat16))
     assert calls == [torch.Size([2, 3, 64])]
-    ACTIVATIONS["gelu_new"](torch.randn(5).to(torch.bfloat16))
-    ACTIVATIONS["gelu_pytorch_tanh"](torch.randn(5).to(torch.bfloat16))
-    assert len(calls) == 3
-    MLP(GPTConfig(vocab_size=8, d_model=16, n_head=2, activation="gelu")).to(torch.bfloat16)(
-        torch.randn(2, 3, 16).to(torch.bfloat16))  # the exact GELU: not the tanh kernels
-    assert len(calls) == 3
+    for name in decoder_names:
+        ACTIVATIONS[name](torch.randn(5).to(torch.bfloat16).requires_grad_())
+    assert len(calls) == 1 + len(decoder_names)
+    mlp(other).to(torch.bfloat16)(torch.randn(2, 3, 16).to(torch.bfloat16))  # the other form: not these kernels
+    mlp(activation)(torch.randn(2, 3, 16))  # fp32: F.gelu
+    assert len(calls) == 1 + len(decoder_names)
+
+
+@needs_kernels
+def test_the_exact_gelu_without_a_gradient_wanted_is_f_gelu_alone(monkeypatch):
+    from minigpt.model import MLP, GPTConfig
+
+    calls = []
+    monkeypatch.setattr(native_gelu._GeluExact, "apply", lambda t: calls.append(t) or None)
+    mlp = MLP(GPTConfig(vocab_size=8, d_model=16, n_head=2, activation="gelu")).to(torch.bfloat16)
+    x = torch.randn(2, 3, 16).to(torch.bfloat16)
+    with torch.no_grad():
+        y = mlp(x)
+    assert calls == [] and torch.equal(y, mlp.fc2(F.gelu(mlp.fc1(x))).detach())
 
 
 def test_a_build_without_avx512_is_not_used(tmp_path, monkeypatch):
@@ -169,36 +189,6 @@ def test_exact_gelus_nan_and_inf_as_pytorch():
     # at -10 PyTorch's is 0 (the tail above); ours the exact -7.6e-22
     exact = _exact_gradient(x, torch.ones_like(x))[x == -10.0]
     assert ((gx[x == -10.0].double() - exact).abs() <= 2**-8 * exact.abs()).all()
-
-
-@needs_kernels
-def test_the_exact_gelu_keeps_its_input_only_when_a_gradient_is_wanted():
-    x, _ = _inputs(64)
-    saved = []
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        native_gelu.exact_gelu(x.clone().requires_grad_())
-        assert len(saved) == 1 and saved[0].dtype == torch.bfloat16 and saved[0].numel() == 64
-        native_gelu.exact_gelu(x)
-    assert len(saved) == 1
-
-
-@needs_kernels
-def test_minigpts_mlp_and_the_decoders_gelu_take_the_exact_gradient_in_bf16(monkeypatch):
-    from minigpt.decoder import ACTIVATIONS
-    from minigpt.model import MLP, GPTConfig
-
-    calls = []
-    real = native_gelu._GeluExact.apply
-    monkeypatch.setattr(native_gelu._GeluExact, "apply", lambda t: calls.append(t.shape) or real(t))
-    mlp = MLP(GPTConfig(vocab_size=8, d_model=16, n_head=2, activation="gelu")).to(torch.bfloat16)
-    mlp(torch.randn(2, 3, 16).to(torch.bfloat16))
-    assert calls == [torch.Size([2, 3, 64])]
-    ACTIVATIONS["gelu"](torch.randn(5).to(torch.bfloat16).requires_grad_())
-    assert len(calls) == 2
-    with torch.no_grad():
-        mlp(torch.randn(2, 3, 16).to(torch.bfloat16))  # no gradient wanted: F.gelu alone
-    MLP(GPTConfig(vocab_size=8, d_model=16, n_head=2, activation="gelu"))(torch.randn(2, 3, 16))  # fp32: F.gelu
-    assert len(calls) == 2
 
 
 def test_the_exact_gelu_elsewhere_is_pytorchs():
