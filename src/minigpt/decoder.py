@@ -44,7 +44,7 @@ from . import native_attention, native_gelu, native_swiglu
 from .errors import InputError, check_config_values, check_known_fields
 from .kv_cache import KVCache, LayerKV, attention_mask
 from .model import head_rows
-from .residual import add_then_norm
+from .residual import add_pending, add_then_norm, in_halves
 from .sampling import generate
 
 
@@ -294,8 +294,20 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
                 kv: LayerKV | None = None) -> torch.Tensor:
-        x, h = add_then_norm(x, self.self_attn(self.input_layernorm(x), rope, kv), self.post_attention_layernorm)
-        return x + self.mlp(h)  # (B, T, C)
+        x, out = self.halves(x, None, rope, kv)
+        return x + out  # (B, T, C)
+
+    def halves(self, x: torch.Tensor, branch: torch.Tensor | None, rope: tuple[torch.Tensor, torch.Tensor] | None,
+               kv: LayerKV | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + attn(norm(x)), mlp(norm of that)): the layer without its last residual add, which the caller joins
+        to the next norm; branch: the layer before's such output, added into x here by the first norm
+        (minigpt.residual)."""
+        if branch is None:
+            x, h = x, self.input_layernorm(x)
+        else:
+            x, h = add_then_norm(x, branch, self.input_layernorm)
+        x, h = add_then_norm(x, self.self_attn(h, rope, kv), self.post_attention_layernorm)
+        return x, self.mlp(h)
 
 
 class DecoderStack(nn.Module):
@@ -374,14 +386,18 @@ class Decoder(nn.Module):
             cos, sin = self.rope(T, idx.device, self.compute_dtype or x.dtype, start)
             rope = cos, signed_sin(sin)  # what every layer's apply_rope takes
         recompute = self.grad_checkpoint and self.training and torch.is_grad_enabled() and cache is None
+        branch = None  # the last layer's MLP output, its residual add left to the next norm (minigpt.residual)
         for i, layer in enumerate(m.layers):
-            if recompute:
-                x = checkpoint(layer, x, rope, use_reentrant=False)  # (B, T, C)
+            kv = cache.layers[i] if cache is not None else None
+            if recompute or not in_halves(layer):
+                x, branch = add_pending(x, branch), None
+                x = checkpoint(layer, x, rope, use_reentrant=False) if recompute else layer(x, rope, kv)  # (B, T, C)
             else:
-                x = layer(x, rope, cache.layers[i] if cache is not None else None)  # (B, T, C)
+                x, branch = layer.halves(x, branch, rope, kv)
         if cache is not None:
             cache.advance(T)
-        return self.lm_head(head_rows(m.norm(x), keep))  # (B, T, V), or (n, V) with keep
+        _, h = (x, m.norm(x)) if branch is None else add_then_norm(x, branch, m.norm)
+        return self.lm_head(head_rows(h, keep))  # (B, T, V), or (n, V) with keep
 
     def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
                  generator: torch.Generator | None = None, eos_id: int | list[int] | None = None,

@@ -26,7 +26,7 @@ from torch.utils.checkpoint import checkpoint
 from . import native_attention, native_gelu
 from .errors import InputError, check_config_values, check_known_fields
 from .kv_cache import KVCache, LayerKV, attention_mask
-from .residual import add_then_norm
+from .residual import add_pending, add_then_norm, in_halves
 from .sampling import generate
 
 ACTIVATIONS = {"gelu": "none", "gelu_tanh": "tanh"}  # name -> F.gelu(approximate=...)
@@ -129,8 +129,16 @@ class Block(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x: torch.Tensor, kv: LayerKV | None = None) -> torch.Tensor:
-        x, h = add_then_norm(x, self.attn(self.ln_1(x), kv), self.ln_2)  # x + attn(ln_1(x)), ln_2 of it (B, T, C)
-        return x + self.mlp(h)
+        x, out = self.halves(x, None, kv)
+        return x + out  # (B, T, C)
+
+    def halves(self, x: torch.Tensor, branch: torch.Tensor | None, kv: LayerKV | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + attn(ln_1(x)), mlp(ln_2 of that)): the block without its last residual add, which the caller joins
+        to the next norm; branch: the block before's such output, added into x here by ln_1 (minigpt.residual)."""
+        x, h = (x, self.ln_1(x)) if branch is None else add_then_norm(x, branch, self.ln_1)
+        x, h = add_then_norm(x, self.attn(h, kv), self.ln_2)  # x + attn(ln_1(x)), ln_2 of it (B, T, C)
+        return x, self.mlp(h)
 
 
 class MiniGPT(nn.Module):
@@ -175,14 +183,18 @@ class MiniGPT(nn.Module):
         pos = torch.arange(start, start + T, device=idx.device)
         x = self.drop(self.wte(idx) + self.wpe(pos))  # (B, T, C)
         recompute = self.grad_checkpoint and self.training and torch.is_grad_enabled() and cache is None
+        branch = None  # the last block's MLP output, its residual add left to the next norm (minigpt.residual)
         for i, block in enumerate(self.blocks):
-            if recompute:
-                x = checkpoint(block, x, use_reentrant=False)  # (B, T, C)
+            kv = cache.layers[i] if cache is not None else None
+            if recompute or not in_halves(block):
+                x, branch = add_pending(x, branch), None
+                x = checkpoint(block, x, use_reentrant=False) if recompute else block(x, kv)  # (B, T, C)
             else:
-                x = block(x, cache.layers[i] if cache is not None else None)  # (B, T, C)
+                x, branch = block.halves(x, branch, kv)
         if cache is not None:
             cache.advance(T)
-        return self.lm_head(head_rows(self.ln_f(x), keep))  # (B, T, V), or (n, V) with keep
+        _, h = (x, self.ln_f(x)) if branch is None else add_then_norm(x, branch, self.ln_f)
+        return self.lm_head(head_rows(h, keep))  # (B, T, V), or (n, V) with keep
 
     def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
                  generator: torch.Generator | None = None, eos_id: int | list[int] | None = None,

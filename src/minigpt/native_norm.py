@@ -28,7 +28,8 @@ forward and backward at the bench's GPT shape (1,024 × 512, AMD EPYC, 2 cores),
 bf16 LoRA step (2 × 512 tokens, 25 norms) took 968 ms with these kernels and 992 ms without (medians of 7 steps,
 the two models alternating in one process, 2026-12-03).
 
-The residual add before a block's second norm (``minigpt.residual.add_then_norm``) joins it: ``add_rms_norm_bf16``
+The residual add before each norm but the first block's (``minigpt.residual.add_then_norm``; a block's last add
+joins the next block's first norm, the last block's the final norm) joins it: ``add_rms_norm_bf16``
 and ``add_layer_norm_bf16`` take the fp32 stream x and the bf16 branch and return (x + branch, the norm of it), each
 row added in fp32 (exactly what PyTorch's type promotion adds) and normed while it is in cache; backward adds
 the gradient that reached the sum directly to the norm's and hands the branch that sum rounded to bf16, in the

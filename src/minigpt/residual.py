@@ -7,6 +7,16 @@ A norm module with an ``add_and_norm(x, branch)`` method (``minituner.precision`
 the add and the norm in one pass each way: ``minigpt.native_norm``) computes both where it takes them; any other
 norm, one that declines (returns None) or one with hooks of its own (which the fused path would skip), gets
 ``x + branch`` and then ``norm(x)``. The same values either way.
+
+Across blocks the same holds: a block's last add (x + mlp(...)) and the next block's first norm are one pass too.
+The model's loop runs each block as ``halves`` and hands the MLP's output on unadded:
+
+    x, branch = block.halves(x, branch)        # the block before's output added in by this block's first norm
+    _, h = add_then_norm(x, branch, self.ln_f)   # after the last block: the final norm adds it
+
+A block with hooks of its own (which calling ``halves`` would skip: ``in_halves``), or one recomputed in backward
+(gradient checkpointing takes the block's input whole), gets the pending add first (``add_pending``) and runs as a
+module.
 """
 from __future__ import annotations
 
@@ -23,3 +33,13 @@ def add_then_norm(x: Tensor, branch: Tensor, norm: nn.Module) -> tuple[Tensor, T
             return out
     x = x + branch
     return x, norm(x)
+
+
+def in_halves(block: nn.Module) -> bool:
+    """Whether the model's loop may call block.halves instead of the module: no hooks of its own to skip."""
+    return not (block._forward_hooks or block._forward_pre_hooks)
+
+
+def add_pending(x: Tensor, branch: Tensor | None) -> Tensor:
+    """x with the block before's unadded output added (branch None: nothing pending)."""
+    return x if branch is None else x + branch

@@ -29,9 +29,10 @@ the dtype RoPE is applied in; the residual stream stays fp32):
   the probabilities rounded to bf16 for the product with v; elsewhere, and past its 1,024 tokens,
   ``scaled_dot_product_attention``'s fused kernel, which also keeps q·kᵀ in fp32), RoPE (``Decoder.compute_dtype``: cos and sin made in fp32, applied in bf16, as
   transformers does for a bf16 model), GELU / SwiGLU, and the projections back; ``x + f(x)`` adds the bf16
-  output into the fp32 stream (type promotion: fp32 result, no separate cast); in the middle of a block
-  (``minigpt.residual.add_then_norm``) the second norm does that add itself, in the same pass of C as the norm
-  (``add_and_norm``), and in backward hands the branch its bf16 gradient from that pass too;
+  output into the fp32 stream (type promotion: fp32 result, no separate cast); the norm after each add does that
+  add itself (``minigpt.residual``: a block's second norm, then the next block's first norm or the final norm), in
+  the same pass of C as the norm (``add_and_norm``), and in backward hands the branch its bf16 gradient from that
+  pass too;
 - a frozen head computes in bf16 and returns bf16 logits (it reads the final norm's bf16 output), as a
   transformers model in bf16 does; the loss (``minigpt.cross_entropy``) computes in fp32 a few rows at a time
   and hands back a bf16 gradient, so no (N, V) tensor is ever fp32. AdamW holds fp32 state for the fp32

@@ -4,6 +4,7 @@ import torch
 import torch.nn as nn
 
 from minigpt import native_norm
+from minigpt.decoder import signed_sin
 from minigpt.residual import add_then_norm
 
 
@@ -61,9 +62,10 @@ def test_a_norm_with_hooks_is_called_as_a_module(hook):
 @pytest.mark.skipif(native_norm.kernels() is None, reason="no C compiler or no AVX-512: the norm kernels are not used")
 @pytest.mark.parametrize("family", ["minigpt", "decoder"])
 def test_bf16_blocks_take_the_fused_add_and_train_to_the_same_bits(family, monkeypatch):
-    """use_bf16_compute: each block's second norm does the add before it in C (MiniGPT's ln_2, the decoder's
-    post_attention_layernorm); two optimizer steps give the same loss and LoRA factors, bit for bit, as the
-    plain add followed by the norm."""
+    """use_bf16_compute: each norm after a residual add does that add in C (a block's second norm, MiniGPT's ln_2
+    or the decoder's post_attention_layernorm; the next block's first norm and the final norm, which add the MLP's
+    output the block before left unadded); two optimizer steps give the same loss and LoRA factors, bit for bit,
+    as the plain add followed by the norm."""
     from minigpt.train import lm_loss
     from minituner.build import build_for_training
     from minituner.lora import LoRAConfig
@@ -97,7 +99,7 @@ def test_bf16_blocks_take_the_fused_add_and_train_to_the_same_bits(family, monke
     real = native_norm._AddNormBf16.apply
     monkeypatch.setattr(native_norm._AddNormBf16, "apply", lambda *a: calls.append(1) or real(*a))
     fused = train(model())
-    assert len(calls) == 2 * 2  # each block's second norm, each step
+    assert len(calls) == 2 * (2 * 2 + 1 - 1)  # each step: every norm of the 2 blocks and the final one, but the first
     plain = model()
     for m in plain.modules():
         if hasattr(m, "add_and_norm"):
@@ -107,3 +109,63 @@ def test_bf16_blocks_take_the_fused_add_and_train_to_the_same_bits(family, monke
     assert calls == []
     assert fused[0] == unfused[0]
     assert all(torch.equal(a, b) for a, b in zip(fused[1], unfused[1]))
+
+
+def _tiny(family: str) -> nn.Module:
+    torch.manual_seed(0)
+    if family == "minigpt":
+        from minigpt.model import GPTConfig, MiniGPT
+        return MiniGPT(GPTConfig(vocab_size=64, block_size=16, n_layer=3, n_head=2, d_model=32))
+    from minigpt.decoder import Decoder, DecoderConfig
+    return Decoder(DecoderConfig(vocab_size=64, block_size=16, n_layer=3, n_head=4, n_kv_head=2, d_model=32, d_ff=64))
+
+
+def _blocks(m: nn.Module) -> list[nn.Module]:
+    return list(m.blocks) if hasattr(m, "blocks") else list(m.model.layers)
+
+
+@pytest.mark.parametrize("family", ["minigpt", "decoder"])
+def test_blocks_in_halves_compute_what_the_blocks_compute(family):
+    """The loop's halves (each block's last add left to the next norm) give the logits and gradients of calling
+    each block whole, here where nothing fuses (fp32: the pending add is x + branch before the norm)."""
+    m = _tiny(family)
+    idx = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    x = m.wte(idx) + m.wpe(torch.arange(16)) if family == "minigpt" else m.model.embed_tokens(idx)
+    by_hand = x
+    rope = None if family == "minigpt" else m.rope(16, x.device, x.dtype)
+    for block in _blocks(m):
+        by_hand = block(by_hand) if rope is None else block(by_hand, (rope[0], signed_sin(rope[1])))
+    final = m.ln_f if family == "minigpt" else m.model.norm
+    assert torch.equal(m(idx), m.lm_head(final(by_hand)))
+    out = m(idx)
+    out.square().mean().backward()
+    halves = [p.grad.clone() for p in m.parameters()]
+    m.zero_grad(set_to_none=True)
+    handles = [b.register_forward_pre_hook(lambda mod, args: None) for b in _blocks(m)]  # each block whole
+    whole = m(idx)
+    whole.square().mean().backward()
+    for h in handles:
+        h.remove()
+    assert torch.equal(out, whole)
+    assert all(torch.equal(a, p.grad) for a, p in zip(halves, m.parameters()))
+
+
+@pytest.mark.parametrize("family", ["minigpt", "decoder"])
+@pytest.mark.parametrize("hook", ["forward", "forward_pre"])
+def test_a_block_with_hooks_of_its_own_runs_as_a_module(family, hook):
+    """A hook on a block (the heap trim's pre-hook, a probe) still runs, with the block's whole output: the block
+    before's pending add is made first (add_pending), and the block is called as a module."""
+    from minigpt.residual import in_halves
+
+    m = _tiny(family)
+    idx = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    expected = m(idx)
+    middle, seen = _blocks(m)[1], []
+    assert in_halves(middle)
+    if hook == "forward":
+        middle.register_forward_hook(lambda mod, args, out: seen.append(out.shape))
+    else:
+        middle.register_forward_pre_hook(lambda mod, args: seen.append(args[0].shape))
+    assert not in_halves(middle)
+    assert torch.equal(m(idx), expected)
+    assert seen == [torch.Size([2, 16, 32])]
