@@ -302,10 +302,7 @@ class DecoderLayer(nn.Module):
         """(x + attn(norm(x)), mlp(norm of that)): the layer without its last residual add, which the caller joins
         to the next norm; branch: the layer before's such output, added into x here by the first norm
         (minigpt.residual)."""
-        if branch is None:
-            x, h = x, self.input_layernorm(x)
-        else:
-            x, h = add_then_norm(x, branch, self.input_layernorm)
+        x, h = add_then_norm(x, branch, self.input_layernorm)
         x, h = add_then_norm(x, self.self_attn(h, rope, kv), self.post_attention_layernorm)
         return x, self.mlp(h)
 
@@ -396,7 +393,7 @@ class Decoder(nn.Module):
                 x, branch = layer.halves(x, branch, rope, kv)
         if cache is not None:
             cache.advance(T)
-        _, h = (x, m.norm(x)) if branch is None else add_then_norm(x, branch, m.norm)
+        _, h = add_then_norm(x, branch, m.norm)
         return self.lm_head(head_rows(h, keep))  # (B, T, V), or (n, V) with keep
 
     def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,

@@ -136,7 +136,7 @@ class Block(nn.Module):
                ) -> tuple[torch.Tensor, torch.Tensor]:
         """(x + attn(ln_1(x)), mlp(ln_2 of that)): the block without its last residual add, which the caller joins
         to the next norm; branch: the block before's such output, added into x here by ln_1 (minigpt.residual)."""
-        x, h = (x, self.ln_1(x)) if branch is None else add_then_norm(x, branch, self.ln_1)
+        x, h = add_then_norm(x, branch, self.ln_1)
         x, h = add_then_norm(x, self.attn(h, kv), self.ln_2)  # x + attn(ln_1(x)), ln_2 of it (B, T, C)
         return x, self.mlp(h)
 
@@ -193,7 +193,7 @@ class MiniGPT(nn.Module):
                 x, branch = block.halves(x, branch, kv)
         if cache is not None:
             cache.advance(T)
-        _, h = (x, self.ln_f(x)) if branch is None else add_then_norm(x, branch, self.ln_f)
+        _, h = add_then_norm(x, branch, self.ln_f)
         return self.lm_head(head_rows(h, keep))  # (B, T, V), or (n, V) with keep
 
     def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,

@@ -27,8 +27,11 @@ import torch.nn as nn
 from torch import Tensor
 
 
-def add_then_norm(x: Tensor, branch: Tensor, norm: nn.Module) -> tuple[Tensor, Tensor]:
-    """(x + branch, norm(x + branch)): the residual stream after the add and the next half-block's input."""
+def add_then_norm(x: Tensor, branch: Tensor | None, norm: nn.Module) -> tuple[Tensor, Tensor]:
+    """(x + branch, norm(x + branch)): the residual stream after the add and the next half-block's input; with
+    branch None (nothing to add: the first block), (x, norm(x))."""
+    if branch is None:
+        return x, norm(x)
     fused = getattr(norm, "add_and_norm", None)
     if fused is not None and not (norm._forward_hooks or norm._forward_pre_hooks):
         out = fused(x, branch)
