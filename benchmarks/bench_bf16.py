@@ -18,7 +18,9 @@ row gives the bf16 one our attention instead, to show what that alone is worth.
 
 The floor: one step of our QLoRA bf16 runs under a TorchDispatchMode that records every matrix product
 (aten::mm, addmm, addmm_, bmm, baddbmm) with its shapes, strides and dtypes, and with the calls of
-minituner.native_lora (the adapters' thin products in C) recorded alike; the floor row replays them all,
+minituner.native_lora (the adapters' thin products in C) recorded alike, and each NF4 input gradient that
+miniquant.nf4_matmul computes in C recorded as the aten::mm PyTorch would run from the weight in bf16 (the NF4
+unpacking inside it left out of the floor); the floor row replays them all,
 back to back, on random inputs of the same layouts (in its own process: the model it recorded is dropped first),
 timed in the same turns as the steps.
 Our attention's q·kᵀ and P·v are bf16 GEMMs (aten::bmm) and count among the products; its C softmax, and
@@ -61,6 +63,7 @@ from minigpt.bf16_support import bf16_support  # noqa: E402
 from minigpt.decoder import Decoder  # noqa: E402
 from minigpt.model import MiniGPT  # noqa: E402
 from minigpt.train import lm_loss  # noqa: E402
+from miniquant import nf4_matmul  # noqa: E402
 from minituner import native_lora, native_lora_fp32  # noqa: E402
 from minituner.hf_config import decoder_config_from_hf  # noqa: E402
 from report import Goal, Section  # noqa: E402
@@ -272,9 +275,35 @@ def _native_lora_wrapped(wrap: Callable[[str, Callable], Callable]):
         yield
 
 
+NF4_PRODUCTS = ("input_grad",)  # miniquant.nf4_matmul's calls: an NF4 weight's input gradient, unpacked inside
+
+
+@contextmanager
+def _nf4_matmul_wrapped(wrap: Callable[[str, Callable], Callable]):
+    """miniquant.nf4_matmul's calls (NF4Matmul's methods, self first) replaced by wrap(name, call) for the while."""
+    with ExitStack() as stack:
+        for name in NF4_PRODUCTS:
+            call = getattr(nf4_matmul.NF4Matmul, name)
+            stack.enter_context(mock.patch.object(nf4_matmul.NF4Matmul, name, wrap(name, call)))
+        yield
+
+
+def _bf16_weight(rows: int, cols: int) -> tuple:
+    return ("tensor", (rows, cols), (cols, 1), "bfloat16")
+
+
+def nf4_product_as_aten(name: str, args: tuple) -> tuple[str, tuple]:
+    """(op, argument specs) of the product PyTorch runs in place of an nf4_matmul call, from the weight dequantized to
+    bf16: the input gradient g·W (aten::mm of g (N, out) and W (out, in)), as fp32_gemm.input_grad computes it."""
+    g, _, _, _, in_features = args  # input_grad: (g, packed, absmax, blocksize, in_features)
+    return "mm", (_spec(g), _bf16_weight(g.shape[1], in_features))
+
+
 def record_products(step: Callable[[], object]) -> Counter:
-    """Run step() once, counting each distinct matrix product (op, argument layouts) it dispatches, and each call of
-    the C kernels ("native_lora.<name>" in bf16, "native_lora_fp32.<name>" in fp32)."""
+    """Run step() once, counting each distinct matrix product (op, argument layouts) it dispatches, each call of
+    the C kernels ("native_lora.<name>" in bf16, "native_lora_fp32.<name>" in fp32), and each NF4 input gradient in
+    C (miniquant.nf4_matmul) as the product PyTorch would run from the weight dequantized to bf16
+    (``nf4_product_as_aten``): the floor times it by the library PyTorch uses, the NF4 unpacking left out."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     ops = _product_ops()
@@ -287,6 +316,12 @@ def record_products(step: Callable[[], object]) -> Counter:
             return call(self, *args, **kwargs)
         return run
 
+    def counted_nf4(name: str, call: Callable) -> Callable:
+        def run(self, *args):
+            calls[(*nf4_product_as_aten(name, args), ())] += 1
+            return call(self, *args)
+        return run
+
     class Record(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
@@ -294,7 +329,7 @@ def record_products(step: Callable[[], object]) -> Counter:
                 calls[(ops[func], tuple(_spec(a) for a in args), tuple(sorted((k, _spec(v)) for k, v in kwargs.items())))] += 1
             return func(*args, **kwargs)
 
-    with Record(), _native_lora_wrapped(counted):
+    with Record(), _native_lora_wrapped(counted), _nf4_matmul_wrapped(counted_nf4):
         step()
     return calls
 
@@ -435,6 +470,7 @@ PROFILE_GROUPS = {  # profiler op name -> group, for "what the rest of the step 
     "aten::bmm": "matrix products", "aten::baddbmm": "matrix products",
     "mkldnn::_linear_pointwise": "matrix products",  # the fp32 rows' frozen products (minikernels.fp32_gemm)
     **{f"minituner::{module}.{name}": "matrix products" for module in NATIVE_MODULES for name in NATIVE_LORA},
+    **{f"miniquant::nf4_matmul.{name}": "matrix products" for name in NF4_PRODUCTS},  # (the NF4 unpacked inside)
     # (profile_groups names them)
     "aten::_scaled_dot_product_flash_attention_for_cpu": "attention kernel",
     "aten::_scaled_dot_product_flash_attention_for_cpu_backward": "attention kernel",
@@ -464,7 +500,14 @@ def profile_groups(step: Callable[[], object]) -> tuple[float, dict[str, float]]
                 return call(self, *args, **kwargs)
         return run
 
-    with profile(activities=[ProfilerActivity.CPU]) as prof, _native_lora_wrapped(named):
+    def named_nf4(name: str, call: Callable) -> Callable:
+        def run(self, *args):
+            with record_function(f"miniquant::nf4_matmul.{name}"):
+                return call(self, *args)
+        return run
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof, _native_lora_wrapped(named), \
+            _nf4_matmul_wrapped(named_nf4):
         t0 = time.perf_counter()
         step()
         wall = time.perf_counter() - t0
@@ -643,7 +686,9 @@ def run_shape(shape: str, quick: bool = False, wait_s: float | None = None) -> S
         "compares ours with the faster of its two settings. "
         f"{_PACED_NOTE.format(turns=res['rounds'], warmup=warmup)} The floor: every matrix product of one QLoRA bf16 step ({res['products']} calls; dtypes "
         f"{', '.join(res['product_dtypes'])}; attention's GEMMs among them, and the adapters' thin products, which "
-        "minituner.native_lora runs in C where the CPU has AVX512-BF16), recorded with a TorchDispatchMode (the C calls by "
+        "minituner.native_lora runs in C where the CPU has AVX512-BF16; an NF4 weight's input gradient, which "
+        "miniquant.nf4_matmul runs in C there with the codes unpacked inside, counts as the product PyTorch would run "
+        "from the weight in bf16, aten::mm), recorded with a TorchDispatchMode (the C calls by "
         "wrapping them) and replayed back to back on random "
         "inputs of the same shapes and strides. 'profiled share': self CPU time by group in one profiled step "
         f"(profiler overhead included). CPU bf16 units: {support.reason}. Machine CPU use before the run: {busy:.0f}%.",
@@ -693,8 +738,9 @@ def run_shape(shape: str, quick: bool = False, wait_s: float | None = None) -> S
              "the replay profiled the same way, which reruns each product on the same operands back to back, so "
              "operands that fit in cache stay there), and outside the products, in that profiled step, attention "
              f"outside its GEMMs (minigpt.native_attention's C softmax and softmax gradient) took "
-             f"{fmt_seconds(q.get('attention kernel', 0.0))}, NF4 dequantization (C, into the workspace, twice per "
-             f"weight, with the Python of the Function around each product) "
+             f"{fmt_seconds(q.get('attention kernel', 0.0))}, NF4 dequantization (C, into the workspace, once per "
+             f"weight for the forward, twice where the input gradient does not run in miniquant.nf4_matmul, with the "
+             f"Python of the Function around each product) "
              f"{fmt_seconds(q.get('NF4 dequantization', 0.0))}, "
              + (f"the C norm and activation kernels {fmt_seconds(q['C norms and activations'])}, "
                 if q.get("C norms and activations") else "")
@@ -705,8 +751,10 @@ def run_shape(shape: str, quick: bool = False, wait_s: float | None = None) -> S
              f"{fmt_seconds(q.get('other', 0.0))}",
              measurable=support.fast),
         Goal(f"bf16 step ({shape}): ours QLoRA / ours LoRA", t["qlora_bf16"] / t["lora_bf16"], VS_LORA_GOAL, False,
-             f"{not_here}two NF4 dequantizations of every base weight per step, into one reused bf16 workspace, and "
-             "the finite-output guards QLoRA adds (build_for_training)",
+             f"{not_here}an NF4 dequantization of every base weight per step for the forward, into one reused bf16 "
+             "workspace, and its codes unpacked again inside the input gradient's product (miniquant.nf4_matmul; "
+             "where that does not run, a second dequantization into the workspace), and the finite-output guards "
+             "QLoRA adds (build_for_training)",
              measurable=support.fast),
     ]
     small = SMALL_SHAPES[shape]()

@@ -37,7 +37,7 @@ from torch import Tensor, nn
 
 from minikernels import fp32_gemm
 
-from . import native
+from . import native, nf4_matmul
 from .errors import QuantizationError
 from .int_quant import IntQuantized, dequantize_symmetric_per_group, quantize_symmetric_per_group
 from .nf4 import NF4Tensor, dequantize_nf4, quantize_nf4
@@ -137,7 +137,9 @@ def release_workspace() -> None:
 
 
 class DequantLinearFunction(torch.autograd.Function):
-    """y = x @ W^T + b with W dequantized on the fly in forward and again in backward; grad for x only."""
+    """y = x @ W^T + b with W dequantized on the fly in forward and again in backward (the layer's input_grad_from:
+    an NF4 weight with bf16 gradients on a CPU with AVX512-BF16 unpacked inside the product, ``nf4_matmul``); grad
+    for x only. `layer` offers dequantize_from and input_grad_from (QuantizedLinear, minituner's UpcastLinear)."""
 
     @staticmethod
     def forward(ctx, x: Tensor, bias: Tensor | None, layer: "QuantizedLinear", *qtensors: Tensor) -> Tensor:
@@ -152,8 +154,7 @@ class DequantLinearFunction(torch.autograd.Function):
         qtensors = ctx.saved_tensors  # raises if a buffer was modified in place since forward
         grad_x = None
         if ctx.needs_input_grad[0]:
-            w = ctx.layer.dequantize_from(qtensors, ctx.dtype, transient=True)  # (out, in), recomputed
-            grad_x = fp32_gemm.input_grad(grad_out, w)  # (N, out) @ (out, in) -> (N, in)
+            grad_x = ctx.layer.input_grad_from(qtensors, grad_out, ctx.dtype)  # (N, out) @ (out, in) -> (N, in)
         return (grad_x, None, None) + (None,) * len(qtensors)
 
 
@@ -241,6 +242,24 @@ class QuantizedLinear(nn.Module):
                 f"dequantized {self.scheme} weight has NaN/Inf values (corrupt buffers or {dtype} overflow)"
             )
         return w
+
+    def _nf4_input_grad_fits(self, qtensors: tuple[Tensor, ...], g: Tensor) -> bool:
+        """Whether ``miniquant.nf4_matmul`` computes g (N, out)·W for this NF4 weight: the kernel built, the shapes
+        fitting, g bf16, and scales that keep every value finite in bf16 (what dequantize_from checks)."""
+        s = self._scheme
+        return (s.kind == "nf4" and nf4_matmul.fits(g, self.in_features, self.out_features, s.group_size)
+                and qtensors[0].is_contiguous() and qtensors[1].dtype == torch.float32
+                and qtensors[1].is_contiguous() and _nf4_surely_finite(qtensors[1], g.dtype))
+
+    def input_grad_from(self, qtensors: tuple[Tensor, ...], g: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+        """g (N, out)·W -> (N, in), the gradient of x·Wᵀ for x, W from the given quantized buffers in `dtype` (default
+        g's), no autograd: NF4 with bf16 g on a CPU with AVX512-BF16 by ``nf4_matmul`` (the codes unpacked inside
+        the product), else W dequantized into the shared workspace and multiplied by ``fp32_gemm.input_grad``."""
+        dtype = dtype or g.dtype
+        if dtype == g.dtype and self._nf4_input_grad_fits(qtensors, g):
+            return nf4_matmul.kernels().input_grad(g, qtensors[0], qtensors[1], self._scheme.group_size,
+                                                   self.in_features)
+        return fp32_gemm.input_grad(g, self.dequantize_from(qtensors, dtype, transient=True))
 
     def dequantize(self, dtype: torch.dtype | None = None) -> Tensor:
         """The (out, in) weight in `dtype` (default: the original weight's dtype); a new tensor, no grad."""

@@ -58,6 +58,15 @@ def _frozen_tensors(base: nn.Module) -> tuple[Tensor, ...]:
     return (base.weight,) if isinstance(base, nn.Linear) else tuple(base.quantized_tensors())
 
 
+def _base_input_grad(base: nn.Module, frozen: tuple[Tensor, ...], g: Tensor) -> Tensor:
+    """g·W (N, in), the base's share of the input's gradient: a frozen Linear's weight, or a quantized one's from
+    its buffers (``QuantizedLinear.input_grad_from``: NF4 unpacked inside the product where ``miniquant.nf4_matmul``
+    runs, else dequantized into the shared workspace)."""
+    if isinstance(base, nn.Linear):
+        return fp32_gemm.input_grad(g, frozen[0])
+    return base.input_grad_from(frozen, g)
+
+
 def base_product(x: Tensor, w: Tensor, bias: Tensor | None) -> Tensor:
     """x·wᵀ + bias. bf16 on CPU through oneDNN's linear, which adds the bias inside its kernel: F.linear's addmm
     first copies the bias into every row of the output, one more pass over (N, out). The same bits (tested).
@@ -149,7 +158,7 @@ class LoRAProduct(torch.autograd.Function):
         if need_B:
             grad_B = (a.t() @ g).mul_(ctx.scale).t().to(ctx.master_dtypes[1])  # (r, out) -> (out, r)
         if need_x:
-            grad_x = fp32_gemm.input_grad(g, _frozen_weight(ctx.base, tuple(frozen), x.dtype))  # (N, in): the base's
+            grad_x = _base_input_grad(ctx.base, tuple(frozen), g)  # (N, in): the base's
             grad_x.addmm_(grad_a_t.t(), a_low)  # plus the adapter's, in the same pass
         return (grad_x, grad_A, grad_B, None, None, None, None) + (None,) * len(frozen)
 
@@ -161,7 +170,7 @@ def _backward_native(ctx, g: Tensor, x: Tensor, A: Tensor, B: Tensor, a: Tensor,
     grad_a, grad_A, grad_B = ctx.native.backward(g, x, a, B, ctx.scale, need_x, need_A, need_B)
     grad_x = None
     if need_x:
-        grad_x = fp32_gemm.input_grad(g, _frozen_weight(ctx.base, tuple(frozen), x.dtype))  # (N, in): the base's
+        grad_x = _base_input_grad(ctx.base, tuple(frozen), g)  # (N, in): the base's
         ctx.native.input_update_(grad_x, grad_a, A)  # plus the adapter's (bf16: rounded once)
     return (grad_x, grad_A, grad_B, None, None, None, None) + (None,) * len(frozen)
 

@@ -63,6 +63,12 @@ class UpcastLinear(nn.Linear):
         out = workspace_buffer(w.numel(), dtype, w.device).view(w.shape) if transient else torch.empty_like(w, dtype=dtype)
         return out.copy_(w)
 
+    def input_grad_from(self, tensors: tuple[torch.Tensor, ...], g: torch.Tensor, dtype: torch.dtype | None = None
+                        ) -> torch.Tensor:
+        """g (N, out)·W -> (N, in), the weight upcast to `dtype` (default g's) in the shared workspace (what
+        DequantLinearFunction's backward asks every layer it computes)."""
+        return fp32_gemm.input_grad(g, self.dequantize_from(tensors, dtype or g.dtype, transient=True))
+
     def extra_repr(self) -> str:
         rows = "" if self.rows_per_product is None else f", rows_per_product={self.rows_per_product}"
         return super().extra_repr() + f", weight_dtype={str(self.weight.dtype).removeprefix('torch.')}{rows}"

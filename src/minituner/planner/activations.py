@@ -79,6 +79,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from minigpt import native_attention, native_loss, native_swiglu
+from miniquant import nf4_matmul
 from minituner import native_lora
 from minigpt.bf16_support import bf16_support
 from minigpt.cross_entropy import fp32_loss_chunked
@@ -126,6 +127,14 @@ def bf16_compute_lora(act_bytes: int, stream_bytes: int | None, rank: int, lora_
     with contiguous rows) holds for every run the planner plans, as build_for_training and finetune make them."""
     return (on_cpu and act_bytes == 2 and stream_bytes == 4 and 0 < rank <= native_lora.MAX_RANK and rank % 2 == 0
             and not lora_dropout and native_lora.takes_bf16_run())
+
+
+def bf16_compute_nf4(act_bytes: int, stream_bytes: int | None, on_cpu: bool = True) -> bool:
+    """Whether the NF4 base's input gradients run as ``miniquant.nf4_matmul`` (the codes unpacked inside the
+    product, each thread keeping a panel) in the run these widths describe: minituner.precision's bf16 compute
+    (e = 2 beside s = 4) on a CPU where its kernel is built (AVX512-BF16); per weight, where its shape fits
+    (``nf4_matmul.shape_fits``)."""
+    return on_cpu and act_bytes == 2 and stream_bytes == 4 and nf4_matmul.takes_bf16_run()
 
 
 def bf16_gemm_fallback(act_bytes: int, stream_bytes: int | None, on_cpu: bool = True) -> bool:

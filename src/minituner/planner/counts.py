@@ -14,6 +14,7 @@ from minigpt.errors import InputError
 
 from .shapes import ATTENTION, LinearShape, ModelShape
 
+NF4_BLOCK = 64  # weights per fp32 absmax (bitsandbytes' default blocksize for 4-bit)
 ALL_LINEAR = "all-linear"
 # Module kinds, in table order; every base parameter belongs to exactly one.
 KINDS = ("token_embedding", "position_embedding", "attention", "attention_bias", "mlp", "mlp_bias",

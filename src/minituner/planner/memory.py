@@ -36,11 +36,10 @@ from minigpt.errors import InputError
 
 from .activations import check_dropout_range, counted_rows
 from .decoder_activations import EXACT_FAMILIES, exact_activation_bytes
-from .counts import ALL_LINEAR, check_rank, lora_trainable_params, parse_targets, resolve_targets, total_params
+from .counts import ALL_LINEAR, NF4_BLOCK, check_rank, lora_trainable_params, parse_targets, resolve_targets, total_params
 from .peak import has_peak_model, step_peak
 from .shapes import ModelShape
 
-NF4_BLOCK = 64  # weights per fp32 absmax (bitsandbytes' default blocksize for 4-bit)
 DQ_BLOCK = 256  # absmax values per fp32 constant under double quantization
 SEED_ACT_BYTES = 16  # the seed's bytes per (batch, seq, d_model, layer) element
 DEFAULT_RANKS = (4, 8, 16)  # the seed's LoRA regimes; its QLoRA regime uses r = 8

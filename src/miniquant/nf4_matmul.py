@@ -1,0 +1,295 @@
+"""An NF4 weight's input gradient g·W with bf16 gradients on CPU, the codes unpacked inside the product (C, AVX512-BF16).
+
+    if fits(g, in_features, out_features, blocksize):      # bf16 g on CPU, a weight of fitting shape, kernel built
+        grad_x = kernels().input_grad(g, packed, absmax, blocksize, in_features)   # (N, out) · W (out, in) -> (N, in)
+
+A frozen NF4 layer's backward needs its weight again for the input's gradient. Without this file it is
+dequantized into the shared bf16 workspace (``miniquant.quantize``): every value written to memory at 2 bytes and
+read back by oneDNN's GEMM. Here each thread unpacks the codes of a panel of NB columns and KC rows of W into bf16
+pairs, a 128 KiB block that stays in its core's cache, and multiplies the rows of g against it there: the weight
+crosses memory at half a byte a value.
+
+The product: a microkernel of MR x NR (14 x 32) fp32 sums in registers, each pair of k one AVX-512 BF16 dot
+product (vdpbf16ps: two bf16 products a lane, summed in fp32) of the row's pair of g, broadcast, with the panel's
+pairs (W[k][n], W[k + 1][n]); the sums run over k in order, carried across KC chunks in fp32 (the same order as
+one chain), then each value is rounded to bf16 once (nearest even, NaN as 0x7FC0, as PyTorch rounds). The
+weight's bf16 values are those ``dequantize_nf4`` writes (code x absmax in fp32, rounded to nearest even), so the
+operands are exactly the workspace path's. oneDNN's bf16 GEMM on these CPUs runs the same instruction: on an AMD
+EPYC with AVX512-BF16 the results were oneDNN's bit for bit at K = out = 512 and within one bf16 rounding at 2,048
+(it sums K in another order there); tests/miniquant/test_nf4_matmul.py holds them to an fp64 reference of the same
+bf16 operands. vdpbf16ps treats denormal inputs as zero, as oneDNN does here.
+
+Measured (AMD EPYC, Zen 5, AVX512-BF16, 2 threads, 2026-12-05; one call, dequantization included on the workspace
+path, medians of 8-40): N 1,024 and W 512 x 512 0.56 ms against 0.66; N 512 and Llama-2-7B's 4,096 x 4,096
+18.5 ms against 20.7, its MLP 11,008 x 4,096 and 4,096 x 11,008 48.7 and 50.6 ms against 57.4 and 54.5. The
+forward x·Wᵀ the same way (pairs from one row of W's codes, gathered into the panel) was 5-10% slower than the
+workspace path at the 7B shapes, and in a training step it changed where malloc's heap left its holes: on the
+bench's GPT-shaped step the heap trims of ``minituner.memory.heap`` then fired every step (17,000 page faults,
+the step 195 ms against 181), and on the 7B shape the peak resident set rose by about 300 MiB. So the forward
+keeps the workspace, and the backward takes this product: the GPT-shaped bf16 QLoRA step 178 against 181 ms
+(medians of 20 steps, each in its own process), the 7B one 23.0 and 21.2 s against 24.5 and 22.5 (one process
+each, two steps) with its peak no higher (7,643 MiB against 7,702).
+
+Work is split in units of NB columns (and of rows too where there are fewer than two units a thread), taken by
+PyTorch's OpenMP team one at a time as its threads get free. Each thread keeps its panel (NB·KC bf16) and, for
+K over KC, its fp32 sums (rows x NB) from call to call, in mappings of their own outside malloc's heap
+(``scratch_bytes``; ``minituner.planner`` counts them).
+
+Used by ``QuantizedLinear.input_grad_from`` (its own Function's backward and ``minituner.lora_product``'s) where
+``fits``: the library built with AVX512-BF16 (``nf4mm_vectorized``), bf16 g with contiguous rows, blocks of
+the code whose size is a multiple of 32 and divides in_features, out_features a multiple of NR; elsewhere the
+workspace path.
+"""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+from torch import Tensor
+
+from minikernels.build import CPU_COUNT, OPENMP_PRELUDE, KernelFamily, ThreadSplit
+
+from .nf4 import nf4_code_table
+
+CFLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-ffp-contract=off", "-fno-fast-math", "-std=gnu11"]
+MR, NR, NB, KC = 14, 32, 128, 512  # the C's: microkernel rows and columns, a unit's columns, the K chunk
+MIN_MACS_PER_THREAD = 1 << 22  # smaller products stay on the calling thread (handing work over costs ~10 µs)
+
+_SOURCE = OPENMP_PRELUDE + r"""
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#define MR 14   /* rows of x per microkernel call: 2 x 14 sums in registers, 2 for the panel's vectors */
+#define NR 32   /* columns per microkernel call: two vectors of 16 fp32 sums */
+#define NB 128  /* columns of a unit of work: a panel of NB x KC bf16 (128 KiB), unpacked once per K chunk */
+#define KC 512  /* the K chunk: sums beyond it carry over in fp32 (acc), in the same order */
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define NF4MM 1
+#include <immintrin.h>
+#endif
+int nf4mm_vectorized(void) {
+#ifdef NF4MM
+    return 1;
+#else
+    return 0;
+#endif
+}
+#ifdef NF4MM
+static inline __m512bh as_bh(__m512i v) { return (__m512bh)v; }
+/* 32 NF4 values from 16 packed bytes (element 2i in byte i's high nibble) times s, in order: lo = values 0..15, hi = 16..31 */
+static inline void nf4_32(const uint8_t* p, float s, __m512 table, __m512* lo, __m512* hi) {
+    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p));
+    const __m512 sc = _mm512_set1_ps(s);
+    const __m512 ev = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), table), sc);  /* elements 0,2,..,30 */
+    const __m512 od = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)), table), sc);
+    const __m512i i0 = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    const __m512i i1 = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
+    *lo = _mm512_permutex2var_ps(ev, i0, od);
+    *hi = _mm512_permutex2var_ps(ev, i1, od);
+}
+/* 16 pairs (a[i], b[i]) as bf16 in one uint32 each (a low), rounded to nearest even */
+static inline __m512i pairs16(__m512 a, __m512 b) {
+    const __m512i ab = (__m512i)_mm512_cvtne2ps_pbh(b, a);  /* lanes 0..15: a, 16..31: b (bf16) */
+    const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                         23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    return _mm512_permutexvar_epi16(idx, ab);
+}
+/* the panel of B[k][n] = W[k][n] (W (K, N): rows k of N codes) for columns [n0, n0 + ncols) and k in [k0, k0 + kc):
+   for each 32 columns, kc / 2 rows of 32 pairs (W[k][n], W[k + 1][n]) as uint32, bf16 each (low: the even k) */
+static void pack_cols(const uint8_t* codes, const float* scales, int64_t bs, __m512 table, int64_t N, int64_t n0,
+                      int64_t ncols, int64_t k0, int64_t kc, uint32_t* P) {
+    for (int64_t s = 0; s < ncols / NR; s++) {
+        uint32_t* dst = P + s * (kc / 2) * NR;
+        for (int64_t kp = 0; kp < kc / 2; kp++) {
+            const int64_t e0 = (k0 + 2 * kp) * N + n0 + s * NR, e1 = e0 + N;
+            __m512 lo0, hi0, lo1, hi1;
+            nf4_32(codes + e0 / 2, scales[e0 / bs], table, &lo0, &hi0);
+            nf4_32(codes + e1 / 2, scales[e1 / bs], table, &lo1, &hi1);
+            _mm512_storeu_si512(dst + kp * NR, pairs16(lo0, lo1));
+            _mm512_storeu_si512(dst + kp * NR + 16, pairs16(hi0, hi1));
+        }
+    }
+}
+static inline __m256i round_bf16(__m512 v) {  /* nearest even, NaN -> 0x7FC0 */
+    __m512i u = _mm512_castps_si512(v);
+    __m512i bias = _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1)));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, bias), 16);
+    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+    return _mm512_cvtepi32_epi16(r);
+}
+/* rows [0, ROWS) of x (ldx) times the panel's 32 columns over kc pairs of k: the sums start from acc (first: from 0)
+   and go back to acc, or (last) are rounded to bf16 into y (ldy) */
+#define KERNEL_BODY(ROWS) \
+    __m512 c0[ROWS], c1[ROWS]; \
+    for (int i = 0; i < ROWS; i++) { \
+        if (first) c0[i] = c1[i] = _mm512_setzero_ps(); \
+        else { c0[i] = _mm512_loadu_ps(acc + i * NB); c1[i] = _mm512_loadu_ps(acc + i * NB + 16); } \
+    } \
+    for (int64_t kp = 0; kp < kc / 2; kp++) { \
+        const __m512bh b0 = as_bh(_mm512_loadu_si512(P + kp * NR)), b1 = as_bh(_mm512_loadu_si512(P + kp * NR + 16)); \
+        _Pragma("GCC unroll 16") \
+        for (int i = 0; i < ROWS; i++) { \
+            const __m512bh a = as_bh(_mm512_set1_epi32(*(const int32_t*)(x + i * ldx + 2 * kp))); \
+            c0[i] = _mm512_dpbf16_ps(c0[i], a, b0); \
+            c1[i] = _mm512_dpbf16_ps(c1[i], a, b1); \
+        } \
+    } \
+    for (int i = 0; i < ROWS; i++) { \
+        if (last) { \
+            _mm256_storeu_si256((__m256i*)(y + i * ldy), round_bf16(c0[i])); \
+            _mm256_storeu_si256((__m256i*)(y + i * ldy + 16), round_bf16(c1[i])); \
+        } else { _mm512_storeu_ps(acc + i * NB, c0[i]); _mm512_storeu_ps(acc + i * NB + 16, c1[i]); } \
+    }
+static void kernel_full(const uint16_t* x, int64_t ldx, int64_t kc, const uint32_t* P, float* acc, int first, int last,
+                        uint16_t* y, int64_t ldy) { KERNEL_BODY(MR) }
+static void kernel_tail(const uint16_t* x, int64_t ldx, int64_t kc, const uint32_t* P, float* acc, int first, int last,
+                        uint16_t* y, int64_t ldy, int mr) {
+    switch (mr) {
+#define TAIL(R) case R: { KERNEL_BODY(R) break; }
+    TAIL(1) TAIL(2) TAIL(3) TAIL(4) TAIL(5) TAIL(6) TAIL(7) TAIL(8) TAIL(9) TAIL(10) TAIL(11) TAIL(12) TAIL(13)
+    }
+}
+static __thread uint32_t* t_panel; static __thread size_t t_panel_cap;
+static __thread float* t_acc; static __thread size_t t_acc_cap;
+/* this thread's buffer p of at least `need` bytes, kept for the next call (NULL: out of memory); a mapping of its
+   own, outside malloc's heap, where a block kept for good would sit between the step's tensors */
+static void* grow(void** p, size_t* cap, size_t need) {
+    if (need > *cap) {
+        if (*p) munmap(*p, *cap);
+        need = (need + 4095) / 4096 * 4096;
+        *p = mmap(NULL, need, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        if (*p == MAP_FAILED) *p = NULL;
+        *cap = *p ? need : 0;
+    }
+    return *p;
+}
+/* y[m, n] = sum_k x[m, k] W[k, n] for units [u0, u1) of (N columns in blocks of NB) x (mgroups groups of M rows) */
+static int nf4mm_units(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* codes, const float* scales,
+                       int64_t bs, const float* table16, uint16_t* y, int64_t ldy, int64_t N, int64_t mgroups,
+                       int64_t u0, int64_t u1) {
+    const __m512 table = _mm512_loadu_ps(table16);
+    const int64_t kc_max = K < KC ? K : KC;
+    uint32_t* P = grow((void**)&t_panel, &t_panel_cap, (size_t)NB * kc_max * 2);
+    const int64_t mrows = (M + mgroups - 1) / mgroups;
+    float* acc = K > KC ? grow((void**)&t_acc, &t_acc_cap, (size_t)(mrows + MR) * NB * 4) : NULL;
+    if (!P || (K > KC && !acc)) return 1;
+    for (int64_t u = u0; u < u1; u++) {
+        const int64_t n0 = (u / mgroups) * NB, ncols = N - n0 < NB ? N - n0 : NB;
+        const int64_t m0 = (u % mgroups) * mrows, m1 = m0 + mrows < M ? m0 + mrows : M;
+        for (int64_t k0 = 0; k0 < K; k0 += KC) {
+            const int64_t kc = K - k0 < KC ? K - k0 : KC;
+            const int first = k0 == 0, last = k0 + kc == K;
+            pack_cols(codes, scales, bs, table, N, n0, ncols, k0, kc, P);
+            for (int64_t m = m0; m < m1; m += MR) {
+                const int mr = m1 - m < MR ? (int)(m1 - m) : MR;
+                for (int64_t s = 0; s < ncols / NR; s++) {
+                    float* a = acc ? acc + (m - m0) * NB + s * NR : NULL;
+                    const uint16_t* xs = x + m * ldx + k0;
+                    uint16_t* ys = y + m * ldy + n0 + s * NR;
+                    const uint32_t* Ps = P + s * (kc / 2) * NR;
+                    if (mr == MR) kernel_full(xs, ldx, kc, Ps, a, first, last, ys, ldy);
+                    else kernel_tail(xs, ldx, kc, Ps, a, first, last, ys, ldy, mr);
+                }
+            }
+        }
+    }
+    return 0;
+}
+#endif  /* NF4MM */
+/* y (M, N; ldy) = x (M, K; ldx) · W, W (K, N) an NF4 weight (packed codes, fp32 scales per block of bs values, the
+   16 code values in table16), dequantized to bf16 panel by panel: the input's gradient g·W of a product x·Wᵀ. The
+   work: units of NB columns by `mgroups` groups of rows, taken one at a time by `threads` threads (1: this one).
+   Returns 1 when a thread's buffers could not be mapped (y then incomplete), else 0. */
+int nf4mm_input_grad(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* codes, const float* scales,
+                     int64_t bs, const float* table16, uint16_t* y, int64_t ldy, int64_t N, int64_t mgroups, int threads) {
+    int failed = 0;
+#ifdef NF4MM
+    const int64_t units = (N + NB - 1) / NB * mgroups;
+    if (threads > 1) {
+        #pragma omp parallel for schedule(dynamic, 1) num_threads(threads) reduction(|:failed)
+        for (int64_t u = 0; u < units; u++)
+            failed |= nf4mm_units(x, ldx, M, K, codes, scales, bs, table16, y, ldy, N, mgroups, u, u + 1);
+    } else {
+        failed = nf4mm_units(x, ldx, M, K, codes, scales, bs, table16, y, ldy, N, mgroups, 0, units);
+    }
+#endif
+    return failed;
+}
+"""
+
+
+class NF4Matmul:
+    """The compiled product; each call one pass of C, on PyTorch's OpenMP team where the library has OpenMP."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+        self._run = lib.nf4mm_input_grad
+        self._run.argtypes = [ptr, i64, i64, i64, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i32]
+        self._run.restype = ctypes.c_int
+        self._split = ThreadSplit("miniquant-nf4mm", openmp=bool(lib.mk_openmp()))  # its openmp: off in a forked child
+        self._table = nf4_code_table("cpu").float().contiguous()  # (16,) the NF4 code values
+
+    def _threads(self, m: int, k: int, n: int) -> tuple[int, int]:
+        """(threads, row groups) for an (m, k) x (k, n) product: OpenMP's team for a large one; rows split too
+        where there are fewer than two column units a thread."""
+        if not self._split.openmp or m * k * n < 2 * MIN_MACS_PER_THREAD:
+            return 1, 1
+        threads = min(team_threads(), m * k * n // MIN_MACS_PER_THREAD)
+        units = -(-n // NB)
+        groups = 1 if units >= 2 * threads else min(-(-2 * threads // units), max(1, m // MR))
+        return threads, groups
+
+    def input_grad(self, g: Tensor, packed: Tensor, absmax: Tensor, blocksize: int, in_features: int) -> Tensor:
+        """g (N, out) bf16 · W -> (N, in) bf16, the gradient of x·Wᵀ for x; W (out, in) NF4: its packed codes
+        (out·in / 2 bytes, element 2i in the high nibble of byte i) and fp32 absmax per block of `blocksize`."""
+        m, k = g.shape
+        grad_x = torch.empty(m, in_features, dtype=torch.bfloat16)
+        if m == 0:
+            return grad_x
+        threads, groups = self._threads(m, k, in_features)
+        rc = self._run(g.data_ptr(), g.stride(0), m, k, packed.data_ptr(), absmax.data_ptr(), blocksize,
+                       self._table.data_ptr(), grad_x.data_ptr(), in_features, in_features, groups, threads)
+        if rc:
+            raise MemoryError("miniquant.nf4_matmul: out of memory for a thread's panel")
+        return grad_x
+
+
+_FAMILY = KernelFamily("nf4_matmul", _SOURCE, CFLAGS, "miniquant's NF4 input-gradient product", NF4Matmul,
+                       vectorized="nf4mm_vectorized", parallel=True)
+
+
+def kernels() -> NF4Matmul | None:
+    """The product, built on first use; None where native kernels are off (MINIQUANT_NATIVE=0), cannot be built,
+    or the CPU lacks AVX512-BF16 (``nf4mm_vectorized``)."""
+    return _FAMILY.kernels()
+
+
+def shape_fits(in_features: int, out_features: int, blocksize: int) -> bool:
+    """Whether an (out, in) NF4 weight in blocks of `blocksize` fits the kernel: blocks of a multiple of 32 values
+    that divide each row (so 32 values in a row share a scale), out_features a multiple of NR."""
+    return blocksize % 32 == 0 and in_features % blocksize == 0 and out_features % NR == 0 and out_features > 0
+
+
+def fits(g: Tensor, in_features: int, out_features: int, blocksize: int) -> bool:
+    """Whether the kernel computes g (N, out)·W for this weight: g bf16 on CPU with contiguous rows, the weight's
+    shape fitting (``shape_fits``), the kernel built here."""
+    return (g.dtype == torch.bfloat16 and g.device.type == "cpu" and g.dim() == 2 and g.stride(1) == 1
+            and shape_fits(in_features, out_features, blocksize) and kernels() is not None)
+
+
+def takes_bf16_run() -> bool:
+    """Whether a bf16 CPU run's NF4 input gradients (of fitting weights) run here (what minituner.planner counts)."""
+    return kernels() is not None
+
+
+def team_threads() -> int:
+    """How many threads the kernel's large calls run on here: PyTorch's team, at most the CPUs."""
+    return min(torch.get_num_threads(), CPU_COUNT)
+
+
+def scratch_bytes(rows: int, max_k: int, threads: int) -> int:
+    """Bytes each thread keeps from call to call (its panel, and its fp32 sums for K over KC), summed over
+    `threads`, for gradients of up to `rows` rows and K (the weight's out_features) up to `max_k`."""
+    panel = NB * min(max_k, KC) * 2
+    sums = (rows + MR) * NB * 4 if max_k > KC else 0
+    return threads * (panel + sums)
