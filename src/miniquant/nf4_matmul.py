@@ -26,9 +26,10 @@ forward x·Wᵀ the same way (pairs from one row of W's codes, gathered into the
 workspace path at the 7B shapes, and in a training step it changed where malloc's heap left its holes: on the
 bench's GPT-shaped step the heap trims of ``minituner.memory.heap`` then fired every step (17,000 page faults,
 the step 195 ms against 181), and on the 7B shape the peak resident set rose by about 300 MiB. So the forward
-keeps the workspace, and the backward takes this product: the GPT-shaped bf16 QLoRA step 178 against 181 ms
-(medians of 20 steps, each in its own process), the 7B one 23.0 and 21.2 s against 24.5 and 22.5 (one process
-each, two steps) with its peak no higher (7,643 MiB against 7,702).
+keeps the workspace, and the backward takes this product: the GPT-shaped bf16 QLoRA step 174, 176 and 185 ms
+against 183, 182 and 186 (three pairs of processes, medians of 30 steps; peak RSS 555-560 MiB against 541-546),
+the 7B one 23.0 and 21.2 s against 24.5 and 22.5 (one process each, two steps) with its peak no higher (7,643 MiB
+against 7,702). benchmarks/RESULTS.md has the whole steps.
 
 Work is split in units of NB columns (and of rows too where there are fewer than two units a thread), taken by
 PyTorch's OpenMP team one at a time as its threads get free. Each thread keeps its panel (NB·KC bf16) and, for
