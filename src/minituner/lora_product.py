@@ -29,9 +29,10 @@ base's own Function runs them; elsewhere (CUDA, other CPUs) fp32 keeps the two p
 
 It saves what the two pieces save together: x (which LoRAUpdate kept), the bf16 copies of A and B (with the C
 kernels the fp32 masters themselves, no copies), a = x·Aᵀ (N, r) and the base's own frozen tensors (an NF4
-base's codes and scales, dequantized again in backward into miniquant's shared workspace; a frozen Linear's
-weight), so ``minituner.planner`` counts it as it is (the bf16 copies' r·(in + out) values a layer, none where the
-C kernels run; in fp32 the masters are what the two pieces save too). The base layer's own module is not
+base's codes and scales, read again in backward for the input's gradient: unpacked inside that product where
+``miniquant.nf4_matmul`` runs, else dequantized into miniquant's shared workspace; a frozen Linear's weight), so
+``minituner.planner`` counts it as it is (the bf16 copies' r·(in + out) values a layer, none where the C kernels
+run; in fp32 the masters are what the two pieces save too). The base layer's own module is not
 called: the fused path is taken only where it has no hooks of its own.
 """
 from __future__ import annotations
