@@ -20,7 +20,8 @@ The floor: one step of our QLoRA bf16 runs under a TorchDispatchMode that record
 (aten::mm, addmm, addmm_, bmm, baddbmm) with its shapes, strides and dtypes, and with the calls of
 minituner.native_lora (the adapters' thin products in C) recorded alike, and each NF4 input gradient that
 miniquant.nf4_matmul computes in C recorded as the aten::mm PyTorch would run from the weight in bf16 (the NF4
-unpacking inside it left out of the floor); the floor row replays them all,
+unpacking inside it left out of the floor), with the adapter's share it adds inside as native_lora's call that
+adds it elsewhere; the floor row replays them all,
 back to back, on random inputs of the same layouts (in its own process: the model it recorded is dropped first),
 timed in the same turns as the steps.
 Our attention's q·kᵀ and P·v are bf16 GEMMs (aten::bmm) and count among the products; its C softmax, and
@@ -292,18 +293,26 @@ def _bf16_weight(rows: int, cols: int) -> tuple:
     return ("tensor", (rows, cols), (cols, 1), "bfloat16")
 
 
-def nf4_product_as_aten(name: str, args: tuple) -> tuple[str, tuple]:
-    """(op, argument specs) of the product PyTorch runs in place of an nf4_matmul call, from the weight dequantized to
-    bf16: the input gradient g·W (aten::mm of g (N, out) and W (out, in)), as fp32_gemm.input_grad computes it."""
-    g, _, _, _, in_features = args  # input_grad: (g, packed, absmax, blocksize, in_features)
-    return "mm", (_spec(g), _bf16_weight(g.shape[1], in_features))
+def nf4_products_as_aten(name: str, args: tuple) -> list[tuple[str, tuple]]:
+    """(op, argument specs) of the products that run in place of an nf4_matmul call where it is not there: the
+    input gradient g·W from the weight dequantized to bf16 (aten::mm of g (N, out) and W (out, in), as
+    fp32_gemm.input_grad computes it), and, where the call adds a LoRA adapter's share grad_a·A inside, that thin
+    product as minituner.native_lora adds it (its input_update_ on the (N, in) gradient)."""
+    g, _, _, _, in_features, *rest = args  # input_grad: (g, packed, absmax, blocksize, in_features[, adapter])
+    products = [("mm", (_spec(g), _bf16_weight(g.shape[1], in_features)))]
+    if rest and rest[0] is not None:
+        grad_a, A = rest[0]
+        update = (_bf16_weight(g.shape[0], in_features), _spec(grad_a), _spec(A))  # (grad_x, grad_a, A)
+        products.append(("native_lora.input_update_", update))
+    return products
 
 
 def record_products(step: Callable[[], object]) -> Counter:
     """Run step() once, counting each distinct matrix product (op, argument layouts) it dispatches, each call of
     the C kernels ("native_lora.<name>" in bf16, "native_lora_fp32.<name>" in fp32), and each NF4 input gradient in
     C (miniquant.nf4_matmul) as the product PyTorch would run from the weight dequantized to bf16
-    (``nf4_product_as_aten``): the floor times it by the library PyTorch uses, the NF4 unpacking left out."""
+    (``nf4_products_as_aten``, with the adapter's share it adds as native_lora's call): the floor times it by the
+    library PyTorch uses, the NF4 unpacking left out."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     ops = _product_ops()
@@ -318,7 +327,8 @@ def record_products(step: Callable[[], object]) -> Counter:
 
     def counted_nf4(name: str, call: Callable) -> Callable:
         def run(self, *args):
-            calls[(*nf4_product_as_aten(name, args), ())] += 1
+            for op, specs in nf4_products_as_aten(name, args):
+                calls[(op, specs, ())] += 1
             return call(self, *args)
         return run
 
@@ -687,8 +697,9 @@ def run_shape(shape: str, quick: bool = False, wait_s: float | None = None) -> S
         f"{_PACED_NOTE.format(turns=res['rounds'], warmup=warmup)} The floor: every matrix product of one QLoRA bf16 step ({res['products']} calls; dtypes "
         f"{', '.join(res['product_dtypes'])}; attention's GEMMs among them, and the adapters' thin products, which "
         "minituner.native_lora runs in C where the CPU has AVX512-BF16; an NF4 weight's input gradient, which "
-        "miniquant.nf4_matmul runs in C there with the codes unpacked inside, counts as the product PyTorch would run "
-        "from the weight in bf16, aten::mm), recorded with a TorchDispatchMode (the C calls by "
+        "miniquant.nf4_matmul runs in C there with the codes unpacked inside and the adapter's share of that "
+        "gradient added in the same sums, counts as the product PyTorch would run from the weight in bf16, aten::mm, "
+        "and that share as native_lora's call), recorded with a TorchDispatchMode (the C calls by "
         "wrapping them) and replayed back to back on random "
         "inputs of the same shapes and strides. 'profiled share': self CPU time by group in one profiled step "
         f"(profiler overhead included). CPU bf16 units: {support.reason}. Machine CPU use before the run: {busy:.0f}%.",

@@ -2,6 +2,8 @@
 
     if fits(g, in_features, out_features, blocksize):      # bf16 g on CPU, a weight of fitting shape, kernel built
         grad_x = kernels().input_grad(g, packed, absmax, blocksize, in_features)   # (N, out) · W (out, in) -> (N, in)
+    if adapter_fits(g, grad_a, A, in_features):            # a LoRA adapter's share too: g·W + grad_a·A, one rounding
+        grad_x = kernels().input_grad(g, packed, absmax, blocksize, in_features, (grad_a, A))
 
 A frozen NF4 layer's backward needs its weight again for the input's gradient. Without this file it is
 dequantized into the shared bf16 workspace (``miniquant.quantize``): every value written to memory at 2 bytes and
@@ -31,10 +33,18 @@ against 183, 182 and 186 (three pairs of processes, medians of 30 steps; peak RS
 the 7B one 23.0 and 21.2 s against 24.5 and 22.5 (one process each, two steps) with its peak no higher (7,643 MiB
 against 7,702). benchmarks/RESULTS.md has the whole steps.
 
+A LoRA adapter on the weight (``minituner.lora_product``) adds its share of the same gradient, grad_a·A with
+grad_a = scale·g·B (N, r) and A (r, in) its fp32 master: here as r / 2 more pairs of k in each microkernel's sums,
+after W's, before the one rounding (A's panel, its 32 columns by r / 2 pairs, rounded to bf16 as
+.to(torch.bfloat16) rounds it, packed beside W's). Added afterwards (``minituner.native_lora``'s input_update_, or
+addmm_) it is one more pass over the (N, in) gradient and a second rounding: on the GPT-shaped bf16 QLoRA step
+(AMD EPYC, Zen 5, 2 threads, 2026-12-05) 126 µs of that pass for N 1,024 and in 2,048, 33 µs for in 512; the step
+3.3 ms faster in the median of 30 paced turns of two processes (faster in 25 of them).
+
 Work is split in units of NB columns (and of rows too where there are fewer than two units a thread), taken by
 PyTorch's OpenMP team one at a time as its threads get free. Each thread keeps its panel (NB·KC bf16) and, for
 K over KC, its fp32 sums (rows x NB) from call to call, in mappings of their own outside malloc's heap
-(``scratch_bytes``; ``minituner.planner`` counts them).
+(``scratch_bytes``, with an adapter's panel; ``minituner.planner`` counts them).
 
 Used by ``QuantizedLinear.input_grad_from`` (its own Function's backward and ``minituner.lora_product``'s) where
 ``fits``: the library built with AVX512-BF16 (``nf4mm_vectorized``), bf16 g with contiguous rows, blocks of
@@ -54,6 +64,7 @@ from .nf4 import nf4_code_table
 
 CFLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-ffp-contract=off", "-fno-fast-math", "-std=gnu11"]
 MR, NR, NB, KC = 14, 32, 128, 512  # the C's: microkernel rows and columns, a unit's columns, the K chunk
+MAX_RANK = 1024  # adapters up to this rank are added inside the product (as minituner.native_lora's)
 MIN_MACS_PER_THREAD = 1 << 22  # smaller products stay on the calling thread (handing work over costs ~10 µs)
 
 _SOURCE = OPENMP_PRELUDE + r"""
@@ -111,6 +122,21 @@ static void pack_cols(const uint8_t* codes, const float* scales, int64_t bs, __m
         }
     }
 }
+/* A's panel for columns [n0, n0 + ncols): for each 32 columns, r / 2 rows of 32 pairs (A[2j][n], A[2j + 1][n]),
+   each fp32 master rounded to bf16 as PyTorch rounds it (nearest even, NaN -> 0x7FC0, denormals kept) */
+static inline uint32_t bf16_bits(float f) {
+    uint32_t u; memcpy(&u, &f, 4);
+    if (f != f) return 0x7FC0u;
+    return (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+}
+static void pack_adapter(const float* A, int64_t N, int64_t r, int64_t n0, int64_t ncols, uint32_t* PA) {
+    for (int64_t s = 0; s < ncols / NR; s++)
+        for (int64_t j = 0; j < r / 2; j++)
+            for (int64_t c = 0; c < NR; c++) {
+                const int64_t n = n0 + s * NR + c;
+                PA[(s * (r / 2) + j) * NR + c] = bf16_bits(A[2 * j * N + n]) | bf16_bits(A[(2 * j + 1) * N + n]) << 16;
+            }
+}
 static inline __m256i round_bf16(__m512 v) {  /* nearest even, NaN -> 0x7FC0 */
     __m512i u = _mm512_castps_si512(v);
     __m512i bias = _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1)));
@@ -135,6 +161,16 @@ static inline __m256i round_bf16(__m512 v) {  /* nearest even, NaN -> 0x7FC0 */
             c1[i] = _mm512_dpbf16_ps(c1[i], a, b1); \
         } \
     } \
+    if (last && PA) { /* the adapter's share, grad_a·A: r / 2 more pairs of k, then the one rounding */ \
+        for (int64_t kp = 0; kp < ra / 2; kp++) { \
+            const __m512bh b0 = as_bh(_mm512_loadu_si512(PA + kp * NR)), b1 = as_bh(_mm512_loadu_si512(PA + kp * NR + 16)); \
+            for (int i = 0; i < ROWS; i++) { \
+                const __m512bh a = as_bh(_mm512_set1_epi32(*(const int32_t*)(xa + i * ra + 2 * kp))); \
+                c0[i] = _mm512_dpbf16_ps(c0[i], a, b0); \
+                c1[i] = _mm512_dpbf16_ps(c1[i], a, b1); \
+            } \
+        } \
+    } \
     for (int i = 0; i < ROWS; i++) { \
         if (last) { \
             _mm256_storeu_si256((__m256i*)(y + i * ldy), round_bf16(c0[i])); \
@@ -142,9 +178,9 @@ static inline __m256i round_bf16(__m512 v) {  /* nearest even, NaN -> 0x7FC0 */
         } else { _mm512_storeu_ps(acc + i * NB, c0[i]); _mm512_storeu_ps(acc + i * NB + 16, c1[i]); } \
     }
 static void kernel_full(const uint16_t* x, int64_t ldx, int64_t kc, const uint32_t* P, float* acc, int first, int last,
-                        uint16_t* y, int64_t ldy) { KERNEL_BODY(MR) }
+                        uint16_t* y, int64_t ldy, const uint16_t* xa, int64_t ra, const uint32_t* PA) { KERNEL_BODY(MR) }
 static void kernel_tail(const uint16_t* x, int64_t ldx, int64_t kc, const uint32_t* P, float* acc, int first, int last,
-                        uint16_t* y, int64_t ldy, int mr) {
+                        uint16_t* y, int64_t ldy, const uint16_t* xa, int64_t ra, const uint32_t* PA, int mr) {
     switch (mr) {
 #define TAIL(R) case R: { KERNEL_BODY(R) break; }
     TAIL(1) TAIL(2) TAIL(3) TAIL(4) TAIL(5) TAIL(6) TAIL(7) TAIL(8) TAIL(9) TAIL(10) TAIL(11) TAIL(12) TAIL(13)
@@ -166,17 +202,19 @@ static void* grow(void** p, size_t* cap, size_t need) {
 }
 /* y[m, n] = sum_k x[m, k] W[k, n] for units [u0, u1) of (N columns in blocks of NB) x (mgroups groups of M rows) */
 static int nf4mm_units(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* codes, const float* scales,
-                       int64_t bs, const float* table16, uint16_t* y, int64_t ldy, int64_t N, int64_t mgroups,
-                       int64_t u0, int64_t u1) {
+                       int64_t bs, const float* table16, const uint16_t* xa, int64_t ra, const float* A, uint16_t* y,
+                       int64_t ldy, int64_t N, int64_t mgroups, int64_t u0, int64_t u1) {
     const __m512 table = _mm512_loadu_ps(table16);
-    const int64_t kc_max = K < KC ? K : KC;
-    uint32_t* P = grow((void**)&t_panel, &t_panel_cap, (size_t)NB * kc_max * 2);
+    const int64_t kc_max = K < KC ? K : KC, ar = xa ? ra : 0;
+    uint32_t* P = grow((void**)&t_panel, &t_panel_cap, (size_t)NB * kc_max * 2 + (size_t)(ar / 2) * NB * 4);
     const int64_t mrows = (M + mgroups - 1) / mgroups;
     float* acc = K > KC ? grow((void**)&t_acc, &t_acc_cap, (size_t)(mrows + MR) * NB * 4) : NULL;
     if (!P || (K > KC && !acc)) return 1;
     for (int64_t u = u0; u < u1; u++) {
         const int64_t n0 = (u / mgroups) * NB, ncols = N - n0 < NB ? N - n0 : NB;
         const int64_t m0 = (u % mgroups) * mrows, m1 = m0 + mrows < M ? m0 + mrows : M;
+        uint32_t* PA = ar ? P + NB * kc_max / 2 : NULL;  /* (after W's panel of NB x kc_max bf16) */
+        if (PA) pack_adapter(A, N, ar, n0, ncols, PA);
         for (int64_t k0 = 0; k0 < K; k0 += KC) {
             const int64_t kc = K - k0 < KC ? K - k0 : KC;
             const int first = k0 == 0, last = k0 + kc == K;
@@ -188,8 +226,10 @@ static int nf4mm_units(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, con
                     const uint16_t* xs = x + m * ldx + k0;
                     uint16_t* ys = y + m * ldy + n0 + s * NR;
                     const uint32_t* Ps = P + s * (kc / 2) * NR;
-                    if (mr == MR) kernel_full(xs, ldx, kc, Ps, a, first, last, ys, ldy);
-                    else kernel_tail(xs, ldx, kc, Ps, a, first, last, ys, ldy, mr);
+                    const uint16_t* xas = xa ? xa + m * ar : NULL;
+                    const uint32_t* PAs = PA ? PA + s * (ar / 2) * NR : NULL;
+                    if (mr == MR) kernel_full(xs, ldx, kc, Ps, a, first, last, ys, ldy, xas, ar, PAs);
+                    else kernel_tail(xs, ldx, kc, Ps, a, first, last, ys, ldy, xas, ar, PAs, mr);
                 }
             }
         }
@@ -200,18 +240,21 @@ static int nf4mm_units(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, con
 /* y (M, N; ldy) = x (M, K; ldx) · W, W (K, N) an NF4 weight (packed codes, fp32 scales per block of bs values, the
    16 code values in table16), dequantized to bf16 panel by panel: the input's gradient g·W of a product x·Wᵀ. The
    work: units of NB columns by `mgroups` groups of rows, taken one at a time by `threads` threads (1: this one).
+   With xa (M, ra; rows contiguous, ra even) and A (ra, N; fp32, rounded to bf16 here), y = x·W + xa·A: a LoRA
+   adapter's share of the input's gradient, its ra / 2 pairs summed after W's in the same fp32 sums, one rounding.
    Returns 1 when a thread's buffers could not be mapped (y then incomplete), else 0. */
 int nf4mm_input_grad(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* codes, const float* scales,
-                     int64_t bs, const float* table16, uint16_t* y, int64_t ldy, int64_t N, int64_t mgroups, int threads) {
+                     int64_t bs, const float* table16, const uint16_t* xa, int64_t ra, const float* A, uint16_t* y,
+                     int64_t ldy, int64_t N, int64_t mgroups, int threads) {
     int failed = 0;
 #ifdef NF4MM
     const int64_t units = (N + NB - 1) / NB * mgroups;
     if (threads > 1) {
         #pragma omp parallel for schedule(dynamic, 1) num_threads(threads) reduction(|:failed)
         for (int64_t u = 0; u < units; u++)
-            failed |= nf4mm_units(x, ldx, M, K, codes, scales, bs, table16, y, ldy, N, mgroups, u, u + 1);
+            failed |= nf4mm_units(x, ldx, M, K, codes, scales, bs, table16, xa, ra, A, y, ldy, N, mgroups, u, u + 1);
     } else {
-        failed = nf4mm_units(x, ldx, M, K, codes, scales, bs, table16, y, ldy, N, mgroups, 0, units);
+        failed = nf4mm_units(x, ldx, M, K, codes, scales, bs, table16, xa, ra, A, y, ldy, N, mgroups, 0, units);
     }
 #endif
     return failed;
@@ -225,7 +268,7 @@ class NF4Matmul:
     def __init__(self, lib: ctypes.CDLL) -> None:
         i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
         self._run = lib.nf4mm_input_grad
-        self._run.argtypes = [ptr, i64, i64, i64, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i32]
+        self._run.argtypes = [ptr, i64, i64, i64, ptr, ptr, i64, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i32]
         self._run.restype = ctypes.c_int
         self._split = ThreadSplit("miniquant-nf4mm", openmp=bool(lib.mk_openmp()))  # its openmp: off in a forked child
         self._table = nf4_code_table("cpu").float().contiguous()  # (16,) the NF4 code values
@@ -240,16 +283,23 @@ class NF4Matmul:
         groups = 1 if units >= 2 * threads else min(-(-2 * threads // units), max(1, m // MR))
         return threads, groups
 
-    def input_grad(self, g: Tensor, packed: Tensor, absmax: Tensor, blocksize: int, in_features: int) -> Tensor:
+    def input_grad(self, g: Tensor, packed: Tensor, absmax: Tensor, blocksize: int, in_features: int,
+                   adapter: tuple[Tensor, Tensor] | None = None) -> Tensor:
         """g (N, out) bf16 · W -> (N, in) bf16, the gradient of x·Wᵀ for x; W (out, in) NF4: its packed codes
-        (out·in / 2 bytes, element 2i in the high nibble of byte i) and fp32 absmax per block of `blocksize`."""
+        (out·in / 2 bytes, element 2i in the high nibble of byte i) and fp32 absmax per block of `blocksize`.
+        With adapter = (grad_a, A) (``adapter_fits``): g·W + grad_a·A, a LoRA adapter's share of the same gradient
+        summed into the same fp32 sums after W's and rounded once with them (A's fp32 master rounded to bf16 as
+        .to(torch.bfloat16) rounds it)."""
         m, k = g.shape
         grad_x = torch.empty(m, in_features, dtype=torch.bfloat16)
         if m == 0:
             return grad_x
+        grad_a, A = adapter if adapter is not None else (None, None)
         threads, groups = self._threads(m, k, in_features)
         rc = self._run(g.data_ptr(), g.stride(0), m, k, packed.data_ptr(), absmax.data_ptr(), blocksize,
-                       self._table.data_ptr(), grad_x.data_ptr(), in_features, in_features, groups, threads)
+                       self._table.data_ptr(), None if grad_a is None else grad_a.data_ptr(),
+                       0 if A is None else A.shape[0], None if A is None else A.data_ptr(), grad_x.data_ptr(),
+                       in_features, in_features, groups, threads)
         if rc:
             raise MemoryError("miniquant.nf4_matmul: out of memory for a thread's panel")
         return grad_x
@@ -278,6 +328,16 @@ def fits(g: Tensor, in_features: int, out_features: int, blocksize: int) -> bool
             and shape_fits(in_features, out_features, blocksize) and kernels() is not None)
 
 
+def adapter_fits(g: Tensor, grad_a: Tensor, A: Tensor, in_features: int) -> bool:
+    """Whether input_grad adds this adapter's share grad_a (N, r)·A (r, in): grad_a bf16 with g's rows, contiguous,
+    A a contiguous fp32 CPU master, r even (the kernel pairs it) and at most MAX_RANK."""
+    r = A.shape[0] if A.dim() == 2 else 0
+    return (grad_a.dtype == torch.bfloat16 and grad_a.device.type == "cpu" and grad_a.dim() == 2
+            and grad_a.is_contiguous() and grad_a.shape == (g.shape[0], r) and A.dtype == torch.float32
+            and A.device.type == "cpu" and A.is_contiguous() and A.shape[1] == in_features
+            and 0 < r <= MAX_RANK and r % 2 == 0)
+
+
 def takes_bf16_run() -> bool:
     """Whether a bf16 CPU run's NF4 input gradients (of fitting weights) run here (what minituner.planner counts)."""
     return kernels() is not None
@@ -288,9 +348,10 @@ def team_threads() -> int:
     return min(torch.get_num_threads(), CPU_COUNT)
 
 
-def scratch_bytes(rows: int, max_k: int, threads: int) -> int:
-    """Bytes each thread keeps from call to call (its panel, and its fp32 sums for K over KC), summed over
-    `threads`, for gradients of up to `rows` rows and K (the weight's out_features) up to `max_k`."""
-    panel = NB * min(max_k, KC) * 2
+def scratch_bytes(rows: int, max_k: int, threads: int, rank: int = 0) -> int:
+    """Bytes each thread keeps from call to call (its panel, with a rank-`rank` adapter's panel after it where the
+    call adds one, and its fp32 sums for K over KC), summed over `threads`, for gradients of up to `rows` rows and
+    K (the weight's out_features) up to `max_k`."""
+    panel = NB * min(max_k, KC) * 2 + rank // 2 * NB * 4
     sums = (rows + MR) * NB * 4 if max_k > KC else 0
     return threads * (panel + sums)

@@ -261,6 +261,16 @@ class QuantizedLinear(nn.Module):
                                                    self.in_features)
         return fp32_gemm.input_grad(g, self.dequantize_from(qtensors, dtype, transient=True))
 
+    def input_grad_adding(self, qtensors: tuple[Tensor, ...], g: Tensor, grad_a: Tensor, A: Tensor) -> Tensor | None:
+        """g·W + grad_a·A (N, in) in one product, a LoRA adapter's share (grad_a (N, r), A (r, in) its fp32 master)
+        summed inside ``nf4_matmul``'s sums and rounded once with them, where that kernel takes g and the adapter
+        (``nf4_matmul.adapter_fits``); None elsewhere: the caller adds the adapter its own way after
+        input_grad_from."""
+        if not (self._nf4_input_grad_fits(qtensors, g) and nf4_matmul.adapter_fits(g, grad_a, A, self.in_features)):
+            return None
+        return nf4_matmul.kernels().input_grad(g, qtensors[0], qtensors[1], self._scheme.group_size, self.in_features,
+                                               (grad_a, A))
+
     def dequantize(self, dtype: torch.dtype | None = None) -> Tensor:
         """The (out, in) weight in `dtype` (default: the original weight's dtype); a new tensor, no grad."""
         with torch.no_grad():

@@ -19,7 +19,9 @@ step took 229.9 ms against 235.8 (medians of 25 steps, the two models alternatin
 Where the CPU has AVX512-BF16 (``minituner.native_lora.fits``: an even rank, fp32 masters) the adapter's thin
 products run as C: one call in forward (x·Aᵀ, then the adapter added into y row by row), two in backward (the
 masters' gradients, summed in fp32 and handed over unrounded; then the adapter's share added into g·W), each
-reading the masters itself. Through PyTorch the same work is six thin products, four casts, two scalings and a
+reading the masters itself. Where an NF4 base's g·W runs as ``miniquant.nf4_matmul``
+(``QuantizedLinear.input_grad_adding``) the adapter's share is summed inside that product instead, rounded once with
+it: one pass less over (N, in). Through PyTorch the same work is six thin products, four casts, two scalings and a
 copy a layer, each a separate op; the bench's step above took 275.6 ms against 307.4 through PyTorch (medians of
 24 steps, the two models alternating in one process, 2026-12-03).
 
@@ -169,10 +171,13 @@ def _backward_native(ctx, g: Tensor, x: Tensor, A: Tensor, B: Tensor, a: Tensor,
     over unrounded, the adapter's share of the input's gradient added into g·W in place."""
     need_x, need_A, need_B = ctx.needs_input_grad[:3]
     grad_a, grad_A, grad_B = ctx.native.backward(g, x, a, B, ctx.scale, need_x, need_A, need_B)
-    grad_x = None
-    if need_x:
-        grad_x = _base_input_grad(ctx.base, tuple(frozen), g)  # (N, in): the base's
-        ctx.native.input_update_(grad_x, grad_a, A)  # plus the adapter's (bf16: rounded once)
+    grad_x, frozen = None, tuple(frozen)
+    adding = getattr(ctx.base, "input_grad_adding", None) if need_x else None  # (an NF4 base: QuantizedLinear's)
+    if adding is not None:
+        grad_x = adding(frozen, g, grad_a, A)  # g·W + grad_a·A in one product, rounded once; None where it cannot
+    if need_x and grad_x is None:
+        grad_x = _base_input_grad(ctx.base, frozen, g)  # (N, in): the base's
+        ctx.native.input_update_(grad_x, grad_a, A)  # plus the adapter's (bf16: rounded again)
     return (grad_x, grad_A, grad_B, None, None, None, None) + (None,) * len(frozen)
 
 

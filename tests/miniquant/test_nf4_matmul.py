@@ -1,7 +1,8 @@
 """miniquant.nf4_matmul: an NF4 weight's input gradient g·W with bf16 g, the codes unpacked inside the product
 (AVX512-BF16), against fp64 references of the same bf16 operands on ragged shapes (row tails, column units short of
-NB, K over the KC chunk); the same bits on one thread or many; NaN carried; where it is used (QuantizedLinear and
-minituner.lora_product, bf16 on CPU) and where not; and how minituner.planner counts its buffers."""
+NB, K over the KC chunk); a LoRA adapter's share added inside the same sums and rounded once; the same bits on one
+thread or many; NaN carried; where it is used (QuantizedLinear and minituner.lora_product, bf16 on CPU) and where
+not; and how minituner.planner counts its buffers."""
 from contextlib import ExitStack, contextmanager
 from unittest import mock
 
@@ -98,7 +99,7 @@ def counting_calls():
             real = getattr(nf4_matmul.NF4Matmul, name)
 
             def counted(self, *args, real=real, name=name):
-                calls.append(name)
+                calls.append(name + ("+adapter" if len(args) > 5 and args[5] is not None else ""))
                 return real(self, *args)
             stack.enter_context(mock.patch.object(nf4_matmul.NF4Matmul, name, counted))
         yield calls
@@ -145,13 +146,90 @@ def test_lora_product_takes_it_and_gives_the_workspace_paths_gradients():
         y.float().square().mean().backward()
         return y, xr.grad, lora.lora_A["default"].weight.grad, lora.lora_B["default"].weight.grad
 
-    with counting_calls() as calls:
+    from minituner import native_lora
+    updates = []
+    real_update = native_lora.NativeLoRA.input_update_
+
+    def update(self, *args):
+        updates.append(1)
+        return real_update(self, *args)
+
+    with counting_calls() as calls, mock.patch.object(native_lora.NativeLoRA, "input_update_", update):
         fused = run()
-    assert calls == ["input_grad"]
-    with mock.patch.object(nf4_matmul, "fits", lambda *a, **k: False):
-        workspace = run()
+        assert calls == ["input_grad+adapter"] and updates == []  # the adapter's share inside the product
+        with mock.patch.object(nf4_matmul, "fits", lambda *a, **k: False):
+            workspace = run()
+        assert calls == ["input_grad+adapter"] and len(updates) == 1  # the workspace's, then native_lora's
     for a, b in zip(fused, workspace):
         assert close(a, b.double())
+
+
+def ulp_bound(ref: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Half a bf16 unit in the last place of each reference value (one rounding), plus fp32 summation error
+    (2^-20 of the sum of the terms' magnitudes)."""
+    exponent = torch.floor(torch.log2(ref.abs().clamp_min(2.0 ** -120)))
+    return 2.0 ** (exponent - 8) + 2.0 ** -20 * scale
+
+
+ADAPTER_SHAPES = [(1024, 512, 512, 8), (37, 1088, 96, 2), (100, 160, 576, 16), (13, 64, 32, 64), (29, 128, 1088, 6)]
+
+
+@pytest.mark.parametrize("n, n_in, n_out, r", ADAPTER_SHAPES)
+def test_an_adapters_share_is_summed_with_w_and_rounded_once(n, n_in, n_out, r):
+    """g·W + grad_a·A in one set of fp32 sums, rounded once: within half a bf16 ulp of the fp64 sum of the same
+    bf16 operands (A's fp32 master rounded as .to(bfloat16) rounds it); two roundings would be up to a whole ulp."""
+    gen = torch.Generator().manual_seed(3)
+    layer = quantized(n_in, n_out, 32)
+    w = layer.dequantize(BF16).double()
+    dy = torch.randn(n, n_out, generator=gen).to(BF16)
+    grad_a = torch.randn(n, r, generator=gen).to(BF16)
+    A = torch.randn(r, n_in, generator=gen) * 0.3
+    got = K.input_grad(dy, *parts(layer), n_in, (grad_a, A))
+    ref = dy.double() @ w + grad_a.double() @ A.to(BF16).double()
+    scale = dy.double().abs() @ w.abs() + grad_a.double().abs() @ A.to(BF16).double().abs()
+    assert ((got.double() - ref).abs() <= ulp_bound(ref, scale)).all()
+
+
+def test_with_an_adapter_the_same_bits_on_one_thread_or_many():
+    layer = quantized(288, 1088, 64)
+    gen = torch.Generator().manual_seed(4)
+    dy = torch.randn(300, 1088, generator=gen).to(BF16)
+    adapter = (torch.randn(300, 8, generator=gen).to(BF16), torch.randn(8, 288, generator=gen))
+    results = []
+    for split in ((1, 1), (2, 1), (2, 3), (3, 7)):
+        with mock.patch.object(nf4_matmul.NF4Matmul, "_threads", lambda self, m, k, n, s=split: s):
+            results.append(K.input_grad(dy, *parts(layer), 288, adapter))
+    for gx in results[1:]:
+        assert torch.equal(gx, results[0])
+
+
+def test_what_adapter_fits():
+    g, grad_a, A = torch.randn(4, 64).to(BF16), torch.randn(4, 8).to(BF16), torch.randn(8, 128)
+    assert nf4_matmul.adapter_fits(g, grad_a, A, 128)
+    assert not nf4_matmul.adapter_fits(g, grad_a[:, :7], A[:7], 128)  # an odd rank: the kernel pairs r
+    assert not nf4_matmul.adapter_fits(g, grad_a, A.to(BF16), 128)  # A not an fp32 master
+    assert not nf4_matmul.adapter_fits(g, grad_a.float(), A, 128)
+    assert not nf4_matmul.adapter_fits(g, torch.randn(8, 4).to(BF16).t(), A, 128)  # grad_a not contiguous
+    assert not nf4_matmul.adapter_fits(g, grad_a[:3], A, 128)  # not g's rows
+    assert not nf4_matmul.adapter_fits(g, grad_a, A, 64)  # not the weight's in_features
+    big = torch.randn(1, nf4_matmul.MAX_RANK + 2)
+    assert not nf4_matmul.adapter_fits(g[:1], big.to(BF16), torch.randn(nf4_matmul.MAX_RANK + 2, 128), 128)
+
+
+def test_quantized_linear_adds_an_adapter_inside_where_it_fits_and_says_none_elsewhere():
+    layer = quantized(256, 96, 64)
+    frozen = tuple(layer.quantized_tensors())
+    gen = torch.Generator().manual_seed(5)
+    dy = torch.randn(40, 96, generator=gen).to(BF16)
+    ref_w = dy.double() @ layer.dequantize(BF16).double()
+    grad_a, A = torch.randn(40, 8, generator=gen).to(BF16), torch.randn(8, 256, generator=gen)
+    with counting_calls() as calls:
+        got = layer.input_grad_adding(frozen, dy, grad_a, A)
+    assert calls == ["input_grad+adapter"] and close(got, ref_w + grad_a.double() @ A.to(BF16).double())
+    assert layer.input_grad_adding(frozen, dy, grad_a[:, :7], A[:7]) is None  # an odd rank: the caller adds it
+    with mock.patch.object(nf4_matmul, "fits", lambda *a, **k: False):  # no kernel for g: the caller's way too
+        assert layer.input_grad_adding(frozen, dy, grad_a, A) is None
+    assert layer.input_grad_adding(frozen, dy.float(), grad_a, A) is None  # fp32 g
 
 
 def test_the_planner_counts_panels_where_it_runs_and_the_workspace_where_not():
@@ -170,9 +248,15 @@ def test_the_planner_counts_panels_where_it_runs_and_the_workspace_where_not():
 
     here = terms()  # the workspace for the forward (the largest weight, bf16), and the backward's panels
     assert here["NF4 dequantization workspace"] == 64 * 256 * 2
+    from minituner import native_lora
+    adapter = 4 if native_lora.takes_bf16_run() else 0  # the rank-4 adapter's panel, added inside the product
     assert here["NF4 input-gradient panels (nf4_matmul, per thread)"] == nf4_matmul.scratch_bytes(
-        32, 256, nf4_matmul.team_threads())  # K = out_features, at most fc1's 256
+        32, 256, nf4_matmul.team_threads(), adapter)  # K = out_features, at most fc1's 256
     assert nf4_matmul.scratch_bytes(32, 256, 2) == 2 * 128 * 256 * 2  # K within KC: the panel alone
+    assert nf4_matmul.scratch_bytes(32, 256, 2, rank=8) == 2 * (128 * 256 * 2 + 4 * 128 * 4)  # and A's pairs
+    with mock.patch.object(native_lora, "takes_bf16_run", lambda: False):  # no native adapter: no adapter panel
+        assert terms()["NF4 input-gradient panels (nf4_matmul, per thread)"] == nf4_matmul.scratch_bytes(
+            32, 256, nf4_matmul.team_threads())
     assert nf4_matmul.scratch_bytes(32, 1024, 1) == 128 * 512 * 2 + (32 + 14) * 128 * 4  # and the fp32 sums
     assert not any("panels" in term for term in terms(on_cpu=False))  # CUDA
     with mock.patch.object(nf4_matmul, "takes_bf16_run", lambda: False):
