@@ -46,10 +46,11 @@ PyTorch's OpenMP team one at a time as its threads get free. Each thread keeps i
 K over KC, its fp32 sums (rows x NB) from call to call, in mappings of their own outside malloc's heap
 (``scratch_bytes``, with an adapter's panel; ``minituner.planner`` counts them).
 
-Used by ``QuantizedLinear.input_grad_from`` (its own Function's backward and ``minituner.lora_product``'s) where
-``fits``: the library built with AVX512-BF16 (``nf4mm_vectorized``), bf16 g with contiguous rows, blocks of
+Used by ``QuantizedLinear.input_grad_from`` (its own Function's backward and ``minituner.lora_product``'s) and,
+with the adapter, ``QuantizedLinear.input_grad_adding`` (``minituner.lora_product``'s, where ``adapter_fits`` too)
+where ``fits``: the library built with AVX512-BF16 (``nf4mm_vectorized``), bf16 g with contiguous rows, blocks of
 the code whose size is a multiple of 32 and divides in_features, out_features a multiple of NR; elsewhere the
-workspace path.
+workspace path (and the adapter added after it).
 """
 from __future__ import annotations
 
