@@ -145,32 +145,28 @@ static inline __m256i round_bf16(__m512 v) {  /* nearest even, NaN -> 0x7FC0 */
     r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
     return _mm512_cvtepi32_epi16(r);
 }
+/* the sums c0, c1 of rows [0, ROWS) of XS (LD apart) times PAIRS pairs of k of the panel PP, in k order */
+#define PAIR_SUMS(ROWS, XS, LD, PAIRS, PP) \
+    for (int64_t kp = 0; kp < (PAIRS); kp++) { \
+        const __m512bh b0 = as_bh(_mm512_loadu_si512(PP + kp * NR)), b1 = as_bh(_mm512_loadu_si512(PP + kp * NR + 16)); \
+        _Pragma("GCC unroll 16") \
+        for (int i = 0; i < ROWS; i++) { \
+            const __m512bh a = as_bh(_mm512_set1_epi32(*(const int32_t*)(XS + i * (LD) + 2 * kp))); \
+            c0[i] = _mm512_dpbf16_ps(c0[i], a, b0); \
+            c1[i] = _mm512_dpbf16_ps(c1[i], a, b1); \
+        } \
+    }
 /* rows [0, ROWS) of x (ldx) times the panel's 32 columns over kc pairs of k: the sums start from acc (first: from 0)
-   and go back to acc, or (last) are rounded to bf16 into y (ldy) */
+   and go back to acc, or (last) are rounded to bf16 into y (ldy), after the adapter's share where PA is given */
 #define KERNEL_BODY(ROWS) \
     __m512 c0[ROWS], c1[ROWS]; \
     for (int i = 0; i < ROWS; i++) { \
         if (first) c0[i] = c1[i] = _mm512_setzero_ps(); \
         else { c0[i] = _mm512_loadu_ps(acc + i * NB); c1[i] = _mm512_loadu_ps(acc + i * NB + 16); } \
     } \
-    for (int64_t kp = 0; kp < kc / 2; kp++) { \
-        const __m512bh b0 = as_bh(_mm512_loadu_si512(P + kp * NR)), b1 = as_bh(_mm512_loadu_si512(P + kp * NR + 16)); \
-        _Pragma("GCC unroll 16") \
-        for (int i = 0; i < ROWS; i++) { \
-            const __m512bh a = as_bh(_mm512_set1_epi32(*(const int32_t*)(x + i * ldx + 2 * kp))); \
-            c0[i] = _mm512_dpbf16_ps(c0[i], a, b0); \
-            c1[i] = _mm512_dpbf16_ps(c1[i], a, b1); \
-        } \
-    } \
+    PAIR_SUMS(ROWS, x, ldx, kc / 2, P) \
     if (last && PA) { /* the adapter's share, grad_a·A: r / 2 more pairs of k, then the one rounding */ \
-        for (int64_t kp = 0; kp < ra / 2; kp++) { \
-            const __m512bh b0 = as_bh(_mm512_loadu_si512(PA + kp * NR)), b1 = as_bh(_mm512_loadu_si512(PA + kp * NR + 16)); \
-            for (int i = 0; i < ROWS; i++) { \
-                const __m512bh a = as_bh(_mm512_set1_epi32(*(const int32_t*)(xa + i * ra + 2 * kp))); \
-                c0[i] = _mm512_dpbf16_ps(c0[i], a, b0); \
-                c1[i] = _mm512_dpbf16_ps(c1[i], a, b1); \
-            } \
-        } \
+        PAIR_SUMS(ROWS, xa, ra, ra / 2, PA) \
     } \
     for (int i = 0; i < ROWS; i++) { \
         if (last) { \
