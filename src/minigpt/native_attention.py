@@ -15,18 +15,22 @@ through it and about 9.5 ms in bf16 GEMMs (benchmarks/RESULTS.md has the whole-s
 Grouped-query attention without repeating K/V: the g = h / kv query heads that share a K/V head are stacked
 as g·T rows of one GEMM against that head's T keys, so S is (B·kv, g·T, T) and row r is query t = r mod T.
 
-Backward (FlashAttention-2's, with P recomputed from the saved logsumexp instead of kept): S again by
-``bmm``, P = exp(S·d^-½ - lse) (C), dV = Pᵀ·dy, dP = dy·vᵀ, then in C per row D = Σ_j P·dP (fp32, from the
-same bf16 P and dP, so each row of dS sums to 0 as softmax's gradient must) and dS = P ∘ (dP - D)·d^-½
-written over dP, and dq = dS·k, dk = dSᵀ·q (``bmm``). It saves q, k, v, as the grouped copies its GEMMs read
-(so backward does not copy them again, and the tensors they were copied from, the projections' or rotary
-embedding's outputs, are freed: the same bytes; where the grouping is a view nothing is copied),
-and the logsumexp per query and head (fp32); not its output, which the fused kernel also keeps
-(FlashAttention-2 takes D from it): the o_proj that follows keeps that only when it trains
-(``minituner.planner`` counts both ways). The output is laid out (B, T, h, d), as the fused kernel lays it
+Backward (FlashAttention-2's): P, then dV = Pᵀ·dy, dP = dy·vᵀ, then in C per row D = Σ_j P·dP (fp32, from
+the same bf16 P and dP, so each row of dS sums to 0 as softmax's gradient must) and dS = P ∘ (dP - D)·d^-½
+written over dP, and dq = dS·k, dk = dSᵀ·q (``bmm``). P is the forward's, kept, where it takes no more memory
+than the q, k and v attention keeps anyway (``keeps_probabilities``: h·T <= (h + 2·kv)·d, short sequences);
+elsewhere it is recomputed from the saved logsumexp (S again by ``bmm``, P = exp(S·d^-½ - lse) in C), as
+FlashAttention-2 does. On the bench's GPT-shaped bf16 QLoRA step (8 layers, 8 heads of 64, 8 × 128 tokens:
+2 MiB of P a layer; AMD EPYC with AVX512-BF16, 2 cores) keeping it took 4.1 ms off a 176 ms step (median of 20
+paced turns, faster in 16, 2026-12-05): a GEMM and a pass of exp a layer. It saves q, k, v, as the grouped copies
+its GEMMs read (so backward does not copy them again, and the tensors they were copied from, the projections' or
+rotary embedding's outputs, are freed: the same bytes; where the grouping is a view nothing is copied), and P
+(bf16, B·h·T²) where kept, else the logsumexp per query and head (fp32); not its output, which the fused kernel
+also keeps (FlashAttention-2 takes D from it): the o_proj that follows keeps that only when it trains
+(``minituner.planner`` counts each way). The output is laid out (B, T, h, d), as the fused kernel lays it
 out, so o_proj's input is a view of it. The (g·T, T) scores are made a few K/V groups at a time (at most
-``CHUNK_BYTES`` of S at once, never less than one group), so the transient memory stays small (and S stays
-in cache between the GEMM that writes it and the kernel that reads it); sequences over ``MAX_TOKENS`` are
+``CHUNK_BYTES`` of S at once, never less than one group; into the kept P where it is kept), so the transient
+memory stays small (and S stays in cache between the GEMM that writes it and the kernel that reads it); sequences over ``MAX_TOKENS`` are
 left to the fused kernel, whose memory does not grow with T² and which skips the masked half (there the two
 take the same time).
 
@@ -319,6 +323,13 @@ def takes_bf16_run(seq_len: int) -> bool:
     return seq_len <= MAX_TOKENS and kernels() is not None
 
 
+def keeps_probabilities(n_head: int, n_kv_head: int, seq_len: int, head_dim: int) -> bool:
+    """Whether attention keeps its bf16 probabilities P (B·h·T² values) for backward rather than recomputing them
+    from the logsumexp: where P is no larger than the grouped q, k and v it keeps anyway, h·T <= (h + 2·kv)·d (the
+    saved bytes at most double; ``minituner.planner`` asks the same)."""
+    return n_head * seq_len <= (n_head + 2 * n_kv_head) * head_dim
+
+
 def _chunks(q_shape: torch.Size, kv: int) -> list[tuple[int, int]]:
     """[g0, g1) ranges of q's B·kv K/V groups whose bf16 scores take at most CHUNK_BYTES together, and no more
     than q (B, h, T, d) itself (a small model's S stays below its own activations), at least one group each."""
@@ -345,21 +356,24 @@ class _CausalAttention(torch.autograd.Function):
         out = torch.empty(B * kv, qg.shape[1], d, dtype=q.dtype)  # (B, h, T, d) in memory
         lse = torch.empty(B * h * T, dtype=torch.float32)
         rows = qg.shape[1]
+        kept = torch.empty(B * kv, rows, T, dtype=q.dtype) if keeps_probabilities(h, kv, T, d) else None  # P
         for g0, g1 in _chunks(q.shape, kv):
-            s = torch.bmm(qg[g0:g1], kg[g0:g1].transpose(1, 2))  # (G, g·T, T) bf16
+            into = None if kept is None else kept[g0:g1]
+            s = torch.bmm(qg[g0:g1], kg[g0:g1].transpose(1, 2), out=into)  # (G, g·T, T) bf16
             lib.softmax_(s, T, window, scale, lse[g0 * rows:g1 * rows], have_lse=False)
             torch.bmm(s, vg[g0:g1], out=out[g0:g1])
         y = torch.empty(B, T, h, d, dtype=q.dtype)  # laid out as the fused kernel lays it out
         y.copy_(out.view(B, h, T, d).transpose(1, 2))
         y = y.transpose(1, 2)  # (B, h, T, d)
-        ctx.save_for_backward(qg, kg, vg, lse)  # grouped: backward's GEMMs read them so, and q, k, v are freed
-        ctx.window, ctx.shapes = window, (q.shape, k.shape)
+        # grouped: backward's GEMMs read them so, and q, k, v are freed; P where kept, else what recomputes it
+        ctx.save_for_backward(qg, kg, vg, lse if kept is None else kept)
+        ctx.window, ctx.shapes, ctx.kept = window, (q.shape, k.shape), kept is not None
         return y
 
     @staticmethod
     @torch.autograd.function.once_differentiable  # the kernels write in place, unseen by autograd
     def backward(ctx, dy: Tensor):
-        qg, kg, vg, lse = ctx.saved_tensors
+        qg, kg, vg, lse_or_p = ctx.saved_tensors
         lib = kernels()
         (B, h, T, d), (_, kv, _, _) = ctx.shapes
         scale = 1.0 / math.sqrt(d)
@@ -367,9 +381,11 @@ class _CausalAttention(torch.autograd.Function):
         dq, dk, dv = torch.empty_like(qg), torch.empty_like(kg), torch.empty_like(vg)
         rows = qg.shape[1]
         for g0, g1 in _chunks(ctx.shapes[0], kv):
-            r0, r1 = g0 * rows, g1 * rows
-            p = torch.bmm(qg[g0:g1], kg[g0:g1].transpose(1, 2))  # S again, then P over it
-            lib.softmax_(p, T, ctx.window, scale, lse[r0:r1], have_lse=True)
+            if ctx.kept:
+                p = lse_or_p[g0:g1]  # the forward's P (G, g·T, T)
+            else:  # S again, then P over it from the logsumexp
+                p = torch.bmm(qg[g0:g1], kg[g0:g1].transpose(1, 2))
+                lib.softmax_(p, T, ctx.window, scale, lse_or_p[g0 * rows:g1 * rows], have_lse=True)
             torch.bmm(p.transpose(1, 2), dyg[g0:g1], out=dv[g0:g1])
             ds = torch.bmm(dyg[g0:g1], vg[g0:g1].transpose(1, 2))  # dP, then dS over it
             lib.softmax_grad_(p, ds, T, ctx.window, scale)

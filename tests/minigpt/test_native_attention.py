@@ -76,11 +76,15 @@ def test_softmax_gradient_kernel_matches_fp32_torch(T):
 
 
 @needs_kernels
+@pytest.mark.parametrize("keep", [True, False])
 @pytest.mark.parametrize("B,h,kv,T,d,window", [(2, 4, 4, 37, 16, None), (2, 4, 2, 40, 32, None),
                                                (1, 8, 1, 33, 64, 7), (3, 2, 2, 1, 8, None), (1, 32, 8, 128, 64, None)])
-def test_attention_and_its_gradients_are_as_close_to_fp32_as_sdpa_in_bf16(B, h, kv, T, d, window):
+def test_attention_and_its_gradients_are_as_close_to_fp32_as_sdpa_in_bf16(B, h, kv, T, d, window, keep,
+                                                                          monkeypatch):
     """Against fp32 attention of the same bf16 values, ours (S rounded to bf16, as transformers' eager bf16
-    attention) stays within twice the error of PyTorch's SDPA run on the same bf16 tensors (S kept in fp32)."""
+    attention) stays within twice the error of PyTorch's SDPA run on the same bf16 tensors (S kept in fp32),
+    with P kept for backward and with P recomputed there."""
+    monkeypatch.setattr(native_attention, "keeps_probabilities", lambda *shape: keep)
     (q, k, v), dy = _inputs(B, h, kv, T, d, seed=T)
     ref = [t.float().requires_grad_() for t in (q, k, v)]
     _reference(*ref, window).backward(dy.float())
@@ -100,9 +104,12 @@ def test_attention_and_its_gradients_are_as_close_to_fp32_as_sdpa_in_bf16(B, h, 
 
 
 @needs_kernels
-def test_layouts_and_chunks_change_nothing(monkeypatch):
+@pytest.mark.parametrize("keep", [True, False])
+def test_layouts_and_chunks_change_nothing(monkeypatch, keep):
     """q, k, v as the models hand them over (views of (B, T, h, d)) give the same bits as contiguous ones, and
-    the scores made one K/V group at a time the same bits as all at once. The output is laid out (B, T, h, d)."""
+    the scores made one K/V group at a time the same bits as all at once (P kept or recomputed). The output is
+    laid out (B, T, h, d)."""
+    monkeypatch.setattr(native_attention, "keeps_probabilities", lambda *shape: keep)
     (q, k, v), dy = _inputs(2, 4, 2, 24, 16)
     views = [t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v)]
 
@@ -120,6 +127,29 @@ def test_layouts_and_chunks_change_nothing(monkeypatch):
         assert torch.equal(a, b)
     y = native_attention.causal_attention(q, k, v)
     assert y.transpose(1, 2).is_contiguous()  # o_proj's input is a view of it, as of the fused kernel's output
+
+
+def test_p_is_kept_where_it_is_no_larger_than_q_k_and_v():
+    """h·T <= (h + 2·kv)·d: the bench's GPT shape (8 heads of 64, 128 tokens) keeps P, Llama-3.2-1B's at 512
+    tokens (32 heads, 8 KV heads of 64) recomputes it; the boundary keeps."""
+    assert native_attention.keeps_probabilities(8, 8, 128, 64)
+    assert not native_attention.keeps_probabilities(32, 8, 512, 64)
+    assert native_attention.keeps_probabilities(4, 2, 64, 32) and not native_attention.keeps_probabilities(4, 2, 65, 32)
+
+
+@needs_kernels
+def test_kept_p_gives_the_gradients_of_the_recomputed_one_within_a_bf16_rounding(monkeypatch):
+    """The forward's P (e/Σ) and the recomputed one (exp(s - lse)) may differ in a last bf16 place: the
+    gradients agree within that."""
+    (q, k, v), dy = _inputs(2, 4, 2, 40, 32, seed=3)
+    grads = {}
+    for keep in (True, False):
+        monkeypatch.setattr(native_attention, "keeps_probabilities", lambda *shape, keep=keep: keep)
+        inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+        native_attention.causal_attention(*inputs).backward(dy)
+        grads[keep] = [t.grad.float() for t in inputs]
+    for a, b in zip(grads[True], grads[False]):
+        torch.testing.assert_close(a, b, rtol=2 ** -6, atol=2 ** -10)
 
 
 @needs_kernels

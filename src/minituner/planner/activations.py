@@ -35,7 +35,9 @@ under bf16 compute), the terms are:
   laid out (B, T, h, hs), so ``transpose(1, 2).contiguous()`` is a view and o_proj saves no new storage.
   Under bf16 compute on a CPU where ``minigpt.native_attention`` runs (its kernels built, seq at most its
   ``MAX_TOKENS``), attention keeps q, k, v and the logsumexp but not its output: o_proj keeps that
-  (``linear input`` N·C·e) when it trains.
+  (``linear input`` N·C·e) when it trains. Where its probabilities take no more than q, k and v
+  (``native_attention.keeps_probabilities``: h·T <= 3·C, short sequences) it keeps them instead of the logsumexp
+  (``attention probabilities kept`` h·N·T·e).
 - ``gelu input`` N·F·e: GELU keeps fc1's output; fc2 (or its LoRA A) keeps GELU's output (``linear input``).
 - the loss (``lm_loss``: ``minigpt.cross_entropy``; the head returns its logits in the block's dtype e):
   fp32 logits go to ``F.cross_entropy``, which keeps the ``log-softmax output`` N·V·4; narrower logits, and fp32
@@ -373,7 +375,10 @@ def minigpt_saved_by_layer(shape: ModelShape, batch_size: int, seq_len: int, reg
             terms["attention q, k, v"] += 3 * N * C * e
             if not native:  # the fused kernel keeps its output; minigpt.native_attention does not
                 terms["attention output"] += N * C * e
-            terms["attention logsumexp"] += h * N * FP32
+            if native and native_attention.keeps_probabilities(h, h, seq_len, C // h):
+                terms["attention probabilities kept"] += h * N * seq_len * e  # P (B, h, T, T) in bf16
+            else:
+                terms["attention logsumexp"] += h * N * FP32
         before_o_proj = sum(terms.values())
         if keeps_input("attn.o_proj") and (native or unfused or not attn_hot):
             terms["linear input"] += N * C * e  # the attention output, not saved by attention itself

@@ -45,7 +45,9 @@ the LoRA factors (``lora_copy_bytes``: 0, or 2 under bf16 compute), the terms ar
   (3·N·h·d·e: its own backward saves nothing, and the narrower k/v before it are not kept). The output is laid out (B, T, h, d), so o_proj's input is a view of it.
   Under bf16 compute on a CPU where ``minigpt.native_attention`` runs (its kernels built, T at most its
   ``MAX_TOKENS``), attention saves q, k and v (k and v at their kv heads) and the logsumexp, not its output:
-  o_proj keeps that (N·h·d·e, ``linear input``) when it trains.
+  o_proj keeps that (N·h·d·e, ``linear input``) when it trains. Where its probabilities take no more than q, k
+  and v (``native_attention.keeps_probabilities``: h·T <= (h + 2·kv)·d, short sequences) it keeps them instead
+  of the logsumexp (``attention probabilities kept`` h·N·T·e).
 - ``attention mask`` T·T·e per sliding-window layer when T exceeds the window (Mistral, Qwen2 with
   use_sliding_window): the boolean (T, T) mask is converted to the query's dtype and kept by the kernel
   (not under ``minigpt.native_attention``, which applies the window by index).
@@ -77,6 +79,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable
 
+from minigpt import native_attention
 from minigpt.decoder import cpu_flash_takes_gqa
 from minigpt.errors import InputError
 
@@ -172,7 +175,10 @@ def decoder_saved_by_layer(shape: ModelShape, batch_size: int, seq_len: int, reg
             terms["attention q, k, v"] += N * (A + 2 * KV) * e
             if not native:  # the fused kernel keeps its output; minigpt.native_attention does not
                 terms["attention output"] += N * A * e
-            terms["attention logsumexp"] += shape.n_head * N * FP32
+            if native and native_attention.keeps_probabilities(shape.n_head, shape.n_kv_head, T, shape.head_dim):
+                terms["attention probabilities kept"] += shape.n_head * N * T * e  # P (B, h, T, T) in bf16
+            else:
+                terms["attention logsumexp"] += shape.n_head * N * FP32
             if (shape.sliding_window is not None and i in shape.sliding_layers and T > shape.sliding_window
                     and not native):
                 terms["attention mask"] += T * T * e

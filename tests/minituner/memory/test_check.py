@@ -70,7 +70,7 @@ def test_bf16_terms_follow_the_dataflow():
     shape, N, r = minigpt_shape(GPTConfig(**TINY)), 2 * 8, 4
     fp32 = minigpt_saved_by_layer(shape, 2, 8, "lora", r).terms()
     bf16 = minigpt_saved_by_layer(shape, 2, 8, "lora", r, **PRECISION_WIDTHS["bf16"]).terms()
-    for term in ("layernorm input", "layernorm mean/rstd", "attention logsumexp", "targets"):
+    for term in ("layernorm input", "layernorm mean/rstd", "targets"):
         assert bf16[term] == fp32[term]
     # the loss keeps the bf16 logits and one fp32 logsumexp per token, not an fp32 log-softmax
     assert "log-softmax output" not in bf16 and fp32["log-softmax output"] == N * 40 * 4
@@ -81,6 +81,13 @@ def test_bf16_terms_follow_the_dataflow():
     native = native_attention.takes_bf16_run(8)
     assert 2 * bf16.get("attention output", 0) == (0 if native else fp32["attention output"])
     assert 2 * bf16["linear input"] == fp32["linear input"] + (fp32["attention output"] if native else 0)
+    # and at 8 tokens (h·T = 16 <= 3·C = 48) it keeps its bf16 probabilities (B, h, T, T) instead of the logsumexp
+    assert bf16.get("attention probabilities kept", 0) == (2 * 2 * 2 * 8 * 8 * 2 if native else 0)  # 2 layers
+    assert bf16.get("attention logsumexp", 0) == (0 if native else fp32["attention logsumexp"])
+    assert "attention probabilities kept" not in fp32
+    longer = minigpt_shape(GPTConfig(**{**TINY, "block_size": 32}))  # 32 tokens: h·T = 64 > 48, recomputed
+    terms = minigpt_saved_by_layer(longer, 1, 32, "lora", r, **PRECISION_WIDTHS["bf16"]).terms()
+    assert "attention probabilities kept" not in terms and terms["attention logsumexp"] == 2 * 2 * 32 * 4
     # a plain 16-bit plan (MemoryConfig(dtype="fp16"), no fp32 stream) is not that path: SDPA keeps the output
     plain = minigpt_saved_by_layer(shape, 2, 8, "lora", r, act_bytes=2).terms()
     assert 2 * plain["attention output"] == fp32["attention output"]
