@@ -4,6 +4,7 @@
                                     # kernels built), else PyTorch's
     y = exact_gelu(h)               # F.gelu(h): PyTorch's forward; where fits(h), its gradient in C
     y = gelu(h, approximate)        # either, by F.gelu's `approximate` ("none" or "tanh")
+    y, dh = gelu_values(h, approximate), gelu_grad(dy, h, approximate)   # the same, for a Function applying it
 
 GPT-2's checkpoints use ``gelu_new``, ``0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))`` (MiniGPT's activation
 "gelu_tanh"). PyTorch computes it per value in fp32 with a vectorized tanh; on a 2-core AMD EPYC its bf16 forward
@@ -33,6 +34,10 @@ saves its input, as F.gelu does.
 
 Used only where the C was built with AVX-512 (``gelu_vectorized``); elsewhere, and for fp32, fp16 and CUDA, the
 model calls ``F.gelu``.
+
+``gelu_values`` and ``gelu_grad`` compute the same for a Function that applies GELU inside itself (minituner's
+``lora_product``, for an MLP's second Linear); ``miniquant.nf4_matmul`` applies the same slopes
+(``minikernels.gelu_slope``, shared with the C here) inside its input-gradient product.
 """
 from __future__ import annotations
 
@@ -43,6 +48,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from minikernels.bf16_exp import BF16_EXP_C, BF16_SIGMOID_C
+from minikernels.gelu_slope import GELU_SLOPE_C
 from minikernels.build import OPENMP_PRELUDE, KernelFamily, ThreadSplit, parallel_entry
 
 CFLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-ffp-contract=off", "-fno-fast-math", "-std=gnu11"]
@@ -50,7 +56,7 @@ LIBS = ["-lm"]
 MIN_VALUES_PER_THREAD = 1 << 16  # fewer values stay on the calling thread (handing work over costs ~50 µs)
 CHUNK_VALUES = 1 << 17  # threads take values in chunks of this many
 
-_SOURCE = OPENMP_PRELUDE + BF16_EXP_C + BF16_SIGMOID_C + r"""
+_SOURCE = OPENMP_PRELUDE + BF16_EXP_C + BF16_SIGMOID_C + GELU_SLOPE_C + r"""
 int gelu_vectorized(void) {
 #ifdef __AVX512F__
     return 1;
@@ -58,9 +64,6 @@ int gelu_vectorized(void) {
     return 0;
 #endif
 }
-
-#define K_BETA 0.7978845608028654f   /* √(2/π) */
-#define K_KAPPA 0.044715f
 
 #ifdef __AVX512F__
 /* 16 values: y = bf16(x · σ(2u)), u = K_BETA · (x + K_KAPPA · x³) */
@@ -70,43 +73,14 @@ static inline void gelu_forward16(const uint16_t* x, uint16_t* y) {
     put16(y, _mm512_mul_ps(v, sigmoid16(_mm512_mul_ps(_mm512_set1_ps(2.0f * K_BETA), inner))));
 }
 
-/* 16 values: dx = bf16(dy · (s + 2·x·s·(1 - s)·K_BETA·(1 + 3·K_KAPPA·x²))), s = σ(2u) */
+/* 16 values: dx = bf16(dy · (s + 2·x·s·(1 - s)·K_BETA·(1 + 3·K_KAPPA·x²))), s = σ(2u) (minikernels.gelu_slope) */
 static inline void gelu_backward16(const uint16_t* dy, const uint16_t* x, uint16_t* dx) {
-    __m512 two_beta = _mm512_set1_ps(2.0f * K_BETA), one = _mm512_set1_ps(1.0f);
-    __m512 v = load16(x), v2 = _mm512_mul_ps(v, v);
-    __m512 s = sigmoid16(_mm512_mul_ps(two_beta, _mm512_add_ps(v, _mm512_mul_ps(_mm512_set1_ps(K_KAPPA),
-                                                                                _mm512_mul_ps(v, v2)))));
-    __m512 slope = _mm512_mul_ps(_mm512_mul_ps(_mm512_mul_ps(v, s), _mm512_sub_ps(one, s)),
-                                 _mm512_mul_ps(two_beta, _mm512_add_ps(one, _mm512_mul_ps(_mm512_set1_ps(3.0f * K_KAPPA),
-                                                                                          v2))));
-    put16(dx, _mm512_mul_ps(load16(dy), _mm512_add_ps(s, slope)));
+    put16(dx, _mm512_mul_ps(load16(dy), gelu_tanh_slope16(load16(x))));
 }
-#endif
 
-/* The exact GELU's gradient, dy·(Φ(x) + x·φ(x)), Φ and φ the normal CDF and density. Φ(x) = 1 - h for x > 0
-   and h below, h = Φ(-|x|) = erfc(z)/2, z = |x|/√2, erfc(z) = t·P(t)·e^(-z²) with t = 1/(1 + p·z) (Abramowitz
-   and Stegun 7.1.26, within 1.5e-7: PyTorch's erf is this formula); h is kept as it is, not formed as
-   1 + erf(-z), PyTorch's form, which cancels where Φ is small. φ(x) = e^(-z²)/√(2π): one exp serves both, where
-   PyTorch computes erf and exp apart. */
-#define INV_SQRT2 0.70710678118654752f
-#define INV_SQRT_2PI 0.39894228040143268f
-
-#ifdef __AVX512F__
-/* 16 values: dx = bf16(dy · (Φ(x) + x·φ(x))); at ±inf t and e^(-z²) are 0 and x·φ is NaN, as PyTorch's */
+/* 16 values: dx = bf16(dy · (Φ(x) + x·φ(x))) (minikernels.gelu_slope) */
 static inline void gelu_erf_backward16(const uint16_t* dy, const uint16_t* x, uint16_t* dx) {
-    __m512 one = _mm512_set1_ps(1.0f), v = load16(x);
-    __m512 z = _mm512_mul_ps(_mm512_abs_ps(v), _mm512_set1_ps(INV_SQRT2));
-    __m512 t = _mm512_div_ps(one, _mm512_fmadd_ps(z, _mm512_set1_ps(0.3275911f), one));
-    __m512 p = _mm512_set1_ps(1.061405429f);
-    p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(-1.453152027f));
-    p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(1.421413741f));
-    p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(-0.284496736f));
-    p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(0.254829592f));
-    __m512 e = exp16_short(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(z, z)));  /* e^(-z²) */
-    __m512 h = _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(0.5f), t), _mm512_mul_ps(p, e));  /* erfc(z)/2 */
-    __m512 cdf = _mm512_mask_sub_ps(h, _mm512_cmp_ps_mask(v, _mm512_setzero_ps(), _CMP_GT_OQ), one, h);
-    __m512 slope = _mm512_fmadd_ps(v, _mm512_mul_ps(e, _mm512_set1_ps(INV_SQRT_2PI)), cdf);
-    put16(dx, _mm512_mul_ps(load16(dy), slope));
+    put16(dx, _mm512_mul_ps(load16(dy), gelu_erf_slope16(load16(x))));
 }
 #endif
 
@@ -262,3 +236,19 @@ def gelu(x: Tensor, approximate: str = "none") -> Tensor:
     if approximate == "tanh":
         return tanh_gelu(x)
     return exact_gelu(x) if approximate == "none" else F.gelu(x, approximate=approximate)  # (which names the error)
+
+
+def gelu_values(x: Tensor, approximate: str = "none") -> Tensor:
+    """gelu(x, approximate)'s values without autograd, for a Function that applies GELU inside its own forward
+    (``minituner.lora_product``): the tanh form in C where ``fits``, else F.gelu (the same bits as gelu)."""
+    if approximate == "tanh" and fits(x):
+        return kernels().forward(x)
+    return F.gelu(x, approximate=approximate)
+
+
+def gelu_grad(dy: Tensor, x: Tensor, approximate: str = "none") -> Tensor:
+    """The gradient for x of gelu(x, approximate) given dy, as gelu's own backward computes it: in C where ``fits``
+    (x needing a gradient), else aten's gelu_backward (F.gelu's)."""
+    if approximate in ("none", "tanh") and fits(x):
+        return kernels().backward(dy.to(torch.bfloat16).contiguous(), x, exact=approximate == "none")
+    return torch.ops.aten.gelu_backward(dy.to(x.dtype), x, approximate=approximate)

@@ -251,6 +251,13 @@ class QuantizedLinear(nn.Module):
                 and qtensors[0].is_contiguous() and qtensors[1].dtype == torch.float32
                 and qtensors[1].is_contiguous() and _nf4_surely_finite(qtensors[1], g.dtype))
 
+    def applies_gelu_grad(self, dtype: torch.dtype) -> bool:
+        """Whether input_grad_adding applies GELU's gradient inside its product for gradients of `dtype` (asked in
+        forward, before there is a gradient): bf16, an NF4 weight of a shape ``nf4_matmul`` takes, its kernel built."""
+        s = self._scheme
+        return (dtype == torch.bfloat16 and s.kind == "nf4" and nf4_matmul.kernels() is not None
+                and nf4_matmul.shape_fits(self.in_features, self.out_features, s.group_size))
+
     def input_grad_from(self, qtensors: tuple[Tensor, ...], g: Tensor, dtype: torch.dtype | None = None) -> Tensor:
         """g (N, out)·W -> (N, in), the gradient of x·Wᵀ for x, W from the given quantized buffers in `dtype` (default
         g's), no autograd: NF4 with bf16 g on a CPU with AVX512-BF16 by ``nf4_matmul`` (the codes unpacked inside
@@ -261,15 +268,19 @@ class QuantizedLinear(nn.Module):
                                                    self.in_features)
         return fp32_gemm.input_grad(g, self.dequantize_from(qtensors, dtype, transient=True))
 
-    def input_grad_adding(self, qtensors: tuple[Tensor, ...], g: Tensor, grad_a: Tensor, A: Tensor) -> Tensor | None:
+    def input_grad_adding(self, qtensors: tuple[Tensor, ...], g: Tensor, grad_a: Tensor, A: Tensor,
+                          gelu: tuple[Tensor, str] | None = None) -> Tensor | None:
         """g·W + grad_a·A (N, in) in one product, a LoRA adapter's share (grad_a (N, r), A (r, in) its fp32 master)
         summed inside ``nf4_matmul``'s sums and rounded once with them, where that kernel takes g and the adapter
-        (``nf4_matmul.adapter_fits``); None elsewhere: the caller adds the adapter its own way after
-        input_grad_from."""
+        (``nf4_matmul.adapter_fits``); with gelu = (h, approximate), the layer's input GELU's output at h, the
+        gradient for h (GELU's applied to the rounded sum, ``nf4_matmul.gelu_fits``). None elsewhere: the caller
+        adds the adapter (and applies GELU's gradient) its own way after input_grad_from."""
         if not (self._nf4_input_grad_fits(qtensors, g) and nf4_matmul.adapter_fits(g, grad_a, A, self.in_features)):
             return None
+        if gelu is not None and not nf4_matmul.gelu_fits(g, *gelu):
+            return None
         return nf4_matmul.kernels().input_grad(g, qtensors[0], qtensors[1], self._scheme.group_size, self.in_features,
-                                               (grad_a, A))
+                                               (grad_a, A), gelu)
 
     def dequantize(self, dtype: torch.dtype | None = None) -> Tensor:
         """The (out, in) weight in `dtype` (default: the original weight's dtype); a new tensor, no grad."""

@@ -17,8 +17,10 @@ from typing import NamedTuple
 import torch
 import torch.nn as nn
 
+from minigpt import native_gelu
 from minigpt.errors import InputError, check_known_fields
 
+from . import native_lora
 from .lora_product import fused_fits, lora_product
 from .planner.counts import ALL_LINEAR  # one spelling of PEFT's "all-linear", shared with the planner
 
@@ -119,7 +121,15 @@ def _keeps_finite(src: torch.dtype, dst: torch.dtype) -> bool:
 
 
 class LoRALinear(nn.Module):
-    """A base linear layer plus named low-rank adapters: base_layer(x) + Σ w·scaling·B(A(dropout(x)))."""
+    """A base linear layer plus named low-rank adapters: base_layer(x) + Σ w·scaling·B(A(dropout(x))).
+
+    ``layer(h, gelu="none")`` (or "tanh", F.gelu's approximate) is ``layer(F.gelu(h, approximate=...))``: a model
+    whose MLP feeds GELU's output to this layer hands over GELU's input instead (``takes_gelu_input``), and where
+    the base is NF4 and miniquant.nf4_matmul runs its input gradient (bf16, ``_fuses_gelu``) GELU runs inside
+    the one Function (``lora_product``), its gradient applied in that same product (one pass over (N, in) less).
+    """
+
+    takes_gelu_input = True  # forward(h, gelu=approximate): see the class docstring (minigpt.model.MLP asks)
 
     def __init__(self, base_layer: nn.Module, r: int = 8, alpha: float = 16.0, dropout: float = 0.0,
                  use_rslora: bool = False, adapter_name: str = "default") -> None:
@@ -182,9 +192,29 @@ class LoRALinear(nn.Module):
         # name first (about 1 µs, three times in each forward of a step)
         self.__dict__["_seen_finite"] = seen
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _fuses_gelu(self, x: torch.Tensor) -> bool:
+        """Whether forward(x, gelu=...) runs GELU inside lora_product: one active adapter whose fused Function takes
+        x as it is (already in the compute dtype: GELU then applies to the values it would see), with the adapter's
+        thin products in C (minituner.native_lora) and a base that applies GELU's gradient inside its input
+        gradient's product (an NF4 base where miniquant.nf4_matmul runs: ``applies_gelu_grad``). Elsewhere GELU
+        is applied apart: applied after the layer's own backward, its gradient would be one more (N, in) tensor
+        alive beside the layer's saved input."""
+        if self.disabled or self.merged_adapters or len(self.active_adapters) != 1:
+            return False
+        name = next(iter(self.active_adapters))
+        cd, applies = self.compute_dtype, getattr(self.base_layer, "applies_gelu_grad", None)
+        if name not in self.lora_A or cd is None or x.dtype != cd or applies is None or not applies(cd):
+            return False
+        x2 = x.reshape(-1, self.in_features)
+        return (native_lora.fits(x2, self.lora_A[name].weight, self.lora_B[name].weight)
+                and fused_fits(self, x2, name))
+
+    def forward(self, x: torch.Tensor, gelu: str | None = None) -> torch.Tensor:
         cd = self.compute_dtype
         self._note_seen_finite(None)
+        fuse_gelu = gelu is not None and self._fuses_gelu(x)
+        if gelu is not None and not fuse_gelu:  # GELU's input: applied here, as the model would (autograd's gradient)
+            x = native_gelu.gelu(x, gelu)
         if self.disabled or self.merged_adapters:  # merged adapters already live in the base weight
             return self.base_layer(x) if cd is None else self.base_layer(x.to(cd)).to(x.dtype)  # (..., out)
         x2 = x.reshape(-1, self.in_features)  # (N, in): 2-D, so the base output is a plain (N, out) tensor
@@ -192,8 +222,9 @@ class LoRALinear(nn.Module):
             x2 = x2.to(cd)  # one cast, shared by the base and every adapter; the base computes in its input's dtype
         if len(self.active_adapters) == 1:  # base and adapter as one Function (lora_product: bf16, or fp32 with C)
             (name, weight), = self.active_adapters.items()
-            if name in self.lora_A and fused_fits(self, x2, name):
-                y, finite = lora_product(self, x2, name, self.scaling[name] * weight)  # (N, out): the lines below, fused
+            if fuse_gelu or (name in self.lora_A and fused_fits(self, x2, name)):
+                y, finite = lora_product(self, x2, name, self.scaling[name] * weight,  # (N, out): the lines below,
+                                         gelu if fuse_gelu else None)  # fused (GELU too, x2 its input, where asked)
                 out = y.to(x.dtype).view(*x.shape[:-1], self.out_features)
                 if finite and _keeps_finite(y.dtype, out.dtype) and not out.is_inference():  # (no version counter)
                     self._note_seen_finite((weakref.ref(out), out._version))

@@ -25,6 +25,13 @@ it: one pass less over (N, in). Through PyTorch the same work is six thin produc
 copy a layer, each a separate op; the bench's step above took 275.6 ms against 307.4 through PyTorch (medians of
 24 steps, the two models alternating in one process, 2026-12-03).
 
+An MLP's second Linear may be handed GELU's input h instead of its output (``LoRALinear.forward(h, gelu=...)``,
+as ``minigpt.model.MLP`` does): the Function then applies GELU itself (``minigpt.native_gelu.gelu_values``, the
+values GELU's own Function gives), saves h beside GELU's output, and returns h's gradient: applied inside
+``miniquant.nf4_matmul``'s product where that runs the input gradient (no (N, in) gradient stored and read back
+for a GELU node of its own), else after it as GELU's backward computes it (``native_gelu.gelu_grad``). The same
+bits either way, and the same saved tensors as GELU and the layer apart.
+
 In fp32 the Function is taken only where ``minituner.native_lora_fp32`` runs (a CPU with AVX2 and FMA, or AVX-512):
 the same three C calls a layer, the base's products through the library ``minikernels.fp32_gemm`` chose, as the
 base's own Function runs them; elsewhere (CUDA, other CPUs) fp32 keeps the two pieces.
@@ -44,6 +51,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
+from minigpt import native_gelu
 from minikernels import fp32_gemm
 from minituner import native_lora, native_lora_fp32
 
@@ -126,34 +134,39 @@ def fused_fits(lora: nn.Module, x2: Tensor, name: str) -> bool:
 
 
 class LoRAProduct(torch.autograd.Function):
-    """y = x·Wᵀ + b + scale·(x·Aᵀ)·Bᵀ, W frozen; gradients for x, A and B (see the module docstring)."""
+    """y = x·Wᵀ + b + scale·(x·Aᵀ)·Bᵀ, W frozen; gradients for x, A and B (see the module docstring). With gelu
+    (F.gelu's approximate) the input is GELU's: x = gelu(h), and the gradient is h's."""
 
     @staticmethod
     def forward(ctx, x: Tensor, A: Tensor, B: Tensor, bias: Tensor | None, base: nn.Module, scale: float,
-                seen_finite: list, *frozen: Tensor) -> Tensor:
+                seen_finite: list, gelu: str | None, *frozen: Tensor) -> Tensor:
+        h = None
+        if gelu is not None:  # x is GELU's input h: the product reads gelu(h), as minigpt.native_gelu.gelu computes it
+            h, x = x, native_gelu.gelu_values(x, gelu)
+            h = h if ctx.needs_input_grad[0] else None  # (kept, as GELU keeps it, only for h's gradient)
         w = _frozen_weight(base, frozen, x.dtype)  # (out, in)
         y = base_product(x, w, None if bias is None else bias.to(x.dtype))  # (N, out)
         ctx.native = native_kernels(x, A, B)  # (backward uses the same)
         if ctx.native is not None:  # the adapter's thin products in C, from the fp32 masters (native_lora*)
             a, finite = ctx.native.forward_(y, x, A, B, scale)  # (N, r); y += scale·a·Bᵀ in place
             seen_finite.append(finite)  # (every value of y looked at as it was written)
-            ctx.save_for_backward(x, A, B, a, *frozen)
+            ctx.save_for_backward(x, A, B, a, h, *frozen)
         else:
             a_low, b_low = A.to(x.dtype), B.to(x.dtype)  # (r, in), (out, r): the masters computed in x's dtype
             a = x @ a_low.t()  # (N, r)
             y.addmm_(a, b_low.t(), alpha=scale)  # (N, out): the adapter added in place
-            ctx.save_for_backward(x, a_low, b_low, a, *frozen)
-        ctx.base, ctx.scale, ctx.master_dtypes = base, scale, (A.dtype, B.dtype)
+            ctx.save_for_backward(x, a_low, b_low, a, h, *frozen)
+        ctx.base, ctx.scale, ctx.master_dtypes, ctx.gelu = base, scale, (A.dtype, B.dtype), gelu
         return y
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, g: Tensor):  # g (N, out)
-        x, a_low, b_low, a, *frozen = ctx.saved_tensors  # (native: the fp32 masters A and B)
+        x, a_low, b_low, a, h, *frozen = ctx.saved_tensors  # (native: the fp32 masters A and B)
         need_x, need_A, need_B = ctx.needs_input_grad[:3]
         g = g.to(x.dtype)
         if ctx.native is not None:
-            return _backward_native(ctx, g.contiguous(), x, a_low, b_low, a, frozen)
+            return _backward_native(ctx, g.contiguous(), x, a_low, b_low, a, h, frozen)
         grad_x = grad_A = grad_B = None
         grad_a_t = (b_low.t().contiguous() @ g.t()).mul_(ctx.scale) if need_x or need_A else None  # (r, N)
         if need_A:
@@ -163,29 +176,37 @@ class LoRAProduct(torch.autograd.Function):
         if need_x:
             grad_x = _base_input_grad(ctx.base, tuple(frozen), g)  # (N, in): the base's
             grad_x.addmm_(grad_a_t.t(), a_low)  # plus the adapter's, in the same pass
-        return (grad_x, grad_A, grad_B, None, None, None, None) + (None,) * len(frozen)
+            if ctx.gelu is not None:
+                grad_x = native_gelu.gelu_grad(grad_x, h, ctx.gelu)  # h's, as GELU's own backward gives it
+        return (grad_x, grad_A, grad_B) + (None,) * (5 + len(frozen))
 
 
-def _backward_native(ctx, g: Tensor, x: Tensor, A: Tensor, B: Tensor, a: Tensor, frozen: list[Tensor]):
+def _backward_native(ctx, g: Tensor, x: Tensor, A: Tensor, B: Tensor, a: Tensor, h: Tensor | None,
+                     frozen: list[Tensor]):
     """LoRAProduct.backward with the adapter's thin products in C: the masters' gradients summed in fp32 and handed
-    over unrounded, the adapter's share of the input's gradient added into g·W in place."""
+    over unrounded, the adapter's share of the input's gradient added into g·W in place (and GELU's gradient
+    applied in the same product where miniquant.nf4_matmul takes it)."""
     need_x, need_A, need_B = ctx.needs_input_grad[:3]
     grad_a, grad_A, grad_B = ctx.native.backward(g, x, a, B, ctx.scale, need_x, need_A, need_B)
     grad_x, frozen = None, tuple(frozen)
     adding = getattr(ctx.base, "input_grad_adding", None) if need_x else None  # (an NF4 base: QuantizedLinear's)
-    if adding is not None:
-        grad_x = adding(frozen, g, grad_a, A)  # g·W + grad_a·A in one product, rounded once; None where it cannot
+    if adding is not None:  # g·W + grad_a·A in one product, rounded once (then times GELU's slope); None: cannot
+        grad_x = adding(frozen, g, grad_a, A, None if h is None else (h, ctx.gelu))
     if need_x and grad_x is None:
         grad_x = _base_input_grad(ctx.base, frozen, g)  # (N, in): the base's
         ctx.native.input_update_(grad_x, grad_a, A)  # plus the adapter's (bf16: rounded again)
-    return (grad_x, grad_A, grad_B, None, None, None, None) + (None,) * len(frozen)
+        if ctx.gelu is not None:
+            grad_x = native_gelu.gelu_grad(grad_x, h, ctx.gelu)  # h's, as GELU's own backward gives it
+    return (grad_x, grad_A, grad_B) + (None,) * (5 + len(frozen))
 
 
-def lora_product(lora: nn.Module, x2: Tensor, name: str, scale: float) -> tuple[Tensor, bool]:
+def lora_product(lora: nn.Module, x2: Tensor, name: str, scale: float,
+                 gelu: str | None = None) -> tuple[Tensor, bool]:
     """(y, seen_finite): the base and adapter `name` of a LoRALinear on x2 (N, in) as one Function (``fused_fits``
     first); seen_finite: the C kernels found every value of y finite as they wrote it (False: not looked at, or not
-    all finite)."""
+    all finite). With gelu (F.gelu's approximate: "none", "tanh") x2 is GELU's input and the layer reads its output:
+    the layer on gelu(x2), the gradient x2's (GELU's fused into the input gradient's product where it can be)."""
     base, seen = lora.base_layer, []
     y = LoRAProduct.apply(x2, lora.lora_A[name].weight, lora.lora_B[name].weight, base.bias, base, scale, seen,
-                          *_frozen_tensors(base))
+                          gelu, *_frozen_tensors(base))
     return y, bool(seen) and seen[0]

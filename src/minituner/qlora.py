@@ -23,6 +23,7 @@ from functools import partial
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from minigpt.errors import InputError
 from miniquant import DEFAULT_QUANT_SCHEME, QuantizationError, QuantizedLinear, parse_scheme
@@ -85,8 +86,9 @@ def cast_float_tensors(model: nn.Module, dtype: torch.dtype, keep: tuple[type, .
                 setattr(module, name, b.to(dtype))
 
 
-def _guard(path: str, module: LoRALinear, args: tuple, output: torch.Tensor) -> None:
-    """Forward hook: a non-finite output is an error naming the module and the path that produced it."""
+def _guard(path: str, module: LoRALinear, args: tuple, kwargs: dict, output: torch.Tensor) -> None:
+    """Forward hook (with kwargs): a non-finite output is an error naming the module and the path that produced it.
+    The layer's input is args[0], or GELU's output of it where it was handed GELU's input (kwargs' gelu)."""
     if module.output_seen_finite(output):  # the bf16 C kernels looked at every value as they wrote it
         return
     # one reduction: any NaN/inf makes the sum non-finite. bf16 keeps fp32's exponent range and PyTorch sums it with
@@ -97,6 +99,8 @@ def _guard(path: str, module: LoRALinear, args: tuple, output: torch.Tensor) -> 
     if torch.isfinite(output).all():  # a float32 overflow of the sum alone: the values themselves are finite
         return
     x = args[0]
+    if kwargs.get("gelu") is not None:  # (GELU's input: the layer read its output)
+        x = F.gelu(x, approximate=kwargs["gelu"])
     if not torch.isfinite(x).all():
         where = "its input"
     else:
@@ -110,7 +114,7 @@ def add_finite_guards(model: nn.Module) -> int:
     added = 0
     for path, m in lora_modules(model).items():
         if not getattr(m, "_finite_guard", False):
-            m.register_forward_hook(partial(_guard, path))
+            m.register_forward_hook(partial(_guard, path), with_kwargs=True)
             m._finite_guard = True
             added += 1
     return added

@@ -261,3 +261,56 @@ def test_the_planner_counts_panels_where_it_runs_and_the_workspace_where_not():
     assert not any("panels" in term for term in terms(on_cpu=False))  # CUDA
     with mock.patch.object(nf4_matmul, "takes_bf16_run", lambda: False):
         assert not any("panels" in term for term in terms())
+
+
+GELU_SHAPES = [(1024, 2048, 512, 8), (37, 1088, 96, 2), (13, 64, 32, 0), (29, 128, 1088, 6)]
+
+
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+@pytest.mark.parametrize("n, n_in, n_out, r", GELU_SHAPES)
+def test_gelus_gradient_applied_inside_gives_the_bits_of_the_product_then_gelus_backward(n, n_in, n_out, r,
+                                                                                          approximate):
+    """With gelu = (h, approximate) each value of g·W (+ grad_a·A) is rounded, multiplied by GELU's slope at h and
+    rounded again: the bits minigpt.native_gelu's backward gives from the stored product (exact GELU and tanh form;
+    h with NaN, ±inf and 0 among its values)."""
+    from minigpt import native_gelu
+    if native_gelu.kernels() is None:
+        pytest.skip("minigpt.native_gelu's kernels are not built here")
+    gen = torch.Generator().manual_seed(n)
+    layer = quantized(n_in, n_out, 32)
+    dy = torch.randn(n, n_out, generator=gen).to(BF16)
+    h = (torch.randn(n, n_in, generator=gen) * 3).to(BF16)
+    h.view(-1)[:4] = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0]).to(BF16)
+    adapter = (torch.randn(n, r, generator=gen).to(BF16), torch.randn(r, n_in, generator=gen)) if r else None
+    want = native_gelu.kernels().backward(K.input_grad(dy, *parts(layer), n_in, adapter), h,
+                                           exact=approximate == "none")
+    got = K.input_grad(dy, *parts(layer), n_in, adapter, (h, approximate))
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
+def test_with_gelu_the_same_bits_on_one_thread_or_many():
+    layer = quantized(288, 1088, 64)
+    gen = torch.Generator().manual_seed(6)
+    dy = torch.randn(300, 1088, generator=gen).to(BF16)
+    adapter = (torch.randn(300, 8, generator=gen).to(BF16), torch.randn(8, 288, generator=gen))
+    gelu = ((torch.randn(300, 288, generator=gen) * 2).to(BF16), "none")
+    results = []
+    for split in ((1, 1), (2, 1), (2, 3), (3, 7)):
+        with mock.patch.object(nf4_matmul.NF4Matmul, "_threads", lambda self, m, k, n, s=split: s):
+            results.append(K.input_grad(dy, *parts(layer), 288, adapter, gelu))
+    for gx in results[1:]:
+        assert torch.equal(gx, results[0])
+
+
+def test_what_gelu_fits_and_quantized_linear_says_none_where_it_does_not():
+    g, h = torch.randn(4, 64).to(BF16), torch.randn(4, 128).to(BF16)
+    assert nf4_matmul.gelu_fits(g, h, "none") and nf4_matmul.gelu_fits(g, h, "tanh")
+    assert not nf4_matmul.gelu_fits(g, h, "sigmoid")  # not one of F.gelu's forms
+    assert not nf4_matmul.gelu_fits(g, h.float(), "none")
+    assert not nf4_matmul.gelu_fits(g, h[:3], "none")  # not g's rows
+    assert not nf4_matmul.gelu_fits(g, torch.randn(128, 4).to(BF16).t(), "none")  # not contiguous
+    layer = quantized(128, 64, 64)
+    frozen = tuple(layer.quantized_tensors())
+    grad_a, A = torch.randn(4, 8).to(BF16), torch.randn(8, 128)
+    assert layer.input_grad_adding(frozen, g, grad_a, A, (h, "none")) is not None
+    assert layer.input_grad_adding(frozen, g, grad_a, A, (h.float(), "none")) is None  # the caller applies it

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from miniquant import QuantizedLinear
+from miniquant import QuantizedLinear, nf4_matmul
 from minituner import lora_product, native_lora, native_lora_fp32
 from minituner.lora import LoRALinear
 from minituner.precision import use_bf16_compute
@@ -15,10 +15,10 @@ from minituner.precision import use_bf16_compute
 BF16 = torch.bfloat16
 
 
-def layer_in_bf16(base_kind: str, bias: bool = True) -> nn.Module:
+def layer_in_bf16(base_kind: str, bias: bool = True, n_out: int = 48) -> nn.Module:
     """A LoRALinear (r 4) over an nn.Linear or NF4 base, B nonzero, in bf16 compute, wrapped so it can be swapped."""
     torch.manual_seed(0)
-    linear = nn.Linear(64, 48, bias=bias)
+    linear = nn.Linear(64, n_out, bias=bias)
     base = linear if base_kind == "linear" else QuantizedLinear.from_linear(linear, "nf4_per_group_64")
     model = nn.Sequential(LoRALinear(base, r=4, alpha=8.0))
     with torch.no_grad():
@@ -304,3 +304,128 @@ def test_a_bf16_base_product_with_a_bias_runs_where_onednn_has_no_bf16(monkeypat
     monkeypatch.setattr(fp32_gemm, "onednn_bf16_available", lambda: False)
     monkeypatch.setattr(fp32_gemm, "onednn_linear", lambda *a: pytest.fail("oneDNN called for bf16"))
     assert torch.equal(lora_product.base_product(x, w, b), torch.nn.functional.linear(x, w, b))
+
+
+def _gelu_handed_over(model: nn.Module, h: torch.Tensor, approximate: str, hand_over: bool) -> tuple:
+    """(output, grad of h, grads of A and B, autograd node names): the layer on GELU's output of h, computed as
+    model[0](h, gelu=approximate) or as model[0](gelu(h))."""
+    from minigpt import native_gelu
+
+    model = copy.deepcopy(model)
+    h = h.detach().clone().requires_grad_()
+    y = model[0](h, gelu=approximate) if hand_over else model[0](native_gelu.gelu(h, approximate))
+    y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(3)).to(y.dtype))
+    layer = model[0]
+    grads = [h.grad, layer.lora_A["default"].weight.grad, layer.lora_B["default"].weight.grad]
+    return [y.detach(), *grads], graph_names(y)
+
+
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+@pytest.mark.parametrize("base_kind, dtype", [("nf4", BF16), ("linear", BF16), ("nf4", torch.float32)])
+def test_gelus_input_handed_over_gives_the_bits_of_gelu_then_the_layer(base_kind, dtype, approximate):
+    """layer(h, gelu=...) is layer(gelu(h)) to the bit, output and every gradient: GELU inside LoRAProduct, its
+    gradient applied inside miniquant.nf4_matmul's product (NF4 base, bf16) or after the base's input gradient as
+    minigpt.native_gelu's backward (C) or aten's gelu_backward computes it."""
+    model = layer_in_bf16(base_kind, n_out=64) if dtype == BF16 else _fp32_nf4_layer()  # (out: NF4 product's NR)
+    h = (torch.randn(3, 5, 64, generator=torch.Generator().manual_seed(1)) * 2).to(dtype)
+    got, names = _gelu_handed_over(model, h, approximate, True)
+    want, _ = _gelu_handed_over(model, h, approximate, False)
+    for a, b in zip(got, want):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    fuses = model[0]._fuses_gelu(h)
+    assert fuses == (base_kind == "nf4" and dtype == BF16 and nf4_matmul.kernels() is not None
+                     and native_lora.kernels() is not None)  # elsewhere GELU is applied apart
+    if fuses:
+        assert fused_names(names) and not any("Gelu" in n for n in names)  # one node: GELU runs inside it
+
+
+def fused_names(names: set[str]) -> bool:
+    return any("LoRAProduct" in n for n in names)
+
+
+def _fp32_nf4_layer() -> nn.Module:
+    torch.manual_seed(0)
+    base = QuantizedLinear.from_linear(nn.Linear(64, 48), "nf4_per_group_64")
+    model = nn.Sequential(LoRALinear(base, r=4, alpha=8.0))
+    with torch.no_grad():
+        model[0].lora_B["default"].weight.normal_(0, 0.1)
+    return model
+
+
+def test_gelus_input_handed_over_where_the_layer_is_not_fused_is_gelu_then_the_layer():
+    """Two active adapters, a disabled layer, or an input in another dtype than the compute dtype: GELU is applied
+    first, as the model would, and the layer runs as it would on its output."""
+    model = layer_in_bf16("nf4", n_out=64)
+    layer = model[0]
+    h = torch.randn(7, 64).to(BF16)
+    from minigpt import native_gelu
+
+    layer.add_adapter("second", 2, 4.0)
+    layer.active_adapters = {"default": 1.0, "second": 0.5}
+    with torch.no_grad():
+        assert torch.equal(layer(h, gelu="none"), layer(native_gelu.gelu(h)))
+    layer.active_adapters = {"default": 1.0}
+    layer.disabled = True
+    with torch.no_grad():
+        assert torch.equal(layer(h, gelu="tanh"), layer(native_gelu.gelu(h, "tanh")))
+    layer.disabled = False
+    h32 = torch.randn(7, 64)
+    with torch.no_grad():  # fp32 in: GELU on the fp32 values, then the one cast to bf16
+        assert torch.equal(layer(h32, gelu="none"), layer(native_gelu.gelu(h32)))
+
+
+def test_minigpts_mlp_hands_gelus_input_to_a_lora_fc2_and_the_step_keeps_its_bits(monkeypatch):
+    """In a bf16 QLoRA MiniGPT each block's fc2 takes GELU's input (no GELU node of its own in the graph), and
+    the loss and every gradient are those of GELU applied apart (LoRALinear.takes_gelu_input off)."""
+    from minigpt.model import GPTConfig, MiniGPT
+    from minigpt.train import lm_loss
+    from minituner.build import build_for_training
+    from minituner.lora import LoRAConfig
+
+    def step(hand_over: bool):
+        monkeypatch.setattr(LoRALinear, "takes_gelu_input", hand_over)
+        torch.manual_seed(0)
+        model = build_for_training(MiniGPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2,
+                                                     d_model=32)),
+                                   "qlora", LoRAConfig(r=4, alpha=8.0), device="cpu", precision="bf16",
+                                   allow_slow_bf16=True)
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                torch.nn.init.normal_(p, 0, 0.05)
+        x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+        loss = lm_loss(model, x[:, :-1], x[:, 1:])
+        names, seen, todo = set(), set(), [loss.grad_fn]  # every node (graph_names expands one of each kind)
+        while todo:
+            fn = todo.pop()
+            if fn is not None and id(fn) not in seen:
+                seen.add(id(fn))
+                names.add(type(fn).__name__)
+                todo += [f for f, _ in fn.next_functions]
+        loss.backward()
+        return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}, names
+
+    loss, grads, names = step(True)
+    want_loss, want_grads, want_names = step(False)
+    assert torch.equal(loss, want_loss) and grads.keys() == want_grads.keys()
+    assert all(torch.equal(grads[n], want_grads[n]) for n in grads)
+    assert not any("Gelu" in n for n in names) and any("Gelu" in n for n in want_names)
+
+
+def test_the_guard_of_a_layer_handed_gelus_input_judges_gelus_output():
+    """The finite-output guard sees the layer's kwargs: with gelu given, the layer's input is GELU's output of
+    args[0], and a non-finite output is traced to that input or to the path that made it."""
+    from minituner.qlora import add_finite_guards
+
+    model = layer_in_bf16("nf4", n_out=64)
+    add_finite_guards(model)
+    layer = model[0]
+    h = torch.randn(5, 64).to(BF16)
+    layer(h, gelu="none")  # finite: no error
+    bad = h.clone()
+    bad[0, 0] = float("nan")
+    with pytest.raises(FloatingPointError, match=r"0: non-finite output .*its input"):
+        layer(bad, gelu="none")
+    with torch.no_grad():
+        layer.lora_B["default"].weight.fill_(float("inf"))
+    with pytest.raises(FloatingPointError, match=r"0: non-finite output .*the LoRA path"):
+        layer(h, gelu="tanh")

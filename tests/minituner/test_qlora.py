@@ -148,12 +148,12 @@ def test_guard_passes_finite_outputs_whose_sum_overflows_and_stops_nan_and_inf(d
     assert torch.isfinite(big).all()
     if dtype != torch.float16:  # the sum the guard takes overflows: the second look decides
         assert not torch.isfinite(big.sum())
-    _guard("l", layer, (x,), big)  # finite values: no error
+    _guard("l", layer, (x,), {}, big)  # finite values: no error
     for bad in (float("nan"), float("inf"), -float("inf")):
         y = torch.zeros(2, 4, dtype=dtype)
         y[1, 3] = bad
         with pytest.raises(FloatingPointError, match="l: non-finite output"):
-            _guard("l", layer, (x,), y)
+            _guard("l", layer, (x,), {}, y)
 
 
 def test_compute_dtype_casts_the_float_parts_but_not_the_quantized_weights_or_lora():
