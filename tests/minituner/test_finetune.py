@@ -195,7 +195,6 @@ def test_heap_trims_flag(base, tmp_path, monkeypatch):
     calls = []
     monkeypatch.setattr(heap, "trim_heap", lambda: calls.append(1) or True)
     monkeypatch.setattr(heap, "free_to_trim", lambda: heap.TRIM_MIN_FREE_BYTES)  # a heap worth trimming
-    monkeypatch.setattr(heap, "fault_seconds_per_byte", lambda: 0.0)  # and pages free to fault in again
     flags = ["finetune", "--base", str(base), "--steps", "3", "--batch-size", "4", "--eval-every", "3",
              "--base-domain", "none", "--no-progress", "--device", "cpu"]
     assert main([*flags, "--out", str(tmp_path / "trims")]) == 0

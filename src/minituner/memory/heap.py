@@ -24,12 +24,6 @@ Two remedies, each a glibc call through ctypes (a no-op returning False elsewher
   resident part is estimated from the process's anonymous resident set (``/proc/self/statm``) less malloc's
   bytes in use, against the same difference right after the last trim (when no free heap page was resident):
   the rest is the process's own memory outside malloc (Python's arenas, thread stacks, JIT code).
-  A trim is also skipped where faulting its pages in again would cost more than ``TRIM_MAX_STEP_SHARE`` of a step
-  (the free bytes times ``fault_seconds_per_byte``, this machine's cost of a fresh page measured once, against
-  the time since the trim point last ran, one step): where the whole step is short the pages are worth more kept.
-  On the bench's GPT-shaped step the count drifted across 64 MiB (56 to 71 MiB) and trims fired every few steps,
-  each faulting about 12,000 pages (18 ms of a 175 ms step here); with the budget they do not fire there, while
-  the Llama-3.2-1B-shaped step (117 to 141 MiB free before the head, a 1.5 s step) and the 7B one still trim.
   ``build_for_training`` installs it on CPU (``finetune --no-heap-trims`` leaves it out). Under gradient
   checkpointing the backward's recomputation of a block runs its pre-hook again, so it trims there too.
 - ``pin_allocator`` (``mallopt``) fixes the mmap threshold low, so every large block is its own mapping,
@@ -51,9 +45,7 @@ glibc's environment (``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TRIM_THRESHOLD_``, ``G
 from __future__ import annotations
 
 import ctypes
-import mmap
 import os
-import time
 from functools import lru_cache
 from pathlib import Path
 
@@ -66,8 +58,6 @@ TRIM_EVERY_BLOCKS = 8  # trim before blocks 8, 16, ... of a training forward (an
 # trim only when the heap holds at least this much resident free memory: below it the pages handed back are few,
 # and faulting them in again still costs (Lab 02's 200 K-parameter MiniGPT: about 8% of a step, trimming always)
 TRIM_MIN_FREE_BYTES = 64 * 2**20
-TRIM_MAX_STEP_SHARE = 0.05  # skip a trim whose pages would take longer than this share of a step to fault in again
-FAULT_PROBE_BYTES = 16 * 2**20  # fresh memory touched once to time this machine's page faults
 
 
 class _MallInfo2(ctypes.Structure):  # glibc's struct mallinfo2 (malloc.h, glibc >= 2.33): every field a size_t
@@ -202,37 +192,12 @@ def _mallopt(mmap_threshold: int, trim_threshold: int) -> bool:
     return bool(mallopt(M_MMAP_THRESHOLD, mmap_threshold)) and bool(mallopt(M_TRIM_THRESHOLD, trim_threshold))
 
 
-@lru_cache(maxsize=1)
-def fault_seconds_per_byte() -> float:
-    """Seconds per byte to fault fresh anonymous memory in, timed once in this process: FAULT_PROBE_BYTES mapped
-    and written once (each page faulted in and zeroed by the system, then written), as pages a trim handed back
-    are when a later tensor lands on them."""
-    probe = mmap.mmap(-1, FAULT_PROBE_BYTES)
-    try:
-        start = time.perf_counter()
-        ctypes.memset(ctypes.addressof(ctypes.c_char.from_buffer(probe)), 1, FAULT_PROBE_BYTES)
-        return (time.perf_counter() - start) / FAULT_PROBE_BYTES
-    finally:
-        probe.close()
-
-
-def worth_trimming(free: int, step_seconds: float | None) -> bool:
-    """Whether handing `free` resident bytes back is worth faulting them in again: at least TRIM_MIN_FREE_BYTES,
-    and (where a step's time is known) their faults within TRIM_MAX_STEP_SHARE of it."""
-    if free < TRIM_MIN_FREE_BYTES:
-        return False
-    return step_seconds is None or free * fault_seconds_per_byte() <= TRIM_MAX_STEP_SHARE * step_seconds
-
-
 def _trim_if_training(module: nn.Module, args: tuple) -> None:
     """Forward pre-hook: when this forward saves activations for a backward (or recomputes them) and a trim would
-    give back enough to be worth it (free_to_trim, ``worth_trimming`` against the time since this trim point last
-    ran in training: a step; or glibc cannot say), trim the heap."""
+    give back at least TRIM_MIN_FREE_BYTES (free_to_trim; or glibc cannot say), trim the heap."""
     if module.training and torch.is_grad_enabled():
-        now, last = time.perf_counter(), module.__dict__.get("_last_trim_point")
-        module.__dict__["_last_trim_point"] = now  # (not a buffer or parameter: the dict, as nn.Module keeps none)
         free = free_to_trim()
-        if free is None or worth_trimming(free, None if last is None else now - last):
+        if free is None or free >= TRIM_MIN_FREE_BYTES:
             trim_now()
 
 

@@ -35,37 +35,8 @@ def trims(monkeypatch) -> list[int]:
     calls: list[int] = []
     monkeypatch.setattr(heap, "trim_heap", lambda: calls.append(1) or True)
     monkeypatch.setattr(heap, "free_to_trim", lambda: heap.TRIM_MIN_FREE_BYTES)
-    monkeypatch.setattr(heap, "fault_seconds_per_byte", lambda: 0.0)  # pages as cheap to fault in as to keep
     monkeypatch.setitem(heap._after_last_trim, "outside", None)
     return calls
-
-
-def test_a_trim_whose_faults_would_cost_more_than_its_share_of_a_step_is_skipped(monkeypatch):
-    """worth_trimming: TRIM_MIN_FREE_BYTES at least, and faulting the pages in again within TRIM_MAX_STEP_SHARE of
-    the step (no step timed yet: trim). The hook times the step between its own calls in training."""
-    MiB = 2**20
-    monkeypatch.setattr(heap, "fault_seconds_per_byte", lambda: 0.3e-9)  # about this VM's: 20 ms per 64 MiB
-    assert not heap.worth_trimming(heap.TRIM_MIN_FREE_BYTES - 1, None)
-    assert heap.worth_trimming(64 * MiB, None)
-    assert not heap.worth_trimming(64 * MiB, 0.175)  # a 175 ms step: 20 ms of faults is over 5% of it
-    assert heap.worth_trimming(130 * MiB, 1.5) and heap.worth_trimming(1024 * MiB, 22.0)  # 1.5 s, 22 s steps
-    calls = []
-    monkeypatch.setattr(heap, "trim_now", lambda: calls.append(1) or True)
-    monkeypatch.setattr(heap, "free_to_trim", lambda: 64 * MiB)
-    clock = iter([100.0, 100.175, 101.175])
-    monkeypatch.setattr(heap.time, "perf_counter", lambda: next(clock))
-    head = torch.nn.Linear(2, 2)
-    with torch.enable_grad():
-        for _ in range(3):
-            heap._trim_if_training(head, ())
-    assert calls == [1, 1]  # the first (no step timed), skipped after a 0.175 s step, trimmed after a 1 s one
-
-
-@glibc
-def test_fault_seconds_per_byte_is_measured_here():
-    heap.fault_seconds_per_byte.cache_clear()
-    cost = heap.fault_seconds_per_byte()
-    assert 0 < cost < 1e-6  # (a fresh page costs microseconds, not milliseconds)
 
 
 @glibc
