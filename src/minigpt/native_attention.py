@@ -30,9 +30,9 @@ also keeps (FlashAttention-2 takes D from it): the o_proj that follows keeps tha
 (``minituner.planner`` counts each way). The output is laid out (B, T, h, d), as the fused kernel lays it
 out, so o_proj's input is a view of it. The (g·T, T) scores are made a few K/V groups at a time (at most
 ``CHUNK_BYTES`` of S at once, never less than one group; into the kept P where it is kept), so the transient
-memory stays small (and S stays in cache between the GEMM that writes it and the kernel that reads it); sequences over ``MAX_TOKENS`` are
-left to the fused kernel, whose memory does not grow with T² and which skips the masked half (there the two
-take the same time).
+memory stays small (and S stays in cache between the GEMM that writes it and the kernel that reads it);
+sequences over ``MAX_TOKENS`` are left to the fused kernel, whose memory does not grow with T² and which skips
+the masked half (there the two take the same time).
 
 exp and the bf16 rounding are ``minikernels.bf16_exp``'s. A row whose visible scores hold a NaN or an inf gives
 NaN (as softmax does for NaN; an inf score is NaN there too, inf - inf). Used only where the C was built with

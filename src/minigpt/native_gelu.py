@@ -35,9 +35,9 @@ saves its input, as F.gelu does.
 Used only where the C was built with AVX-512 (``gelu_vectorized``); elsewhere, and for fp32, fp16 and CUDA, the
 model calls ``F.gelu``.
 
-``gelu_values`` and ``gelu_grad`` compute the same for a Function that applies GELU inside itself (minituner's
-``lora_product``, for an MLP's second Linear); ``miniquant.nf4_matmul`` applies the same slopes
-(``minikernels.gelu_slope``, shared with the C here) inside its input-gradient product.
+``gelu_values`` and ``gelu_grad`` are what the two Functions below compute, also for one that applies GELU
+inside itself (minituner's ``lora_product``, for an MLP's second Linear); ``miniquant.nf4_matmul`` applies the
+same slopes (``minikernels.gelu_slope``, shared with the C here) inside its input-gradient product.
 """
 from __future__ import annotations
 
@@ -197,13 +197,13 @@ class _GeluTanh(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor) -> Tensor:
         ctx.save_for_backward(x if ctx.needs_input_grad[0] else None)  # what F.gelu keeps: its input
-        return kernels().forward(x)
+        return gelu_values(x, "tanh")
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dy: Tensor):
         x, = ctx.saved_tensors
-        return kernels().backward(dy.to(torch.bfloat16).contiguous(), x)
+        return gelu_grad(dy, x, "tanh")
 
 
 class _GeluExact(torch.autograd.Function):
@@ -212,13 +212,13 @@ class _GeluExact(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor) -> Tensor:
         ctx.save_for_backward(x if ctx.needs_input_grad[0] else None)  # what F.gelu keeps: its input
-        return F.gelu(x)
+        return gelu_values(x, "none")
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dy: Tensor):
         x, = ctx.saved_tensors
-        return kernels().backward(dy.to(torch.bfloat16).contiguous(), x, exact=True)
+        return gelu_grad(dy, x, "none")
 
 
 def tanh_gelu(x: Tensor) -> Tensor:
