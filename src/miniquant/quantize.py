@@ -138,7 +138,8 @@ def release_workspace() -> None:
 
 class DequantLinearFunction(torch.autograd.Function):
     """y = x @ W^T + b with W dequantized on the fly in forward and again in backward (the layer's input_grad_from:
-    an NF4 weight with bf16 gradients on a CPU with AVX512-BF16 unpacked inside the product, ``nf4_matmul``); grad
+    an NF4 weight with bf16 gradients on a CPU with AVX512-BF16 and no AMX unpacked inside the product,
+    ``nf4_matmul``); grad
     for x only. `layer` offers dequantize_from and input_grad_from (QuantizedLinear, minituner's UpcastLinear)."""
 
     @staticmethod
@@ -253,15 +254,15 @@ class QuantizedLinear(nn.Module):
 
     def applies_gelu_grad(self, dtype: torch.dtype) -> bool:
         """Whether input_grad_adding applies GELU's gradient inside its product for gradients of `dtype` (asked in
-        forward, before there is a gradient): bf16, an NF4 weight of a shape ``nf4_matmul`` takes, its kernel built."""
+        forward, before there is a gradient): bf16, an NF4 weight of a shape ``nf4_matmul`` takes, its kernel chosen."""
         s = self._scheme
-        return (dtype == torch.bfloat16 and s.kind == "nf4" and nf4_matmul.kernels() is not None
+        return (dtype == torch.bfloat16 and s.kind == "nf4" and nf4_matmul.chosen()
                 and nf4_matmul.shape_fits(self.in_features, self.out_features, s.group_size))
 
     def input_grad_from(self, qtensors: tuple[Tensor, ...], g: Tensor, dtype: torch.dtype | None = None) -> Tensor:
         """g (N, out)·W -> (N, in), the gradient of x·Wᵀ for x, W from the given quantized buffers in `dtype` (default
-        g's), no autograd: NF4 with bf16 g on a CPU with AVX512-BF16 by ``nf4_matmul`` (the codes unpacked inside
-        the product), else W dequantized into the shared workspace and multiplied by ``fp32_gemm.input_grad``."""
+        g's), no autograd: NF4 with bf16 g on a CPU with AVX512-BF16 and no AMX by ``nf4_matmul`` (the codes unpacked
+        inside the product), else W dequantized into the shared workspace and multiplied by ``fp32_gemm.input_grad``."""
         dtype = dtype or g.dtype
         if dtype == g.dtype and self._nf4_input_grad_fits(qtensors, g):
             return nf4_matmul.kernels().input_grad(g, qtensors[0], qtensors[1], self._scheme.group_size,

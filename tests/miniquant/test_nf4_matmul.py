@@ -16,6 +16,13 @@ pytestmark = pytest.mark.skipif(nf4_matmul.kernels() is None,
                                 reason="miniquant.nf4_matmul needs AVX512-BF16 and a C compiler")
 BF16 = torch.bfloat16
 K = nf4_matmul.kernels()
+
+
+@pytest.fixture(autouse=True)
+def no_amx(monkeypatch):
+    """Layers choose the kernel on CPUs without AMX (``nf4_matmul.chosen``): these tests run it on every CPU that
+    builds it, AMX or not, as if it had none; test_with_amx_the_workspace_path_is_chosen mocks the other way."""
+    monkeypatch.setattr(nf4_matmul, "cpu_has_amx", lambda: False)
 # rows N, in, out, blocksize: full microkernel rows and units, a row tail (N % 14), fewer rows than one
 # microkernel, a column unit short of NB (in % 128), K = out over KC (576 = 512 + 64; 1088), blocks of 32 and 128
 SHAPES = [(1024, 512, 512, 64), (13, 64, 32, 64), (100, 160, 576, 32), (37, 1088, 96, 32), (29, 128, 1088, 128),
@@ -214,6 +221,35 @@ def test_what_adapter_fits():
     assert not nf4_matmul.adapter_fits(g, grad_a, A, 64)  # not the weight's in_features
     big = torch.randn(1, nf4_matmul.MAX_RANK + 2)
     assert not nf4_matmul.adapter_fits(g[:1], big.to(BF16), torch.randn(nf4_matmul.MAX_RANK + 2, 128), 128)
+
+
+def test_with_amx_the_workspace_path_is_chosen(monkeypatch):
+    """On a CPU with AMX the layers dequantize into the workspace and oneDNN's GEMM (on AMX tiles) takes the
+    product; nothing of this kernel runs, GELU is applied apart and the planner counts no panels."""
+    assert nf4_matmul.chosen()
+    monkeypatch.setattr(nf4_matmul, "cpu_has_amx", lambda: True)
+    assert not nf4_matmul.chosen() and not nf4_matmul.takes_bf16_run()
+    layer = quantized(256, 96, 64)
+    layer.compute_dtype = BF16
+    assert not layer.applies_gelu_grad(BF16)
+    x = torch.randn(2, 10, 256).to(BF16).requires_grad_()
+    frozen = tuple(layer.quantized_tensors())
+    dy = torch.randn(20, 96).to(BF16)
+    with counting_calls() as calls:
+        layer(x).float().square().sum().backward()
+        assert layer.input_grad_adding(frozen, dy, torch.randn(20, 8).to(BF16), torch.randn(8, 256)) is None
+    assert calls == [] and close(layer.input_grad_from(frozen, dy), dy.double() @ layer.dequantize(BF16).double())
+
+
+def test_amx_is_read_from_the_cpus_flags(monkeypatch):
+    monkeypatch.undo()  # this test reads the real check
+    nf4_matmul._cpu_flags.cache_clear()
+    monkeypatch.setattr(nf4_matmul, "cpu_flags", lambda: "flags\t\t: fpu avx512f avx512_bf16 amx_tile amx_bf16")
+    assert nf4_matmul.cpu_has_amx()
+    nf4_matmul._cpu_flags.cache_clear()
+    monkeypatch.setattr(nf4_matmul, "cpu_flags", lambda: "flags\t\t: fpu avx512f avx512_bf16")
+    assert not nf4_matmul.cpu_has_amx()
+    nf4_matmul._cpu_flags.cache_clear()
 
 
 def test_quantized_linear_adds_an_adapter_inside_where_it_fits_and_says_none_elsewhere():

@@ -320,12 +320,15 @@ def _gelu_handed_over(model: nn.Module, h: torch.Tensor, approximate: str, hand_
     return [y.detach(), *grads], graph_names(y)
 
 
+@pytest.mark.parametrize("amx", [False, True])
 @pytest.mark.parametrize("approximate", ["none", "tanh"])
 @pytest.mark.parametrize("base_kind, dtype", [("nf4", BF16), ("linear", BF16), ("nf4", torch.float32)])
-def test_gelus_input_handed_over_gives_the_bits_of_gelu_then_the_layer(base_kind, dtype, approximate):
+def test_gelus_input_handed_over_gives_the_bits_of_gelu_then_the_layer(base_kind, dtype, approximate, amx,
+                                                                       monkeypatch):
     """layer(h, gelu=...) is layer(gelu(h)) to the bit, output and every gradient: GELU inside LoRAProduct, its
-    gradient applied inside miniquant.nf4_matmul's product (NF4 base, bf16) or after the base's input gradient as
-    minigpt.native_gelu's backward (C) or aten's gelu_backward computes it."""
+    gradient applied inside miniquant.nf4_matmul's product (NF4 base, bf16, a CPU without AMX: mocked both ways)
+    or after the base's input gradient as minigpt.native_gelu's backward (C) or aten's gelu_backward computes it."""
+    monkeypatch.setattr(nf4_matmul, "cpu_has_amx", lambda: amx)
     model = layer_in_bf16(base_kind, n_out=64) if dtype == BF16 else _fp32_nf4_layer()  # (out: NF4 product's NR)
     h = (torch.randn(3, 5, 64, generator=torch.Generator().manual_seed(1)) * 2).to(dtype)
     got, names = _gelu_handed_over(model, h, approximate, True)
@@ -333,7 +336,7 @@ def test_gelus_input_handed_over_gives_the_bits_of_gelu_then_the_layer(base_kind
     for a, b in zip(got, want):
         assert a.dtype == b.dtype and torch.equal(a, b)
     fuses = model[0]._fuses_gelu(h)
-    assert fuses == (base_kind == "nf4" and dtype == BF16 and nf4_matmul.kernels() is not None
+    assert fuses == (base_kind == "nf4" and dtype == BF16 and nf4_matmul.kernels() is not None and not amx
                      and native_lora.kernels() is not None)  # elsewhere GELU is applied apart
     if fuses:
         assert fused_names(names) and not any("Gelu" in n for n in names)  # one node: GELU runs inside it
@@ -381,6 +384,8 @@ def test_minigpts_mlp_hands_gelus_input_to_a_lora_fc2_and_the_step_keeps_its_bit
     from minigpt.train import lm_loss
     from minituner.build import build_for_training
     from minituner.lora import LoRAConfig
+
+    monkeypatch.setattr(nf4_matmul, "cpu_has_amx", lambda: False)  # where AMX is, oneDNN's GEMM is chosen instead
 
     def step(hand_over: bool):
         monkeypatch.setattr(LoRALinear, "takes_gelu_input", hand_over)
