@@ -1,6 +1,6 @@
-"""minituner.native_lora: the adapter's thin products in C (AVX512-BF16), against fp32 references of the same bf16
-operands, on ragged shapes and strided rows; the same bits on one thread or two; NaN carried; every value the
-forward writes looked at for NaN and inf."""
+"""minituner.native_lora: the adapter's thin products in C (AVX512-BF16, and AMX's tiles where the CPU has them),
+against fp32 references of the same bf16 operands, on ragged shapes and strided rows; the same bits on one thread
+or two; NaN carried; every value the forward writes looked at for NaN and inf."""
 import pytest
 import torch
 
@@ -12,6 +12,17 @@ BF16 = torch.bfloat16
 K = native_lora.kernels()
 SHAPES = [  # N, K (in), M (out), r: full vectors, every tail (K % 32, M % 64 and % 16, odd N), r not a multiple of 8
     (1024, 512, 512, 8), (7, 45, 33, 2), (33, 100, 70, 10), (5, 32, 64, 16), (1, 31, 17, 18), (130, 2048, 96, 16)]
+
+
+@pytest.fixture(autouse=True, params=["vdpbf16ps", "amx"])
+def products_on(request):
+    """Every test with x·Aᵀ and g·B on AVX-512's vdpbf16ps and, where the CPU has AMX (amx_bf16), on its tiles."""
+    on = K.use_amx(request.param == "amx")
+    if on != (request.param == "amx"):
+        K.use_amx(True)
+        pytest.skip("this CPU (or Linux) gives this process no AMX tiles")
+    yield
+    K.use_amx(True)  # the kernels' own choice
 
 
 def close(got: torch.Tensor, ref: torch.Tensor, unit: float) -> bool:
