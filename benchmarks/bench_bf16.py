@@ -696,10 +696,14 @@ def run_shape(shape: str, quick: bool = False, wait_s: float | None = None) -> S
         "compares ours with the faster of its two settings. "
         f"{_PACED_NOTE.format(turns=res['rounds'], warmup=warmup)} The floor: every matrix product of one QLoRA bf16 step ({res['products']} calls; dtypes "
         f"{', '.join(res['product_dtypes'])}; attention's GEMMs among them, and the adapters' thin products, which "
-        "minituner.native_lora runs in C where the CPU has AVX512-BF16; an NF4 weight's input gradient, which "
-        "miniquant.nf4_matmul runs in C there with the codes unpacked inside and the adapter's share of that "
-        "gradient added in the same sums, counts as the product PyTorch would run from the weight in bf16, aten::mm, "
-        "and that share as native_lora's call), recorded with a TorchDispatchMode (the C calls by "
+        "minituner.native_lora runs in C where the CPU has AVX512-BF16 (x·Aᵀ and g·B on AMX's tiles where it has "
+        "them); " + ("an NF4 weight's input gradient, which miniquant.nf4_matmul runs in C there with the codes "
+                     "unpacked inside and the adapter's share of that gradient added in the same sums, counts as the "
+                     "product PyTorch would run from the weight in bf16, aten::mm, and that share as native_lora's "
+                     "call" if nf4_matmul.chosen() else
+                     "an NF4 weight's input gradient is aten::mm on the weight dequantized into the workspace: on a "
+                     "CPU with AMX oneDNN's GEMM is faster than miniquant.nf4_matmul, which is not chosen") +
+        "), recorded with a TorchDispatchMode (the C calls by "
         "wrapping them) and replayed back to back on random "
         "inputs of the same shapes and strides. 'profiled share': self CPU time by group in one profiled step "
         f"(profiler overhead included). CPU bf16 units: {support.reason}. Machine CPU use before the run: {busy:.0f}%.",
@@ -763,9 +767,12 @@ def run_shape(shape: str, quick: bool = False, wait_s: float | None = None) -> S
              measurable=support.fast),
         Goal(f"bf16 step ({shape}): ours QLoRA / ours LoRA", t["qlora_bf16"] / t["lora_bf16"], VS_LORA_GOAL, False,
              f"{not_here}an NF4 dequantization of every base weight per step for the forward, into one reused bf16 "
-             "workspace, and its codes unpacked again inside the input gradient's product (miniquant.nf4_matmul; "
-             "where that does not run, a second dequantization into the workspace), and the finite-output guards "
-             "QLoRA adds (build_for_training)",
+             "workspace, and " + ("its codes unpacked again inside the input gradient's product (miniquant.nf4_matmul; "
+                                  "where that does not run, a second dequantization into the workspace)"
+                                  if nf4_matmul.chosen() else
+                                  "a second one for the input gradient (on a CPU with AMX oneDNN's GEMM on the "
+                                  "dequantized weight is faster than miniquant.nf4_matmul)") +
+             ", and the finite-output guards QLoRA adds (build_for_training)",
              measurable=support.fast),
     ]
     small = SMALL_SHAPES[shape]()

@@ -57,9 +57,10 @@ K over KC, its fp32 sums (rows x NB) from call to call, in mappings of their own
 
 Used by ``QuantizedLinear.input_grad_from`` (its own Function's backward and ``minituner.lora_product``'s) and,
 with the adapter, ``QuantizedLinear.input_grad_adding`` (``minituner.lora_product``'s, where ``adapter_fits`` too)
-where ``fits``: the library built with AVX512-BF16 (``nf4mm_vectorized``), bf16 g with contiguous rows, blocks of
-the code whose size is a multiple of 32 and divides in_features, out_features a multiple of NR; elsewhere the
-workspace path (and the adapter added after it).
+where ``fits``: the library built with AVX512-BF16 (``nf4mm_vectorized``) on a CPU without AMX (``chosen``: where
+it has AMX, oneDNN's GEMM on the tiles beats one vdpbf16ps a lane), bf16 g with contiguous rows, blocks of the code
+whose size is a multiple of 32 and divides in_features, out_features a multiple of NR; elsewhere the workspace path
+(and the adapter added after it, GELU's gradient applied apart).
 """
 from __future__ import annotations
 
