@@ -11,12 +11,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from functools import lru_cache
 from pathlib import Path
 
 import torch
 
-from minikernels.build import parse_cpu_flags  # noqa: F401 (also this module's API)
+from minikernels.build import cpu_flag_set, parse_cpu_flags  # noqa: F401 (parse_cpu_flags: also this module's API)
 
 from .errors import InputError
 
@@ -25,18 +24,9 @@ CPUINFO = Path("/proc/cpuinfo")
 
 
 def cpu_flags() -> frozenset[str]:
-    """This machine's CPU feature flags; empty when /proc/cpuinfo cannot be read (not Linux)."""
-    return _flags_in(CPUINFO)
-
-
-@lru_cache(maxsize=None)
-def _flags_in(cpuinfo: Path) -> frozenset[str]:
-    """Read once per process: the planner asks per regime, and on a machine of hundreds of cores the kernel takes
-    milliseconds to write /proc/cpuinfo."""
-    try:
-        return parse_cpu_flags(cpuinfo.read_text())
-    except OSError:
-        return frozenset()
+    """This machine's CPU feature flags, read once per process (the planner asks per regime); empty when
+    /proc/cpuinfo cannot be read (not Linux)."""
+    return cpu_flag_set(CPUINFO)
 
 
 def cpu_bf16_units(flags: Iterable[str]) -> tuple[str, ...]:

@@ -94,6 +94,20 @@ def parse_cpu_flags(cpuinfo: str) -> frozenset[str]:
     return frozenset()
 
 
+CPUINFO = Path("/proc/cpuinfo")
+
+
+@lru_cache(maxsize=None)
+def cpu_flag_set(cpuinfo: Path = CPUINFO) -> frozenset[str]:
+    """The CPU's feature flags in a /proc/cpuinfo file (``parse_cpu_flags``), read once per file and process (a
+    CPU's flags do not change; on a machine of hundreds of cores the kernel takes milliseconds to write that file);
+    empty where it cannot be read (not Linux)."""
+    try:
+        return parse_cpu_flags(cpuinfo.read_text())
+    except OSError:
+        return frozenset()
+
+
 def cpu_flags() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():

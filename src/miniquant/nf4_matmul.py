@@ -65,13 +65,12 @@ whose size is a multiple of 32 and divides in_features, out_features a multiple 
 from __future__ import annotations
 
 import ctypes
-from functools import lru_cache
 
 import torch
 from torch import Tensor
 
 from minikernels.bf16_exp import BF16_EXP_C, BF16_SIGMOID_C
-from minikernels.build import CPU_COUNT, OPENMP_PRELUDE, KernelFamily, ThreadSplit, cpu_flags, parse_cpu_flags
+from minikernels.build import CPU_COUNT, CPUINFO, OPENMP_PRELUDE, KernelFamily, ThreadSplit, cpu_flag_set
 from minikernels.gelu_slope import GELU_SLOPE_C
 
 from .nf4 import nf4_code_table
@@ -363,12 +362,7 @@ def chosen() -> bool:
 
 def cpu_has_amx() -> bool:
     """Whether this CPU has AMX's bf16 tiles (``amx_bf16`` among /proc/cpuinfo's flags; read once)."""
-    return _AMX_FLAG in _cpu_flags()
-
-
-@lru_cache(maxsize=None)
-def _cpu_flags() -> frozenset[str]:
-    return parse_cpu_flags(cpu_flags())
+    return _AMX_FLAG in cpu_flag_set(CPUINFO)
 
 
 def shape_fits(in_features: int, out_features: int, blocksize: int) -> bool:

@@ -241,15 +241,15 @@ def test_with_amx_the_workspace_path_is_chosen(monkeypatch):
     assert calls == [] and close(layer.input_grad_from(frozen, dy), dy.double() @ layer.dequantize(BF16).double())
 
 
-def test_amx_is_read_from_the_cpus_flags(monkeypatch):
+def test_amx_is_read_from_the_cpus_flags(monkeypatch, tmp_path):
     monkeypatch.undo()  # this test reads the real check
-    nf4_matmul._cpu_flags.cache_clear()
-    monkeypatch.setattr(nf4_matmul, "cpu_flags", lambda: "flags\t\t: fpu avx512f avx512_bf16 amx_tile amx_bf16")
+    amx, no_amx = tmp_path / "amx", tmp_path / "no_amx"
+    amx.write_text("flags\t\t: fpu avx512f avx512_bf16 amx_tile amx_bf16\n")
+    no_amx.write_text("flags\t\t: fpu avx512f avx512_bf16\n")
+    monkeypatch.setattr(nf4_matmul, "CPUINFO", amx)
     assert nf4_matmul.cpu_has_amx()
-    nf4_matmul._cpu_flags.cache_clear()
-    monkeypatch.setattr(nf4_matmul, "cpu_flags", lambda: "flags\t\t: fpu avx512f avx512_bf16")
+    monkeypatch.setattr(nf4_matmul, "CPUINFO", no_amx)
     assert not nf4_matmul.cpu_has_amx()
-    nf4_matmul._cpu_flags.cache_clear()
 
 
 def test_quantized_linear_adds_an_adapter_inside_where_it_fits_and_says_none_elsewhere():
