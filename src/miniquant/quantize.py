@@ -37,7 +37,7 @@ from torch import Tensor, nn
 
 from minikernels import fp32_gemm
 
-from . import native, nf4_matmul
+from . import native, nf4_amx, nf4_matmul
 from .errors import QuantizationError
 from .int_quant import IntQuantized, dequantize_symmetric_per_group, quantize_symmetric_per_group
 from .nf4 import NF4Tensor, dequantize_nf4, quantize_nf4
@@ -144,10 +144,14 @@ class DequantLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: Tensor, bias: Tensor | None, layer: "QuantizedLinear", *qtensors: Tensor) -> Tensor:
-        w = layer.dequantize_from(qtensors, x.dtype, transient=True)  # (out, in), in the shared workspace
         ctx.layer, ctx.dtype = layer, x.dtype
         ctx.save_for_backward(*qtensors)  # the quantized buffers only: no extra memory
-        return fp32_gemm.product(x, w, None if bias is None else bias.to(x.dtype))  # (N, in) -> (N, out)
+        bias = None if bias is None else bias.to(x.dtype)
+        done = layer.amx_product(qtensors, x, bias) if hasattr(layer, "amx_product") else None  # (AMX's tiles)
+        if done is not None:
+            return done[0]
+        w = layer.dequantize_from(qtensors, x.dtype, transient=True)  # (out, in), in the shared workspace
+        return fp32_gemm.product(x, w, bias)  # (N, in) -> (N, out)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -252,6 +256,36 @@ class QuantizedLinear(nn.Module):
                 and qtensors[0].is_contiguous() and qtensors[1].dtype == torch.float32
                 and qtensors[1].is_contiguous() and _nf4_surely_finite(qtensors[1], g.dtype))
 
+    def _amx_fits(self, qtensors: tuple[Tensor, ...], a: Tensor) -> bool:
+        """Whether ``nf4_amx`` multiplies `a` (x·Wᵀ or g·W) by this NF4 weight on AMX's tiles: the CPU has them, the
+        shapes fit, the buffers are contiguous fp32 scales, and scales that keep every value finite in bf16."""
+        s = self._scheme
+        return (s.kind == "nf4" and nf4_amx.fits(a, self.in_features, self.out_features, s.group_size)
+                and qtensors[0].is_contiguous() and qtensors[1].dtype == torch.float32
+                and qtensors[1].is_contiguous() and _nf4_surely_finite(qtensors[1], a.dtype))
+
+    def amx_fits(self, qtensors: tuple[Tensor, ...], x: Tensor, bias: Tensor | None, rank: int = 0) -> bool:
+        """Whether ``amx_product`` takes x (N, in) and this bias: ``_amx_fits`` for the forward, a bias (if any) of
+        x's dtype, contiguous, and an adapter of this rank (0: none) that its GEMM adds (``nf4_amx.MAX_RANK``)."""
+        return (self._amx_fits(qtensors, x) and (bias is None or (bias.dtype == x.dtype and bias.is_contiguous()))
+                and rank % 2 == 0 and rank <= nf4_amx.MAX_RANK)
+
+    def amx_product(self, qtensors: tuple[Tensor, ...], x: Tensor, bias: Tensor | None,
+                    adapter: tuple[Tensor, Tensor, float] | None = None) -> tuple[Tensor, bool] | None:
+        """(y, finite): y = x (N, in)·Wᵀ + bias (N, out) from the given buffers on AMX's tiles (``nf4_amx``: W
+        dequantized into the shared workspace in the tiles' layout), where ``amx_fits``; with adapter = (a, B, scale)
+        (a = x·Aᵀ (N, r) bf16, B (out, r) its fp32 master, ``nf4_amx.adapter_fits``), plus scale·a·Bᵀ before the
+        one rounding; finite: every value of y written finite. None elsewhere: the caller dequantizes and multiplies
+        its own way (and adds the adapter after)."""
+        if not self.amx_fits(qtensors, x, bias):
+            return None
+        if adapter is not None and not nf4_amx.adapter_fits(x, adapter[0], adapter[1], self.out_features, True):
+            return None
+        shape = (self.out_features, self.in_features)
+        out = workspace_buffer(self.out_features * self.in_features, x.dtype, x.device)
+        return nf4_amx.kernels().product(x, qtensors[0], qtensors[1], self._scheme.group_size, shape, out, bias,
+                                         adapter=adapter)
+
     def applies_gelu_grad(self, dtype: torch.dtype) -> bool:
         """Whether input_grad_adding applies GELU's gradient inside its product for gradients of `dtype` (asked in
         forward, before there is a gradient): bf16, an NF4 weight of a shape ``nf4_matmul`` takes, its kernel chosen."""
@@ -267,15 +301,26 @@ class QuantizedLinear(nn.Module):
         if dtype == g.dtype and self._nf4_input_grad_fits(qtensors, g):
             return nf4_matmul.kernels().input_grad(g, qtensors[0], qtensors[1], self._scheme.group_size,
                                                    self.in_features)
+        if dtype == g.dtype and self._amx_fits(qtensors, g):
+            out = workspace_buffer(self.out_features * self.in_features, dtype, g.device)
+            return nf4_amx.kernels().product(g, qtensors[0], qtensors[1], self._scheme.group_size,
+                                             (self.out_features, self.in_features), out, transposed=False)[0]
         return fp32_gemm.input_grad(g, self.dequantize_from(qtensors, dtype, transient=True))
 
     def input_grad_adding(self, qtensors: tuple[Tensor, ...], g: Tensor, grad_a: Tensor, A: Tensor,
                           gelu: tuple[Tensor, str] | None = None) -> Tensor | None:
         """g·W + grad_a·A (N, in) in one product, a LoRA adapter's share (grad_a (N, r), A (r, in) its fp32 master)
         summed inside ``nf4_matmul``'s sums and rounded once with them, where that kernel takes g and the adapter
-        (``nf4_matmul.adapter_fits``); with gelu = (h, approximate), the layer's input GELU's output at h, the
+        (``nf4_matmul.adapter_fits``), or, on a CPU with AMX, summed apart on its tiles and added before the one
+        rounding (``nf4_amx``, where it takes g and the adapter, without gelu); with gelu = (h, approximate), the layer's input GELU's output at h, the
         gradient for h (GELU's applied to the rounded sum, ``nf4_matmul.gelu_fits``). None elsewhere: the caller
         adds the adapter (and applies GELU's gradient) its own way after input_grad_from."""
+        if gelu is None and not self._nf4_input_grad_fits(qtensors, g) and self._amx_fits(qtensors, g) \
+                and nf4_amx.adapter_fits(g, grad_a, A, self.in_features, False):  # on AMX's tiles, rounded once too
+            out = workspace_buffer(self.out_features * self.in_features, g.dtype, g.device)
+            return nf4_amx.kernels().product(g, qtensors[0], qtensors[1], self._scheme.group_size,
+                                             (self.out_features, self.in_features), out, transposed=False,
+                                             adapter=(grad_a, A, 1.0))[0]
         if not (self._nf4_input_grad_fits(qtensors, g) and nf4_matmul.adapter_fits(g, grad_a, A, self.in_features)):
             return None
         if gelu is not None and not nf4_matmul.gelu_fits(g, *gelu):

@@ -402,7 +402,7 @@ static void transpose_round(const float* B, int64_t M, int64_t r, uint16_t* Bt) 
 #define LORA_ROW_BLOCK 16  /* rows_dot then rows_update on 16 rows at a time: a and y's rows still in L1 */
 
 /* forward: a = bf16(x·Aᵀ) (N, r), then y += scale·a·Bᵀ in place, rounded once; A (r, K), B (M, r) fp32 masters.
-   *nonfinite = 1 when a value of y it wrote is NaN or ±inf, else 0 */
+   *nonfinite = 1 when a value of y it wrote is NaN or ±inf, else 0. With y NULL, a only (B unread) */
 int lora_forward(const uint16_t* x, int64_t ldx, const float* A, const float* B, int64_t N, int64_t K, int64_t M,
                  int64_t r, float scale, uint16_t* a, uint16_t* y, int64_t ldy, int* nonfinite, int64_t chunks,
                  int threads) {
@@ -411,16 +411,17 @@ int lora_forward(const uint16_t* x, int64_t ldx, const float* A, const float* B,
     const int amx = lora_amx && K % 32 == 0;
     uint16_t* Ab = amx ? NULL : malloc((size_t)(r * K) * sizeof(uint16_t));
     uint32_t* Ap = amx ? malloc((size_t)(r * K / 2) * sizeof(uint32_t)) : NULL;
-    uint32_t* P = malloc((size_t)(r / 2 * M) * sizeof(uint32_t));
-    if (!(Ab || Ap) || !P) { free(Ab); free(Ap); free(P); return 1; }
+    uint32_t* P = y ? malloc((size_t)(r / 2 * M) * sizeof(uint32_t)) : NULL;
+    if (!(Ab || Ap) || (y && !P)) { free(Ab); free(Ap); free(P); return 1; }
     if (Ab) round_rows(A, r * K, Ab);
     if (Ap) amx_pairs(A, K, r, 0, Ap);
-    col_pairs(B, M, r, P);
+    if (P) col_pairs(B, M, r, P);
     LORA_RANGES(N, u0, u1, {
         for (int64_t n = u0; n < u1; n += LORA_ROW_BLOCK) {
             const int64_t e = n + LORA_ROW_BLOCK < u1 ? n + LORA_ROW_BLOCK : u1;
             lora_rows_dot_any(x, ldx, Ab, Ap, K, r, 1.0f, a, n, e);
-            if (lora_rows_update(y, ldy, a, r, P, M, scale, n, e)) __atomic_store_n(nonfinite, 1, __ATOMIC_RELAXED);
+            if (y && lora_rows_update(y, ldy, a, r, P, M, scale, n, e))
+                __atomic_store_n(nonfinite, 1, __ATOMIC_RELAXED);
         }
     });
     free(Ab);
@@ -544,6 +545,17 @@ class NativeLoRA:
                                   a.data_ptr(), y.data_ptr(), y.stride(0), ctypes.byref(nonfinite),
                                   *self._threads(n * (k + m))))
         return a, not nonfinite.value
+
+    def down(self, x: Tensor, A: Tensor) -> Tensor:
+        """a = x·Aᵀ (N, r; bf16: rounded), the bits forward_ gives, y left alone (for a product that adds the adapter
+        itself, ``miniquant.nf4_amx``); A rounded to bf16 as .to(torch.bfloat16) rounds it."""
+        n, k = x.shape
+        r = A.shape[0]
+        a = torch.empty(n, r, dtype=self.dtype)
+        nonfinite = ctypes.c_int(0)
+        self._check(self._forward(x.data_ptr(), x.stride(0), A.data_ptr(), None, n, k, 0, r, 1.0, a.data_ptr(),
+                                  None, 0, ctypes.byref(nonfinite), *self._threads(n * k)))
+        return a
 
     def backward(self, g: Tensor, x: Tensor, a: Tensor, B: Tensor, scale: float, need_a: bool = True,
                  need_A: bool = True, need_B: bool = True) -> tuple[Tensor | None, Tensor | None, Tensor | None]:

@@ -225,9 +225,13 @@ def test_what_adapter_fits():
 
 def test_with_amx_the_workspace_path_is_chosen(monkeypatch):
     """On a CPU with AMX the layers dequantize into the workspace and oneDNN's GEMM (on AMX tiles) takes the
-    product; nothing of this kernel runs, GELU is applied apart and the planner counts no panels."""
+    product; nothing of this kernel runs, GELU is applied apart and the planner counts no panels. (Weights that
+    miniquant.nf4_amx takes run on its own GEMM there: tests/miniquant/test_nf4_amx.py; off here.)"""
+    from miniquant import nf4_amx
+
     assert nf4_matmul.chosen()
     monkeypatch.setattr(nf4_matmul, "cpu_has_amx", lambda: True)
+    monkeypatch.setattr(nf4_amx, "usable", lambda: False)
     assert not nf4_matmul.chosen() and not nf4_matmul.takes_bf16_run()
     layer = quantized(256, 96, 64)
     layer.compute_dtype = BF16
