@@ -21,7 +21,8 @@ The floor: one step of our QLoRA bf16 runs under a TorchDispatchMode that record
 minituner.native_lora (the adapters' thin products in C) recorded alike, and each NF4 input gradient that
 miniquant.nf4_matmul computes in C recorded as the aten::mm PyTorch would run from the weight in bf16 (the NF4
 unpacking inside it left out of the floor), with the adapter's share it adds inside as native_lora's call that
-adds it elsewhere; the floor row replays them all,
+adds it elsewhere, and each product miniquant.nf4_amx runs on AMX's tiles recorded as its own GEMM (the weight's
+writing into the tiles' layout left out, as dequantization is); the floor row replays them all,
 back to back, on random inputs of the same layouts (in its own process: the model it recorded is dropped first),
 timed in the same turns as the steps.
 Our attention's q·kᵀ and P·v are bf16 GEMMs (aten::bmm) and count among the products; its C softmax, and
@@ -64,7 +65,7 @@ from minigpt.bf16_support import bf16_support  # noqa: E402
 from minigpt.decoder import Decoder  # noqa: E402
 from minigpt.model import MiniGPT  # noqa: E402
 from minigpt.train import lm_loss  # noqa: E402
-from miniquant import nf4_matmul  # noqa: E402
+from miniquant import nf4_amx, nf4_matmul  # noqa: E402
 from minituner import native_lora, native_lora_fp32  # noqa: E402
 from minituner.hf_config import decoder_config_from_hf  # noqa: E402
 from report import Goal, Section  # noqa: E402
@@ -256,7 +257,7 @@ def _spec(a):
     return a
 
 
-NATIVE_LORA = ("forward_", "backward", "input_update_")  # the C kernels' calls: matrix products in C
+NATIVE_LORA = ("forward_", "down", "backward", "input_update_")  # the C kernels' calls: matrix products in C
 NATIVE_MODULES = {"native_lora": native_lora, "native_lora_fp32": native_lora_fp32}  # bf16 and fp32 kernels
 
 
@@ -266,27 +267,34 @@ def _native_module(kernels: native_lora.NativeLoRA) -> str:
 
 
 @contextmanager
-def _native_lora_wrapped(wrap: Callable[[str, Callable], Callable]):
-    """The C kernels' calls (NativeLoRA's methods, self first; minituner.native_lora's in bf16 and native_lora_fp32's)
-    replaced by wrap(name, call) for the while."""
+def _methods_wrapped(cls: type, names: tuple[str, ...], wrap: Callable[[str, Callable], Callable]):
+    """cls's methods `names` (self first) replaced by wrap(name, method) for the while."""
     with ExitStack() as stack:
-        for name in NATIVE_LORA:
-            call = getattr(native_lora.NativeLoRA, name)
-            stack.enter_context(mock.patch.object(native_lora.NativeLoRA, name, wrap(name, call)))
+        for name in names:
+            stack.enter_context(mock.patch.object(cls, name, wrap(name, getattr(cls, name))))
         yield
+
+
+def _native_lora_wrapped(wrap: Callable[[str, Callable], Callable]):
+    """The C kernels' calls (NativeLoRA's methods; minituner.native_lora's in bf16 and native_lora_fp32's) replaced
+    by wrap(name, call) for the while."""
+    return _methods_wrapped(native_lora.NativeLoRA, NATIVE_LORA, wrap)
 
 
 NF4_PRODUCTS = ("input_grad",)  # miniquant.nf4_matmul's calls: an NF4 weight's input gradient, unpacked inside
 
 
-@contextmanager
 def _nf4_matmul_wrapped(wrap: Callable[[str, Callable], Callable]):
-    """miniquant.nf4_matmul's calls (NF4Matmul's methods, self first) replaced by wrap(name, call) for the while."""
-    with ExitStack() as stack:
-        for name in NF4_PRODUCTS:
-            call = getattr(nf4_matmul.NF4Matmul, name)
-            stack.enter_context(mock.patch.object(nf4_matmul.NF4Matmul, name, wrap(name, call)))
-        yield
+    """miniquant.nf4_matmul's calls (NF4Matmul's methods) replaced by wrap(name, call) for the while."""
+    return _methods_wrapped(nf4_matmul.NF4Matmul, NF4_PRODUCTS, wrap)
+
+
+NF4_AMX = ("pack", "gemm")  # miniquant.nf4_amx's calls: an NF4 weight into the tiles' layout, and the GEMM on it
+
+
+def _nf4_amx_wrapped(wrap: Callable[[str, Callable], Callable]):
+    """miniquant.nf4_amx's calls (NF4Amx's methods) replaced by wrap(name, call) for the while."""
+    return _methods_wrapped(nf4_amx.NF4Amx, NF4_AMX, wrap)
 
 
 def _bf16_weight(rows: int, cols: int) -> tuple:
@@ -332,6 +340,13 @@ def record_products(step: Callable[[], object]) -> Counter:
             return call(self, *args)
         return run
 
+    def counted_amx(name: str, call: Callable) -> Callable:  # its GEMM (not the packing: dequantization)
+        def run(self, *args):
+            if name == "gemm":
+                calls[(f"nf4_amx.{name}", tuple(_spec(a) for a in args), ())] += 1
+            return call(self, *args)
+        return run
+
     class Record(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
@@ -339,7 +354,7 @@ def record_products(step: Callable[[], object]) -> Counter:
                 calls[(ops[func], tuple(_spec(a) for a in args), tuple(sorted((k, _spec(v)) for k, v in kwargs.items())))] += 1
             return func(*args, **kwargs)
 
-    with Record(), _native_lora_wrapped(counted), _nf4_matmul_wrapped(counted_nf4):
+    with Record(), _native_lora_wrapped(counted), _nf4_matmul_wrapped(counted_nf4), _nf4_amx_wrapped(counted_amx):
         step()
     return calls
 
@@ -361,6 +376,8 @@ def _replay_op(op: str, dtype: torch.dtype | None):
         if dtype is not None:  # (recorded only in bf16 steps, never replayed in another dtype)
             raise ValueError(f"{op} runs in bf16 only")
         return lambda *args, **kwargs: getattr(NATIVE_MODULES[module].kernels(), name)(*args, **kwargs)
+    if module == "nf4_amx":  # (bf16 only, on a CPU with AMX) its GEMM on weights in the tiles' layout
+        return lambda *args: getattr(nf4_amx.kernels(), name)(*args)
     if op == "mkldnn_linear":  # (x, W, bias, "none", [], ""); in another dtype, as F.linear computes it
         return torch.ops.mkldnn._linear_pointwise.default if dtype is None else (lambda x, w, b, *_: F.linear(x, w, b))
     name, _, overload = op.partition(".")
@@ -393,6 +410,8 @@ def product_flops(op: str, args: tuple) -> int:
     if op == "mkldnn_linear":  # x (..., in), W (out, in)
         x, w = shapes[0], shapes[1]
         return 2 * w[0] * w[1] * (math.prod(x) // x[-1])
+    if op == "nf4_amx.gemm":  # a (M, K), B's tiles, its columns n
+        return 2 * math.prod(shapes[0]) * args[2]
     a, b = shapes[-2], shapes[-1]  # (addmm, baddbmm: the input comes first)
     return 2 * math.prod(a) * b[-1]
 
@@ -481,6 +500,7 @@ PROFILE_GROUPS = {  # profiler op name -> group, for "what the rest of the step 
     "mkldnn::_linear_pointwise": "matrix products",  # the fp32 rows' frozen products (minikernels.fp32_gemm)
     **{f"minituner::{module}.{name}": "matrix products" for module in NATIVE_MODULES for name in NATIVE_LORA},
     **{f"miniquant::nf4_matmul.{name}": "matrix products" for name in NF4_PRODUCTS},  # (the NF4 unpacked inside)
+    "miniquant::nf4_amx.gemm": "matrix products", "miniquant::nf4_amx.pack": "NF4 dequantization",
     # (profile_groups names them)
     "aten::_scaled_dot_product_flash_attention_for_cpu": "attention kernel",
     "aten::_scaled_dot_product_flash_attention_for_cpu_backward": "attention kernel",
@@ -516,8 +536,14 @@ def profile_groups(step: Callable[[], object]) -> tuple[float, dict[str, float]]
                 return call(self, *args)
         return run
 
+    def named_amx(name: str, call: Callable) -> Callable:
+        def run(self, *args):
+            with record_function(f"miniquant::nf4_amx.{name}"):
+                return call(self, *args)
+        return run
+
     with profile(activities=[ProfilerActivity.CPU]) as prof, _native_lora_wrapped(named), \
-            _nf4_matmul_wrapped(named_nf4):
+            _nf4_matmul_wrapped(named_nf4), _nf4_amx_wrapped(named_amx):
         t0 = time.perf_counter()
         step()
         wall = time.perf_counter() - t0
@@ -703,6 +729,10 @@ def run_shape(shape: str, quick: bool = False, wait_s: float | None = None) -> S
                      "call" if nf4_matmul.chosen() else
                      "an NF4 weight's input gradient is aten::mm on the weight dequantized into the workspace: on a "
                      "CPU with AMX oneDNN's GEMM is faster than miniquant.nf4_matmul, which is not chosen") +
+        ("; the products of NF4 weights of at most 2^20 values run on AMX's tiles as miniquant.nf4_amx's own GEMM "
+         "(the adapter's share added inside it), and count as that GEMM, the weight's writing into the tiles' layout "
+         "left out as dequantization is"
+         if nf4_amx.usable() else "") +
         "), recorded with a TorchDispatchMode (the C calls by "
         "wrapping them) and replayed back to back on random "
         "inputs of the same shapes and strides. 'profiled share': self CPU time by group in one profiled step "
@@ -753,9 +783,9 @@ def run_shape(shape: str, quick: bool = False, wait_s: float | None = None) -> S
              "the replay profiled the same way, which reruns each product on the same operands back to back, so "
              "operands that fit in cache stay there), and outside the products, in that profiled step, attention "
              f"outside its GEMMs (minigpt.native_attention's C softmax and softmax gradient) took "
-             f"{fmt_seconds(q.get('attention kernel', 0.0))}, NF4 dequantization (C, into the workspace, once per "
-             f"weight for the forward, twice where the input gradient does not run in miniquant.nf4_matmul, with the "
-             f"Python of the Function around each product) "
+             f"{fmt_seconds(q.get('attention kernel', 0.0))}, NF4 dequantization (C, into the workspace, or into "
+             f"AMX's tile layout for miniquant.nf4_amx's GEMM, once per weight for the forward, twice where the input "
+             f"gradient does not run in miniquant.nf4_matmul, with the Python of the Function around each product) "
              f"{fmt_seconds(q.get('NF4 dequantization', 0.0))}, "
              + (f"the C norm and activation kernels {fmt_seconds(q['C norms and activations'])}, "
                 if q.get("C norms and activations") else "")
@@ -772,6 +802,8 @@ def run_shape(shape: str, quick: bool = False, wait_s: float | None = None) -> S
                                   if nf4_matmul.chosen() else
                                   "a second one for the input gradient (on a CPU with AMX oneDNN's GEMM on the "
                                   "dequantized weight is faster than miniquant.nf4_matmul)") +
+             (" (weights of at most 2^20 values written into AMX's tile layout instead, for miniquant.nf4_amx's "
+              "GEMM)" if nf4_amx.usable() else "") +
              ", and the finite-output guards QLoRA adds (build_for_training)",
              measurable=support.fast),
     ]
