@@ -71,7 +71,8 @@ _SOURCE = OPENMP_PRELUDE + r"""
 #define MP 128
 #define NP 128
 #define KC 1024  /* k in chunks of KC: a panel's A (MP x KC) and B (KC x NP) stay in a core's L2 */
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__linux__)
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512BW__) \
+    && defined(__linux__)
 #define NF4AMX 1
 #include <immintrin.h>
 #include <sys/syscall.h>
@@ -101,10 +102,12 @@ int nf4amx_permit(void) {
 static inline void nf4_32(const uint8_t* p, float s, __m512 table, __m512* lo, __m512* hi) {
     const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p));
     const __m512 sc = _mm512_set1_ps(s);
-    const __m512 ev = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), table), sc);  /* elements 0,2,..,30 */
+    const __m512 ev = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), table), sc);  /* 0, 2, .., 30 */
     const __m512 od = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)), table), sc);
-    *lo = _mm512_permutex2var_ps(ev, _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0), od);
-    *hi = _mm512_permutex2var_ps(ev, _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8), od);
+    const __m512i i0 = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    const __m512i i1 = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
+    *lo = _mm512_permutex2var_ps(ev, i0, od);
+    *hi = _mm512_permutex2var_ps(ev, i1, od);
 }
 /* 16 pairs (a[i], b[i]) as bf16 in one uint32 each (a low), rounded to nearest even */
 static inline __m512i pairs16(__m512 a, __m512 b) {
@@ -171,7 +174,11 @@ static void pack_strips(const uint8_t* codes, const float* scales, int64_t bs, c
                 }
     }
 }
-typedef struct { uint8_t palette, start_row, reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; } __attribute__((packed)) tile_config;
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((packed)) tile_config;
 static void load_tiles(void) {
     tile_config cfg;
     memset(&cfg, 0, sizeof cfg);
@@ -213,7 +220,10 @@ static int block32(const uint16_t* a, int64_t lda, const uint32_t* Bp, int64_t K
     const uint32_t* b0 = Bp + (n0 / 16) * (K / 2) * 16;
     const uint32_t* b1 = b0 + (K / 2) * 16;
     if (k0 == 0) { _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3); }
-    else { _tile_loadd(0, acc, 64); _tile_loadd(1, acc + 256, 64); _tile_loadd(2, acc + 512, 64); _tile_loadd(3, acc + 768, 64); }
+    else {
+        _tile_loadd(0, acc, 64); _tile_loadd(1, acc + 256, 64);
+        _tile_loadd(2, acc + 512, 64); _tile_loadd(3, acc + 768, 64);
+    }
     for (int64_t k = k0; k < k1; k += 32) {
         _tile_loadd(4, a + k, lda * 2);
         _tile_loadd(6, b0 + k / 2 * 16, 64);
@@ -224,7 +234,8 @@ static int block32(const uint16_t* a, int64_t lda, const uint32_t* Bp, int64_t K
         _tile_dpbf16ps(2, 5, 6);
         _tile_dpbf16ps(3, 5, 7);
     }
-    _tile_stored(0, acc, 64); _tile_stored(1, acc + 256, 64); _tile_stored(2, acc + 512, 64); _tile_stored(3, acc + 768, 64);
+    _tile_stored(0, acc, 64); _tile_stored(1, acc + 256, 64);
+    _tile_stored(2, acc + 512, 64); _tile_stored(3, acc + 768, 64);
     if (k1 < K) return 0;
     float share[1024] __attribute__((aligned(64)));
     if (xa) {
@@ -232,7 +243,8 @@ static int block32(const uint16_t* a, int64_t lda, const uint32_t* Bp, int64_t K
         _tile_loadd(4, xa, 64); _tile_loadd(5, xa + 16 * 32, 64);
         _tile_loadd(6, ap, 64); _tile_loadd(7, ap + 256, 64);
         _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(1, 4, 7); _tile_dpbf16ps(2, 5, 6); _tile_dpbf16ps(3, 5, 7);
-        _tile_stored(0, share, 64); _tile_stored(1, share + 256, 64); _tile_stored(2, share + 512, 64); _tile_stored(3, share + 768, 64);
+        _tile_stored(0, share, 64); _tile_stored(1, share + 256, 64);
+        _tile_stored(2, share + 512, 64); _tile_stored(3, share + 768, 64);
     }
     const __m512 z = _mm512_setzero_ps(), sc = _mm512_set1_ps(ascale);
     const __m512 bl = bias ? _mm512_cvtpbh_ps((__m256bh)_mm256_loadu_si256((const __m256i*)(bias + n0))) : z;
@@ -255,14 +267,15 @@ static int block32(const uint16_t* a, int64_t lda, const uint32_t* Bp, int64_t K
 static __thread float t_acc[(MP / 32) * (NP / 32) * 1024] __attribute__((aligned(64)));  /* a panel's sums */
 static __thread uint16_t t_xa[MP * 32] __attribute__((aligned(64)));  /* a panel's rows of the adapter's input */
 static __thread uint32_t t_ap[(NP / 16) * 256] __attribute__((aligned(64)));  /* a panel's columns of its pairs */
-/* panel (pm, pn) of outputs: MP rows from pm·MP by NP columns from pn·NP, k in chunks of KC (each block's sums kept in
-   t_acc between them); rows past M read from a zero-padded copy. With xa (M, r; r even, at most 32) and Wa (the
+/* panel (pm, pn) of outputs: MP rows from pm·MP by NP columns from pn·NP, k in chunks of KC (each block's sums kept
+   in t_acc between them); rows past M read from a zero-padded copy. With xa (M, r; r even, at most 32) and Wa (the
    adapter's fp32 master, see adapter_pairs), ascale·xa·Wa is added before the rounding. Returns 1 where the padded
    copy could not be allocated, else 0; *nonfinite set where a value written is NaN or ±inf */
 static int panel(const uint16_t* A, int64_t lda, const uint32_t* Bp, int64_t M, int64_t N, int64_t K,
                  const uint16_t* bias, const uint16_t* xa, int64_t r, const float* Wa, int by_rows, float ascale,
                  uint16_t* C, int64_t ldc, int64_t pm, int64_t pn, int* nonfinite) {
-    const int64_t m_lo = pm * MP, m_hi = m_lo + MP < M ? m_lo + MP : M, n_lo = pn * NP, n_hi = n_lo + NP < N ? n_lo + NP : N;
+    const int64_t m_lo = pm * MP, m_hi = m_lo + MP < M ? m_lo + MP : M;
+    const int64_t n_lo = pn * NP, n_hi = n_lo + NP < N ? n_lo + NP : N;
     uint16_t* pad = NULL;
     if ((m_hi - m_lo) % 32) {  /* the last block's rows, zero-padded to 32 */
         const int64_t m_last = m_lo + (m_hi - m_lo) / 32 * 32;
@@ -389,10 +402,11 @@ class NF4Amx:
     def product(self, a: Tensor, packed: Tensor, absmax: Tensor, blocksize: int, shape: tuple[int, int],
                 workspace: Tensor, bias: Tensor | None = None, transposed: bool = True,
                 adapter: tuple[Tensor, Tensor, float] | None = None) -> tuple[Tensor, bool]:
-        """(c, finite): a·Wᵀ (+ bias) (transposed: a (M, in), the forward) or a·W (a (M, out), the input's gradient),
-        W (out, in) NF4 dequantized into `workspace` (out·in bf16 values) in the tiles' layout first; with adapter =
-        (xa, wa, scale), a LoRA adapter's share added before the rounding (``gemm``: in the forward xa = a = x·Aᵀ and
-        wa = B (out, r); in the gradient xa = grad_a and wa = A (r, in)); finite: every value written finite."""
+        """(c, finite): a·Wᵀ (+ bias) (transposed: a (M, in), the forward) or a·W (a (M, out), the input's
+        gradient), W (out, in) NF4 dequantized into `workspace` (out·in bf16 values) in the tiles' layout first;
+        with adapter = (xa, wa, scale), a LoRA adapter's share added before the rounding (``gemm``: in the forward
+        xa = a = x·Aᵀ and wa = B (out, r); in the gradient xa = grad_a and wa = A (r, in)); finite: every value
+        written finite."""
         out_features, in_features = shape
         self.pack(packed, absmax, blocksize, shape, transposed, workspace)
         xa, wa, scale = adapter if adapter is not None else (None, None, 1.0)

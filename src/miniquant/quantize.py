@@ -312,9 +312,10 @@ class QuantizedLinear(nn.Module):
         """g·W + grad_a·A (N, in) in one product, a LoRA adapter's share (grad_a (N, r), A (r, in) its fp32 master)
         summed inside ``nf4_matmul``'s sums and rounded once with them, where that kernel takes g and the adapter
         (``nf4_matmul.adapter_fits``), or, on a CPU with AMX, summed apart on its tiles and added before the one
-        rounding (``nf4_amx``, where it takes g and the adapter, without gelu); with gelu = (h, approximate), the layer's input GELU's output at h, the
-        gradient for h (GELU's applied to the rounded sum, ``nf4_matmul.gelu_fits``). None elsewhere: the caller
-        adds the adapter (and applies GELU's gradient) its own way after input_grad_from."""
+        rounding (``nf4_amx``, where it takes g and the adapter, without gelu); with gelu = (h, approximate), the
+        layer's input GELU's output at h, the gradient for h (GELU's applied to the rounded sum,
+        ``nf4_matmul.gelu_fits``). None elsewhere: the caller adds the adapter (and applies GELU's gradient) its own
+        way after input_grad_from."""
         if gelu is None and not self._nf4_input_grad_fits(qtensors, g) and self._amx_fits(qtensors, g) \
                 and nf4_amx.adapter_fits(g, grad_a, A, self.in_features, False):  # on AMX's tiles, rounded once too
             out = workspace_buffer(self.out_features * self.in_features, g.dtype, g.device)

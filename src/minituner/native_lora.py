@@ -548,7 +548,9 @@ class NativeLoRA:
 
     def down(self, x: Tensor, A: Tensor) -> Tensor:
         """a = x·Aᵀ (N, r; bf16: rounded), the bits forward_ gives, y left alone (for a product that adds the adapter
-        itself, ``miniquant.nf4_amx``); A rounded to bf16 as .to(torch.bfloat16) rounds it."""
+        itself, ``miniquant.nf4_amx``); A rounded to bf16 as .to(torch.bfloat16) rounds it. bf16 kernels only."""
+        if self.dtype != torch.bfloat16:
+            raise ValueError("minituner.native_lora: down runs in the bf16 kernels only")
         n, k = x.shape
         r = A.shape[0]
         a = torch.empty(n, r, dtype=self.dtype)
