@@ -2,7 +2,8 @@
 and the GEMM on AMX's tiles, against fp64 references of the same bf16 operands on ragged shapes (row tails, a panel
 short of NP columns, K over the KC chunk), with and without a bias; the same bits on one thread or many; NaN
 carried to its row; where layers take it (QuantizedLinear's forward and input gradient, minituner.lora_product's
-forward, bf16 on a CPU with AMX, products of at most MAX_COLUMNS columns) and where not."""
+forward, bf16 on a CPU with AMX, weights of at most MAX_WEIGHT values) and where not;
+the shared helpers are conftest.py's fixtures."""
 from contextlib import contextmanager
 from unittest import mock
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 from miniquant import nf4_amx, nf4_matmul
-from miniquant.quantize import QuantizedLinear, workspace_buffer
+from miniquant.quantize import workspace_buffer
 
 BF16 = torch.bfloat16
 needs_amx = pytest.mark.skipif(not nf4_amx.usable(), reason="miniquant.nf4_amx needs a CPU with AMX (amx_bf16), "
@@ -21,26 +22,6 @@ SHAPES = [(1024, 512, 512, 64), (13, 64, 32, 64), (100, 160, 96, 32), (37, 1088,
           (1, 256, 64, 64)]
 
 
-def quantized(n_in: int, n_out: int, blocksize: int, seed: int = 0, bias: bool = True) -> QuantizedLinear:
-    g = torch.Generator().manual_seed(seed)
-    lin = torch.nn.Linear(n_in, n_out, bias=bias)
-    with torch.no_grad():
-        lin.weight.copy_(torch.randn(n_out, n_in, generator=g) * 0.05)
-        if bias:
-            lin.bias.copy_(torch.randn(n_out, generator=g))
-    return QuantizedLinear.from_linear(lin, f"nf4_per_group_{blocksize}")
-
-
-def close(got: torch.Tensor, ref: torch.Tensor) -> bool:
-    """Within one bf16 rounding of each value (relative), or of the largest for values near 0."""
-    return torch.allclose(got.double(), ref, rtol=2**-8, atol=2**-8 * ref.abs().max().item())
-
-
-def parts(layer: QuantizedLinear):
-    packed, absmax = layer.quantized_tensors()
-    return packed, absmax, layer._scheme.group_size
-
-
 def unpacked(tiles: torch.Tensor, k: int, n: int) -> torch.Tensor:
     """B (k, n) from the tiles' layout: strips of 16 columns, each k / 2 lines of 16 pairs (even k low)."""
     pairs = tiles[: k * n].view(n // 16, k // 2, 16, 2)  # strip, line, column, (even, odd)
@@ -49,40 +30,40 @@ def unpacked(tiles: torch.Tensor, k: int, n: int) -> torch.Tensor:
 
 @needs_amx
 @pytest.mark.parametrize("n_in, n_out, bs", [(512, 512, 64), (64, 32, 32), (160, 96, 128), (1088, 64, 64)])
-def test_pack_writes_the_bits_dequantize_gives_in_the_tiles_layout(n_in, n_out, bs):
-    layer = quantized(n_in, n_out, bs)
+def test_pack_writes_the_bits_dequantize_gives_in_the_tiles_layout(n_in, n_out, bs, nf4_linear, nf4_parts):
+    layer = nf4_linear(n_in, n_out, bs)
     w = layer.dequantize(BF16)  # (out, in)
     tiles = torch.empty(n_out * n_in, dtype=BF16)
-    nf4_amx.kernels().pack(*parts(layer), (n_out, n_in), True, tiles)
+    nf4_amx.kernels().pack(*nf4_parts(layer), (n_out, n_in), True, tiles)
     assert torch.equal(unpacked(tiles, n_in, n_out).view(torch.int16), w.t().view(torch.int16))
-    nf4_amx.kernels().pack(*parts(layer), (n_out, n_in), False, tiles)
+    nf4_amx.kernels().pack(*nf4_parts(layer), (n_out, n_in), False, tiles)
     assert torch.equal(unpacked(tiles, n_out, n_in).view(torch.int16), w.view(torch.int16))
 
 
 @needs_amx
 @pytest.mark.parametrize("m, n_in, n_out, bs", SHAPES)
-def test_products_match_fp64_of_the_same_bf16_operands(m, n_in, n_out, bs):
-    layer = quantized(n_in, n_out, bs)
+def test_products_match_fp64_of_the_same_bf16_operands(m, n_in, n_out, bs, nf4_linear, bf16_close, nf4_parts):
+    layer = nf4_linear(n_in, n_out, bs)
     w = layer.dequantize(BF16).double()
     gen = torch.Generator().manual_seed(1)
     x, g = torch.randn(m, n_in, generator=gen).to(BF16), torch.randn(m, n_out, generator=gen).to(BF16)
     bias = torch.randn(n_out, generator=gen).to(BF16)
     work = torch.empty(n_out * n_in, dtype=BF16)
     k = nf4_amx.kernels()
-    y, finite = k.product(x, *parts(layer), (n_out, n_in), work, bias)
-    assert y.dtype == BF16 and y.shape == (m, n_out) and finite and close(y, x.double() @ w.t() + bias.double())
-    assert close(k.product(x, *parts(layer), (n_out, n_in), work)[0], x.double() @ w.t())
-    gx, finite = k.product(g, *parts(layer), (n_out, n_in), work, transposed=False)
-    assert gx.shape == (m, n_in) and finite and close(gx, g.double() @ w)
+    y, finite = k.product(x, *nf4_parts(layer), (n_out, n_in), work, bias)
+    assert y.dtype == BF16 and y.shape == (m, n_out) and finite and bf16_close(y, x.double() @ w.t() + bias.double())
+    assert bf16_close(k.product(x, *nf4_parts(layer), (n_out, n_in), work)[0], x.double() @ w.t())
+    gx, finite = k.product(g, *nf4_parts(layer), (n_out, n_in), work, transposed=False)
+    assert gx.shape == (m, n_in) and finite and bf16_close(gx, g.double() @ w)
 
 
 @needs_amx
 @pytest.mark.parametrize("m, n_in, n_out, bs", SHAPES)
 @pytest.mark.parametrize("r", [2, 8, 32])
-def test_an_adapters_share_is_added_before_the_one_rounding(m, n_in, n_out, bs, r):
+def test_an_adapters_share_is_added_before_the_one_rounding(m, n_in, n_out, bs, r, nf4_linear, bf16_close, nf4_parts):
     """Forward: x·Wᵀ + b + s·a·Bᵀ (a = x·Aᵀ in bf16, B's fp32 master rounded to bf16); input gradient:
     g·W + grad_a·A; each against fp64 of the same bf16 operands, within one rounding."""
-    layer = quantized(n_in, n_out, bs)
+    layer = nf4_linear(n_in, n_out, bs)
     w = layer.dequantize(BF16).double()
     gen = torch.Generator().manual_seed(3)
     x, g = torch.randn(m, n_in, generator=gen).to(BF16), torch.randn(m, n_out, generator=gen).to(BF16)
@@ -91,24 +72,24 @@ def test_an_adapters_share_is_added_before_the_one_rounding(m, n_in, n_out, bs, 
     bias = torch.randn(n_out, generator=gen).to(BF16)
     work = torch.empty(n_out * n_in, dtype=BF16)
     k = nf4_amx.kernels()
-    y, finite = k.product(x, *parts(layer), (n_out, n_in), work, bias, adapter=(a, B, 0.75))
+    y, finite = k.product(x, *nf4_parts(layer), (n_out, n_in), work, bias, adapter=(a, B, 0.75))
     ref = x.double() @ w.t() + bias.double() + 0.75 * a.double() @ B.to(BF16).double().t()
-    assert finite and close(y, ref)
-    gx, finite = k.product(g, *parts(layer), (n_out, n_in), work, transposed=False, adapter=(grad_a, A, 1.0))
-    assert finite and close(gx, g.double() @ w + grad_a.double() @ A.to(BF16).double())
+    assert finite and bf16_close(y, ref)
+    gx, finite = k.product(g, *nf4_parts(layer), (n_out, n_in), work, transposed=False, adapter=(grad_a, A, 1.0))
+    assert finite and bf16_close(gx, g.double() @ w + grad_a.double() @ A.to(BF16).double())
 
 
 @needs_amx
-def test_finite_says_whether_a_value_written_is_nan_or_inf():
-    layer = quantized(64, 32, 64)
+def test_finite_says_whether_a_value_written_is_nan_or_inf(nf4_linear, nf4_parts):
+    layer = nf4_linear(64, 32, 64)
     work = torch.empty(32 * 64, dtype=BF16)
     x = torch.randn(40, 64).to(BF16)
-    assert nf4_amx.kernels().product(x, *parts(layer), (32, 64), work)[1]
+    assert nf4_amx.kernels().product(x, *nf4_parts(layer), (32, 64), work)[1]
     x[39, 0] = float("inf")  # the last row, in the padded block
-    assert not nf4_amx.kernels().product(x, *parts(layer), (32, 64), work)[1]
+    assert not nf4_amx.kernels().product(x, *nf4_parts(layer), (32, 64), work)[1]
     B = torch.randn(32, 4)
     B[3, 1] = float("nan")
-    out, finite = nf4_amx.kernels().product(torch.randn(40, 64).to(BF16), *parts(layer), (32, 64), work,
+    out, finite = nf4_amx.kernels().product(torch.randn(40, 64).to(BF16), *nf4_parts(layer), (32, 64), work,
                                             adapter=(torch.randn(40, 4).to(BF16), B, 1.0))
     assert not finite and torch.isnan(out[:, 3]).all() and not torch.isnan(out[:, :3]).any()
 
@@ -125,34 +106,34 @@ def test_what_adapter_fits():
 
 
 @needs_amx
-def test_the_same_bits_on_one_thread_or_many():
+def test_the_same_bits_on_one_thread_or_many(nf4_linear, nf4_parts):
     """Each output's sums run over k in order in one block, whatever the panels' split over the threads."""
-    layer = quantized(1088, 288, 64)
+    layer = nf4_linear(1088, 288, 64)
     x = torch.randn(300, 1088, generator=torch.Generator().manual_seed(2)).to(BF16)
     work = torch.empty(288 * 1088, dtype=BF16)
     adapter = (x[:, :8].contiguous(), torch.randn(288, 8), 0.5)
     results = []
     for threads in (1, 2, 3, 5):
         with mock.patch.object(nf4_amx.NF4Amx, "_threads", lambda self, macs, t=threads: t):
-            results.append(nf4_amx.kernels().product(x, *parts(layer), (288, 1088), work, adapter=adapter)[0])
+            results.append(nf4_amx.kernels().product(x, *nf4_parts(layer), (288, 1088), work, adapter=adapter)[0])
     for y in results[1:]:
         assert torch.equal(y, results[0])
 
 
 @needs_amx
-def test_nan_is_carried_to_its_row_and_rows_with_a_stride_are_read_as_such():
-    layer = quantized(128, 64, 64)
+def test_nan_is_carried_to_its_row_and_rows_with_a_stride_are_read_as_such(nf4_linear, bf16_close, nf4_parts):
+    layer = nf4_linear(128, 64, 64)
     x = torch.randn(20, 160).to(BF16)[:, :128]  # rows 160 apart
     x[3, 5] = float("nan")
-    y, finite = nf4_amx.kernels().product(x, *parts(layer), (64, 128), torch.empty(64 * 128, dtype=BF16))
+    y, finite = nf4_amx.kernels().product(x, *nf4_parts(layer), (64, 128), torch.empty(64 * 128, dtype=BF16))
     assert not finite and torch.isnan(y[3]).all() and not torch.isnan(y[torch.arange(20) != 3]).any()
-    assert close(y[:3], x[:3].double() @ layer.dequantize(BF16).double().t())
+    assert bf16_close(y[:3], x[:3].double() @ layer.dequantize(BF16).double().t())
 
 
 @needs_amx
-def test_no_rows():
-    layer = quantized(64, 32, 64)
-    y, _ = nf4_amx.kernels().product(torch.empty(0, 64, dtype=BF16), *parts(layer), (32, 64),
+def test_no_rows(nf4_linear, nf4_parts):
+    layer = nf4_linear(64, 32, 64)
+    y, _ = nf4_amx.kernels().product(torch.empty(0, 64, dtype=BF16), *nf4_parts(layer), (32, 64),
                                      torch.empty(32 * 64, dtype=BF16))
     assert y.shape == (0, 32)
 
@@ -189,8 +170,8 @@ def counting_products():
 
 
 @needs_amx
-def test_quantized_linear_in_bf16_takes_it_both_ways_and_matches_the_workspace_path():
-    layer = quantized(256, 96, 64)
+def test_quantized_linear_in_bf16_takes_it_both_ways_and_matches_the_workspace_path(nf4_linear, bf16_close):
+    layer = nf4_linear(256, 96, 64)
     layer.compute_dtype = BF16
     x = torch.randn(2, 10, 256).to(BF16).requires_grad_()
     with mock.patch.object(nf4_matmul, "fits", lambda *a, **k: False), counting_products() as calls:
@@ -202,7 +183,7 @@ def test_quantized_linear_in_bf16_takes_it_both_ways_and_matches_the_workspace_p
             mock.patch.object(nf4_amx, "usable", lambda: False), counting_products() as calls:
         y_ws = layer(x)
         y_ws.float().square().sum().backward()
-    assert calls == [] and close(y, y_ws.double()) and close(gx, x.grad.double())
+    assert calls == [] and bf16_close(y, y_ws.double()) and bf16_close(gx, x.grad.double())
     layer.compute_dtype = None
     with counting_products() as calls:  # fp32 compute: the workspace path
         layer(x.detach().float().requires_grad_()).square().sum().backward()
@@ -210,8 +191,8 @@ def test_quantized_linear_in_bf16_takes_it_both_ways_and_matches_the_workspace_p
 
 
 @needs_amx
-def test_larger_weights_stay_with_onednn():
-    layer = quantized(2048, 1024, 64)  # 2^21 values, over MAX_WEIGHT
+def test_larger_weights_stay_with_onednn(nf4_linear):
+    layer = nf4_linear(2048, 1024, 64)  # 2^21 values, over MAX_WEIGHT
     layer.compute_dtype = BF16
     x = torch.randn(64, 2048).to(BF16).requires_grad_()
     with mock.patch.object(nf4_matmul, "fits", lambda *a, **k: False), counting_products() as calls:
@@ -220,8 +201,8 @@ def test_larger_weights_stay_with_onednn():
 
 
 @needs_amx
-def test_amx_product_says_none_where_it_does_not_fit():
-    layer = quantized(128, 64, 64)
+def test_amx_product_says_none_where_it_does_not_fit(nf4_linear, bf16_close):
+    layer = nf4_linear(128, 64, 64)
     frozen = tuple(layer.quantized_tensors())
     x = torch.randn(8, 128).to(BF16)
     assert layer.amx_product(frozen, x.float(), None) is None  # fp32 x
@@ -230,16 +211,16 @@ def test_amx_product_says_none_where_it_does_not_fit():
     y, finite = layer.amx_product(frozen, x, layer.bias.to(BF16))
     assert finite and layer.amx_fits(frozen, x, None, 32) and not layer.amx_fits(frozen, x, None, 34)
     w = layer.dequantize(BF16).double()
-    assert close(y, x.double() @ w.t() + layer.bias.to(BF16).double())
+    assert bf16_close(y, x.double() @ w.t() + layer.bias.to(BF16).double())
     assert y.data_ptr() != workspace_buffer(1, BF16, x.device).data_ptr()  # a tensor of its own, not the workspace
 
 
 @needs_amx
-def test_lora_product_adds_the_adapter_inside_and_gives_the_workspace_paths_values():
+def test_lora_product_adds_the_adapter_inside_and_gives_the_workspace_paths_values(nf4_linear, bf16_close):
     from minituner import lora_product, native_lora
     from minituner.lora import LoRALinear
 
-    base = quantized(512, 256, 64)
+    base = nf4_linear(512, 256, 64)
     base.compute_dtype = BF16
     lora = LoRALinear(base, r=8, alpha=16)
     lora.compute_dtype = BF16
@@ -271,4 +252,4 @@ def test_lora_product_adds_the_adapter_inside_and_gives_the_workspace_paths_valu
             workspace, _ = run()
         assert calls == [] and thin == ["forward_", "input_update_"]
     for a, b in zip(amx, workspace):
-        assert close(a, b.double())
+        assert bf16_close(a, b.double())

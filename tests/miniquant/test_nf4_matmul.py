@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from miniquant import nf4_matmul
-from miniquant.quantize import QuantizedLinear
 
 pytestmark = pytest.mark.skipif(nf4_matmul.kernels() is None,
                                 reason="miniquant.nf4_matmul needs AVX512-BF16 and a C compiler")
@@ -29,61 +28,41 @@ SHAPES = [(1024, 512, 512, 64), (13, 64, 32, 64), (100, 160, 576, 32), (37, 1088
           (1, 256, 64, 64)]
 
 
-def quantized(n_in: int, n_out: int, blocksize: int, seed: int = 0, bias: bool = True) -> QuantizedLinear:
-    g = torch.Generator().manual_seed(seed)
-    lin = torch.nn.Linear(n_in, n_out, bias=bias)
-    with torch.no_grad():
-        lin.weight.copy_(torch.randn(n_out, n_in, generator=g) * 0.05)
-        if bias:
-            lin.bias.copy_(torch.randn(n_out, generator=g))
-    return QuantizedLinear.from_linear(lin, f"nf4_per_group_{blocksize}")
-
-
-def close(got: torch.Tensor, ref: torch.Tensor) -> bool:
-    """Within one bf16 rounding of each value (relative), or of the largest for values near 0."""
-    return torch.allclose(got.double(), ref, rtol=2**-8, atol=2**-8 * ref.abs().max().item())
-
-
-def parts(layer: QuantizedLinear):
-    packed, absmax = layer.quantized_tensors()
-    return packed, absmax, layer._scheme.group_size
-
-
 @pytest.mark.parametrize("n, n_in, n_out, bs", SHAPES)
-def test_input_grad_matches_fp64_of_the_same_bf16_operands(n, n_in, n_out, bs):
-    layer = quantized(n_in, n_out, bs)
+def test_input_grad_matches_fp64_of_the_same_bf16_operands(n, n_in, n_out, bs, nf4_linear, bf16_close, nf4_parts):
+    layer = nf4_linear(n_in, n_out, bs)
     w = layer.dequantize(BF16).double()  # the values the workspace path multiplies
     dy = torch.randn(n, n_out, generator=torch.Generator().manual_seed(1)).to(BF16)
-    gx = K.input_grad(dy, *parts(layer), n_in)
+    gx = K.input_grad(dy, *nf4_parts(layer), n_in)
     assert gx.dtype == BF16 and gx.shape == (n, n_in)
-    assert close(gx, dy.double() @ w)
+    assert bf16_close(gx, dy.double() @ w)
 
 
-def test_the_same_bits_on_one_thread_or_many():
+def test_the_same_bits_on_one_thread_or_many(nf4_linear, nf4_parts):
     """Each output value is summed by one thread in k order, whatever the split into column units and row groups."""
-    layer = quantized(288, 1088, 64)
+    layer = nf4_linear(288, 1088, 64)
     dy = torch.randn(300, 1088, generator=torch.Generator().manual_seed(2)).to(BF16)
     results = []
     for split in ((1, 1), (2, 1), (2, 3), (3, 7)):
         with mock.patch.object(nf4_matmul.NF4Matmul, "_threads", lambda self, m, k, n, s=split: s):
-            results.append(K.input_grad(dy, *parts(layer), 288))
+            results.append(K.input_grad(dy, *nf4_parts(layer), 288))
     for gx in results[1:]:
         assert torch.equal(gx, results[0])
 
 
-def test_nan_is_carried_to_its_row_and_rows_with_a_stride_are_read_as_such():
-    layer = quantized(128, 64, 64)
+def test_nan_is_carried_to_its_row_and_rows_with_a_stride_are_read_as_such(nf4_linear, bf16_close, nf4_parts):
+    layer = nf4_linear(128, 64, 64)
     dy = torch.randn(20, 96).to(BF16)[:, :64]  # rows 96 apart
     dy[3, 5] = float("nan")
-    gx = K.input_grad(dy, *parts(layer), 128)
+    gx = K.input_grad(dy, *nf4_parts(layer), 128)
     assert torch.isnan(gx[3]).all() and not torch.isnan(gx[torch.arange(20) != 3]).any()
     assert gx.view(torch.int16)[3, 0].item() == 0x7FC0  # as PyTorch rounds a NaN to bf16
-    assert close(gx[:3], dy[:3].double() @ layer.dequantize(BF16).double())
+    assert bf16_close(gx[:3], dy[:3].double() @ layer.dequantize(BF16).double())
 
 
-def test_no_rows():
-    layer = quantized(64, 32, 64)
-    assert K.input_grad(torch.empty(0, 32, dtype=BF16), *parts(layer), 64).shape == (0, 64)
+def test_no_rows(nf4_linear, nf4_parts):
+    layer = nf4_linear(64, 32, 64)
+    assert K.input_grad(torch.empty(0, 32, dtype=BF16), *nf4_parts(layer), 64).shape == (0, 64)
 
 
 def test_what_fits():
@@ -112,8 +91,8 @@ def counting_calls():
         yield calls
 
 
-def test_quantized_linear_in_bf16_takes_it_backward_and_matches_the_workspace_path():
-    layer = quantized(256, 96, 64)
+def test_quantized_linear_in_bf16_takes_it_backward_and_matches_the_workspace_path(nf4_linear, bf16_close):
+    layer = nf4_linear(256, 96, 64)
     layer.compute_dtype = BF16
     x = torch.randn(2, 10, 256).to(BF16).requires_grad_()
     with counting_calls() as calls:
@@ -125,18 +104,18 @@ def test_quantized_linear_in_bf16_takes_it_backward_and_matches_the_workspace_pa
     with mock.patch.object(nf4_matmul, "fits", lambda *a, **k: False):
         y_ws = layer(x)
         y_ws.float().square().sum().backward()
-    assert close(y, y_ws.double()) and close(gx, x.grad.double())
+    assert bf16_close(y, y_ws.double()) and bf16_close(gx, x.grad.double())
     layer.compute_dtype = None
     with counting_calls() as calls:  # fp32 compute: the workspace path
         layer(x.detach().float().requires_grad_()).square().sum().backward()
     assert calls == []
 
 
-def test_lora_product_takes_it_and_gives_the_workspace_paths_gradients():
+def test_lora_product_takes_it_and_gives_the_workspace_paths_gradients(nf4_linear, bf16_close):
     from minituner import lora_product
     from minituner.lora import LoRALinear
 
-    base = quantized(512, 256, 64)
+    base = nf4_linear(512, 256, 64)
     base.compute_dtype = BF16
     lora = LoRALinear(base, r=8, alpha=16)
     lora.compute_dtype = BF16
@@ -168,7 +147,7 @@ def test_lora_product_takes_it_and_gives_the_workspace_paths_gradients():
             workspace = run()
         assert calls == ["input_grad+adapter"] and len(updates) == 1  # the workspace's, then native_lora's
     for a, b in zip(fused, workspace):
-        assert close(a, b.double())
+        assert bf16_close(a, b.double())
 
 
 def ulp_bound(ref: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -182,30 +161,30 @@ ADAPTER_SHAPES = [(1024, 512, 512, 8), (37, 1088, 96, 2), (100, 160, 576, 16), (
 
 
 @pytest.mark.parametrize("n, n_in, n_out, r", ADAPTER_SHAPES)
-def test_an_adapters_share_is_summed_with_w_and_rounded_once(n, n_in, n_out, r):
+def test_an_adapters_share_is_summed_with_w_and_rounded_once(n, n_in, n_out, r, nf4_linear, nf4_parts):
     """g·W + grad_a·A in one set of fp32 sums, rounded once: within half a bf16 ulp of the fp64 sum of the same
     bf16 operands (A's fp32 master rounded as .to(bfloat16) rounds it); two roundings would be up to a whole ulp."""
     gen = torch.Generator().manual_seed(3)
-    layer = quantized(n_in, n_out, 32)
+    layer = nf4_linear(n_in, n_out, 32)
     w = layer.dequantize(BF16).double()
     dy = torch.randn(n, n_out, generator=gen).to(BF16)
     grad_a = torch.randn(n, r, generator=gen).to(BF16)
     A = torch.randn(r, n_in, generator=gen) * 0.3
-    got = K.input_grad(dy, *parts(layer), n_in, (grad_a, A))
+    got = K.input_grad(dy, *nf4_parts(layer), n_in, (grad_a, A))
     ref = dy.double() @ w + grad_a.double() @ A.to(BF16).double()
     scale = dy.double().abs() @ w.abs() + grad_a.double().abs() @ A.to(BF16).double().abs()
     assert ((got.double() - ref).abs() <= ulp_bound(ref, scale)).all()
 
 
-def test_with_an_adapter_the_same_bits_on_one_thread_or_many():
-    layer = quantized(288, 1088, 64)
+def test_with_an_adapter_the_same_bits_on_one_thread_or_many(nf4_linear, nf4_parts):
+    layer = nf4_linear(288, 1088, 64)
     gen = torch.Generator().manual_seed(4)
     dy = torch.randn(300, 1088, generator=gen).to(BF16)
     adapter = (torch.randn(300, 8, generator=gen).to(BF16), torch.randn(8, 288, generator=gen))
     results = []
     for split in ((1, 1), (2, 1), (2, 3), (3, 7)):
         with mock.patch.object(nf4_matmul.NF4Matmul, "_threads", lambda self, m, k, n, s=split: s):
-            results.append(K.input_grad(dy, *parts(layer), 288, adapter))
+            results.append(K.input_grad(dy, *nf4_parts(layer), 288, adapter))
     for gx in results[1:]:
         assert torch.equal(gx, results[0])
 
@@ -223,7 +202,7 @@ def test_what_adapter_fits():
     assert not nf4_matmul.adapter_fits(g[:1], big.to(BF16), torch.randn(nf4_matmul.MAX_RANK + 2, 128), 128)
 
 
-def test_with_amx_the_workspace_path_is_chosen(monkeypatch):
+def test_with_amx_the_workspace_path_is_chosen(monkeypatch, nf4_linear, bf16_close):
     """On a CPU with AMX the layers dequantize into the workspace and oneDNN's GEMM (on AMX tiles) takes the
     product; nothing of this kernel runs, GELU is applied apart and the planner counts no panels. (Weights that
     miniquant.nf4_amx takes run on its own GEMM there: tests/miniquant/test_nf4_amx.py; off here.)"""
@@ -233,7 +212,7 @@ def test_with_amx_the_workspace_path_is_chosen(monkeypatch):
     monkeypatch.setattr(nf4_matmul, "cpu_has_amx", lambda: True)
     monkeypatch.setattr(nf4_amx, "usable", lambda: False)
     assert not nf4_matmul.chosen() and not nf4_matmul.takes_bf16_run()
-    layer = quantized(256, 96, 64)
+    layer = nf4_linear(256, 96, 64)
     layer.compute_dtype = BF16
     assert not layer.applies_gelu_grad(BF16)
     x = torch.randn(2, 10, 256).to(BF16).requires_grad_()
@@ -242,7 +221,7 @@ def test_with_amx_the_workspace_path_is_chosen(monkeypatch):
     with counting_calls() as calls:
         layer(x).float().square().sum().backward()
         assert layer.input_grad_adding(frozen, dy, torch.randn(20, 8).to(BF16), torch.randn(8, 256)) is None
-    assert calls == [] and close(layer.input_grad_from(frozen, dy), dy.double() @ layer.dequantize(BF16).double())
+    assert calls == [] and bf16_close(layer.input_grad_from(frozen, dy), dy.double() @ layer.dequantize(BF16).double())
 
 
 def test_amx_is_read_from_the_cpus_flags(monkeypatch, tmp_path):
@@ -256,8 +235,8 @@ def test_amx_is_read_from_the_cpus_flags(monkeypatch, tmp_path):
     assert not nf4_matmul.cpu_has_amx()
 
 
-def test_quantized_linear_adds_an_adapter_inside_where_it_fits_and_says_none_elsewhere():
-    layer = quantized(256, 96, 64)
+def test_quantized_linear_adds_an_adapter_inside_where_it_fits_and_says_none_elsewhere(nf4_linear, bf16_close):
+    layer = nf4_linear(256, 96, 64)
     frozen = tuple(layer.quantized_tensors())
     gen = torch.Generator().manual_seed(5)
     dy = torch.randn(40, 96, generator=gen).to(BF16)
@@ -265,7 +244,7 @@ def test_quantized_linear_adds_an_adapter_inside_where_it_fits_and_says_none_els
     grad_a, A = torch.randn(40, 8, generator=gen).to(BF16), torch.randn(8, 256, generator=gen)
     with counting_calls() as calls:
         got = layer.input_grad_adding(frozen, dy, grad_a, A)
-    assert calls == ["input_grad+adapter"] and close(got, ref_w + grad_a.double() @ A.to(BF16).double())
+    assert calls == ["input_grad+adapter"] and bf16_close(got, ref_w + grad_a.double() @ A.to(BF16).double())
     assert layer.input_grad_adding(frozen, dy, grad_a[:, :7], A[:7]) is None  # an odd rank: the caller adds it
     with mock.patch.object(nf4_matmul, "fits", lambda *a, **k: False):  # no kernel for g: the caller's way too
         assert layer.input_grad_adding(frozen, dy, grad_a, A) is None
@@ -309,7 +288,8 @@ GELU_SHAPES = [(1024, 2048, 512, 8), (37, 1088, 96, 2), (13, 64, 32, 0), (29, 12
 @pytest.mark.parametrize("approximate", ["none", "tanh"])
 @pytest.mark.parametrize("n, n_in, n_out, r", GELU_SHAPES)
 def test_gelus_gradient_applied_inside_gives_the_bits_of_the_product_then_gelus_backward(n, n_in, n_out, r,
-                                                                                          approximate):
+                                                                                          approximate, nf4_linear,
+                                                                                          nf4_parts):
     """With gelu = (h, approximate) each value of g·W (+ grad_a·A) is rounded, multiplied by GELU's slope at h and
     rounded again: the bits minigpt.native_gelu's backward gives from the stored product (exact GELU and tanh form;
     h with NaN, ±inf and 0 among its values)."""
@@ -317,19 +297,19 @@ def test_gelus_gradient_applied_inside_gives_the_bits_of_the_product_then_gelus_
     if native_gelu.kernels() is None:
         pytest.skip("minigpt.native_gelu's kernels are not built here")
     gen = torch.Generator().manual_seed(n)
-    layer = quantized(n_in, n_out, 32)
+    layer = nf4_linear(n_in, n_out, 32)
     dy = torch.randn(n, n_out, generator=gen).to(BF16)
     h = (torch.randn(n, n_in, generator=gen) * 3).to(BF16)
     h.view(-1)[:4] = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0]).to(BF16)
     adapter = (torch.randn(n, r, generator=gen).to(BF16), torch.randn(r, n_in, generator=gen)) if r else None
-    want = native_gelu.kernels().backward(K.input_grad(dy, *parts(layer), n_in, adapter), h,
+    want = native_gelu.kernels().backward(K.input_grad(dy, *nf4_parts(layer), n_in, adapter), h,
                                            exact=approximate == "none")
-    got = K.input_grad(dy, *parts(layer), n_in, adapter, (h, approximate))
+    got = K.input_grad(dy, *nf4_parts(layer), n_in, adapter, (h, approximate))
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))
 
 
-def test_with_gelu_the_same_bits_on_one_thread_or_many():
-    layer = quantized(288, 1088, 64)
+def test_with_gelu_the_same_bits_on_one_thread_or_many(nf4_linear, nf4_parts):
+    layer = nf4_linear(288, 1088, 64)
     gen = torch.Generator().manual_seed(6)
     dy = torch.randn(300, 1088, generator=gen).to(BF16)
     adapter = (torch.randn(300, 8, generator=gen).to(BF16), torch.randn(8, 288, generator=gen))
@@ -337,19 +317,19 @@ def test_with_gelu_the_same_bits_on_one_thread_or_many():
     results = []
     for split in ((1, 1), (2, 1), (2, 3), (3, 7)):
         with mock.patch.object(nf4_matmul.NF4Matmul, "_threads", lambda self, m, k, n, s=split: s):
-            results.append(K.input_grad(dy, *parts(layer), 288, adapter, gelu))
+            results.append(K.input_grad(dy, *nf4_parts(layer), 288, adapter, gelu))
     for gx in results[1:]:
         assert torch.equal(gx, results[0])
 
 
-def test_what_gelu_fits_and_quantized_linear_says_none_where_it_does_not():
+def test_what_gelu_fits_and_quantized_linear_says_none_where_it_does_not(nf4_linear):
     g, h = torch.randn(4, 64).to(BF16), torch.randn(4, 128).to(BF16)
     assert nf4_matmul.gelu_fits(g, h, "none") and nf4_matmul.gelu_fits(g, h, "tanh")
     assert not nf4_matmul.gelu_fits(g, h, "sigmoid")  # not one of F.gelu's forms
     assert not nf4_matmul.gelu_fits(g, h.float(), "none")
     assert not nf4_matmul.gelu_fits(g, h[:3], "none")  # not g's rows
     assert not nf4_matmul.gelu_fits(g, torch.randn(128, 4).to(BF16).t(), "none")  # not contiguous
-    layer = quantized(128, 64, 64)
+    layer = nf4_linear(128, 64, 64)
     frozen = tuple(layer.quantized_tensors())
     grad_a, A = torch.randn(4, 8).to(BF16), torch.randn(8, 128)
     assert layer.input_grad_adding(frozen, g, grad_a, A, (h, "none")) is not None

@@ -1,0 +1,44 @@
+"""Fixtures shared by the NF4 product tests (test_nf4_matmul.py, test_nf4_amx.py): a seeded NF4 layer, its
+buffers as the kernels take them, and the one-rounding comparison against an fp64 reference."""
+import pytest
+import torch
+
+from miniquant.quantize import QuantizedLinear
+
+
+def _nf4_linear(n_in: int, n_out: int, blocksize: int, seed: int = 0, bias: bool = True) -> QuantizedLinear:
+    g = torch.Generator().manual_seed(seed)
+    lin = torch.nn.Linear(n_in, n_out, bias=bias)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(n_out, n_in, generator=g) * 0.05)
+        if bias:
+            lin.bias.copy_(torch.randn(n_out, generator=g))
+    return QuantizedLinear.from_linear(lin, f"nf4_per_group_{blocksize}")
+
+
+def _bf16_close(got: torch.Tensor, ref: torch.Tensor) -> bool:
+    """Within one bf16 rounding of each value (relative), or of the largest for values near 0."""
+    return torch.allclose(got.double(), ref, rtol=2**-8, atol=2**-8 * ref.abs().max().item())
+
+
+def _nf4_parts(layer: QuantizedLinear):
+    packed, absmax = layer.quantized_tensors()
+    return packed, absmax, layer._scheme.group_size
+
+
+@pytest.fixture
+def nf4_linear():
+    """(n_in, n_out, blocksize, seed=0, bias=True) -> a QuantizedLinear of NF4 codes from seeded weights (x 0.05)."""
+    return _nf4_linear
+
+
+@pytest.fixture
+def bf16_close():
+    """(got, ref fp64) -> whether got is within one bf16 rounding of ref."""
+    return _bf16_close
+
+
+@pytest.fixture
+def nf4_parts():
+    """layer -> (packed codes, absmax, blocksize), as the kernels take them."""
+    return _nf4_parts
