@@ -42,7 +42,8 @@ if str(HERE) not in sys.path:
 from minigpt.bf16_support import bf16_support  # noqa: E402
 from paced import run_paced, serve  # noqa: E402
 from report import Goal, Section  # noqa: E402
-from timing import (MIB, OPTIMIZER_NOTE, adamw, cpu_summary, current_rss_mib, fp32_product_libraries, peak_rss_mib,  # noqa: E402
+from timing import (MIB, OPTIMIZER_NOTE, adamw, bf16_product_libraries, cpu_summary, current_rss_mib,  # noqa: E402
+                    fp32_product_libraries, peak_rss_mib,
                     reset_peak_rss)
 
 RANK, ALPHA = 16, 32.0
@@ -500,7 +501,7 @@ def section(results: dict[str, list[dict]], planner: dict, written: dict, plan: 
                     "which take most of the step at this shape (the bf16 section times the products of the step "
                     "alone), so a lead of 20% needs fewer or cheaper products, not less overhead"
                     + ". The products: " + (fp32_product_libraries() if dtype == "float32"
-                                            else "both through oneDNN, PyTorch's bf16 products on CPU")))
+                                            else bf16_product_libraries())))
         if "bfloat16" not in plan[one][0] and not bf16_support("cpu").fast:
             s.goals.append(Goal(
                 "1B QLoRA step (bf16): ours / PEFT + bitsandbytes", None, STEP_GOAL_1B, False,

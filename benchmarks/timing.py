@@ -231,3 +231,19 @@ def fp32_product_libraries() -> str:
     """Which library computes each side's fp32 products on this machine (minikernels.fp32_gemm chooses ours)."""
     return (f"ours through {our_fp32_library()}, which minikernels.fp32_gemm chose for this CPU, theirs through "
             "PyTorch's F.linear")
+
+
+def bf16_product_libraries() -> str:
+    """Which code computes each side's bf16 products on this machine: PyTorch's (oneDNN) for theirs; for ours
+    oneDNN too, but for the NF4 input gradients miniquant.nf4_matmul runs in C (a CPU with AVX512-BF16, no AMX) and
+    the NF4 weights miniquant.nf4_amx takes (a CPU with AMX)."""
+    from miniquant import nf4_amx, nf4_matmul
+
+    ours = "through oneDNN"
+    if nf4_matmul.chosen():
+        ours += (", but for its NF4 weights' input gradients, which miniquant.nf4_matmul computes in C with the codes "
+                 "unpacked inside the product")
+    elif nf4_amx.usable():
+        ours += (f", but for the products of NF4 weights of at most {nf4_amx.MAX_WEIGHT:,} values (the K/V "
+                 "projections of a Llama), which miniquant.nf4_amx computes on AMX's tiles in a GEMM of its own")
+    return f"ours {ours}; theirs through oneDNN, PyTorch's bf16 products on CPU"
