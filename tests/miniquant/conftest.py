@@ -42,3 +42,30 @@ def bf16_close():
 def nf4_parts():
     """layer -> (packed codes, absmax, blocksize), as the kernels take them."""
     return _nf4_parts
+
+
+@pytest.fixture
+def nf4_lora_run(nf4_linear):
+    """A bf16 LoRALinear (r 8, B nonzero) on a 512 -> 256 NF4 layer that lora_product fuses, and run(): a fresh
+    forward and backward of it on one (64, 512) batch -> ((y, x's, A's and B's gradients), y seen finite)."""
+    from minituner import lora_product
+    from minituner.lora import LoRALinear
+
+    base = nf4_linear(512, 256, 64)
+    base.compute_dtype = torch.bfloat16
+    lora = LoRALinear(base, r=8, alpha=16)
+    lora.compute_dtype = torch.bfloat16
+    with torch.no_grad():
+        lora.lora_B["default"].weight.normal_(0, 0.1)
+    x = torch.randn(64, 512).to(torch.bfloat16)
+    assert lora_product.fused_fits(lora, x, "default")  # base and adapter as one Function
+
+    def run():
+        for p in lora.parameters():
+            p.grad = None
+        xr = x.clone().requires_grad_()
+        y = lora(xr)
+        seen = lora.output_seen_finite(y)
+        y.float().square().mean().backward()
+        return (y, xr.grad, lora.lora_A["default"].weight.grad, lora.lora_B["default"].weight.grad), seen
+    return run

@@ -216,28 +216,10 @@ def test_amx_product_says_none_where_it_does_not_fit(nf4_linear, bf16_close):
 
 
 @needs_amx
-def test_lora_product_adds_the_adapter_inside_and_gives_the_workspace_paths_values(nf4_linear, bf16_close):
-    from minituner import lora_product, native_lora
-    from minituner.lora import LoRALinear
+def test_lora_product_adds_the_adapter_inside_and_gives_the_workspace_paths_values(nf4_lora_run, bf16_close):
+    from minituner import native_lora
 
-    base = nf4_linear(512, 256, 64)
-    base.compute_dtype = BF16
-    lora = LoRALinear(base, r=8, alpha=16)
-    lora.compute_dtype = BF16
-    with torch.no_grad():
-        lora.lora_B["default"].weight.normal_(0, 0.1)
-    x = torch.randn(64, 512).to(BF16)
-    assert lora_product.fused_fits(lora, x, "default")  # base and adapter as one Function
-
-    def run():
-        for p in lora.parameters():
-            p.grad = None
-        xr = x.clone().requires_grad_()
-        y = lora(xr)
-        seen = lora.output_seen_finite(y)
-        y.float().square().mean().backward()
-        return (y, xr.grad, lora.lora_A["default"].weight.grad, lora.lora_B["default"].weight.grad), seen
-
+    run = nf4_lora_run
     kernels = native_lora.kernels()
     thin = []
     with mock.patch.object(nf4_matmul, "fits", lambda *a, **k: False), \
