@@ -63,6 +63,7 @@ from .nf4 import nf4_code_table
 CFLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-ffp-contract=off", "-fno-fast-math", "-std=gnu11"]
 MP, NP = 128, 128  # the C's panel: rows and columns of outputs a thread takes at once (its 32 x 32 blocks inside)
 MAX_WEIGHT = 1 << 20  # products with larger weights stay with oneDNN (see the module docstring)
+MAX_RANK = 32  # adapters up to this rank are added inside the GEMM (one more step of the tiles)
 MIN_MACS_PER_THREAD = 1 << 22  # smaller products stay on the calling thread (handing work over costs ~10 µs)
 
 _SOURCE = OPENMP_PRELUDE + r"""
@@ -268,21 +269,14 @@ static __thread float t_acc[(MP / 32) * (NP / 32) * 1024] __attribute__((aligned
 static __thread uint16_t t_xa[MP * 32] __attribute__((aligned(64)));  /* a panel's rows of the adapter's input */
 static __thread uint32_t t_ap[(NP / 16) * 256] __attribute__((aligned(64)));  /* a panel's columns of its pairs */
 /* panel (pm, pn) of outputs: MP rows from pm·MP by NP columns from pn·NP, k in chunks of KC (each block's sums kept
-   in t_acc between them); rows past M read from a zero-padded copy. With xa (M, r; r even, at most 32) and Wa (the
-   adapter's fp32 master, see adapter_pairs), ascale·xa·Wa is added before the rounding. Returns 1 where the padded
-   copy could not be allocated, else 0; *nonfinite set where a value written is NaN or ±inf */
-static int panel(const uint16_t* A, int64_t lda, const uint32_t* Bp, int64_t M, int64_t N, int64_t K,
-                 const uint16_t* bias, const uint16_t* xa, int64_t r, const float* Wa, int by_rows, float ascale,
-                 uint16_t* C, int64_t ldc, int64_t pm, int64_t pn, int* nonfinite) {
+   in t_acc between them); the last block's rows, where fewer than 32, read from pad (32 rows of K, zero past M).
+   With xa (M, r; r even, at most 32) and Wa (the adapter's fp32 master, see adapter_pairs), ascale·xa·Wa is added
+   before the rounding. *nonfinite set where a value written is NaN or ±inf */
+static void panel(const uint16_t* A, int64_t lda, const uint32_t* Bp, int64_t M, int64_t N, int64_t K,
+                  const uint16_t* pad, const uint16_t* bias, const uint16_t* xa, int64_t r, const float* Wa,
+                  int by_rows, float ascale, uint16_t* C, int64_t ldc, int64_t pm, int64_t pn, int* nonfinite) {
     const int64_t m_lo = pm * MP, m_hi = m_lo + MP < M ? m_lo + MP : M;
     const int64_t n_lo = pn * NP, n_hi = n_lo + NP < N ? n_lo + NP : N;
-    uint16_t* pad = NULL;
-    if ((m_hi - m_lo) % 32) {  /* the last block's rows, zero-padded to 32 */
-        const int64_t m_last = m_lo + (m_hi - m_lo) / 32 * 32;
-        pad = calloc(32 * (size_t)K, 2);
-        if (!pad) return 1;
-        for (int64_t i = m_last; i < m_hi; i++) memcpy(pad + (i - m_last) * K, A + i * lda, (size_t)K * 2);
-    }
     if (xa) {
         memset(t_xa, 0, sizeof t_xa);
         for (int64_t i = m_lo; i < m_hi; i++) memcpy(t_xa + (i - m_lo) * 32, xa + i * r, (size_t)r * 2);
@@ -302,9 +296,7 @@ static int panel(const uint16_t* A, int64_t lda, const uint32_t* Bp, int64_t M, 
                     bad |= block32(pad, K, Bp, K, k0, k1, n0, acc, bias, xs, as, ascale, C, ldc, m0, (int)(m_hi - m0));
             }
     }
-    free(pad);
     if (bad) __atomic_store_n(nonfinite, 1, __ATOMIC_RELAXED);
-    return 0;
 }
 #endif  /* NF4AMX */
 /* dst = the pairs of W (rows, cols; NF4 codes, fp32 scales per block of bs values, the 16 code values in table16)
@@ -327,21 +319,26 @@ void nf4amx_pack(const uint8_t* codes, const float* scales, int64_t bs, const fl
 int nf4amx_gemm(const uint16_t* A, int64_t lda, const uint32_t* Bp, int64_t M, int64_t N, int64_t K,
                 const uint16_t* bias, const uint16_t* xa, int64_t r, const float* Wa, int by_rows, float ascale,
                 uint16_t* C, int64_t ldc, int* nonfinite, int threads) {
-    int failed = 0;
     *nonfinite = 0;
 #ifdef NF4AMX
-    const int64_t pms = (M + MP - 1) / MP, pns = (N + NP - 1) / NP;
-    #pragma omp parallel num_threads(threads) if(threads > 1) reduction(|:failed)
+    const int64_t pms = (M + MP - 1) / MP, pns = (N + NP - 1) / NP, m_last = M / 32 * 32;
+    /* the last rows, where fewer than 32, zero-padded: made here, on the calling thread (a malloc on one of
+       OpenMP's threads would give it a heap arena of its own), read by every panel that ends in them */
+    uint16_t* pad = M % 32 ? calloc(32 * (size_t)K, 2) : NULL;
+    if (M % 32 && !pad) return 1;
+    for (int64_t i = m_last; i < M; i++) memcpy(pad + (i - m_last) * K, A + i * lda, (size_t)K * 2);
+    #pragma omp parallel num_threads(threads) if(threads > 1)
     {
         load_tiles();
         #pragma omp for schedule(static) collapse(2)
         for (int64_t pm = 0; pm < pms; pm++)
             for (int64_t pn = 0; pn < pns; pn++)
-                failed |= panel(A, lda, Bp, M, N, K, bias, xa, r, Wa, by_rows, ascale, C, ldc, pm, pn, nonfinite);
+                panel(A, lda, Bp, M, N, K, pad, bias, xa, r, Wa, by_rows, ascale, C, ldc, pm, pn, nonfinite);
         _tile_release();
     }
+    free(pad);
 #endif
-    return failed;
+    return 0;
 }
 """
 
@@ -436,9 +433,6 @@ def shape_fits(in_features: int, out_features: int, blocksize: int) -> bool:
     """Whether an (out, in) NF4 weight in blocks of `blocksize` fits: in and out multiples of 32, blocks of a
     multiple of 32 values (so 32 values of a row share a scale)."""
     return in_features % 32 == 0 and out_features % 32 == 0 and out_features > 0 and blocksize % 32 == 0
-
-
-MAX_RANK = 32  # adapters up to this rank are added inside the GEMM (one more step of the tiles)
 
 
 def adapter_fits(a: Tensor, xa: Tensor, wa: Tensor, columns: int, by_rows: bool) -> bool:
