@@ -55,10 +55,12 @@ import ctypes
 import torch
 from torch import Tensor
 
+from minikernels.amx_tiles import AMX_TILES_C
 from minikernels.build import OPENMP_PRELUDE, KernelFamily
 
 from . import nf4_matmul
 from .nf4 import nf4_code_table
+from .nf4_unpack import NF4_UNPACK_C
 
 CFLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-ffp-contract=off", "-fno-fast-math", "-std=gnu11"]
 MP, NP = 128, 128  # the C's panel: rows and columns of outputs a thread takes at once (its 32 x 32 blocks inside)
@@ -66,18 +68,14 @@ MAX_WEIGHT = 1 << 20  # products with larger weights stay with oneDNN (see the m
 MAX_RANK = 32  # adapters up to this rank are added inside the GEMM (one more step of the tiles)
 MIN_MACS_PER_THREAD = 1 << 22  # smaller products stay on the calling thread (handing work over costs ~10 µs)
 
-_SOURCE = OPENMP_PRELUDE + r"""
+_SOURCE = OPENMP_PRELUDE + AMX_TILES_C + NF4_UNPACK_C + r"""
 #include <stdlib.h>
 #include <string.h>
 #define MP 128
 #define NP 128
 #define KC 1024  /* k in chunks of KC: a panel's A (MP x KC) and B (KC x NP) stay in a core's L2 */
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512BW__) \
-    && defined(__linux__)
+#if defined(MK_AMX) && defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define NF4AMX 1
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 #endif
 int nf4amx_built(void) {
 #ifdef NF4AMX
@@ -90,33 +88,12 @@ int nf4amx_built(void) {
    once: 1 granted, 0 refused or not built */
 int nf4amx_permit(void) {
 #ifdef NF4AMX
-    static int granted = -1;
-    if (granted < 0) granted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-    return granted;
+    return mk_amx_permit();
 #else
     return 0;
 #endif
 }
 #ifdef NF4AMX
-/* 32 NF4 values from 16 packed bytes (element 2i in byte i's high nibble) times s, in fp32, in order: lo = values
-   0..15, hi = 16..31 (miniquant.nf4_matmul's unpacking) */
-static inline void nf4_32(const uint8_t* p, float s, __m512 table, __m512* lo, __m512* hi) {
-    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p));
-    const __m512 sc = _mm512_set1_ps(s);
-    const __m512 ev = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), table), sc);  /* 0, 2, .., 30 */
-    const __m512 od = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)), table), sc);
-    const __m512i i0 = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-    const __m512i i1 = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
-    *lo = _mm512_permutex2var_ps(ev, i0, od);
-    *hi = _mm512_permutex2var_ps(ev, i1, od);
-}
-/* 16 pairs (a[i], b[i]) as bf16 in one uint32 each (a low), rounded to nearest even */
-static inline __m512i pairs16(__m512 a, __m512 b) {
-    const __m512i ab = (__m512i)_mm512_cvtne2ps_pbh(b, a);  /* words 0..15: a, 16..31: b */
-    const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
-                                         23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-    return _mm512_permutexvar_epi16(idx, ab);
-}
 /* r (16 rows of 16 words) transposed in place: r[c] becomes column c */
 static inline void transpose16(__m512i r[16]) {
     __m512i t[16], u[16];
@@ -175,23 +152,12 @@ static void pack_strips(const uint8_t* codes, const float* scales, int64_t bs, c
                 }
     }
 }
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} __attribute__((packed)) tile_config;
 static void load_tiles(void) {
-    tile_config cfg;
+    mk_tile_config cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette = 1;
     for (int i = 0; i < 8; i++) cfg.rows[i] = 16, cfg.colsb[i] = 64;  /* 0-3 sums, 4-5 A's rows, 6-7 B's strips */
     _tile_loadconfig(&cfg);
-}
-/* an fp32 value rounded to bf16 as PyTorch rounds it (nearest even, NaN -> 0x7FC0) */
-static inline uint32_t bf16_bits(float f) {
-    uint32_t u; memcpy(&u, &f, 4);
-    if (f != f) return 0x7FC0u;
-    return (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
 }
 /* a LoRA adapter's pairs for the columns [n_lo, n_hi) in the tiles' layout: per strip of 16 columns, 16 lines p of
    (Wa[2p][n], Wa[2p + 1][n]) (zero from p = r / 2 on), the fp32 master rounded to bf16; Wa (r, N) (A), or given as

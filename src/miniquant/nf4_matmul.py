@@ -74,6 +74,7 @@ from minikernels.build import CPU_COUNT, CPUINFO, OPENMP_PRELUDE, KernelFamily, 
 from minikernels.gelu_slope import GELU_SLOPE_C
 
 from .nf4 import nf4_code_table
+from .nf4_unpack import NF4_UNPACK_C
 
 CFLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-ffp-contract=off", "-fno-fast-math", "-std=gnu11"]
 MR, NR, NB, KC = 14, 32, 128, 512  # the C's: microkernel rows and columns, a unit's columns, the K chunk
@@ -82,7 +83,7 @@ GELU_MODES = {"none": 1, "tanh": 2}  # F.gelu's approximate -> the C's act_mode 
 _AMX_FLAG = "amx_bf16"  # where the CPU has it, oneDNN's GEMM is faster (``chosen``)
 MIN_MACS_PER_THREAD = 1 << 22  # smaller products stay on the calling thread (handing work over costs ~10 µs)
 
-_SOURCE = OPENMP_PRELUDE + BF16_EXP_C + BF16_SIGMOID_C + GELU_SLOPE_C + r"""
+_SOURCE = OPENMP_PRELUDE + BF16_EXP_C + BF16_SIGMOID_C + GELU_SLOPE_C + NF4_UNPACK_C + r"""
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
@@ -103,24 +104,6 @@ int nf4mm_vectorized(void) {
 }
 #ifdef NF4MM
 static inline __m512bh as_bh(__m512i v) { return (__m512bh)v; }
-/* 32 NF4 values from 16 packed bytes (element 2i in byte i's high nibble) times s, in order: lo = values 0..15, hi = 16..31 */
-static inline void nf4_32(const uint8_t* p, float s, __m512 table, __m512* lo, __m512* hi) {
-    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p));
-    const __m512 sc = _mm512_set1_ps(s);
-    const __m512 ev = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), table), sc);  /* elements 0,2,..,30 */
-    const __m512 od = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)), table), sc);
-    const __m512i i0 = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-    const __m512i i1 = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
-    *lo = _mm512_permutex2var_ps(ev, i0, od);
-    *hi = _mm512_permutex2var_ps(ev, i1, od);
-}
-/* 16 pairs (a[i], b[i]) as bf16 in one uint32 each (a low), rounded to nearest even */
-static inline __m512i pairs16(__m512 a, __m512 b) {
-    const __m512i ab = (__m512i)_mm512_cvtne2ps_pbh(b, a);  /* lanes 0..15: a, 16..31: b (bf16) */
-    const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
-                                         23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-    return _mm512_permutexvar_epi16(idx, ab);
-}
 /* the panel of B[k][n] = W[k][n] (W (K, N): rows k of N codes) for columns [n0, n0 + ncols) and k in [k0, k0 + kc):
    for each 32 columns, kc / 2 rows of 32 pairs (W[k][n], W[k + 1][n]) as uint32, bf16 each (low: the even k) */
 static void pack_cols(const uint8_t* codes, const float* scales, int64_t bs, __m512 table, int64_t N, int64_t n0,
@@ -138,12 +121,7 @@ static void pack_cols(const uint8_t* codes, const float* scales, int64_t bs, __m
     }
 }
 /* A's panel for columns [n0, n0 + ncols): for each 32 columns, r / 2 rows of 32 pairs (A[2j][n], A[2j + 1][n]),
-   each fp32 master rounded to bf16 as PyTorch rounds it (nearest even, NaN -> 0x7FC0, denormals kept) */
-static inline uint32_t bf16_bits(float f) {
-    uint32_t u; memcpy(&u, &f, 4);
-    if (f != f) return 0x7FC0u;
-    return (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-}
+   each fp32 master rounded to bf16 as PyTorch rounds it (bf16_bits) */
 static void pack_adapter(const float* A, int64_t N, int64_t r, int64_t n0, int64_t ncols, uint32_t* PA) {
     for (int64_t s = 0; s < ncols / NR; s++)
         for (int64_t j = 0; j < r / 2; j++)

@@ -56,6 +56,7 @@ import ctypes
 import torch
 from torch import Tensor
 
+from minikernels.amx_tiles import AMX_TILES_C
 from minikernels.bf16_exp import BF16_EXP_C
 from minikernels.build import CPU_COUNT, OPENMP_PRELUDE, KernelFamily, ThreadSplit
 
@@ -82,7 +83,7 @@ RANGES_C = r"""
 } while (0)
 """  # (also minituner.native_lora_fp32's)
 
-_SOURCE = OPENMP_PRELUDE + RANGES_C + BF16_EXP_C + r"""
+_SOURCE = OPENMP_PRELUDE + RANGES_C + BF16_EXP_C + AMX_TILES_C + r"""
 #include <stdlib.h>
 #include <string.h>
 #define MAX_RANK 1024  /* ranks above this run as PyTorch ops (fits; MAX_RANK there) */
@@ -148,10 +149,8 @@ static void lora_rows_dot(const uint16_t* x, int64_t ldx, const uint16_t* A, int
 #endif
 }
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#ifdef MK_AMX
 #define LORA_AMX 1
-#include <sys/syscall.h>
-#include <unistd.h>
 #endif
 
 /* AMX (Intel's tile units, amx_bf16): where the CPU has them and Linux lets this process use them, rows_dot's
@@ -160,10 +159,7 @@ static void lora_rows_dot(const uint16_t* x, int64_t ldx, const uint16_t* A, int
 static int lora_amx = 0;
 int lora_use_amx(int want) {
 #ifdef LORA_AMX
-    static int granted = -1;
-    if (want && granted < 0)
-        granted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
-    lora_amx = want && granted > 0;
+    lora_amx = want && mk_amx_permit();
 #else
     (void)want;
 #endif
@@ -184,12 +180,6 @@ static void amx_pairs(const float* W, int64_t K, int64_t r, int transposed, uint
 #endif
 
 #ifdef LORA_AMX
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} __attribute__((packed)) lora_tile_config;
-
 /* rows_dot on AMX: a[n * r + j] = bf16(scale * sum_k x[n * ldx + k] * W[j, k]) for rows [n0, n1), W as amx_pairs
    (Wp), K a multiple of 32. Tiles: 0 the sums (m rows x 16 columns of j, fp32), 1 x's rows (m x 32 values of k),
    2 W's pairs (16 pairs of k x 16 j). Each row's sums depend on its own x row only, in the tile's order over k:
@@ -203,7 +193,7 @@ static void lora_rows_dot_amx(const uint16_t* x, int64_t ldx, const uint32_t* Wp
         for (int64_t j0 = 0; j0 < r; j0 += 16) {
             const int jn = r - j0 < 16 ? (int)(r - j0) : 16;
             if (m != loaded_m || jn != loaded_jn) {
-                lora_tile_config cfg;
+                mk_tile_config cfg;
                 memset(&cfg, 0, sizeof cfg);
                 cfg.palette = 1;
                 cfg.rows[0] = (uint8_t)m, cfg.colsb[0] = (uint16_t)(4 * jn);
