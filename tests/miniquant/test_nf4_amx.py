@@ -107,17 +107,21 @@ def test_what_adapter_fits():
 
 @needs_amx
 def test_the_same_bits_on_one_thread_or_many(nf4_linear, nf4_parts):
-    """Each output's sums run over k in order in one block, whatever the panels' split over the threads."""
+    """Each output's sums run over k in order in one block, whatever the panels' split over the threads; the
+    packing's split over them (its strips, or its pairs of rows) writes the same layout."""
     layer = nf4_linear(1088, 288, 64)
-    x = torch.randn(300, 1088, generator=torch.Generator().manual_seed(2)).to(BF16)
+    gen = torch.Generator().manual_seed(2)
+    x, g = torch.randn(300, 1088, generator=gen).to(BF16), torch.randn(300, 288, generator=gen).to(BF16)
     work = torch.empty(288 * 1088, dtype=BF16)
     adapter = (x[:, :8].contiguous(), torch.randn(288, 8), 0.5)
     results = []
     for threads in (1, 2, 3, 5):
-        with mock.patch.object(nf4_amx.NF4Amx, "_threads", lambda self, macs, t=threads: t):
-            results.append(nf4_amx.kernels().product(x, *nf4_parts(layer), (288, 1088), work, adapter=adapter)[0])
-    for y in results[1:]:
-        assert torch.equal(y, results[0])
+        with mock.patch.object(nf4_amx.NF4Amx, "_threads", lambda self, work, per_thread=0, t=threads: t):
+            k = nf4_amx.kernels()
+            results.append((k.product(x, *nf4_parts(layer), (288, 1088), work, adapter=adapter)[0],
+                            k.product(g, *nf4_parts(layer), (288, 1088), work, transposed=False)[0]))
+    for y, gx in results[1:]:
+        assert torch.equal(y, results[0][0]) and torch.equal(gx, results[0][1])
 
 
 @needs_amx
