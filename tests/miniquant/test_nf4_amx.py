@@ -116,12 +116,14 @@ def test_the_same_bits_on_one_thread_or_many(nf4_linear, nf4_parts):
     adapter = (x[:, :8].contiguous(), torch.randn(288, 8), 0.5)
     results = []
     for threads in (1, 2, 3, 5):
-        with mock.patch.object(nf4_amx.NF4Amx, "_threads", lambda self, work, per_thread=0, t=threads: t):
+        with mock.patch.object(nf4_amx.NF4Amx, "_threads", lambda self, units, per_thread=0, t=threads: t):
             k = nf4_amx.kernels()
-            results.append((k.product(x, *nf4_parts(layer), (288, 1088), work, adapter=adapter)[0],
-                            k.product(g, *nf4_parts(layer), (288, 1088), work, transposed=False)[0]))
-    for y, gx in results[1:]:
-        assert torch.equal(y, results[0][0]) and torch.equal(gx, results[0][1])
+            y = k.product(x, *nf4_parts(layer), (288, 1088), work, adapter=adapter)[0]
+            packed_t = work.clone()  # (the weight as the forward's GEMM read it)
+            gx = k.product(g, *nf4_parts(layer), (288, 1088), work, transposed=False)[0]
+            results.append((y, packed_t, gx, work.clone()))
+    for got in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(got, results[0]))
 
 
 @needs_amx
