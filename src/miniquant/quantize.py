@@ -281,10 +281,25 @@ class QuantizedLinear(nn.Module):
             return None
         if adapter is not None and not nf4_amx.adapter_fits(x, adapter[0], adapter[1], self.out_features, True):
             return None
-        shape = (self.out_features, self.in_features)
-        out = workspace_buffer(self.out_features * self.in_features, x.dtype, x.device)
-        return nf4_amx.kernels().product(x, qtensors[0], qtensors[1], self._scheme.group_size, shape, out, bias,
+        return self._amx_product(qtensors, x, True, bias, adapter)
+
+    def _amx_product(self, qtensors: tuple[Tensor, ...], a: Tensor, transposed: bool, bias: Tensor | None = None,
+                     adapter: tuple[Tensor, Tensor, float] | None = None) -> tuple[Tensor, bool]:
+        """(c, finite): ``nf4_amx``'s product of a with this NF4 weight, as the caller checked it fits: a·Wᵀ + bias
+        (transposed, the forward) or a·W (the input's gradient), W written into the shared workspace in the tiles'
+        layout, an adapter's share added before the one rounding where given."""
+        out = workspace_buffer(self.out_features * self.in_features, a.dtype, a.device)
+        return nf4_amx.kernels().product(a, qtensors[0], qtensors[1], self._scheme.group_size,
+                                         (self.out_features, self.in_features), out, bias=bias, transposed=transposed,
                                          adapter=adapter)
+
+    def _nf4_matmul_input_grad(self, qtensors: tuple[Tensor, ...], g: Tensor,
+                               adapter: tuple[Tensor, Tensor] | None = None,
+                               gelu: tuple[Tensor, str] | None = None) -> Tensor:
+        """g·W (plus grad_a·A where adapter = (grad_a, A); times GELU's slope where gelu) by ``nf4_matmul``, as the
+        caller checked it fits: the codes unpacked inside the product."""
+        return nf4_matmul.kernels().input_grad(g, qtensors[0], qtensors[1], self._scheme.group_size, self.in_features,
+                                               adapter, gelu)
 
     def applies_gelu_grad(self, dtype: torch.dtype) -> bool:
         """Whether input_grad_adding applies GELU's gradient inside its product for gradients of `dtype` (asked in
@@ -299,12 +314,9 @@ class QuantizedLinear(nn.Module):
         inside the product), else W dequantized into the shared workspace and multiplied by ``fp32_gemm.input_grad``."""
         dtype = dtype or g.dtype
         if dtype == g.dtype and self._nf4_input_grad_fits(qtensors, g):
-            return nf4_matmul.kernels().input_grad(g, qtensors[0], qtensors[1], self._scheme.group_size,
-                                                   self.in_features)
+            return self._nf4_matmul_input_grad(qtensors, g)
         if dtype == g.dtype and self._amx_fits(qtensors, g):
-            out = workspace_buffer(self.out_features * self.in_features, dtype, g.device)
-            return nf4_amx.kernels().product(g, qtensors[0], qtensors[1], self._scheme.group_size,
-                                             (self.out_features, self.in_features), out, transposed=False)[0]
+            return self._amx_product(qtensors, g, False)[0]
         return fp32_gemm.input_grad(g, self.dequantize_from(qtensors, dtype, transient=True))
 
     def input_grad_adding(self, qtensors: tuple[Tensor, ...], g: Tensor, grad_a: Tensor, A: Tensor,
@@ -318,16 +330,12 @@ class QuantizedLinear(nn.Module):
         way after input_grad_from."""
         if gelu is None and not self._nf4_input_grad_fits(qtensors, g) and self._amx_fits(qtensors, g) \
                 and nf4_amx.adapter_fits(g, grad_a, A, self.in_features, False):  # on AMX's tiles, rounded once too
-            out = workspace_buffer(self.out_features * self.in_features, g.dtype, g.device)
-            return nf4_amx.kernels().product(g, qtensors[0], qtensors[1], self._scheme.group_size,
-                                             (self.out_features, self.in_features), out, transposed=False,
-                                             adapter=(grad_a, A, 1.0))[0]
+            return self._amx_product(qtensors, g, False, adapter=(grad_a, A, 1.0))[0]
         if not (self._nf4_input_grad_fits(qtensors, g) and nf4_matmul.adapter_fits(g, grad_a, A, self.in_features)):
             return None
         if gelu is not None and not nf4_matmul.gelu_fits(g, *gelu):
             return None
-        return nf4_matmul.kernels().input_grad(g, qtensors[0], qtensors[1], self._scheme.group_size, self.in_features,
-                                               (grad_a, A), gelu)
+        return self._nf4_matmul_input_grad(qtensors, g, (grad_a, A), gelu)
 
     def dequantize(self, dtype: torch.dtype | None = None) -> Tensor:
         """The (out, in) weight in `dtype` (default: the original weight's dtype); a new tensor, no grad."""
