@@ -271,13 +271,15 @@ class QuantizedLinear(nn.Module):
                 and rank % 2 == 0 and rank <= nf4_amx.MAX_RANK)
 
     def amx_product(self, qtensors: tuple[Tensor, ...], x: Tensor, bias: Tensor | None,
-                    adapter: tuple[Tensor, Tensor, float] | None = None) -> tuple[Tensor, bool] | None:
+                    adapter: tuple[Tensor, Tensor, float] | None = None,
+                    checked: bool = False) -> tuple[Tensor, bool] | None:
         """(y, finite): y = x (N, in)·Wᵀ + bias (N, out) from the given buffers on AMX's tiles (``nf4_amx``: W
         dequantized into the shared workspace in the tiles' layout), where ``amx_fits``; with adapter = (a, B, scale)
         (a = x·Aᵀ (N, r) bf16, B (out, r) its fp32 master, ``nf4_amx.adapter_fits``), plus scale·a·Bᵀ before the
         one rounding; finite: every value of y written finite. None elsewhere: the caller dequantizes and multiplies
-        its own way (and adds the adapter after)."""
-        if not self.amx_fits(qtensors, x, bias):
+        its own way (and adds the adapter after). checked: the caller has just asked ``amx_fits`` for x and bias (as
+        the adapter's forward does before computing a), so it is not asked again."""
+        if not checked and not self.amx_fits(qtensors, x, bias):
             return None
         if adapter is not None and not nf4_amx.adapter_fits(x, adapter[0], adapter[1], self.out_features, True):
             return None

@@ -84,7 +84,7 @@ def _base_and_adapter(native: native_lora.NativeLoRA, base: nn.Module, frozen: t
     amx_fits = getattr(base, "amx_fits", None)
     if native is native_lora.kernels() and amx_fits is not None and amx_fits(frozen, x, bias, A.shape[0]):
         a = native.down(x, A)  # (N, r)
-        done = base.amx_product(frozen, x, bias, (a, B, scale))
+        done = base.amx_product(frozen, x, bias, (a, B, scale), checked=True)  # (amx_fits just asked)
         if done is not None:
             return done[0], a, done[1]
     y = _base_forward(base, frozen, x, bias)
