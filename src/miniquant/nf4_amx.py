@@ -32,7 +32,8 @@ first, then again with the adapter added); each value written is checked finite.
 the same order whatever the threads' split, so the bits do not depend on it; they are AMX's, not oneDNN's (which
 blocks k otherwise): tests/miniquant/test_nf4_amx.py holds them to fp64 references of the same bf16 operands. A
 last block of fewer than 32 rows reads its rows from a zero-padded copy. Each thread keeps 80 KiB (its panel's
-sums and the adapter's padded rows and pairs) in thread-local memory.
+sums and the adapter's padded rows and pairs) in thread-local memory (``scratch_bytes``; ``minituner.planner``
+counts it).
 
 Where it is taken: weights of at most MAX_WEIGHT values (2^20: a GPT's 512 x 512 projections and its 512 x 2,048
 MLP, a Llama's 512 x 2,048 K/V projections). On the bench's GPT-shaped bf16 QLoRA step (8 layers, d_model 512,
@@ -416,10 +417,25 @@ def adapter_fits(a: Tensor, xa: Tensor, wa: Tensor, columns: int, by_rows: bool)
             and 0 < r <= MAX_RANK and r % 2 == 0)
 
 
+def weight_fits(in_features: int, out_features: int, blocksize: int) -> bool:
+    """Whether layers take these products for an (out, in) NF4 weight in blocks of `blocksize`: its shape fitting
+    (``shape_fits``) and of at most MAX_WEIGHT values."""
+    return in_features * out_features <= MAX_WEIGHT and shape_fits(in_features, out_features, blocksize)
+
+
 def fits(a: Tensor, in_features: int, out_features: int, blocksize: int) -> bool:
     """Whether ``product`` takes `a` (x for the forward, g for the input's gradient) with this weight: bf16 on CPU,
-    2-D with contiguous rows, the weight's shape fitting (``shape_fits``) and of at most MAX_WEIGHT values, the
-    products usable here."""
+    2-D with contiguous rows, the weight fitting (``weight_fits``), the products usable here."""
     return (a.dtype == torch.bfloat16 and a.device.type == "cpu" and a.dim() == 2 and a.stride(1) == 1
-            and in_features * out_features <= MAX_WEIGHT
-            and shape_fits(in_features, out_features, blocksize) and usable())
+            and weight_fits(in_features, out_features, blocksize) and usable())
+
+
+def takes_bf16_run() -> bool:
+    """Whether a bf16 CPU run's products of fitting NF4 weights run here (what minituner.planner counts)."""
+    return usable()
+
+
+def scratch_bytes(threads: int) -> int:
+    """Bytes each thread that runs the GEMM keeps in thread-local memory from call to call, summed over `threads`:
+    its panel's fp32 sums (MP x NP), the adapter's rows (MP x 32 bf16) and pairs (NP x 16 words)."""
+    return threads * (MP * NP * 4 + MP * 32 * 2 + NP * 16 * 4)

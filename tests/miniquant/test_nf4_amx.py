@@ -241,3 +241,29 @@ def test_lora_product_adds_the_adapter_inside_and_gives_the_workspace_paths_valu
         assert calls == [] and thin == ["forward_", "input_update_"]
     for a, b in zip(amx, workspace):
         assert bf16_close(a, b.double())
+
+
+def test_the_planner_counts_each_threads_sums_where_it_runs():
+    """Each thread that runs the GEMM keeps 80 KiB in thread-local memory (a panel's fp32 sums, the adapter's rows
+    and pairs): the planner counts it per thread of the team in a bf16 QLoRA run on a CPU where nf4_amx runs, and
+    nowhere else (mocked both ways)."""
+    from minigpt.model import GPTConfig
+    from minituner.planner import MemoryConfig, Regime, minigpt_shape, regime_bytes
+    from minituner.planner.peak import step_peak
+
+    term = "NF4 AMX GEMM sums (nf4_amx, per thread)"
+    assert nf4_amx.scratch_bytes(2) == 2 * 80 * 1024
+
+    def terms(d_model=64, regime="qlora", **kw):
+        shape = minigpt_shape(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, d_model=d_model))
+        cfg = MemoryConfig(batch_size=2, seq_len=16, full_precision="fp32", activations="exact", dtype="fp32")
+        b = regime_bytes(shape, Regime(regime, 4), "all-linear", cfg)
+        return step_peak(shape, regime, 4, "all-linear", 2, 16, 2, weights=b.weights, grads=b.grads,
+                         optimizer=b.optimizer, stream_bytes=4, **kw).phases["optimizer step"]
+
+    with mock.patch.object(nf4_amx, "takes_bf16_run", lambda: True):
+        assert terms()[term] == nf4_amx.scratch_bytes(nf4_matmul.team_threads())
+        assert term not in terms(on_cpu=False) and term not in terms(regime="lora")  # CUDA; no NF4 weight
+        assert term not in terms(d_model=1056)  # every weight over MAX_WEIGHT (2^20 values): oneDNN's
+    with mock.patch.object(nf4_amx, "takes_bf16_run", lambda: False):
+        assert term not in terms()

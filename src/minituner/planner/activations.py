@@ -81,7 +81,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from minigpt import native_attention, native_loss, native_swiglu
-from miniquant import nf4_matmul
+from miniquant import nf4_amx, nf4_matmul
 from minituner import native_lora
 from minigpt.bf16_support import bf16_support
 from minigpt.cross_entropy import fp32_loss_chunked
@@ -137,6 +137,13 @@ def bf16_compute_nf4(act_bytes: int, stream_bytes: int | None, on_cpu: bool = Tr
     (e = 2 beside s = 4) on a CPU where its kernel is built (AVX512-BF16); per weight, where its shape fits
     (``nf4_matmul.shape_fits``)."""
     return on_cpu and act_bytes == 2 and stream_bytes == 4 and nf4_matmul.takes_bf16_run()
+
+
+def bf16_compute_nf4_amx(act_bytes: int, stream_bytes: int | None, on_cpu: bool = True) -> bool:
+    """Whether the NF4 base's products run as ``miniquant.nf4_amx`` (a GEMM on AMX's tiles, each thread keeping
+    its sums in thread-local memory) in the run these widths describe: minituner.precision's bf16 compute (e = 2
+    beside s = 4) on a CPU with AMX where the kernel runs; per weight, where it fits (``nf4_amx.weight_fits``)."""
+    return on_cpu and act_bytes == 2 and stream_bytes == 4 and nf4_amx.takes_bf16_run()
 
 
 def bf16_gemm_fallback(act_bytes: int, stream_bytes: int | None, on_cpu: bool = True) -> bool:

@@ -22,7 +22,9 @@ every layer in forward and backward and kept from the first step on (``miniquant
 gradient runs as ``miniquant.nf4_matmul`` (bf16 on a CPU with AVX512-BF16), each thread also keeps its panel and
 sums (``nf4_matmul.scratch_bytes``: 128 KiB, and (N + 14)·512 bytes for an out_features over 512), and where the
 adapter's share of that gradient is added inside the product (``minituner.native_lora`` running: an even rank r, no
-LoRA dropout) the adapter's panel, r·256 bytes. The head returns
+LoRA dropout) the adapter's panel, r·256 bytes; where the products of NF4 weights of at most 2^20 values run as
+``miniquant.nf4_amx`` (bf16 on a CPU with AMX), each thread keeps its sums in thread-local memory
+(``nf4_amx.scratch_bytes``: 80 KiB). The head returns
 its logits in the block's dtype e, and the loss (``minigpt.cross_entropy``) reads them as they are: fp32 logits
 through ``F.cross_entropy``, narrower ones in fp32 chunks of R = ``chunk_rows(V)`` rows (CPU's chunk, about
 2 MiB; on CUDA the loss takes 64 MiB chunks, so its 2·R·V·4 term below is up to 128 MiB larger there than
@@ -96,11 +98,11 @@ from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 
 from minigpt.cross_entropy import chunk_rows, fp32_loss_chunked
-from miniquant import nf4_matmul
+from miniquant import nf4_amx, nf4_matmul
 
 from .activations import (FP32, LOSS_KEPT, MathAttention, SavedByLayer, as_minigpt, bf16_compute_loss,
-                          bf16_compute_lora, bf16_compute_nf4, bf16_gemm_fallback, counted_rows, lora_paths,
-                          minigpt_saved_by_layer)
+                          bf16_compute_lora, bf16_compute_nf4, bf16_compute_nf4_amx, bf16_gemm_fallback, counted_rows,
+                          lora_paths, minigpt_saved_by_layer)
 from .decoder_activations import decoder_saved_by_layer
 from .counts import ALL_LINEAR, NF4_BLOCK, resolve_targets, total_params
 from .shapes import ModelShape
@@ -225,6 +227,10 @@ def step_phases(shape: ModelShape, regime: str, rank: int | None, targets: str |
         adapter_rank = rank if rank and bf16_compute_lora(e, stream_bytes, rank, lora_dropout, on_cpu) else 0
         base["NF4 input-gradient panels (nf4_matmul, per thread)"] = nf4_matmul.scratch_bytes(
             N, max(lin.out_features for lin in in_c), nf4_matmul.team_threads(), adapter_rank)
+    # where nf4_amx multiplies NF4 weights on AMX's tiles (bf16 on a CPU with AMX), its threads' sums
+    if any(lin.path in quantized and nf4_amx.weight_fits(lin.in_features, lin.out_features, NF4_BLOCK)
+           for lin in shape.linears) and bf16_compute_nf4_amx(e, stream_bytes, on_cpu):
+        base["NF4 AMX GEMM sums (nf4_amx, per thread)"] = nf4_amx.scratch_bytes(nf4_matmul.team_threads())
     loss_forward, loss_backward = loss_phases(n, V, e, native=bf16_compute_loss(e, stream_bytes, on_cpu))
     loss_kept = sum(saved.head.get(term, 0) for term in LOSS_KEPT)
     phases = {
