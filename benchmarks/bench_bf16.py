@@ -530,20 +530,16 @@ def profile_groups(step: Callable[[], object]) -> tuple[float, dict[str, float]]
                 return call(self, *args, **kwargs)
         return run
 
-    def named_nf4(name: str, call: Callable) -> Callable:
-        def run(self, *args):
-            with record_function(f"miniquant::nf4_matmul.{name}"):
-                return call(self, *args)
-        return run
-
-    def named_amx(name: str, call: Callable) -> Callable:
-        def run(self, *args):
-            with record_function(f"miniquant::nf4_amx.{name}"):
-                return call(self, *args)
-        return run
+    def named_in(module: str) -> Callable[[str, Callable], Callable]:  # miniquant's kernels, labelled by module
+        def named_call(name: str, call: Callable) -> Callable:
+            def run(self, *args):
+                with record_function(f"miniquant::{module}.{name}"):
+                    return call(self, *args)
+            return run
+        return named_call
 
     with profile(activities=[ProfilerActivity.CPU]) as prof, _native_lora_wrapped(named), \
-            _nf4_matmul_wrapped(named_nf4), _nf4_amx_wrapped(named_amx):
+            _nf4_matmul_wrapped(named_in("nf4_matmul")), _nf4_amx_wrapped(named_in("nf4_amx")):
         t0 = time.perf_counter()
         step()
         wall = time.perf_counter() - t0
