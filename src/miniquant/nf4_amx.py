@@ -31,9 +31,10 @@ each output is (sum + bias) + scale·share in fp32, rounded to bf16 once (native
 first, then again with the adapter added); each value written is checked finite. Each output's sums run over k in
 the same order whatever the threads' split, so the bits do not depend on it; they are AMX's, not oneDNN's (which
 blocks k otherwise): tests/miniquant/test_nf4_amx.py holds them to fp64 references of the same bf16 operands. A
-last block of fewer than 32 rows reads its rows from a zero-padded copy. Each thread keeps 80 KiB (its panel's
-sums and the adapter's padded rows and pairs) in thread-local memory (``scratch_bytes``; ``minituner.planner``
-counts it).
+last block of fewer than 32 rows reads its rows from a zero-padded copy; the adapter's input, padded to 32 values
+a row, and its pairs for every column are made once a call (M·64 + N·64 bytes, freed before it returns), as that
+copy is. Each thread keeps 64 KiB (its panel's sums) in thread-local memory (``scratch_bytes``;
+``minituner.planner`` counts it).
 
 Where it is taken: weights of at most MAX_WEIGHT values (2^20: a GPT's 512 x 512 projections and its 512 x 2,048
 MLP, a Llama's 512 x 2,048 K/V projections). On the bench's GPT-shaped bf16 QLoRA step (8 layers, d_model 512,
@@ -234,30 +235,24 @@ static int block32(const uint16_t* a, int64_t lda, const uint32_t* Bp, int64_t K
     return bad != 0;
 }
 static __thread float t_acc[(MP / 32) * (NP / 32) * 1024] __attribute__((aligned(64)));  /* a panel's sums */
-static __thread uint16_t t_xa[MP * 32] __attribute__((aligned(64)));  /* a panel's rows of the adapter's input */
-static __thread uint32_t t_ap[(NP / 16) * 256] __attribute__((aligned(64)));  /* a panel's columns of its pairs */
 /* panel (pm, pn) of outputs: MP rows from pm·MP by NP columns from pn·NP, k in chunks of KC (each block's sums kept
    in t_acc between them); the last block's rows, where fewer than 32, read from pad (32 rows of K, zero past M).
-   With xa (M, r; r even, at most 32) and Wa (the adapter's fp32 master, see adapter_pairs), ascale·xa·Wa is added
-   before the rounding. *nonfinite set where a value written is NaN or ±inf */
+   With xa (an adapter's input in rows of 32 values, r of them its own, the rest 0, to a whole block past M) and ap
+   (its pairs, every strip: adapter_pairs), ascale·xa·Wa is added before the rounding. *nonfinite set where a value
+   written is NaN or ±inf */
 static void panel(const uint16_t* A, int64_t lda, const uint32_t* Bp, int64_t M, int64_t N, int64_t K,
-                  const uint16_t* pad, const uint16_t* bias, const uint16_t* xa, int64_t r, const float* Wa,
-                  int by_rows, float ascale, uint16_t* C, int64_t ldc, int64_t pm, int64_t pn, int* nonfinite) {
+                  const uint16_t* pad, const uint16_t* bias, const uint16_t* xa, const uint32_t* ap, float ascale,
+                  uint16_t* C, int64_t ldc, int64_t pm, int64_t pn, int* nonfinite) {
     const int64_t m_lo = pm * MP, m_hi = m_lo + MP < M ? m_lo + MP : M;
     const int64_t n_lo = pn * NP, n_hi = n_lo + NP < N ? n_lo + NP : N;
-    if (xa) {
-        memset(t_xa, 0, sizeof t_xa);
-        for (int64_t i = m_lo; i < m_hi; i++) memcpy(t_xa + (i - m_lo) * 32, xa + i * r, (size_t)r * 2);
-        adapter_pairs(Wa, N, r, by_rows, n_lo, n_hi, t_ap);
-    }
     int bad = 0;
     for (int64_t k0 = 0; k0 < K; k0 += KC) {
         const int64_t k1 = k0 + KC < K ? k0 + KC : K;
         for (int64_t n0 = n_lo; n0 < n_hi; n0 += 32)
             for (int64_t m0 = m_lo; m0 < m_hi; m0 += 32) {
                 float* acc = t_acc + (((m0 - m_lo) / 32) * (NP / 32) + (n0 - n_lo) / 32) * 1024;
-                const uint16_t* xs = xa ? t_xa + (m0 - m_lo) * 32 : NULL;
-                const uint32_t* as = xa ? t_ap + ((n0 - n_lo) / 16) * 256 : NULL;
+                const uint16_t* xs = xa ? xa + m0 * 32 : NULL;
+                const uint32_t* as = xa ? ap + (n0 / 16) * 256 : NULL;
                 if (m0 + 32 <= m_hi)
                     bad |= block32(A + m0 * lda, lda, Bp, K, k0, k1, n0, acc, bias, xs, as, ascale, C, ldc, m0, 32);
                 else
@@ -282,8 +277,8 @@ void nf4amx_pack(const uint8_t* codes, const float* scales, int64_t bs, const fl
 /* C (M, N; ldc) = A (M, K; lda) · B (+ bias (N,), bf16, where given), B in the tiles' layout (nf4amx_pack); N and K
    multiples of 32. With xa (M, r; bf16, rows contiguous, r even, at most 32) and Wa (fp32: (r, N), or (N, r) where
    by_rows): plus ascale·xa·Wa, a LoRA adapter's share, summed apart and added before the one rounding.
-   *nonfinite = 1 where a value written is NaN or ±inf, else 0. Returns 1 where a padded copy of the last rows
-   could not be allocated (C incomplete), else 0 */
+   *nonfinite = 1 where a value written is NaN or ±inf, else 0. Returns 1 where a padded copy (of the last rows,
+   or of the adapter's input and pairs) could not be allocated (C incomplete), else 0 */
 int nf4amx_gemm(const uint16_t* A, int64_t lda, const uint32_t* Bp, int64_t M, int64_t N, int64_t K,
                 const uint16_t* bias, const uint16_t* xa, int64_t r, const float* Wa, int by_rows, float ascale,
                 uint16_t* C, int64_t ldc, int* nonfinite, int threads) {
@@ -293,18 +288,32 @@ int nf4amx_gemm(const uint16_t* A, int64_t lda, const uint32_t* Bp, int64_t M, i
     /* the last rows, where fewer than 32, zero-padded: made here, on the calling thread (a malloc on one of
        OpenMP's threads would give it a heap arena of its own), read by every panel that ends in them */
     uint16_t* pad = M % 32 ? calloc(32 * (size_t)K, 2) : NULL;
-    if (M % 32 && !pad) return 1;
+    /* the adapter's input in rows of 32 values (zero past r, and past M to a whole block) and its pairs for every
+       strip of columns: made once a call and read by every panel (made per panel, the adapter added 29-40% to a
+       product of 1,024 rows, k 512, against 4-14% so; Intel Xeon with AMX, 2 threads, 2026-12-06) */
+    const int64_t m_blocks = (M + 31) / 32 * 32;
+    uint16_t* xa32 = xa ? calloc((size_t)m_blocks * 32, 2) : NULL;
+    uint32_t* ap = xa ? aligned_alloc(64, (size_t)(N / 16) * 256 * 4) : NULL;
+    if ((M % 32 && !pad) || (xa && (!xa32 || !ap))) {
+        free(pad); free(xa32); free(ap);
+        return 1;
+    }
     for (int64_t i = m_last; i < M; i++) memcpy(pad + (i - m_last) * K, A + i * lda, (size_t)K * 2);
+    if (xa) for (int64_t i = 0; i < M; i++) memcpy(xa32 + i * 32, xa + i * r, (size_t)r * 2);
     #pragma omp parallel num_threads(threads) if(threads > 1)
     {
+        if (xa) {  /* the strips split over the threads, all written before any panel starts (the for's barrier) */
+            #pragma omp for schedule(static)
+            for (int64_t s = 0; s < N / 16; s++) adapter_pairs(Wa, N, r, by_rows, 16 * s, 16 * s + 16, ap + s * 256);
+        }
         load_tiles();
         #pragma omp for schedule(static) collapse(2)
         for (int64_t pm = 0; pm < pms; pm++)
             for (int64_t pn = 0; pn < pns; pn++)
-                panel(A, lda, Bp, M, N, K, pad, bias, xa, r, Wa, by_rows, ascale, C, ldc, pm, pn, nonfinite);
+                panel(A, lda, Bp, M, N, K, pad, bias, xa32, ap, ascale, C, ldc, pm, pn, nonfinite);
         _tile_release();
     }
-    free(pad);
+    free(pad); free(xa32); free(ap);
 #endif
     return 0;
 }
@@ -365,7 +374,8 @@ class NF4Amx:
                         0 if xa is None else xa.shape[1], ptr(wa), int(wa_by_rows), scale, c.data_ptr(), n,
                         ctypes.byref(nonfinite), self._threads(m * n * k))
         if rc:
-            raise MemoryError("miniquant.nf4_amx: out of memory for the last rows' padded copy")
+            raise MemoryError("miniquant.nf4_amx: out of memory for the GEMM's padded copies (the last rows, the "
+                              "adapter's input and pairs)")
         return c, not nonfinite.value
 
     def product(self, a: Tensor, packed: Tensor, absmax: Tensor, blocksize: int, shape: tuple[int, int],
@@ -437,5 +447,5 @@ def takes_bf16_run() -> bool:
 
 def scratch_bytes(threads: int) -> int:
     """Bytes each thread that runs the GEMM keeps in thread-local memory from call to call, summed over `threads`:
-    its panel's fp32 sums (MP x NP), the adapter's rows (MP x 32 bf16) and pairs (NP x 16 words)."""
-    return threads * (MP * NP * 4 + MP * 32 * 2 + NP * 16 * 4)
+    its panel's fp32 sums (MP x NP)."""
+    return threads * MP * NP * 4

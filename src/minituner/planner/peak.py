@@ -24,7 +24,7 @@ sums (``nf4_matmul.scratch_bytes``: 128 KiB, and (N + 14)·512 bytes for an out_
 adapter's share of that gradient is added inside the product (``minituner.native_lora`` running: an even rank r, no
 LoRA dropout) the adapter's panel, r·256 bytes; where the products of NF4 weights of at most 2^20 values run as
 ``miniquant.nf4_amx`` (bf16 on a CPU with AMX), each thread keeps its sums in thread-local memory
-(``nf4_amx.scratch_bytes``: 80 KiB). The head returns
+(``nf4_amx.scratch_bytes``: 64 KiB). The head returns
 its logits in the block's dtype e, and the loss (``minigpt.cross_entropy``) reads them as they are: fp32 logits
 through ``F.cross_entropy``, narrower ones in fp32 chunks of R = ``chunk_rows(V)`` rows (CPU's chunk, about
 2 MiB; on CUDA the loss takes 64 MiB chunks, so its 2·R·V·4 term below is up to 128 MiB larger there than
