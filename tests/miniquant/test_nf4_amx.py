@@ -244,8 +244,9 @@ def test_lora_product_adds_the_adapter_inside_and_gives_the_workspace_paths_valu
 
 
 def test_the_planner_counts_each_threads_sums_where_it_runs():
-    """Each thread that runs the GEMM keeps 64 KiB in thread-local memory (a panel's fp32 sums): the planner counts it per thread of the team in a bf16 QLoRA run on a CPU where nf4_amx runs, and
-    nowhere else (mocked both ways)."""
+    """Each thread that runs the GEMM keeps 64 KiB in thread-local memory (a panel's fp32 sums): the planner counts
+    it per thread of the team in a bf16 QLoRA run on a CPU where nf4_amx runs, and nowhere else (mocked both
+    ways)."""
     from minigpt.model import GPTConfig
     from minituner.planner import MemoryConfig, Regime, minigpt_shape, regime_bytes
     from minituner.planner.peak import step_peak
