@@ -32,6 +32,9 @@ the same turns and processes of their own, on each shape's small variant (SMALL_
 and rank at a small width, 16 tokens), whose arithmetic is next to nothing: what is left, Python, PyTorch's dispatch
 and autograd around each op and each kernel's call, is paid by a step of these layers at any width, and the floor
 goal says how much of our rest over the floor it is.
+Each goal is a ratio of two rows' medians; its text gives the same ratio turn by turn as well (median and range
+of the per-turn ratios, timing.per_turn_ratio), which a slow phase of the machine spanning several turns leaves
+alone where it moves the medians.
 On a CPU without bf16 units (minigpt.bf16_support) the bf16 goals are reported as not measurable here.
 """
 from __future__ import annotations
@@ -71,7 +74,8 @@ from minituner.hf_config import decoder_config_from_hf  # noqa: E402
 from report import Goal, Section  # noqa: E402
 from minituner.memory.heap import trim_now  # noqa: E402
 from paced import run_paced  # noqa: E402
-from timing import OPTIMIZER_NOTE, adamw, fmt_ratio, fmt_seconds, peak_rss_mib, reset_peak_rss, wait_for_quiet  # noqa: E402
+from timing import (OPTIMIZER_NOTE, adamw, fmt_ratio, fmt_seconds, peak_rss_mib, per_turn_ratio,  # noqa: E402
+                    reset_peak_rss, wait_for_quiet)
 
 VS_PEFT_BNB_GOAL = 0.5  # our QLoRA bf16 step / PEFT + bitsandbytes bf16 (autocast) step
 VS_FLOOR_GOAL = 1.3  # our QLoRA bf16 step / the sum of its matrix products timed alone
@@ -669,6 +673,7 @@ def _run(shape: str, warmup: int, repeats: int) -> dict:
         raise RuntimeError(f"bf16 {shape} failed: {failed}")
     floor = results["floor"]
     return {"timings": {r: [statistics.median(v["times"]), min(v["times"]), v["first_s"]] for r, v in results.items()},
+            "times": {r: v["times"] for r, v in results.items()},  # in turn order: turn i's timed step of each row
             "rounds": repeats, "configs": configs, "floor_of": floor["floor_of"], "bf16_cost": floor.get("bf16_cost"),
             "losses": {r: v["losses"] for r, v in results.items() if r != "floor"},
             "groups": {r: v["groups"] for r, v in results.items()}, "threads": floor["threads"],
@@ -753,10 +758,16 @@ def run_shape(shape: str, quick: bool = False, wait_s: float | None = None) -> S
     products_in_step = q.get("matrix products", 0.0)
     products_replayed = res["groups"].get("floor", {}).get("matrix products", 0.0)
     not_here = "" if support.fast else "not measurable here: this CPU has no bf16 units. "
+    times = res["times"]
+
+    def turns(row: str, other: str) -> str:  # the goal's ratio turn by turn (timing.per_turn_ratio)
+        return f"turn by turn, the two timed in the same turn: {per_turn_ratio(times[row], times[other])}; "
+
     section.goals += [
         Goal(f"bf16 step ({shape}): ours QLoRA / PEFT + bitsandbytes (autocast, its faster setting)",
              t["qlora_bf16"] / t[peft_best], VS_PEFT_BNB_GOAL, False,
-             f"{not_here}our step's own matrix products, replayed alone (the floor), take "
+             f"{not_here}{turns('qlora_bf16', peft_best)}"
+             "our step's own matrix products, replayed alone (the floor), take "
              f"{fmt_ratio(floor / t[peft_best])} PEFT + bitsandbytes' step: "
              + ("no step that runs them reaches the goal on this CPU. " if floor / t[peft_best] > VS_PEFT_BNB_GOAL
                 else f"the goal leaves {fmt_seconds(VS_PEFT_BNB_GOAL * t[peft_best] - floor)} a step for all else. ")
@@ -771,7 +782,8 @@ def run_shape(shape: str, quick: bool = False, wait_s: float | None = None) -> S
              measurable=support.fast),
         Goal(f"bf16 step ({shape}): ours QLoRA / its matrix products alone", t["qlora_bf16"] / floor, VS_FLOOR_GOAL,
              False,
-             f"{not_here}the rest, {fmt_seconds(rest)} a step: {fmt_seconds(fixed['qlora_bf16'])} of it the fixed cost "
+             f"{not_here}{turns('qlora_bf16', 'floor')}"
+             f"the rest, {fmt_seconds(rest)} a step: {fmt_seconds(fixed['qlora_bf16'])} of it the fixed cost "
              f"of any step of these layers (the same configuration at a small width and {SMALL_TOKENS} tokens, see "
              "the notes: Python, dispatch and autograd around each op); the step's products themselves take "
              f"{'longer than' if products_in_step > products_replayed else 'no longer than'} replayed "
@@ -792,7 +804,8 @@ def run_shape(shape: str, quick: bool = False, wait_s: float | None = None) -> S
              f"{fmt_seconds(q.get('other', 0.0))}",
              measurable=support.fast),
         Goal(f"bf16 step ({shape}): ours QLoRA / ours LoRA", t["qlora_bf16"] / t["lora_bf16"], VS_LORA_GOAL, False,
-             f"{not_here}an NF4 dequantization of every base weight per step for the forward, into one reused bf16 "
+             f"{not_here}{turns('qlora_bf16', 'lora_bf16')}"
+             "an NF4 dequantization of every base weight per step for the forward, into one reused bf16 "
              "workspace, and " + ("its codes unpacked again inside the input gradient's product (miniquant.nf4_matmul; "
                                   "where that does not run, a second dequantization into the workspace)"
                                   if nf4_matmul.chosen() else
@@ -825,7 +838,9 @@ _PACED_NOTE = (
     "process to itself (its heap; ours with build_for_training's allocator settings, PEFT's with glibc's "
     "defaults): each built and warmed up ({warmup} step(s)) in turn, then timed in {turns} turns, each giving "
     f"every row {SETTLE_STEPS} untimed step(s) and then one timed step, who goes first rotating and the rest "
-    "shuffled (paced.run_paced), so load from other processes falls on all rows alike.")
+    "shuffled (paced.run_paced), so load from other processes falls on all rows alike. Each goal is a ratio of "
+    "two medians; beside it, the same ratio turn by turn (timing.per_turn_ratio): a slow phase of the machine "
+    "that spans turns moves the medians, not the ratio within a turn.")
 
 
 def _closing_notes(section: Section, res: dict, spec: Shape) -> Section:

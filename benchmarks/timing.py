@@ -56,6 +56,18 @@ def fmt_ratio(r: float) -> str:
     return f"{r:.1f}×" if r >= 10 else f"{r:.2f}×"
 
 
+def per_turn_ratio(a: list[float], b: list[float]) -> str:
+    """a / b turn by turn, for two contenders timed in the same turns (paced.run_paced, time_interleaved: turn i
+    times each once, within seconds of each other), as "median r, from lo to hi over n turns". A slow phase of a
+    shared machine that spans several turns moves both medians but not the turns' ratios, so this figure beside
+    a goal's ratio of medians shows how much of that ratio is the machine's pace."""
+    if len(a) != len(b) or not a:
+        raise ValueError(f"per_turn_ratio needs two equal, non-empty lists of times, got {len(a)} and {len(b)}")
+    ratios = sorted(x / y for x, y in zip(a, b))
+    return (f"median {fmt_ratio(statistics.median(ratios))}, from {fmt_ratio(ratios[0])} to {fmt_ratio(ratios[-1])} "
+            f"over {len(ratios)} turns")
+
+
 def time_call(fn: Callable[[], object], repeats: int = 7, warmup: int = 2, min_total_s: float = 0.0) -> Timing:
     """Median wall time of fn() after warm-up calls (the first call is reported separately)."""
     return time_interleaved({"fn": fn}, repeats, warmup, min_total_s)["fn"]
