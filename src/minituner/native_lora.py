@@ -22,7 +22,12 @@ file's loop (2026-12-03). Here each layer is three calls of C, each one pass ove
   one column block down all N rows at a time read a cache line per row at the rows' stride; on an Intel Xeon with
   AMX, 2 threads, one GPT-stack layer's six adapters took 3.79 ms backward that way and 3.28 ms in row tiles, a
   Llama-3.2-1B layer's seven (N 512, r 16) 32.1 and 15.7 ms, the same bits, medians of 30 alternating calls,
-  2026-12-04).
+  2026-12-04). Where the library is built for a CPU with AMX these two sums run in fp32 FMAs instead of vdpbf16ps
+  (``use_fma``), one product at a time in the instruction's order under DAZ and FTZ: the same bits (tested), as
+  the product of two bf16 values is exact in fp32. On Intel's cores vdpbf16ps issues once every 2 cycles, half
+  the rate of two FMA ports in multiply-adds: on an Intel Xeon with AMX (2 threads, alone) a (1,024, 512 -> 512)
+  backward took 0.13 against 0.17 ms, (1,024, 512 -> 2,048) 0.37 against 0.47 ms, and the GPT-shaped bf16 QLoRA
+  step 185.27 against 188.19 and 190.62 against 195.62 ms (medians of 24 and 30 paced turns, 2026-12-06).
 - ``input_update_``: grad_x = bf16(grad_x + grad_a·A) in place, rounded once as ``addmm_`` rounds; rows split.
 Each call rounds the fp32 masters it reads to bf16 itself (as ``.to(torch.bfloat16)`` rounds them), so the layer
 keeps no bf16 copies (minituner.planner counts none: ``bf16_compute_lora``). On the bench's step this took the
@@ -311,6 +316,108 @@ static void lora_cols_outer(const uint32_t* pairs, int64_t r, const uint16_t* y,
 #endif
 }
 
+/* lora_cols_outer's sums in fp32 FMAs: the same sums, one product at a time in vdpbf16ps's order (row n + 1's,
+   then row n's; the product of two bf16 values is exact in fp32, so an FMA rounds each addition as vdpbf16ps
+   does), under MXCSR's DAZ and FTZ as vdpbf16ps treats denormals: the same bits. On Intel's cores with AMX
+   vdpbf16ps issues once every 2 cycles (0.71 ns against 0.17 for a 512-bit FMA, measured), so its 32 products
+   an instruction come at half of two FMA ports' 2 x 16; on AMD's it issues as an FMA does (lora_use_fma).
+   pairs: for each group of 8 of a's r columns and each pair of rows n, n + 1, 16 floats: a[n + 1, j] for the 8 j,
+   then a[n, j] (pack_pairs_f32; 0 for the row after an odd N; a group short of 8 repeats its first j). y's 32
+   columns of a block split by parity, as a bf16 value's bits are an fp32's top half: the even ones by a shift,
+   the odd ones by a mask; acc keeps each block's 16 even columns, then its 16 odd ones (outer_column) */
+static int64_t pair_floats(int64_t N, int64_t r) { return (r + 7) / 8 * ((N + 1) / 2) * 16; }
+static void pack_pairs_f32(const uint16_t* a, int64_t N, int64_t r, float* pairs) {
+    for (int64_t j0 = 0, g = 0; j0 < r; j0 += 8, g++) {
+        const int64_t jn = r - j0 < 8 ? r - j0 : 8;
+        for (int64_t n = 0; n < N; n += 2)
+            for (int j = 0; j < 8; j++) {
+                const int64_t c = j0 + (j < jn ? j : 0);
+                float* word = pairs + (g * ((N + 1) / 2) + n / 2) * 16;
+                word[j] = n + 1 < N ? f32_from_bf16(a[(n + 1) * r + c]) : 0.0f;
+                word[8 + j] = f32_from_bf16(a[n * r + c]);
+            }
+    }
+}
+static inline int64_t outer_column(int64_t c) { return c / 32 * 32 + (c % 2 ? 16 : 0) + c % 32 / 2; }
+
+static void lora_cols_outer_fma(const float* pairs, int64_t r, const uint16_t* y, int64_t ldy, int64_t N, int64_t M,
+                                float scale, float* out, int64_t ldj, int64_t ldm, int64_t b0, int64_t b1, float* acc) {
+#ifdef LORA_BF16
+    const unsigned csr = _mm_getcsr();
+    _mm_setcsr(csr | 0x8040);  /* FTZ (bit 15) and DAZ (bit 6), this thread's, until the sums are done */
+    const int64_t m0 = 32 * b0, m1 = 32 * b1 < M ? 32 * b1 : M, w = 32 * (b1 - b0), P = (N + 1) / 2;
+    const __m512i top = _mm512_set1_epi32((int)0xFFFF0000u);
+    if (P == 0) memset(acc, 0, (size_t)((r + 7) / 8 * 8 * w) * sizeof(float));
+    for (int64_t p0 = 0; p0 < P; p0 += LORA_PAIR_TILE) {
+        const int64_t p1 = p0 + LORA_PAIR_TILE < P ? p0 + LORA_PAIR_TILE : P;
+        for (int64_t mb = m0; mb < m1; mb += 32) {
+            const int64_t mn = m1 - mb < 32 ? m1 - mb : 32;
+            const __mmask32 m = mask32(mn);
+            for (int64_t j0 = 0, g = 0; j0 < r; j0 += 8, g++) {
+                const float* group = pairs + g * P * 16;
+                float* c = acc + j0 * w + (mb - m0);
+                __m512 s[8][2];  /* [j][0]: the block's even columns, [j][1]: its odd ones */
+                for (int j = 0; j < 8; j++) {
+                    s[j][0] = p0 ? _mm512_loadu_ps(c + j * w) : _mm512_setzero_ps();
+                    s[j][1] = p0 ? _mm512_loadu_ps(c + j * w + 16) : _mm512_setzero_ps();
+                }
+                for (int64_t p = p0; p < p1; p++) {
+                    const int64_t n = 2 * p;
+                    const int two = n + 1 < N;
+                    __m512i y0, y1 = _mm512_setzero_si512();
+                    if (j0 == 0) {  /* the next block, these rows */
+                        _mm_prefetch((const char*)(y + n * ldy + mb + 32), _MM_HINT_T0);
+                        if (two) _mm_prefetch((const char*)(y + (n + 1) * ldy + mb + 32), _MM_HINT_T0);
+                    }
+                    if (mn == 32) {
+                        y0 = _mm512_loadu_si512(y + n * ldy + mb);
+                        if (two) y1 = _mm512_loadu_si512(y + (n + 1) * ldy + mb);
+                    } else {
+                        y0 = _mm512_maskz_loadu_epi16(m, y + n * ldy + mb);
+                        if (two) y1 = _mm512_maskz_loadu_epi16(m, y + (n + 1) * ldy + mb);
+                    }
+                    const __m512 e0 = _mm512_castsi512_ps(_mm512_slli_epi32(y0, 16));
+                    const __m512 o0 = _mm512_castsi512_ps(_mm512_and_si512(y0, top));
+                    const __m512 e1 = _mm512_castsi512_ps(_mm512_slli_epi32(y1, 16));
+                    const __m512 o1 = _mm512_castsi512_ps(_mm512_and_si512(y1, top));
+                    const float* pn = group + p * 16;
+                    for (int j = 0; j < 8; j++) {  /* row n + 1 first, as vdpbf16ps adds its pair */
+                        const __m512 b = _mm512_set1_ps(pn[j]);
+                        s[j][0] = _mm512_fmadd_ps(e1, b, s[j][0]);
+                        s[j][1] = _mm512_fmadd_ps(o1, b, s[j][1]);
+                    }
+                    for (int j = 0; j < 8; j++) {
+                        const __m512 b = _mm512_set1_ps(pn[8 + j]);
+                        s[j][0] = _mm512_fmadd_ps(e0, b, s[j][0]);
+                        s[j][1] = _mm512_fmadd_ps(o0, b, s[j][1]);
+                    }
+                }
+                for (int j = 0; j < 8; j++) {
+                    _mm512_storeu_ps(c + j * w, s[j][0]);
+                    _mm512_storeu_ps(c + j * w + 16, s[j][1]);
+                }
+            }
+        }
+    }
+    _mm_setcsr(csr);
+    for (int64_t j = 0; j < r; j++)  /* scaled once, at the end */
+        for (int64_t mc = m0; mc < m1; mc++) out[j * ldj + mc * ldm] = scale * acc[j * w + outer_column(mc - m0)];
+#endif
+}
+
+/* whether lora_backward sums the masters' gradients in FMAs (lora_cols_outer_fma) rather than in vdpbf16ps: the
+   same bits, the faster where the library is built for a CPU with AMX (Intel's, where vdpbf16ps runs at half
+   rate); lora_use_fma(0) or (1) sets it (tests run both), lora_use_fma(-1) leaves it; each returns it */
+#ifdef __AMX_BF16__
+static int lora_fma = 1;
+#else
+static int lora_fma = 0;
+#endif
+int lora_use_fma(int want) {
+    if (want >= 0) lora_fma = want != 0;
+    return lora_fma;
+}
+
 #ifdef LORA_BF16
 /* lanes of 16 bf16 values that are NaN or ±inf (all exponent bits set) */
 static inline __mmask16 nonfinite16(const uint16_t* v) {
@@ -440,7 +547,8 @@ int lora_backward(const uint16_t* g, int64_t ldg, const uint16_t* x, int64_t ldx
         free(Bp);
     }
     const int64_t kb = grad_A ? (K + 31) / 32 : 0, mb = grad_B ? (M + 31) / 32 : 0;
-    const int64_t blocks = kb + mb, words = pair_words(N, r);
+    const int use_fma = lora_fma;
+    const int64_t blocks = kb + mb, words = use_fma ? pair_floats(N, r) : pair_words(N, r);  /* (4 bytes each) */
     uint32_t* pa = grad_A ? malloc((size_t)(words + 1) * sizeof(uint32_t)) : NULL;  /* (+1: never malloc(0)) */
     uint32_t* pb = grad_B ? malloc((size_t)(words + 1) * sizeof(uint32_t)) : NULL;
     /* the running sums, each chunk its own (r + 7) / 8 * 8 rows of 32 per block (allocated here, on the calling
@@ -448,17 +556,20 @@ int lora_backward(const uint16_t* g, int64_t ldg, const uint16_t* x, int64_t ldx
     const int64_t rows = (r + 7) / 8 * 8;
     float* acc = malloc((size_t)(32 * rows * (blocks > 0 ? blocks : 1)) * sizeof(float));
     if ((grad_A && !pa) || (grad_B && !pb) || !acc) { free(pa); free(pb); free(acc); return 1; }
-    if (pa) pack_pairs(grad_a, N, r, pa);
-    if (pb) pack_pairs(a, N, r, pb);
+    if (pa) use_fma ? pack_pairs_f32(grad_a, N, r, (float*)pa) : pack_pairs(grad_a, N, r, pa);
+    if (pb) use_fma ? pack_pairs_f32(a, N, r, (float*)pb) : pack_pairs(a, N, r, pb);
     if (chunks > blocks) chunks = blocks;
+#define LORA_OUTER(pairs, ...) (use_fma ? lora_cols_outer_fma((const float*)(pairs), __VA_ARGS__) \
+                                    : lora_cols_outer((pairs), __VA_ARGS__))
     LORA_RANGES(blocks, u0, u1, {
         if (u0 < kb)
-            lora_cols_outer(pa, r, x, ldx, N, K, 1.0f, grad_A, K, 1, u0, u1 < kb ? u1 : kb, acc + 32 * rows * u0);
+            LORA_OUTER(pa, r, x, ldx, N, K, 1.0f, grad_A, K, 1, u0, u1 < kb ? u1 : kb, acc + 32 * rows * u0);
         if (u1 > kb) {
             const int64_t v0 = u0 > kb ? u0 : kb;
-            lora_cols_outer(pb, r, g, ldg, N, M, scale, grad_B, 1, r, v0 - kb, u1 - kb, acc + 32 * rows * v0);
+            LORA_OUTER(pb, r, g, ldg, N, M, scale, grad_B, 1, r, v0 - kb, u1 - kb, acc + 32 * rows * v0);
         }
     });
+#undef LORA_OUTER
     free(pa);
     free(pb);
     free(acc);
@@ -501,6 +612,15 @@ class NativeLoRA:
         self._split = ThreadSplit("minituner-lora", openmp=bool(lib.mk_openmp()))  # its openmp: off in a forked child
         self._use_amx = getattr(lib, "lora_use_amx", None)  # (the bf16 library's; not native_lora_fp32's)
         self.amx = self.use_amx(True)
+        self._use_fma = getattr(lib, "lora_use_fma", None)  # (the bf16 library's)
+        self.fma = bool(self._use_fma(-1)) if self._use_fma is not None else False  # the build's own choice
+
+    def use_fma(self, on: bool) -> bool:
+        """Sum the masters' gradients (grad_A, grad_B) in fp32 FMAs rather than in vdpbf16ps: the same bits; the
+        library's default is FMAs where it was built for a CPU with AMX (Intel's, where vdpbf16ps runs at half
+        an FMA's rate). Returns whether they run in FMAs from now on (in this process)."""
+        self.fma = bool(self._use_fma(int(on))) if self._use_fma is not None else False
+        return self.fma
 
     def use_amx(self, on: bool) -> bool:
         """Run x·Aᵀ and g·B on AMX's tiles where the CPU has them (and Linux grants them), else on vdpbf16ps;
