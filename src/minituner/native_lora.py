@@ -29,6 +29,11 @@ file's loop (2026-12-03). Here each layer is three calls of C, each one pass ove
   backward took 0.13 against 0.17 ms, (1,024, 512 -> 2,048) 0.37 against 0.47 ms, and the GPT-shaped bf16 QLoRA
   step 185.27 against 188.19 and 190.62 against 195.62 ms (medians of 24 and 30 paced turns, 2026-12-06).
 - ``input_update_``: grad_x = bf16(grad_x + grad_a·A) in place, rounded once as ``addmm_`` rounds; rows split.
+  Where the sums above run in FMAs, so do this update's and the forward's update of y (4 rows sharing each load
+  of the adapter's values, the sums under DAZ and FTZ, the update under the caller's MXCSR): the same bits. Alone
+  (the same machine, 2 threads): forward_ at (1,024, 512 -> 512) 0.125 against 0.15 ms, at Llama-3.2-1B's
+  (512, 2,048 -> 8,192, r 16) 1.16-1.23 against 1.47-1.48 ms; input_update_ at (512, 8,192 -> 2,048) 1.08-1.18
+  against 1.29-1.42 ms. Much of these calls is the pass over y or grad_x itself.
 Each call rounds the fp32 masters it reads to bf16 itself (as ``.to(torch.bfloat16)`` rounds them), so the layer
 keeps no bf16 copies (minituner.planner counts none: ``bf16_compute_lora``). On the bench's step this took the
 step from 307.4 to 275.6 ms (medians of 24 steps, the two alternating in one process).
@@ -43,7 +48,7 @@ backward (1,024, 512 -> 2,048) 416 against 511; at Llama-3.2-1B's shapes (N 512,
 (8,192 -> 2,048) 460 against 967 µs, the backward of gate_proj (2,048 -> 8,192) 1,226 against 2,148. The
 Llama-3.2-1B-shaped bf16 QLoRA step (6 layers) 1,004 against 1,026 ms (medians of 10 paced turns); the GPT-shaped
 one 168 against 166 ms (30 turns, within its noise). The rest (y's update, the masters' gradients, the input's
-update) stays on vdpbf16ps.
+update) keeps vdpbf16ps's sums (run as FMAs where the library is built for such a CPU, above).
 
 Sums are fp32, in the instruction's order: vdpbf16ps adds two bf16 products per lane and, as oneDNN's bf16 GEMM
 does on these CPUs (the same instruction), treats denormal inputs as zero and flushes denormal results. Roundings
@@ -405,9 +410,10 @@ static void lora_cols_outer_fma(const float* pairs, int64_t r, const uint16_t* y
 #endif
 }
 
-/* whether lora_backward sums the masters' gradients in FMAs (lora_cols_outer_fma) rather than in vdpbf16ps: the
-   same bits, the faster where the library is built for a CPU with AMX (Intel's, where vdpbf16ps runs at half
-   rate); lora_use_fma(0) or (1) sets it (tests run both), lora_use_fma(-1) leaves it; each returns it */
+/* whether the sums of lora_backward's masters' gradients (lora_cols_outer_fma) and of y's update in lora_forward
+   and lora_input_update (lora_rows_update_fma) run in FMAs rather than in vdpbf16ps: the same bits, the faster
+   where the library is built for a CPU with AMX (Intel's, where vdpbf16ps runs at half rate); lora_use_fma(0) or
+   (1) sets it (tests run both), lora_use_fma(-1) leaves it; each returns it */
 #ifdef __AMX_BF16__
 static int lora_fma = 1;
 #else
@@ -472,6 +478,93 @@ static int lora_rows_update(uint16_t* y, int64_t ldy, const uint16_t* a, int64_t
     return bad;
 }
 
+/* lora_rows_update with its sums in fp32 FMAs (lora_use_fma), in vdpbf16ps's order (for each pair i: j = 2i + 1,
+   then 2i) under DAZ and FTZ, as lora_cols_outer_fma: the same sums, so the same bits. W: the adapter's values
+   (r, M) fp32, each rounded to bf16 (col_floats, row_floats). LORA_FMA_ROWS rows share each load of W's vectors
+   (vdpbf16ps's rows each read W's pairs alone: at half the FMAs' rate the instruction, not the loads, bound it);
+   a chunk of LORA_FMA_COLS columns of their sums is kept, then y's update runs under the caller's MXCSR, as
+   lora_rows_update's does */
+#define LORA_FMA_ROWS 4
+#define LORA_FMA_COLS 1024
+#ifdef LORA_BF16
+/* sums[q][col + 16v] = Σ_j av[q][j] · W[j, mb + 16v] for NR rows q and V vectors v of 16 columns from mb, in
+   vdpbf16ps's order (for each pair i, j = 2i + 1 then 2i); with masked, the first V·16 columns' lanes in m only.
+   (Inlined with constant NR and V: the sums stay in registers.) */
+static inline __attribute__((always_inline)) void lora_fma_sums(const int NR, const int V, const int masked,
+        __mmask16 m, const float* W, int64_t M, int64_t r, int64_t mb, float (*av)[MAX_RANK],
+        float (*sums)[LORA_FMA_COLS], int64_t col) {
+    __m512 s[LORA_FMA_ROWS][4];
+    for (int q = 0; q < NR; q++)
+        for (int v = 0; v < V; v++) s[q][v] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < r / 2; i++) {
+        __m512 hi[4], lo[4];
+        for (int v = 0; v < V; v++) {
+            const float* wh = W + (2 * i + 1) * M + mb + 16 * v, *wl = W + 2 * i * M + mb + 16 * v;
+            hi[v] = masked ? _mm512_maskz_loadu_ps(m, wh) : _mm512_loadu_ps(wh);
+            lo[v] = masked ? _mm512_maskz_loadu_ps(m, wl) : _mm512_loadu_ps(wl);
+        }
+        for (int q = 0; q < NR; q++) {
+            const __m512 bh_ = _mm512_set1_ps(av[q][2 * i + 1]), bl_ = _mm512_set1_ps(av[q][2 * i]);
+            for (int v = 0; v < V; v++) s[q][v] = _mm512_fmadd_ps(hi[v], bh_, s[q][v]);
+            for (int v = 0; v < V; v++) s[q][v] = _mm512_fmadd_ps(lo[v], bl_, s[q][v]);
+        }
+    }
+    for (int q = 0; q < NR; q++)
+        for (int v = 0; v < V; v++) _mm512_storeu_ps(sums[q] + col + 16 * v, s[q][v]);
+}
+#endif
+static int lora_rows_update_fma(uint16_t* y, int64_t ldy, const uint16_t* a, int64_t r, const float* W, int64_t M,
+                                float scale, int64_t n0, int64_t n1) {
+    int bad = 0;
+#ifdef LORA_BF16
+    __mmask16 seen = 0;
+    const __m512 sv = _mm512_set1_ps(scale);
+    const unsigned csr = _mm_getcsr();
+    float av[LORA_FMA_ROWS][MAX_RANK];
+    float sums[LORA_FMA_ROWS][LORA_FMA_COLS];
+    for (int64_t n = n0; n < n1; n += LORA_FMA_ROWS) {
+        const int nr = n1 - n < LORA_FMA_ROWS ? (int)(n1 - n) : LORA_FMA_ROWS;
+        for (int q = 0; q < nr; q++)
+            for (int64_t j = 0; j < r; j++) av[q][j] = f32_from_bf16(a[(n + q) * r + j]);
+        for (int64_t c0 = 0; c0 < M; c0 += LORA_FMA_COLS) {
+            const int64_t c1 = c0 + LORA_FMA_COLS < M ? c0 + LORA_FMA_COLS : M;
+            _mm_setcsr(csr | 0x8040);  /* FTZ and DAZ for the sums, as vdpbf16ps */
+            int64_t mb = c0;
+            for (; mb + 64 <= c1; mb += 64) {  /* 64 columns: 4 vectors of sums a row */
+                if (nr == LORA_FMA_ROWS)
+                    lora_fma_sums(LORA_FMA_ROWS, 4, 0, 0, W, M, r, mb, av, sums, mb - c0);
+                else  /* the last rows, one at a time: the same sums */
+                    for (int q = 0; q < nr; q++) lora_fma_sums(1, 4, 0, 0, W, M, r, mb, av + q, sums + q, mb - c0);
+            }
+            for (; mb < c1; mb += 16)  /* the rest, 16 columns at a time (masked) */
+                for (int q = 0; q < nr; q++)
+                    lora_fma_sums(1, 1, 1, mask16(c1 - mb), W, M, r, mb, av + q, sums + q, mb - c0);
+            _mm_setcsr(csr);
+            for (int q = 0; q < nr; q++) {  /* y = bf16(y + scale * sums), as lora_rows_update writes it */
+                uint16_t* yn = y + (n + q) * ldy;
+                int64_t c = c0;
+                for (; c + 16 <= c1; c += 16) {
+                    const __m512 sm = _mm512_loadu_ps(sums[q] + (c - c0));
+                    store16(yn + c, _mm512_add_ps(load16(yn + c), _mm512_mul_ps(sm, sv)));
+                    seen |= nonfinite16(yn + c);
+                }
+                if (c < c1) {  /* the last M % 16 through a padded copy: store16 writes 16 */
+                    uint16_t t[16] = {0};
+                    const int64_t left = c1 - c;
+                    memcpy(t, yn + c, (size_t)left * sizeof(uint16_t));
+                    const __m512 sm = _mm512_maskz_loadu_ps(mask16(left), sums[q] + (c - c0));
+                    store16(t, _mm512_add_ps(load16(t), _mm512_mul_ps(sm, sv)));
+                    seen |= nonfinite16(t) & mask16(left);
+                    memcpy(yn + c, t, (size_t)left * sizeof(uint16_t));
+                }
+            }
+        }
+    }
+    bad = seen != 0;
+#endif
+    return bad;
+}
+
 #ifdef LORA_BF16
 /* fp32 masters rounded to bf16 as PyTorch's .to(bfloat16) rounds them: rows (r, K) as they are, or B (M, r) as
    r / 2 rows of pairs (B[m, 2i], B[m, 2i + 1]) for rows_update, or Bᵀ (r, M) */
@@ -489,6 +582,14 @@ static void row_pairs(const float* A, int64_t K, int64_t r, uint32_t* P) {
     for (int64_t i = 0; i < r / 2; i++)
         for (int64_t k = 0; k < K; k++)
             P[i * K + k] = (uint32_t)bf16_from_f32(A[2 * i * K + k]) | (uint32_t)bf16_from_f32(A[(2 * i + 1) * K + k]) << 16;
+}
+/* lora_rows_update_fma's W (r, M): B (M, r) transposed, A (r, K) as it is; each value rounded to bf16 */
+static void col_floats(const float* B, int64_t M, int64_t r, float* W) {
+    for (int64_t j = 0; j < r; j++)
+        for (int64_t m = 0; m < M; m++) W[j * M + m] = f32_from_bf16(bf16_from_f32(B[m * r + j]));
+}
+static void row_floats(const float* A, int64_t K, int64_t r, float* W) {
+    for (int64_t i = 0; i < r * K; i++) W[i] = f32_from_bf16(bf16_from_f32(A[i]));
 }
 static void transpose_round(const float* B, int64_t M, int64_t r, uint16_t* Bt) {
     for (int64_t m = 0; m < M; m++)
@@ -508,16 +609,18 @@ int lora_forward(const uint16_t* x, int64_t ldx, const float* A, const float* B,
     const int amx = lora_amx && K % 32 == 0;
     uint16_t* Ab = amx ? NULL : malloc((size_t)(r * K) * sizeof(uint16_t));
     uint32_t* Ap = amx ? malloc((size_t)(r * K / 2) * sizeof(uint32_t)) : NULL;
-    uint32_t* P = y ? malloc((size_t)(r / 2 * M) * sizeof(uint32_t)) : NULL;
+    const int use_fma = lora_fma;  /* y's update: B's values as floats (r, M), else its pairs (r / 2, M) */
+    uint32_t* P = y ? malloc((size_t)((use_fma ? r : r / 2) * M) * sizeof(uint32_t)) : NULL;
     if (!(Ab || Ap) || (y && !P)) { free(Ab); free(Ap); free(P); return 1; }
     if (Ab) round_rows(A, r * K, Ab);
     if (Ap) amx_pairs(A, K, r, 0, Ap);
-    if (P) col_pairs(B, M, r, P);
+    if (P) use_fma ? col_floats(B, M, r, (float*)P) : col_pairs(B, M, r, P);
     LORA_RANGES(N, u0, u1, {
         for (int64_t n = u0; n < u1; n += LORA_ROW_BLOCK) {
             const int64_t e = n + LORA_ROW_BLOCK < u1 ? n + LORA_ROW_BLOCK : u1;
             lora_rows_dot_any(x, ldx, Ab, Ap, K, r, 1.0f, a, n, e);
-            if (y && lora_rows_update(y, ldy, a, r, P, M, scale, n, e))
+            if (y && (use_fma ? lora_rows_update_fma(y, ldy, a, r, (const float*)P, M, scale, n, e)
+                              : lora_rows_update(y, ldy, a, r, P, M, scale, n, e)))
                 __atomic_store_n(nonfinite, 1, __ATOMIC_RELAXED);
         }
     });
@@ -581,10 +684,13 @@ int lora_backward(const uint16_t* g, int64_t ldg, const uint16_t* x, int64_t ldx
 int lora_input_update(uint16_t* grad_x, int64_t ldx, const uint16_t* grad_a, const float* A, int64_t N, int64_t K,
                       int64_t r, int64_t chunks, int threads) {
 #ifdef LORA_BF16
-    uint32_t* P = malloc((size_t)(r / 2 * K) * sizeof(uint32_t));
+    const int use_fma = lora_fma;  /* A's values as floats (r, K), else its pairs (r / 2, K) */
+    uint32_t* P = malloc((size_t)((use_fma ? r : r / 2) * K) * sizeof(uint32_t));
     if (!P) return 1;
-    row_pairs(A, K, r, P);
-    LORA_RANGES(N, u0, u1, (void)lora_rows_update(grad_x, ldx, grad_a, r, P, K, 1.0f, u0, u1));
+    use_fma ? row_floats(A, K, r, (float*)P) : row_pairs(A, K, r, P);
+    LORA_RANGES(N, u0, u1, (void)(use_fma
+        ? lora_rows_update_fma(grad_x, ldx, grad_a, r, (const float*)P, K, 1.0f, u0, u1)
+        : lora_rows_update(grad_x, ldx, grad_a, r, P, K, 1.0f, u0, u1)));
     free(P);
 #endif
     return 0;

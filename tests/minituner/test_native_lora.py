@@ -90,32 +90,37 @@ def test_the_same_bits_on_one_thread_or_two():
     assert all(torch.equal(p, q) for p, q in zip(one, two))
 
 
-@pytest.mark.parametrize("n, k, m, r", SHAPES)
-def test_the_masters_gradients_have_the_same_bits_in_fmas_as_in_vdpbf16ps(n, k, m, r):
-    """grad_A and grad_B summed in fp32 FMAs (use_fma: the default where the library is built for a CPU with AMX) or
-    in vdpbf16ps: the same bits, with values whose products fall among fp32's denormals and below (the FMAs run
-    under DAZ and FTZ, as vdpbf16ps treats denormals), NaN and inf among them."""
+@pytest.mark.parametrize("n, k, m, r", SHAPES + [(9, 64, 1100, 4), (6, 1100, 2050, 2)])  # (y in chunks of 1,024)
+def test_the_same_bits_in_fmas_as_in_vdpbf16ps(n, k, m, r):
+    """The sums of y's update (forward_, input_update_) and of the masters' gradients (backward) in fp32 FMAs
+    (use_fma: the default where the library is built for a CPU with AMX) or in vdpbf16ps: the same bits, with values
+    whose products fall among fp32's denormals and below (the FMAs run under DAZ and FTZ, as vdpbf16ps treats
+    denormals), NaN and inf among them."""
     gen = torch.Generator().manual_seed(n + k + m + r)
 
     def spread(*shape):  # magnitudes from 2^-140 (a denormal) to 2^8
         return torch.randn(*shape, generator=gen) * 2.0 ** torch.randint(-140, 9, shape, generator=gen).float()
 
-    x, g, a, B = spread(n, k).to(BF16), spread(n, m).to(BF16), spread(n, r).to(BF16), spread(m, r)
-    x[0, 0], g[0, -1], a[-1, -1] = 2.0 ** -130, -(2.0 ** -127), 2.0 ** -133  # denormals, whatever the draw
+    x, g, a, A, B = spread(n, k).to(BF16), spread(n, m).to(BF16), spread(n, r).to(BF16), spread(r, k), spread(m, r)
+    y0, grad_x0 = spread(n, m).to(BF16), spread(n, k).to(BF16)
+    x[0, 0], g[0, -1], a[-1, -1], A[0, 0] = 2.0 ** -130, -(2.0 ** -127), 2.0 ** -133, 2.0 ** -131  # denormals
     if n > 2:
-        g[2, 0], a[1, 0] = float("inf"), float("nan")
+        g[2, 0], a[1, 0], y0[2, -1] = float("inf"), float("nan"), float("nan")
     default = K.fma
     try:
         runs = []
         for on in (False, True):
             assert K.use_fma(on) is on
-            runs.append(K.backward(g, x, a, B, 0.5))
+            y, grad_x = y0.clone(), grad_x0.clone()
+            a_, finite = K.forward_(y, x, A, B, 0.5)
+            K.input_update_(grad_x, a, A)
+            runs.append((y, a_, grad_x, *K.backward(g, x, a, B, 0.5), torch.tensor(finite)))
     finally:
         K.use_fma(default)
-    bits = {BF16: torch.int16, torch.float32: torch.int32}
-    for p, q in zip(*runs):  # grad_a, grad_A, grad_B: bit for bit, NaN's too
+    bits = {BF16: torch.int16, torch.float32: torch.int32, torch.bool: torch.bool}
+    for p, q in zip(*runs):  # y, a, grad_x, grad_a, grad_A, grad_B, finite: bit for bit, NaN's too
         assert torch.equal(p.view(bits[p.dtype]), q.view(bits[q.dtype]))
-    grad_B = runs[0][2]
+    grad_B = runs[0][5]
     assert n <= 2 or (grad_B.isnan().any() and grad_B.isfinite().any())  # NaN in some sums, not in all
 
 
