@@ -241,16 +241,23 @@ static void lora_rows_dot_any(const uint16_t* x, int64_t ldx, const uint16_t* Wb
 
 /* the pairs lora_cols_outer reads: for each group of 8 of a's r columns and each pair of rows n, n + 1, the 8 words
    (a[n, j], a[n + 1, j]) (a zero row after an odd N; a group short of 8 repeats its first j, whose sums are
-   discarded); (r + 7) / 8 * (N + 1) / 2 * 8 words */
+   discarded); (r + 7) / 8 * (N + 1) / 2 * 8 words. With fma (lora_cols_outer_fma's), 16 floats a pair instead:
+   a[n + 1, j] for the 8 j, then a[n, j] (pair_floats of them) */
 static int64_t pair_words(int64_t N, int64_t r) { return (r + 7) / 8 * ((N + 1) / 2) * 8; }
-static void pack_pairs(const uint16_t* a, int64_t N, int64_t r, uint32_t* pairs) {
+static int64_t pair_floats(int64_t N, int64_t r) { return 2 * pair_words(N, r); }
+static void pack_pairs(const uint16_t* a, int64_t N, int64_t r, int fma, void* pairs) {
     for (int64_t j0 = 0, g = 0; j0 < r; j0 += 8, g++) {
         const int64_t jn = r - j0 < 8 ? r - j0 : 8;
         for (int64_t n = 0; n < N; n += 2)
             for (int j = 0; j < 8; j++) {
-                const int64_t c = j0 + (j < jn ? j : 0);
-                pairs[(g * ((N + 1) / 2) + n / 2) * 8 + j] =
-                    (uint32_t)a[n * r + c] | (n + 1 < N ? (uint32_t)a[(n + 1) * r + c] << 16 : 0u);
+                const int64_t c = j0 + (j < jn ? j : 0), pair = g * ((N + 1) / 2) + n / 2;
+                const uint16_t next = n + 1 < N ? a[(n + 1) * r + c] : 0;
+                if (fma) {
+                    ((float*)pairs)[pair * 16 + j] = f32_from_bf16(next);
+                    ((float*)pairs)[pair * 16 + 8 + j] = f32_from_bf16(a[n * r + c]);
+                } else {
+                    ((uint32_t*)pairs)[pair * 8 + j] = (uint32_t)a[n * r + c] | (uint32_t)next << 16;
+                }
             }
     }
 }
@@ -263,14 +270,27 @@ static void pack_pairs(const uint16_t* a, int64_t N, int64_t r, uint32_t* pairs)
    8 x 2 vectors of sums in registers, carried from tile to tile in acc ((r + 7) / 8 * 8 rows of the blocks' 32
    columns each), so each sum runs over the pairs in order as one chain.
    (One block down all N rows at a time read a cache line per row at the rows' stride, as in
-   minituner.native_lora_fp32's cols_outer.) */
-static void lora_cols_outer(const uint32_t* pairs, int64_t r, const uint16_t* y, int64_t ldy, int64_t N, int64_t M,
-                            float scale, float* out, int64_t ldj, int64_t ldm, int64_t b0, int64_t b1, float* acc) {
+   minituner.native_lora_fp32's cols_outer.)
+   With fma (lora_cols_outer_fma), the same sums in fp32 FMAs, one product at a time in vdpbf16ps's order (row
+   n + 1's, then row n's; the product of two bf16 values is exact in fp32, so an FMA rounds each addition as
+   vdpbf16ps does), under MXCSR's DAZ and FTZ as vdpbf16ps treats denormals: the same bits. On Intel's cores with
+   AMX vdpbf16ps issues once every 2 cycles (0.71 ns against 0.17 for a 512-bit FMA, measured), so its 32
+   products an instruction come at half of two FMA ports' 2 x 16; on AMD's it issues as an FMA does
+   (lora_use_fma). There the pairs are floats (pack_pairs), and y's 32 columns of a block split by parity, as a bf16
+   value's bits are an fp32's top half (the even ones by a shift, the odd ones by a mask): acc keeps each block's
+   16 even columns, then its 16 odd ones (outer_column). */
+static inline int64_t outer_column(int64_t c) { return c / 32 * 32 + (c % 2 ? 16 : 0) + c % 32 / 2; }
+static inline __attribute__((always_inline)) void lora_cols_outer_any(
+        const int fma, const void* pairs, int64_t r, const uint16_t* y, int64_t ldy, int64_t N, int64_t M,
+        float scale, float* out, int64_t ldj, int64_t ldm, int64_t b0, int64_t b1, float* acc) {
 #ifdef LORA_BF16
+    const unsigned csr = _mm_getcsr();
+    if (fma) _mm_setcsr(csr | 0x8040);  /* FTZ (bit 15) and DAZ (bit 6), this thread's, until the sums are done */
     const int64_t m0 = 32 * b0, m1 = 32 * b1 < M ? 32 * b1 : M, w = 32 * (b1 - b0), P = (N + 1) / 2;
     const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
                                         39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
     const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+    const __m512i top = _mm512_set1_epi32((int)0xFFFF0000u);
     if (P == 0) memset(acc, 0, (size_t)((r + 7) / 8 * 8 * w) * sizeof(float));
     for (int64_t p0 = 0; p0 < P; p0 += LORA_PAIR_TILE) {
         const int64_t p1 = p0 + LORA_PAIR_TILE < P ? p0 + LORA_PAIR_TILE : P;
@@ -278,9 +298,8 @@ static void lora_cols_outer(const uint32_t* pairs, int64_t r, const uint16_t* y,
             const int64_t mn = m1 - mb < 32 ? m1 - mb : 32;
             const __mmask32 m = mask32(mn);
             for (int64_t j0 = 0, g = 0; j0 < r; j0 += 8, g++) {
-                const uint32_t* group = pairs + g * P * 8;
                 float* c = acc + j0 * w + (mb - m0);
-                __m512 s[8][2];
+                __m512 s[8][2];  /* with fma: [j][0] the block's even columns, [j][1] its odd ones */
                 for (int j = 0; j < 8; j++) {
                     s[j][0] = p0 ? _mm512_loadu_ps(c + j * w) : _mm512_setzero_ps();
                     s[j][1] = p0 ? _mm512_loadu_ps(c + j * w + 16) : _mm512_setzero_ps();
@@ -300,13 +319,31 @@ static void lora_cols_outer(const uint32_t* pairs, int64_t r, const uint16_t* y,
                         y0 = _mm512_maskz_loadu_epi16(m, y + n * ldy + mb);
                         if (two) y1 = _mm512_maskz_loadu_epi16(m, y + (n + 1) * ldy + mb);
                     }
-                    const __m512i q0 = _mm512_permutex2var_epi16(y0, lo, y1);
-                    const __m512i q1 = _mm512_permutex2var_epi16(y0, hi, y1);
-                    const uint32_t* pn = group + p * 8;
-                    for (int j = 0; j < 8; j++) {
-                        const __m512i b = _mm512_set1_epi32((int32_t)pn[j]);
-                        s[j][0] = _mm512_dpbf16_ps(s[j][0], bh(q0), bh(b));
-                        s[j][1] = _mm512_dpbf16_ps(s[j][1], bh(q1), bh(b));
+                    if (fma) {
+                        const __m512 e0 = _mm512_castsi512_ps(_mm512_slli_epi32(y0, 16));
+                        const __m512 o0 = _mm512_castsi512_ps(_mm512_and_si512(y0, top));
+                        const __m512 e1 = _mm512_castsi512_ps(_mm512_slli_epi32(y1, 16));
+                        const __m512 o1 = _mm512_castsi512_ps(_mm512_and_si512(y1, top));
+                        const float* pn = (const float*)pairs + (g * P + p) * 16;
+                        for (int j = 0; j < 8; j++) {  /* row n + 1 first, as vdpbf16ps adds its pair */
+                            const __m512 b = _mm512_set1_ps(pn[j]);
+                            s[j][0] = _mm512_fmadd_ps(e1, b, s[j][0]);
+                            s[j][1] = _mm512_fmadd_ps(o1, b, s[j][1]);
+                        }
+                        for (int j = 0; j < 8; j++) {
+                            const __m512 b = _mm512_set1_ps(pn[8 + j]);
+                            s[j][0] = _mm512_fmadd_ps(e0, b, s[j][0]);
+                            s[j][1] = _mm512_fmadd_ps(o0, b, s[j][1]);
+                        }
+                    } else {
+                        const __m512i q0 = _mm512_permutex2var_epi16(y0, lo, y1);
+                        const __m512i q1 = _mm512_permutex2var_epi16(y0, hi, y1);
+                        const uint32_t* pn = (const uint32_t*)pairs + (g * P + p) * 8;
+                        for (int j = 0; j < 8; j++) {
+                            const __m512i b = _mm512_set1_epi32((int32_t)pn[j]);
+                            s[j][0] = _mm512_dpbf16_ps(s[j][0], bh(q0), bh(b));
+                            s[j][1] = _mm512_dpbf16_ps(s[j][1], bh(q1), bh(b));
+                        }
                     }
                 }
                 for (int j = 0; j < 8; j++) {  /* (a group short of 8: its repeats land in acc's padding rows) */
@@ -316,98 +353,19 @@ static void lora_cols_outer(const uint32_t* pairs, int64_t r, const uint16_t* y,
             }
         }
     }
+    if (fma) _mm_setcsr(csr);
     for (int64_t j = 0; j < r; j++)  /* scaled once, at the end */
-        for (int64_t mc = m0; mc < m1; mc++) out[j * ldj + mc * ldm] = scale * acc[j * w + (mc - m0)];
+        for (int64_t mc = m0; mc < m1; mc++)
+            out[j * ldj + mc * ldm] = scale * acc[j * w + (fma ? outer_column(mc - m0) : mc - m0)];
 #endif
 }
-
-/* lora_cols_outer's sums in fp32 FMAs: the same sums, one product at a time in vdpbf16ps's order (row n + 1's,
-   then row n's; the product of two bf16 values is exact in fp32, so an FMA rounds each addition as vdpbf16ps
-   does), under MXCSR's DAZ and FTZ as vdpbf16ps treats denormals: the same bits. On Intel's cores with AMX
-   vdpbf16ps issues once every 2 cycles (0.71 ns against 0.17 for a 512-bit FMA, measured), so its 32 products
-   an instruction come at half of two FMA ports' 2 x 16; on AMD's it issues as an FMA does (lora_use_fma).
-   pairs: for each group of 8 of a's r columns and each pair of rows n, n + 1, 16 floats: a[n + 1, j] for the 8 j,
-   then a[n, j] (pack_pairs_f32; 0 for the row after an odd N; a group short of 8 repeats its first j). y's 32
-   columns of a block split by parity, as a bf16 value's bits are an fp32's top half: the even ones by a shift,
-   the odd ones by a mask; acc keeps each block's 16 even columns, then its 16 odd ones (outer_column) */
-static int64_t pair_floats(int64_t N, int64_t r) { return (r + 7) / 8 * ((N + 1) / 2) * 16; }
-static void pack_pairs_f32(const uint16_t* a, int64_t N, int64_t r, float* pairs) {
-    for (int64_t j0 = 0, g = 0; j0 < r; j0 += 8, g++) {
-        const int64_t jn = r - j0 < 8 ? r - j0 : 8;
-        for (int64_t n = 0; n < N; n += 2)
-            for (int j = 0; j < 8; j++) {
-                const int64_t c = j0 + (j < jn ? j : 0);
-                float* word = pairs + (g * ((N + 1) / 2) + n / 2) * 16;
-                word[j] = n + 1 < N ? f32_from_bf16(a[(n + 1) * r + c]) : 0.0f;
-                word[8 + j] = f32_from_bf16(a[n * r + c]);
-            }
-    }
+static void lora_cols_outer(const uint32_t* pairs, int64_t r, const uint16_t* y, int64_t ldy, int64_t N, int64_t M,
+                            float scale, float* out, int64_t ldj, int64_t ldm, int64_t b0, int64_t b1, float* acc) {
+    lora_cols_outer_any(0, pairs, r, y, ldy, N, M, scale, out, ldj, ldm, b0, b1, acc);
 }
-static inline int64_t outer_column(int64_t c) { return c / 32 * 32 + (c % 2 ? 16 : 0) + c % 32 / 2; }
-
 static void lora_cols_outer_fma(const float* pairs, int64_t r, const uint16_t* y, int64_t ldy, int64_t N, int64_t M,
                                 float scale, float* out, int64_t ldj, int64_t ldm, int64_t b0, int64_t b1, float* acc) {
-#ifdef LORA_BF16
-    const unsigned csr = _mm_getcsr();
-    _mm_setcsr(csr | 0x8040);  /* FTZ (bit 15) and DAZ (bit 6), this thread's, until the sums are done */
-    const int64_t m0 = 32 * b0, m1 = 32 * b1 < M ? 32 * b1 : M, w = 32 * (b1 - b0), P = (N + 1) / 2;
-    const __m512i top = _mm512_set1_epi32((int)0xFFFF0000u);
-    if (P == 0) memset(acc, 0, (size_t)((r + 7) / 8 * 8 * w) * sizeof(float));
-    for (int64_t p0 = 0; p0 < P; p0 += LORA_PAIR_TILE) {
-        const int64_t p1 = p0 + LORA_PAIR_TILE < P ? p0 + LORA_PAIR_TILE : P;
-        for (int64_t mb = m0; mb < m1; mb += 32) {
-            const int64_t mn = m1 - mb < 32 ? m1 - mb : 32;
-            const __mmask32 m = mask32(mn);
-            for (int64_t j0 = 0, g = 0; j0 < r; j0 += 8, g++) {
-                const float* group = pairs + g * P * 16;
-                float* c = acc + j0 * w + (mb - m0);
-                __m512 s[8][2];  /* [j][0]: the block's even columns, [j][1]: its odd ones */
-                for (int j = 0; j < 8; j++) {
-                    s[j][0] = p0 ? _mm512_loadu_ps(c + j * w) : _mm512_setzero_ps();
-                    s[j][1] = p0 ? _mm512_loadu_ps(c + j * w + 16) : _mm512_setzero_ps();
-                }
-                for (int64_t p = p0; p < p1; p++) {
-                    const int64_t n = 2 * p;
-                    const int two = n + 1 < N;
-                    __m512i y0, y1 = _mm512_setzero_si512();
-                    if (j0 == 0) {  /* the next block, these rows */
-                        _mm_prefetch((const char*)(y + n * ldy + mb + 32), _MM_HINT_T0);
-                        if (two) _mm_prefetch((const char*)(y + (n + 1) * ldy + mb + 32), _MM_HINT_T0);
-                    }
-                    if (mn == 32) {
-                        y0 = _mm512_loadu_si512(y + n * ldy + mb);
-                        if (two) y1 = _mm512_loadu_si512(y + (n + 1) * ldy + mb);
-                    } else {
-                        y0 = _mm512_maskz_loadu_epi16(m, y + n * ldy + mb);
-                        if (two) y1 = _mm512_maskz_loadu_epi16(m, y + (n + 1) * ldy + mb);
-                    }
-                    const __m512 e0 = _mm512_castsi512_ps(_mm512_slli_epi32(y0, 16));
-                    const __m512 o0 = _mm512_castsi512_ps(_mm512_and_si512(y0, top));
-                    const __m512 e1 = _mm512_castsi512_ps(_mm512_slli_epi32(y1, 16));
-                    const __m512 o1 = _mm512_castsi512_ps(_mm512_and_si512(y1, top));
-                    const float* pn = group + p * 16;
-                    for (int j = 0; j < 8; j++) {  /* row n + 1 first, as vdpbf16ps adds its pair */
-                        const __m512 b = _mm512_set1_ps(pn[j]);
-                        s[j][0] = _mm512_fmadd_ps(e1, b, s[j][0]);
-                        s[j][1] = _mm512_fmadd_ps(o1, b, s[j][1]);
-                    }
-                    for (int j = 0; j < 8; j++) {
-                        const __m512 b = _mm512_set1_ps(pn[8 + j]);
-                        s[j][0] = _mm512_fmadd_ps(e0, b, s[j][0]);
-                        s[j][1] = _mm512_fmadd_ps(o0, b, s[j][1]);
-                    }
-                }
-                for (int j = 0; j < 8; j++) {
-                    _mm512_storeu_ps(c + j * w, s[j][0]);
-                    _mm512_storeu_ps(c + j * w + 16, s[j][1]);
-                }
-            }
-        }
-    }
-    _mm_setcsr(csr);
-    for (int64_t j = 0; j < r; j++)  /* scaled once, at the end */
-        for (int64_t mc = m0; mc < m1; mc++) out[j * ldj + mc * ldm] = scale * acc[j * w + outer_column(mc - m0)];
-#endif
+    lora_cols_outer_any(1, pairs, r, y, ldy, N, M, scale, out, ldj, ldm, b0, b1, acc);
 }
 
 /* whether the sums of lora_backward's masters' gradients (lora_cols_outer_fma) and of y's update in lora_forward
@@ -659,8 +617,8 @@ int lora_backward(const uint16_t* g, int64_t ldg, const uint16_t* x, int64_t ldx
     const int64_t rows = (r + 7) / 8 * 8;
     float* acc = malloc((size_t)(32 * rows * (blocks > 0 ? blocks : 1)) * sizeof(float));
     if ((grad_A && !pa) || (grad_B && !pb) || !acc) { free(pa); free(pb); free(acc); return 1; }
-    if (pa) use_fma ? pack_pairs_f32(grad_a, N, r, (float*)pa) : pack_pairs(grad_a, N, r, pa);
-    if (pb) use_fma ? pack_pairs_f32(a, N, r, (float*)pb) : pack_pairs(a, N, r, pb);
+    if (pa) pack_pairs(grad_a, N, r, use_fma, pa);
+    if (pb) pack_pairs(a, N, r, use_fma, pb);
     if (chunks > blocks) chunks = blocks;
 #define LORA_OUTER(pairs, ...) (use_fma ? lora_cols_outer_fma((const float*)(pairs), __VA_ARGS__) \
                                     : lora_cols_outer((pairs), __VA_ARGS__))
