@@ -24,8 +24,8 @@ file's loop (2026-12-03). Here each layer is three calls of C, each one pass ove
   Llama-3.2-1B layer's seven (N 512, r 16) 32.1 and 15.7 ms, the same bits, medians of 30 alternating calls,
   2026-12-04). Where the library is built for a CPU with AMX these two sums run in fp32 FMAs instead of vdpbf16ps
   (``use_fma``), one product at a time in the instruction's order under DAZ and FTZ: the same bits (tested), as
-  the product of two bf16 values is exact in fp32. On Intel's cores vdpbf16ps issues once every 2 cycles, half
-  the rate of two FMA ports in multiply-adds: on an Intel Xeon with AMX (2 threads, alone) a (1,024, 512 -> 512)
+  the product of two bf16 values is exact in fp32. On an Intel Xeon with AMX (model 207) vdpbf16ps issued once
+  every 2 cycles, half the rate of two FMA ports in multiply-adds; there (2 threads, alone) a (1,024, 512 -> 512)
   backward took 0.13 against 0.17 ms, (1,024, 512 -> 2,048) 0.37 against 0.47 ms, and the GPT-shaped bf16 QLoRA
   step 185.27 against 188.19 and 190.62 against 195.62 ms (medians of 24 and 30 paced turns, 2026-12-06).
 - ``input_update_``: grad_x = bf16(grad_x + grad_a·A) in place, rounded once as ``addmm_`` rounds; rows split.
@@ -273,12 +273,12 @@ static void pack_pairs(const uint16_t* a, int64_t N, int64_t r, int fma, void* p
    minituner.native_lora_fp32's cols_outer.)
    With fma (lora_cols_outer_fma), the same sums in fp32 FMAs, one product at a time in vdpbf16ps's order (row
    n + 1's, then row n's; the product of two bf16 values is exact in fp32, so an FMA rounds each addition as
-   vdpbf16ps does), under MXCSR's DAZ and FTZ as vdpbf16ps treats denormals: the same bits. On Intel's cores with
-   AMX vdpbf16ps issues once every 2 cycles (0.71 ns against 0.17 for a 512-bit FMA, measured), so its 32
-   products an instruction come at half of two FMA ports' 2 x 16; on AMD's it issues as an FMA does
-   (lora_use_fma). There the pairs are floats (pack_pairs), and y's 32 columns of a block split by parity, as a bf16
-   value's bits are an fp32's top half (the even ones by a shift, the odd ones by a mask): acc keeps each block's
-   16 even columns, then its 16 odd ones (outer_column). */
+   vdpbf16ps does), under MXCSR's DAZ and FTZ as vdpbf16ps treats denormals: the same bits. On an Intel Xeon with
+   AMX (model 207) vdpbf16ps issued once every 2 cycles (0.71 ns against 0.17 for a 512-bit FMA), so its 32
+   products an instruction come at half of two FMA ports' 2 x 16. Elsewhere (AMD's EPYC: not measured here) the
+   library keeps vdpbf16ps (lora_use_fma). With fma the pairs are floats (pack_pairs), and y's 32 columns of a
+   block split by parity, as a bf16 value's bits are an fp32's top half (the even ones by a shift, the odd ones by
+   a mask): acc keeps each block's 16 even columns, then its 16 odd ones (outer_column). */
 static inline int64_t outer_column(int64_t c) { return c / 32 * 32 + (c % 2 ? 16 : 0) + c % 32 / 2; }
 static inline __attribute__((always_inline)) void lora_cols_outer_any(
         const int fma, const void* pairs, int64_t r, const uint16_t* y, int64_t ldy, int64_t N, int64_t M,
@@ -370,7 +370,7 @@ static void lora_cols_outer_fma(const float* pairs, int64_t r, const uint16_t* y
 
 /* whether the sums of lora_backward's masters' gradients (lora_cols_outer_fma) and of y's update in lora_forward
    and lora_input_update (lora_rows_update_fma) run in FMAs rather than in vdpbf16ps: the same bits, the faster
-   where the library is built for a CPU with AMX (Intel's, where vdpbf16ps runs at half rate); lora_use_fma(0) or
+   where the library is built for a CPU with AMX (measured on one: vdpbf16ps at half rate); lora_use_fma(0) or
    (1) sets it (tests run both), lora_use_fma(-1) leaves it; each returns it */
 #ifdef __AMX_BF16__
 static int lora_fma = 1;
@@ -680,9 +680,10 @@ class NativeLoRA:
         self.fma = bool(self._use_fma(-1)) if self._use_fma is not None else False  # the build's own choice
 
     def use_fma(self, on: bool) -> bool:
-        """Sum the masters' gradients (grad_A, grad_B) in fp32 FMAs rather than in vdpbf16ps: the same bits; the
-        library's default is FMAs where it was built for a CPU with AMX (Intel's, where vdpbf16ps runs at half
-        an FMA's rate). Returns whether they run in FMAs from now on (in this process)."""
+        """Sum the masters' gradients (grad_A, grad_B) and y's and grad_x's updates in fp32 FMAs rather than in
+        vdpbf16ps: the same bits; the library's default is FMAs where it was built for a CPU with AMX (on the one
+        measured, vdpbf16ps ran at half an FMA's rate). Returns whether they run in FMAs from now on (in this
+        process)."""
         self.fma = bool(self._use_fma(int(on))) if self._use_fma is not None else False
         return self.fma
 
