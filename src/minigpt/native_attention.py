@@ -50,6 +50,7 @@ from torch import Tensor
 
 from minikernels.bf16_exp import BF16_EXP_C
 from minikernels.build import OPENMP_PRELUDE, KernelFamily, ThreadSplit, parallel_entry
+from minikernels.softmax_rows import SOFTMAX_ROWS_C
 
 CFLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-ffp-contract=off", "-fno-fast-math", "-std=gnu11"]
 LIBS = ["-lm"]  # expf, logf
@@ -60,7 +61,7 @@ MAX_TOKENS = 1024
 MIN_VALUES_PER_THREAD = 1 << 16  # fewer scores stay on the calling thread (handing work over costs ~50 µs)
 CHUNK_VALUES = 1 << 16  # threads take rows in chunks of about this many scores
 
-_SOURCE = OPENMP_PRELUDE + BF16_EXP_C + r"""
+_SOURCE = OPENMP_PRELUDE + BF16_EXP_C + SOFTMAX_ROWS_C + r"""
 int attn_vectorized(void) {
 #ifdef __AVX512F__
     return 1;
@@ -69,187 +70,20 @@ int attn_vectorized(void) {
 #endif
 }
 
-/* the keys [*lo, *hi) that query t sees: causal, and at most `window` back (itself included) when window > 0 */
-static inline void visible(int64_t t, int64_t window, int64_t* lo, int64_t* hi) {
-    *hi = t + 1;
-    *lo = window > 0 && t + 1 > window ? t + 1 - window : 0;
-}
-
-/* a row whose scores hold a NaN or an inf: NaN over the keys it sees, 0 elsewhere (no NaN reaches other queries'
-   keys through the backward's products) */
-static void fill_nan(uint16_t* row, int64_t lo, int64_t hi, int64_t T) {
-    for (int64_t j = 0; j < T; j++) row[j] = j >= lo && j < hi ? 0x7FC0 : 0;
-}
-
-#ifdef __AVX512F__
-/* the n < 16 bf16 values at src in lanes [0, n) as fp32, 0 in the others: a masked load where the CPU has
-   AVX512-BW (a copy into TAIL16's zero-padded block, read back at once, stalls on store forwarding) */
-static inline __m512 load_tail16(const uint16_t* src, int64_t n) {
-#if defined(__AVX512BW__) && defined(__AVX512VL__)
-    __m256i h = _mm256_maskz_loadu_epi16((__mmask16)((1u << n) - 1u), src);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-#else
-    TAIL16(n, src, block);
-    return load16(block);
-#endif
-}
-
-/* lanes [0, n) of v to bf16 at dst, rounded as store16 rounds; the others not written */
-static inline void store_tail16(uint16_t* dst, int64_t n, __m512 v) {
-    uint16_t block[16];
-    store16(block, v);
-#if defined(__AVX512BW__) && defined(__AVX512VL__)
-    _mm256_mask_storeu_epi16(dst, (__mmask16)((1u << n) - 1u), _mm256_loadu_si256((const __m256i*)block));
-#else
-    memcpy(dst, block, (size_t)n * 2);
-#endif
-}
-#endif
-
-/* Rows [r0, r1) of s (bf16 scores, rows `ld` apart, T keys each; row r is query r mod T): overwrite each row
-   with P = softmax(s·scale) over its visible keys, 0 elsewhere, in bf16. have_lse = 0: compute each row's
-   logsumexp (of s·scale) into lse[r]; 1: take lse[r] as given (the backward's recomputation). On AVX-512 a row's
-   last n < 16 visible keys go through the 16-lane code too (load_tail16): a causal row is on average half a
-   vector longer than a multiple of 16, and at 128 keys the scalar remainder took about a third of the time. */
+/* Rows [r0, r1) of s (bf16 scores, rows `ld` apart, T keys each; row r is query r mod T): each overwritten with
+   P = softmax(s·scale) over its visible keys, 0 elsewhere (softmax_row), its logsumexp into lse[r] (have_lse = 0)
+   or taken from there (1) */
 void attn_softmax(uint16_t* s, int64_t ld, int64_t T, int64_t window, float scale, int64_t r0, int64_t r1,
                   float* lse, int have_lse) {
-    for (int64_t r = r0, t = r0 % T; r < r1; r++, t = t + 1 == T ? 0 : t + 1) {
-        uint16_t* row = s + r * ld;
-        int64_t lo, hi;
-        visible(t, window, &lo, &hi);
-        uint16_t* v = row + lo;  /* the n scores query t sees */
-        int64_t n = hi - lo, j = 0;
-#ifdef __AVX512F__
-        int64_t tail = n % 16;
-        __mmask16 tm = (__mmask16)((1u << tail) - 1u);  /* the tail's lanes */
-        __m512 sb = _mm512_set1_ps(scale);
-#endif
-        if (!have_lse) {
-            float m = -INFINITY;
-            int bad = 0;
-#ifdef __AVX512F__
-            __m512 mv = _mm512_set1_ps(-INFINITY);
-            __mmask16 odd = 0;  /* lanes that saw NaN or inf */
-            for (; j + 16 <= n; j += 16) {
-                __m512 x = _mm512_mul_ps(load16(v + j), sb);
-                odd |= _mm512_cmp_ps_mask(_mm512_sub_ps(x, x), _mm512_setzero_ps(), _CMP_NEQ_UQ);
-                mv = _mm512_max_ps(mv, x);
-            }
-            if (tail) {
-                __m512 x = _mm512_mul_ps(load_tail16(v + j, tail), sb);
-                odd |= _mm512_mask_cmp_ps_mask(tm, _mm512_sub_ps(x, x), _mm512_setzero_ps(), _CMP_NEQ_UQ);
-                mv = _mm512_mask_max_ps(mv, tm, mv, x);
-            }
-            m = _mm512_reduce_max_ps(mv);
-            bad = odd != 0;
-            j = n;
-#endif
-            for (; j < n; j++) {
-                float x = f32_from_bf16(v[j]) * scale;
-                if (!isfinite(x)) bad = 1;
-                if (x > m) m = x;
-            }
-            if (bad) { fill_nan(row, lo, hi, T); lse[r] = NAN; continue; }
-            /* exp(x - m) once per key into e, summed; then P = e / Σ, rounded to bf16 */
-            float e[n + 16], sum = 0.0f;
-            j = 0;
-#ifdef __AVX512F__
-            __m512 s0 = _mm512_setzero_ps(), s1 = s0, mb = _mm512_set1_ps(m);
-            for (; j + 32 <= n; j += 32) {
-                __m512 e0 = exp16(_mm512_sub_ps(_mm512_mul_ps(load16(v + j), sb), mb));
-                __m512 e1 = exp16(_mm512_sub_ps(_mm512_mul_ps(load16(v + j + 16), sb), mb));
-                _mm512_storeu_ps(e + j, e0); _mm512_storeu_ps(e + j + 16, e1);
-                s0 = _mm512_add_ps(s0, e0); s1 = _mm512_add_ps(s1, e1);
-            }
-            for (; j + 16 <= n; j += 16) {
-                __m512 e0 = exp16(_mm512_sub_ps(_mm512_mul_ps(load16(v + j), sb), mb));
-                _mm512_storeu_ps(e + j, e0);
-                s0 = _mm512_add_ps(s0, e0);
-            }
-            if (tail) {  /* (the padding lanes' exp is neither summed nor stored into P) */
-                __m512 e0 = exp16(_mm512_sub_ps(_mm512_mul_ps(load_tail16(v + j, tail), sb), mb));
-                _mm512_storeu_ps(e + j, e0);
-                s1 = _mm512_mask_add_ps(s1, tm, s1, e0);
-            }
-            sum = _mm512_reduce_add_ps(_mm512_add_ps(s0, s1));
-            j = n;
-#endif
-            for (; j < n; j++) { e[j] = exp_nonpos(f32_from_bf16(v[j]) * scale - m); sum += e[j]; }
-            lse[r] = m + logf(sum);
-            float inv = 1.0f / sum;
-            memset(row, 0, (size_t)lo * 2);
-            j = 0;
-#ifdef __AVX512F__
-            __m512 ib = _mm512_set1_ps(inv);
-            for (; j + 16 <= n; j += 16) store16(v + j, _mm512_mul_ps(_mm512_loadu_ps(e + j), ib));
-            if (tail) store_tail16(v + j, tail, _mm512_mul_ps(_mm512_loadu_ps(e + j), ib));
-            j = n;
-#endif
-            for (; j < n; j++) v[j] = bf16_from_f32(e[j] * inv);
-            memset(row + hi, 0, (size_t)(T - hi) * 2);
-            continue;
-        }
-        /* P = exp(x - lse) from the saved logsumexp (the backward's recomputation) */
-        float l = lse[r];
-        if (!isfinite(l)) { fill_nan(row, lo, hi, T); continue; }
-        memset(row, 0, (size_t)lo * 2);
-#ifdef __AVX512F__
-        __m512 lb = _mm512_set1_ps(l), zero = _mm512_setzero_ps();
-        for (; j + 16 <= n; j += 16)
-            store16(v + j, exp16(_mm512_min_ps(_mm512_sub_ps(_mm512_mul_ps(load16(v + j), sb), lb), zero)));
-        if (tail)
-            store_tail16(v + j, tail,
-                         exp16(_mm512_min_ps(_mm512_sub_ps(_mm512_mul_ps(load_tail16(v + j, tail), sb), lb), zero)));
-        j = n;
-#endif
-        for (; j < n; j++) {
-            float x = f32_from_bf16(v[j]) * scale - l;
-            v[j] = bf16_from_f32(exp_nonpos(x < 0.0f ? x : 0.0f));
-        }
-        memset(row + hi, 0, (size_t)(T - hi) * 2);
-    }
+    for (int64_t r = r0, t = r0 % T; r < r1; r++, t = t + 1 == T ? 0 : t + 1)
+        softmax_row(s + r * ld, NULL, 0, T, t, window, scale, lse + r, have_lse);
 }
 
-/* Rows [r0, r1): dp[r, j] = p[r, j]·(dp[r, j] - D)·scale over the visible keys, 0 elsewhere (bf16, in place),
-   with D = Σ_j p[r, j]·dp[r, j] over the same keys in fp32 (softmax's backward: each row of dS sums to 0); the
-   last n < 16 keys through the 16-lane code, as in attn_softmax */
+/* Rows [r0, r1): dp = dS = P ∘ (dP - D)·scale in place (softmax_grad_row) */
 void attn_softmax_grad(const uint16_t* p, uint16_t* dp, int64_t ld, int64_t T, int64_t window, float scale,
                        int64_t r0, int64_t r1) {
-    for (int64_t r = r0, t = r0 % T; r < r1; r++, t = t + 1 == T ? 0 : t + 1) {
-        int64_t lo, hi;
-        visible(t, window, &lo, &hi);
-        const uint16_t* pv = p + r * ld + lo;
-        uint16_t* g = dp + r * ld;
-        uint16_t* gv = g + lo;
-        int64_t n = hi - lo, j = 0;
-        float d = 0.0f;
-#ifdef __AVX512F__
-        int64_t tail = n % 16;
-        __m512 acc = _mm512_setzero_ps();
-        for (; j + 16 <= n; j += 16) acc = _mm512_add_ps(acc, _mm512_mul_ps(load16(pv + j), load16(gv + j)));
-        if (tail)
-            acc = _mm512_mask_add_ps(acc, (__mmask16)((1u << tail) - 1u), acc,
-                                     _mm512_mul_ps(load_tail16(pv + j, tail), load_tail16(gv + j, tail)));
-        d = _mm512_reduce_add_ps(acc);
-        j = n;
-#endif
-        for (; j < n; j++) d += f32_from_bf16(pv[j]) * f32_from_bf16(gv[j]);
-        memset(g, 0, (size_t)lo * 2);
-        j = 0;
-#ifdef __AVX512F__
-        __m512 db = _mm512_set1_ps(d), sb = _mm512_set1_ps(scale);
-        for (; j + 16 <= n; j += 16)
-            store16(gv + j, _mm512_mul_ps(_mm512_mul_ps(load16(pv + j), _mm512_sub_ps(load16(gv + j), db)), sb));
-        if (tail) {
-            __m512 pt = load_tail16(pv + j, tail), gt = load_tail16(gv + j, tail);
-            store_tail16(gv + j, tail, _mm512_mul_ps(_mm512_mul_ps(pt, _mm512_sub_ps(gt, db)), sb));
-        }
-        j = n;
-#endif
-        for (; j < n; j++)
-            gv[j] = bf16_from_f32((f32_from_bf16(pv[j]) * (f32_from_bf16(gv[j]) - d)) * scale);
-        memset(g + hi, 0, (size_t)(T - hi) * 2);
-    }
+    for (int64_t r = r0, t = r0 % T; r < r1; r++, t = t + 1 == T ? 0 : t + 1)
+        softmax_grad_row(p + r * ld, dp + r * ld, NULL, 0, T, t, window, scale);
 }
 
 /* the two above over OpenMP's threads, in `chunks` ranges (minikernels.build's MK_PARALLEL_RANGES) */

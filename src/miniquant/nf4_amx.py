@@ -59,6 +59,7 @@ from torch import Tensor
 
 from minikernels.amx_tiles import AMX_TILES_C
 from minikernels.build import OPENMP_PRELUDE, KernelFamily
+from minikernels.transpose16 import TRANSPOSE16_C
 
 from . import nf4_matmul
 from .nf4 import nf4_code_table
@@ -71,7 +72,7 @@ MAX_RANK = 32  # adapters up to this rank are added inside the GEMM (one more st
 MIN_MACS_PER_THREAD = 1 << 22  # smaller products stay on the calling thread (handing work over costs ~10 µs)
 MIN_PACK_VALUES_PER_THREAD = 1 << 15  # packing: 2 threads gain from 2^15 values on (see NF4Amx.pack)
 
-_SOURCE = OPENMP_PRELUDE + AMX_TILES_C + NF4_UNPACK_C + r"""
+_SOURCE = OPENMP_PRELUDE + AMX_TILES_C + NF4_UNPACK_C + TRANSPOSE16_C + r"""
 #include <stdlib.h>
 #include <string.h>
 #define MP 128
@@ -97,29 +98,6 @@ int nf4amx_permit(void) {
 #endif
 }
 #ifdef NF4AMX
-/* r (16 rows of 16 words) transposed in place: r[c] becomes column c */
-static inline void transpose16(__m512i r[16]) {
-    __m512i t[16], u[16];
-    for (int i = 0; i < 8; i++) {
-        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-    }
-    for (int i = 0; i < 4; i++) {  /* u[4i + c], 128-bit lane L: rows 4i..4i + 3 of column 4L + c */
-        u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
-        u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
-        u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
-        u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
-    }
-    for (int c = 0; c < 4; c++) {
-        const __m512i v0 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x44), v1 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xEE);
-        const __m512i v2 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x44);
-        const __m512i v3 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xEE);
-        r[c] = _mm512_shuffle_i32x4(v0, v2, 0x88);
-        r[4 + c] = _mm512_shuffle_i32x4(v0, v2, 0xDD);
-        r[8 + c] = _mm512_shuffle_i32x4(v1, v3, 0x88);
-        r[12 + c] = _mm512_shuffle_i32x4(v1, v3, 0xDD);
-    }
-}
 /* W (rows, cols) NF4 in blocks of bs values (a multiple of 32) in the tiles' layout (see the module docstring), part
    [s0, s1) of it. transposed: B = Wᵀ (K = cols), its strips [s0, s1) (16 rows of W each); else B = W (K = rows),
    the lines of pairs of W's rows [s0, s1) in every strip */
