@@ -133,13 +133,6 @@ static void pack_strips(const uint8_t* codes, const float* scales, int64_t bs, c
                 }
     }
 }
-static void load_tiles(void) {
-    mk_tile_config cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int i = 0; i < 8; i++) cfg.rows[i] = 16, cfg.colsb[i] = 64;  /* 0-3 sums, 4-5 A's rows, 6-7 B's strips */
-    _tile_loadconfig(&cfg);
-}
 /* a LoRA adapter's pairs for the columns [n_lo, n_hi) in the tiles' layout: per strip of 16 columns, 16 lines p of
    (Wa[2p][n], Wa[2p + 1][n]) (zero from p = r / 2 on), the fp32 master rounded to bf16; Wa (r, N) (A), or given as
    its transpose (N, r) where by_rows (B) */
@@ -172,16 +165,7 @@ static int block32(const uint16_t* a, int64_t lda, const uint32_t* Bp, int64_t K
         _tile_loadd(0, acc, 64); _tile_loadd(1, acc + 256, 64);
         _tile_loadd(2, acc + 512, 64); _tile_loadd(3, acc + 768, 64);
     }
-    for (int64_t k = k0; k < k1; k += 32) {
-        _tile_loadd(4, a + k, lda * 2);
-        _tile_loadd(6, b0 + k / 2 * 16, 64);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_loadd(7, b1 + k / 2 * 16, 64);
-        _tile_dpbf16ps(1, 4, 7);
-        _tile_loadd(5, a + 16 * lda + k, lda * 2);
-        _tile_dpbf16ps(2, 5, 6);
-        _tile_dpbf16ps(3, 5, 7);
-    }
+    mk_tiles_2x2(a, lda, b0, b1, k0, k1);
     _tile_stored(0, acc, 64); _tile_stored(1, acc + 256, 64);
     _tile_stored(2, acc + 512, 64); _tile_stored(3, acc + 768, 64);
     if (k1 < K) return 0;
@@ -284,7 +268,7 @@ int nf4amx_gemm(const uint16_t* A, int64_t lda, const uint32_t* Bp, int64_t M, i
             #pragma omp for schedule(static)
             for (int64_t s = 0; s < N / 16; s++) adapter_pairs(Wa, N, r, by_rows, 16 * s, 16 * s + 16, ap + s * 256);
         }
-        load_tiles();
+        mk_tiles_2x2_config();
         #pragma omp for schedule(static) collapse(2)
         for (int64_t pm = 0; pm < pms; pm++)
             for (int64_t pn = 0; pn < pns; pn++)
