@@ -26,7 +26,9 @@ writing into the tiles' layout left out, as dequantization is); the floor row re
 back to back, on random inputs of the same layouts (in its own process: the model it recorded is dropped first),
 timed in the same turns as the steps.
 Our attention's q·kᵀ and P·v are bf16 GEMMs (aten::bmm) and count among the products; its C softmax, and
-SDPA's fused kernel in the PEFT rows, are reported apart.
+SDPA's fused kernel in the PEFT rows, are reported apart. On a CPU with AMX our attention runs as one C call for
+the forward and one for the backward (minigpt.amx_attention): the floor replays each with its softmax left out
+(gemms_only: its products and the packing of their operands).
 The fixed cost of a step: FIXED_ROWS (ours QLoRA bf16, PEFT + bitsandbytes with the model in bf16) also run, in
 the same turns and processes of their own, on each shape's small variant (SMALL_SHAPES: the same layers, targets
 and rank at a small width, 16 tokens), whose arithmetic is next to nothing: what is left, Python, PyTorch's dispatch
@@ -63,7 +65,7 @@ import torch.nn.functional as F  # noqa: E402
 
 import bench_step  # noqa: E402
 import real_checkpoints  # noqa: E402
-from minigpt import native_attention  # noqa: E402
+from minigpt import amx_attention, native_attention  # noqa: E402
 from minigpt.bf16_support import bf16_support  # noqa: E402
 from minigpt.decoder import Decoder  # noqa: E402
 from minigpt.model import MiniGPT  # noqa: E402
@@ -301,6 +303,14 @@ def _nf4_amx_wrapped(wrap: Callable[[str, Callable], Callable]):
     return _methods_wrapped(nf4_amx.NF4Amx, NF4_AMX, wrap)
 
 
+AMX_ATTENTION = ("forward", "backward")  # minigpt.amx_attention's calls: a layer's attention on AMX's tiles
+
+
+def _amx_attention_wrapped(wrap: Callable[[str, Callable], Callable]):
+    """minigpt.amx_attention's calls (AmxAttention's methods) replaced by wrap(name, call) for the while."""
+    return _methods_wrapped(amx_attention.AmxAttention, AMX_ATTENTION, wrap)
+
+
 def _bf16_weight(rows: int, cols: int) -> tuple:
     return ("tensor", (rows, cols), (cols, 1), "bfloat16")
 
@@ -351,6 +361,12 @@ def record_products(step: Callable[[], object]) -> Counter:
             return call(self, *args)
         return run
 
+    def counted_attention(name: str, call: Callable) -> Callable:  # replayed with gemms_only (_replay_op)
+        def run(self, *args):
+            calls[(f"amx_attention.{name}", tuple(_spec(a) for a in args), ())] += 1
+            return call(self, *args)
+        return run
+
     class Record(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
@@ -358,7 +374,8 @@ def record_products(step: Callable[[], object]) -> Counter:
                 calls[(ops[func], tuple(_spec(a) for a in args), tuple(sorted((k, _spec(v)) for k, v in kwargs.items())))] += 1
             return func(*args, **kwargs)
 
-    with Record(), _native_lora_wrapped(counted), _nf4_matmul_wrapped(counted_nf4), _nf4_amx_wrapped(counted_amx):
+    with Record(), _native_lora_wrapped(counted), _nf4_matmul_wrapped(counted_nf4), _nf4_amx_wrapped(counted_amx), \
+            _amx_attention_wrapped(counted_attention):
         step()
     return calls
 
@@ -382,6 +399,8 @@ def _replay_op(op: str, dtype: torch.dtype | None):
         return lambda *args, **kwargs: getattr(NATIVE_MODULES[module].kernels(), name)(*args, **kwargs)
     if module == "nf4_amx":  # (bf16 only, on a CPU with AMX) its GEMM on weights in the tiles' layout
         return lambda *args: getattr(nf4_amx.kernels(), name)(*args)
+    if module == "amx_attention":  # (bf16 only, on a CPU with AMX) the layer's attention, its softmax left out
+        return lambda *args: getattr(amx_attention.kernels(), name)(*args, gemms_only=True)
     if op == "mkldnn_linear":  # (x, W, bias, "none", [], ""); in another dtype, as F.linear computes it
         return torch.ops.mkldnn._linear_pointwise.default if dtype is None else (lambda x, w, b, *_: F.linear(x, w, b))
     name, _, overload = op.partition(".")
@@ -505,6 +524,9 @@ PROFILE_GROUPS = {  # profiler op name -> group, for "what the rest of the step 
     **{f"minituner::{module}.{name}": "matrix products" for module in NATIVE_MODULES for name in NATIVE_LORA},
     **{f"miniquant::nf4_matmul.{name}": "matrix products" for name in NF4_PRODUCTS},  # (the NF4 unpacked inside)
     "miniquant::nf4_amx.gemm": "matrix products", "miniquant::nf4_amx.pack": "NF4 dequantization",
+    # minigpt.amx_attention: one C call each way, its products inside (in the floor, the same calls without softmax)
+    "minigpt::amx_attention.forward": "attention kernel", "minigpt::amx_attention.backward": "attention kernel",
+    "_AmxCausalAttention": "attention kernel", "_AmxCausalAttentionBackward": "attention kernel",
     # (profile_groups names them)
     "aten::_scaled_dot_product_flash_attention_for_cpu": "attention kernel",
     "aten::_scaled_dot_product_flash_attention_for_cpu_backward": "attention kernel",
@@ -534,16 +556,17 @@ def profile_groups(step: Callable[[], object]) -> tuple[float, dict[str, float]]
                 return call(self, *args, **kwargs)
         return run
 
-    def named_in(module: str) -> Callable[[str, Callable], Callable]:  # miniquant's kernels, labelled by module
+    def named_in(module: str, package: str = "miniquant") -> Callable[[str, Callable], Callable]:  # by module
         def named_call(name: str, call: Callable) -> Callable:
-            def run(self, *args):
-                with record_function(f"miniquant::{module}.{name}"):
-                    return call(self, *args)
+            def run(self, *args, **kwargs):
+                with record_function(f"{package}::{module}.{name}"):
+                    return call(self, *args, **kwargs)
             return run
         return named_call
 
     with profile(activities=[ProfilerActivity.CPU]) as prof, _native_lora_wrapped(named), \
-            _nf4_matmul_wrapped(named_in("nf4_matmul")), _nf4_amx_wrapped(named_in("nf4_amx")):
+            _nf4_matmul_wrapped(named_in("nf4_matmul")), _nf4_amx_wrapped(named_in("nf4_amx")), \
+            _amx_attention_wrapped(named_in("amx_attention", "minigpt")):
         t0 = time.perf_counter()
         step()
         wall = time.perf_counter() - t0
@@ -600,6 +623,26 @@ def make_step(shape: Shape, config: str, x: torch.Tensor, y: torch.Tensor) -> Ca
 
     step.forward_backward = forward_backward
     return step
+
+
+def _our_attention() -> str:  # a phrase of the section's text, chosen by the CPU
+    if amx_attention.usable():
+        return ("on AMX's tiles in blocks of 32 or 64 queries, each block's scores kept in the thread's cache, the "
+                "softmax and its gradient in fp32 in C, `minigpt.amx_attention`")
+    return "q·kᵀ and P·v as bf16 GEMMs, the softmax and its gradient in fp32 in C, `minigpt.native_attention`"
+
+
+def _attention_in_floor() -> str:
+    if amx_attention.usable():
+        return ("minigpt.amx_attention's forward and backward, one C call each, counted as the same calls with the "
+                "softmax and its gradient left out: their products and the packing of their operands")
+    return "q·kᵀ, P·v and their gradients' GEMMs, aten::bmm"
+
+
+def _attention_outside_products() -> str:
+    if amx_attention.usable():
+        return "(minigpt.amx_attention's two C calls, their products included: the floor counts those apart)"
+    return "outside its GEMMs (minigpt.native_attention's C softmax and softmax gradient)"
 
 
 def rows(bf16: bool) -> list[str]:
@@ -710,8 +753,7 @@ def run_shape(shape: str, quick: bool = False, wait_s: float | None = None) -> S
         f"fp32. Ours in bf16: `use_bf16_compute` (frozen base stored in bf16, NF4 dequantized to bf16 into a reused "
         "workspace, LoRA factors fp32 masters computed in bf16, base and adapter one autograd Function "
         "(`minituner.lora_product`), the block bf16 from each norm (in C, `minigpt.native_norm`) to the residual add "
-        "(attention: q·kᵀ and P·v as bf16 GEMMs, the softmax and its gradient in fp32 in C, "
-        "`minigpt.native_attention`), the residual stream and "
+        f"(attention: {_our_attention()}), the residual stream and "
         "norms in fp32, bf16 logits whose loss `minigpt.cross_entropy` computes in fp32 a few rows at a time; "
         "glibc keeps what a step frees and the forward trims the heap where much lies free in it, "
         "`minituner.memory.heap`, both set when ours are built). "
@@ -722,7 +764,8 @@ def run_shape(shape: str, quick: bool = False, wait_s: float | None = None) -> S
         "kernel as transformers' models do on CPU (an informational row gives it our attention instead); the goal "
         "compares ours with the faster of its two settings. "
         f"{_PACED_NOTE.format(turns=res['rounds'], warmup=warmup)} The floor: every matrix product of one QLoRA bf16 step ({res['products']} calls; dtypes "
-        f"{', '.join(res['product_dtypes'])}; attention's GEMMs among them, and the adapters' thin products, which "
+        f"{', '.join(res['product_dtypes'])}; attention's among them ({_attention_in_floor()}), and the adapters' thin "
+        "products, which "
         "minituner.native_lora runs in C where the CPU has AVX512-BF16 (x·Aᵀ and g·B on AMX's tiles where it has "
         "them); " + ("an NF4 weight's input gradient, which miniquant.nf4_matmul runs in C there with the codes "
                      "unpacked inside and the adapter's share of that gradient added in the same sums, counts as the "
@@ -774,8 +817,8 @@ def run_shape(shape: str, quick: bool = False, wait_s: float | None = None) -> S
              + f"PEFT + bitsandbytes' faster bf16 setting here: {PEFT_SETTING[peft_best]} "
              f"({fmt_seconds(t[peft_best])}; the other {fmt_seconds(max(t[c] for c in PEFT_BF16))}). Under autocast it "
              "dequantizes to bf16 and casts activations per call; both run the same bf16 products; its attention is "
-             "SDPA's fused kernel on bf16 (autocast lists SDPA), as in transformers' models, ours bf16 GEMMs around "
-             "a C softmax (minigpt.native_attention; given to PEFT + bitsandbytes' model in bf16: "
+             "SDPA's fused kernel on bf16 (autocast lists SDPA), as in transformers' models, ours "
+             f"{_our_attention()} (given to PEFT + bitsandbytes' model in bf16: "
              f"{fmt_seconds(t[OUR_ATTENTION[0]])}, {fmt_ratio(t['qlora_bf16'] / t[OUR_ATTENTION[0]])} for ours "
              f"against that); fp32 beside: ours QLoRA {fmt_seconds(t['qlora_fp32'])}, PEFT + bitsandbytes "
              f"{fmt_seconds(t['peft_bnb_fp32'])}",
@@ -790,15 +833,17 @@ def run_shape(shape: str, quick: bool = False, wait_s: float | None = None) -> S
              f"({fmt_seconds(products_in_step)} in one profiled step against {fmt_seconds(products_replayed)} for "
              "the replay profiled the same way, which reruns each product on the same operands back to back, so "
              "operands that fit in cache stay there), and outside the products, in that profiled step, attention "
-             f"outside its GEMMs (minigpt.native_attention's C softmax and softmax gradient) took "
+             f"{_attention_outside_products()} took "
              f"{fmt_seconds(q.get('attention kernel', 0.0))}, NF4 dequantization (C, into the workspace, or into "
              f"AMX's tile layout for miniquant.nf4_amx's GEMM, once per weight for the forward, twice where the input "
              f"gradient does not run in miniquant.nf4_matmul, with the Python of the Function around each product) "
              f"{fmt_seconds(q.get('NF4 dequantization', 0.0))}, "
              + (f"the C norm and activation kernels {fmt_seconds(q['C norms and activations'])}, "
                 if q.get("C norms and activations") else "")
-             + "dtype casts and copies (aten's copy_: attention's heads grouped for its GEMMs and back, the residual "
-             "adds' bf16 gradients" + ("" if res.get("native_lora") else ", the LoRA masters' bf16 copies") + ") "
+             + "dtype casts and copies (aten's copy_: "
+             + ("" if amx_attention.usable() else "attention's heads grouped for its GEMMs and back, ")
+             + "the residual adds' bf16 gradients"
+             + ("" if res.get("native_lora") else ", the LoRA masters' bf16 copies") + ") "
              f"{fmt_seconds(q.get('dtype casts and copies', 0.0))}, everything else (PyTorch's exact GELU forward, "
              f"RoPE, the residual adds, the loss, embeddings, AdamW, the finite-output guards, autograd) "
              f"{fmt_seconds(q.get('other', 0.0))}",

@@ -1,4 +1,6 @@
-"""minigpt.native_attention: bf16 causal attention (bf16 GEMMs + C softmax) against fp32 arithmetic and SDPA."""
+"""minigpt.native_attention: bf16 causal attention (bf16 GEMMs + C softmax) against fp32 arithmetic and SDPA. Every
+test here runs the GEMM path, AMX's tiles set aside where the CPU has them (tests/minigpt/test_amx_attention.py
+holds that path)."""
 import ctypes
 
 import pytest
@@ -14,16 +16,11 @@ kernels = native_attention.kernels()
 needs_kernels = pytest.mark.skipif(kernels is None, reason="no C compiler or no AVX-512: the kernels are not built")
 
 
-def _visible(T, window=None):
-    i, j = torch.arange(T)[:, None], torch.arange(T)[None]
-    return (j <= i) if window is None else (j <= i) & (j > i - window)
-
-
-def _reference(q, k, v, window=None):
-    """fp32 attention of the same values, K/V heads repeated to the query heads (head i reads K/V head i // g)."""
-    g = q.shape[1] // k.shape[1]
-    q, k, v = q.float(), k.float().repeat_interleave(g, 1), v.float().repeat_interleave(g, 1)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=_visible(q.shape[2], window))
+@pytest.fixture(autouse=True)
+def gemm_path(monkeypatch):
+    """The GEMM path, also on a CPU with AMX (minigpt.amx_attention takes no heads)."""
+    monkeypatch.setattr(native_attention.amx_attention, "head_fits", lambda head_dim: False)
+    monkeypatch.setattr(native_attention.amx_attention, "fits", lambda q, k, v: False)
 
 
 def _inputs(B, h, kv, T, d, seed=0):
@@ -32,22 +29,17 @@ def _inputs(B, h, kv, T, d, seed=0):
         torch.randn(B, h, T, d, generator=g).bfloat16()
 
 
-def _rel(a, b):
-    """The largest difference relative to b's largest magnitude (the difference itself where b is all 0)."""
-    return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1.0)).item()
-
-
 @needs_kernels
 @pytest.mark.parametrize("T", [1, 15, 16, 17, 40, 130])  # every tail of the 16- and 32-wide loops
 @pytest.mark.parametrize("window", [None, 5])
-def test_softmax_kernel_matches_fp32_torch(T, window):
+def test_softmax_kernel_matches_fp32_torch(T, window, attention_checks):
     """Each row: softmax of the visible scores · scale in fp32, 0 elsewhere, one bf16 rounding; the logsumexp
     within fp32 rounding of torch's; P recomputed from that logsumexp within one bf16 unit of the first."""
     g = torch.Generator().manual_seed(T)
     s = (torch.randn(2, 3 * T, T, generator=g) * 8).bfloat16()  # 2 groups, 3 query heads stacked
     scale = 0.125
     rows_t = torch.arange(3 * T) % T
-    mask = _visible(T, window)[rows_t]  # (3T, T)
+    mask = attention_checks.visible(T, window)[rows_t]  # (3T, T)
     x = (s.float() * scale).masked_fill(~mask, float("-inf"))
     want_p, want_lse = torch.softmax(x, -1), torch.logsumexp(x, -1).flatten()
     p, lse = s.clone(), torch.empty(2 * 3 * T)
@@ -62,15 +54,16 @@ def test_softmax_kernel_matches_fp32_torch(T, window):
 
 @needs_kernels
 @pytest.mark.parametrize("T", [1, 17, 64])
-def test_softmax_gradient_kernel_matches_fp32_torch(T):
+def test_softmax_gradient_kernel_matches_fp32_torch(T, attention_checks):
     g = torch.Generator().manual_seed(T)
-    p = torch.softmax(torch.randn(2, T, T, generator=g).masked_fill(~_visible(T), float("-inf")), -1).bfloat16()
+    mask = attention_checks.visible(T)
+    p = torch.softmax(torch.randn(2, T, T, generator=g).masked_fill(~mask, float("-inf")), -1).bfloat16()
     dp = torch.randn(2, T, T, generator=g).bfloat16()
     D = (p.float() * dp.float()).sum(-1, keepdim=True)  # rowsum(P ∘ dP) of the same bf16 values
     want = p.float() * (dp.float() - D) * 0.25
     kernels.softmax_grad_(p, dp, T, 0, 0.25)
     torch.testing.assert_close(dp.float(), want, rtol=2 ** -7, atol=1e-6)
-    assert torch.all(dp.float()[:, ~_visible(T)] == 0)
+    assert torch.all(dp.float()[:, ~mask] == 0)
     if T == 1:  # one visible key: softmax is constant, its gradient exactly 0
         assert torch.all(dp == 0)
 
@@ -80,27 +73,28 @@ def test_softmax_gradient_kernel_matches_fp32_torch(T):
 @pytest.mark.parametrize("B,h,kv,T,d,window", [(2, 4, 4, 37, 16, None), (2, 4, 2, 40, 32, None),
                                                (1, 8, 1, 33, 64, 7), (3, 2, 2, 1, 8, None), (1, 32, 8, 128, 64, None)])
 def test_attention_and_its_gradients_are_as_close_to_fp32_as_sdpa_in_bf16(B, h, kv, T, d, window, keep,
-                                                                          monkeypatch):
+                                                                          monkeypatch, attention_checks):
     """Against fp32 attention of the same bf16 values, ours (S rounded to bf16, as transformers' eager bf16
     attention) stays within twice the error of PyTorch's SDPA run on the same bf16 tensors (S kept in fp32),
     with P kept for backward and with P recomputed there."""
     monkeypatch.setattr(native_attention, "keeps_probabilities", lambda *shape: keep)
     (q, k, v), dy = _inputs(B, h, kv, T, d, seed=T)
     ref = [t.float().requires_grad_() for t in (q, k, v)]
-    _reference(*ref, window).backward(dy.float())
+    attention_checks.reference(*ref, window).backward(dy.float())
     ours = [t.clone().requires_grad_() for t in (q, k, v)]
     y = native_attention.causal_attention(*ours, window)
     y.backward(dy)
     theirs = [t.clone().requires_grad_() for t in (q, k, v)]
     g = h // kv
     y_sdpa = F.scaled_dot_product_attention(theirs[0], theirs[1].repeat_interleave(g, 1),
-                                            theirs[2].repeat_interleave(g, 1), attn_mask=_visible(T, window))
+                                            theirs[2].repeat_interleave(g, 1),
+                                            attn_mask=attention_checks.visible(T, window))
     y_sdpa.backward(dy)
     assert y.dtype == torch.bfloat16 and y.shape == (B, h, T, d)
-    want = _reference(q, k, v, window)
+    want = attention_checks.reference(q, k, v, window)
     for a, b, r in [(y, y_sdpa, want), *((o.grad, t.grad, x.grad) for o, t, x in zip(ours, theirs, ref))]:
         assert a.shape == r.shape and torch.isfinite(a).all()
-        assert _rel(a, r) <= 2 * _rel(b, r) + 2 ** -8, (_rel(a, r), _rel(b, r))
+        assert attention_checks.as_close_as_sdpa(a, b, r), (attention_checks.rel(a, r), attention_checks.rel(b, r))
 
 
 @needs_kernels
@@ -228,20 +222,9 @@ def test_a_build_without_avx512_bw_gives_the_same_bits(tmp_path, monkeypatch):
             assert torch.equal(a, b)
 
 
-def _grad_fn_names(y):
-    seen, todo = set(), [y.grad_fn]
-    while todo:
-        fn = todo.pop()
-        if fn is None or fn in seen:
-            continue
-        seen.add(fn)
-        todo.extend(f for f, _ in fn.next_functions)
-    return {type(f).__name__ for f in seen}
-
-
 @needs_kernels
 @pytest.mark.parametrize("dtype,native", [(torch.bfloat16, True), (torch.float32, False)])
-def test_the_models_attend_here_in_bf16_and_through_sdpa_in_fp32(dtype, native):
+def test_the_models_attend_here_in_bf16_and_through_sdpa_in_fp32(dtype, native, attention_checks):
     """Both models (MiniGPT, the llama-family Decoder with GQA and a window) take this path for bf16 on CPU while
     training and in a plain forward; fp32 keeps SDPA. Gradient checkpointing recomputes it to the same bits."""
     idx = torch.randint(0, 50, (2, 12), generator=torch.Generator().manual_seed(0))
@@ -250,14 +233,7 @@ def test_the_models_attend_here_in_bf16_and_through_sdpa_in_fp32(dtype, native):
                                   block_size=16, sliding_window=4, sliding_layers=[1]))
     for model in (gpt, llama):
         model.to(dtype).train()
-        names = _grad_fn_names(model(idx))
+        names = attention_checks.grad_fn_names(model(idx))
         assert ("_CausalAttentionBackward" in names) == native
         if native:
-            grads = []
-            for ckpt in (False, True):
-                model.zero_grad()
-                model.grad_checkpoint = ckpt
-                model(idx).float().square().mean().backward()
-                grads.append([p.grad.clone() for p in model.parameters()])
-            model.grad_checkpoint = False
-            assert all(torch.equal(a, b) for a, b in zip(*grads))
+            assert attention_checks.checkpointing_changes_nothing(model, idx)
