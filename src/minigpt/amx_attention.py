@@ -85,7 +85,6 @@ int amx_attn_permit(void) {
 #endif
 }
 #ifdef AMXATTN
-typedef uint32_t __attribute__((may_alias, aligned(2))) word_t;  /* two bf16 values read as one */
 static inline int64_t up32(int64_t n) { return (n + 31) / 32 * 32; }
 static inline int thread_id(void) {
 #ifdef _OPENMP
@@ -206,8 +205,8 @@ static void write_rows(const float* out, int64_t rows, int64_t d, uint16_t* dst,
     for (int64_t i = 0; i < rows; i++)
         for (int64_t c = 0; c < d; c += 16) store16(dst + i * row_stride + c, _mm512_loadu_ps(out + i * d + c));
 }
-/* a block's 32 rows of x (rows ld apart) copied to pad, d apart, zero past `rows`: the tiles then read 4 KiB of
-   consecutive memory, where rows a multiple of 4 KiB apart (a Llama's q, 32 heads of 64) would share cache sets */
+/* a block's 32 rows of x (rows ld apart) copied to pad, d apart, zero past `rows`: the tiles then read the rows
+   from consecutive memory, where rows a multiple of 4 KiB apart (a Llama's q, 32 heads of 64) would share cache sets */
 static const uint16_t* block_rows(const uint16_t* x, int64_t ld, int64_t rows, int64_t d, uint16_t* pad,
                                   int64_t* lda) {
     if (rows < 32) memset(pad + rows * d, 0, (32 - rows) * (size_t)d * 2);
