@@ -13,7 +13,7 @@ Llama-3.2-1B's shape (32 heads, 8 KV heads, 512 tokens) one layer's forward and 
 through it and about 9.5 ms in bf16 GEMMs (benchmarks/RESULTS.md has the whole-step figures).
 
 On a CPU with AMX (amx_bf16) heads whose width is a multiple of 32 go to ``minigpt.amx_attention`` instead: the
-same roundings computed a block of 32 queries at a time on AMX's tiles, each block's scores kept in the thread's
+same roundings computed a block of queries at a time on AMX's tiles, each block's scores kept in the thread's
 cache and only the keys it sees multiplied; q, k, v read where they lie; P always recomputed in backward. What
 follows is the GEMM path, taken elsewhere.
 

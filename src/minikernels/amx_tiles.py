@@ -33,7 +33,7 @@ static int mk_amx_permit(void) {
     return granted;
 }
 /* this thread's tiles: eight of 16 rows by 64 bytes (0-3 sums, 4-5 A's rows, 6-7 B's strips) */
-static void mk_tiles_2x2_config(void) {
+static inline void mk_tiles_2x2_config(void) {
     mk_tile_config cfg __attribute__((aligned(64)));
     memset(&cfg, 0, sizeof cfg);
     cfg.palette = 1;
