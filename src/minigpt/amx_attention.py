@@ -54,7 +54,7 @@ from torch import Tensor
 
 from minikernels.amx_tiles import AMX_TILES_C
 from minikernels.bf16_exp import BF16_EXP_C
-from minikernels.build import OPENMP_PRELUDE, KernelFamily
+from minikernels.build import OPENMP_PRELUDE, KernelFamily, cpu_flag_set
 from minikernels.softmax_rows import SOFTMAX_ROWS_C
 from minikernels.transpose16 import TRANSPOSE16_C
 
@@ -468,7 +468,10 @@ def kernels() -> AmxAttention | None:
 
 
 def usable() -> bool:
-    """Whether the kernels are built for AMX and Linux lets this process use the tiles."""
+    """Whether the CPU has AMX's bf16 tiles (/proc/cpuinfo's amx_bf16, asked before any build, as the planner asks
+    this on every CPU), the kernels are built for them, and Linux lets this process use them."""
+    if "amx_bf16" not in cpu_flag_set():
+        return False
     lib = kernels()
     return lib is not None and lib.permitted()
 

@@ -124,6 +124,14 @@ def test_fits_heads_of_a_width_its_tiles_take(monkeypatch):
     assert amx_attention.kernels() is None and not amx_attention.fits(q, k, v)
 
 
+def test_a_cpu_without_amx_builds_nothing(monkeypatch):
+    """usable() reads the CPU's flags first: without amx_bf16 it says no before building the library (the planner
+    asks it on every CPU)."""
+    monkeypatch.setattr(amx_attention, "cpu_flag_set", lambda: frozenset({"avx512f", "avx512_bf16"}))
+    monkeypatch.setattr(amx_attention, "kernels", lambda: pytest.fail("built on a CPU without AMX"))
+    assert not amx_attention.usable() and not amx_attention.head_fits(64)
+
+
 def test_p_is_never_kept_on_the_tiles(monkeypatch):
     """The planner asks native_attention.keeps_probabilities: never where these kernels take the heads."""
     monkeypatch.setattr(amx_attention, "usable", lambda: True)
