@@ -48,6 +48,7 @@ softmax and its gradient left out: the products and the packing of their operand
 from __future__ import annotations
 
 import ctypes
+import math
 
 import torch
 from torch import Tensor
@@ -429,7 +430,7 @@ class AmxAttention:
         kv = k.shape[1]
         y = torch.empty(B, T, h, d, dtype=torch.bfloat16)
         lse = torch.empty(B, h, T, dtype=torch.float32)
-        rc = self._forward(*_strided(q), *_strided(k), *_strided(v), B, h, kv, T, d, window, d ** -0.5,
+        rc = self._forward(*_strided(q), *_strided(k), *_strided(v), B, h, kv, T, d, window, 1.0 / math.sqrt(d),
                            y.data_ptr(), lse.data_ptr(), int(gemms_only), self._threads(B * h * ((T + 31) // 32)))
         if rc:
             raise MemoryError("minigpt.amx_attention: out of memory for the forward's scratch")
@@ -445,7 +446,7 @@ class AmxAttention:
         dq = torch.empty(B, T, h, d, dtype=torch.bfloat16)
         dk, dv = (torch.empty(B, T, kv, d, dtype=torch.bfloat16) for _ in range(2))
         rc = self._backward(*_strided(q), *_strided(k), *_strided(v), *_strided(dy), lse.data_ptr(), B, h, kv, T,
-                            d, window, d ** -0.5, dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), int(gemms_only),
+                            d, window, 1.0 / math.sqrt(d), dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), int(gemms_only),
                             self._threads(B * kv))
         if rc:
             raise MemoryError("minigpt.amx_attention: out of memory for the backward's scratch")
