@@ -388,6 +388,19 @@ static inline __mmask16 nonfinite16(const uint16_t* v) {
     const __m256i e = _mm256_set1_epi16(0x7F80);
     return _mm256_cmpeq_epi16_mask(_mm256_and_si256(_mm256_loadu_si256((const __m256i*)v), e), e);
 }
+/* y[0, n) = bf16(y + sums·scale) for n <= 16 values (fewer through a zero-padded copy: store16 writes 16); returns
+   the lanes whose new value is NaN or ±inf. y's update in lora_rows_update and lora_rows_update_fma */
+static inline __mmask16 add_scaled16(uint16_t* y, int64_t n, __m512 sums, __m512 scale) {
+    if (n == 16) {
+        store16(y, _mm512_add_ps(load16(y), _mm512_mul_ps(sums, scale)));
+        return nonfinite16(y);
+    }
+    uint16_t t[16] = {0};
+    memcpy(t, y, (size_t)n * sizeof(uint16_t));
+    store16(t, _mm512_add_ps(load16(t), _mm512_mul_ps(sums, scale)));
+    memcpy(y, t, (size_t)n * sizeof(uint16_t));
+    return nonfinite16(t) & mask16(n);
+}
 #endif
 
 /* y[n * ldy + m] = bf16(y + scale * sum_j a[n * r + j] * B[m, j]) for rows [n0, n1), in place; r even; P holds B
@@ -412,23 +425,14 @@ static int lora_rows_update(uint16_t* y, int64_t ldy, const uint16_t* a, int64_t
                 for (int q = 0; q < 4; q++)
                     s[q] = _mm512_dpbf16_ps(s[q], bh(_mm512_loadu_si512(P + i * M + mb + 16 * q)), bh(b));
             }
-            for (int q = 0; q < 4; q++) {
-                uint16_t* o = yn + mb + 16 * q;
-                store16(o, _mm512_add_ps(load16(o), _mm512_mul_ps(s[q], sv)));
-                seen |= nonfinite16(o);
-            }
+            for (int q = 0; q < 4; q++) seen |= add_scaled16(yn + mb + 16 * q, 16, s[q], sv);
         }
         for (; mb < M; mb += 16) {  /* the rest, 16 columns at a time (masked) */
             const __mmask16 m = mask16(M - mb);
             __m512 s = _mm512_setzero_ps();
             for (int64_t i = 0; i < r / 2; i++)
                 s = _mm512_dpbf16_ps(s, bh(_mm512_maskz_loadu_epi32(m, P + i * M + mb)), bh(_mm512_set1_epi32((int32_t)an[i])));
-            uint16_t t[16] = {0};  /* the last M % 16 through a padded copy: store16 writes 16 */
-            const int64_t left = M - mb < 16 ? M - mb : 16;
-            memcpy(t, yn + mb, (size_t)left * sizeof(uint16_t));
-            store16(t, _mm512_add_ps(load16(t), _mm512_mul_ps(s, sv)));
-            seen |= nonfinite16(t) & mask16(left);
-            memcpy(yn + mb, t, (size_t)left * sizeof(uint16_t));
+            seen |= add_scaled16(yn + mb, M - mb < 16 ? M - mb : 16, s, sv);
         }
     }
     bad = seen != 0;
@@ -500,20 +504,9 @@ static int lora_rows_update_fma(uint16_t* y, int64_t ldy, const uint16_t* a, int
             _mm_setcsr(csr);
             for (int q = 0; q < nr; q++) {  /* y = bf16(y + scale * sums), as lora_rows_update writes it */
                 uint16_t* yn = y + (n + q) * ldy;
-                int64_t c = c0;
-                for (; c + 16 <= c1; c += 16) {
-                    const __m512 sm = _mm512_loadu_ps(sums[q] + (c - c0));
-                    store16(yn + c, _mm512_add_ps(load16(yn + c), _mm512_mul_ps(sm, sv)));
-                    seen |= nonfinite16(yn + c);
-                }
-                if (c < c1) {  /* the last M % 16 through a padded copy: store16 writes 16 */
-                    uint16_t t[16] = {0};
-                    const int64_t left = c1 - c;
-                    memcpy(t, yn + c, (size_t)left * sizeof(uint16_t));
-                    const __m512 sm = _mm512_maskz_loadu_ps(mask16(left), sums[q] + (c - c0));
-                    store16(t, _mm512_add_ps(load16(t), _mm512_mul_ps(sm, sv)));
-                    seen |= nonfinite16(t) & mask16(left);
-                    memcpy(yn + c, t, (size_t)left * sizeof(uint16_t));
+                for (int64_t c = c0; c < c1; c += 16) {
+                    const int64_t left = c1 - c < 16 ? c1 - c : 16;
+                    seen |= add_scaled16(yn + c, left, _mm512_maskz_loadu_ps(mask16(left), sums[q] + (c - c0)), sv);
                 }
             }
         }
