@@ -65,7 +65,7 @@ import torch.nn.functional as F  # noqa: E402
 
 import bench_step  # noqa: E402
 import real_checkpoints  # noqa: E402
-from minigpt import amx_attention, native_attention  # noqa: E402
+from minigpt import amx_attention, native_attention, native_rope  # noqa: E402
 from minigpt.bf16_support import bf16_support  # noqa: E402
 from minigpt.decoder import Decoder  # noqa: E402
 from minigpt.model import MiniGPT  # noqa: E402
@@ -537,10 +537,12 @@ PROFILE_GROUPS = {  # profiler op name -> group, for "what the rest of the step 
     # own time is the C dequantization into the workspace of an NF4 base, and their Python
     "DequantLinearFunction": "NF4 dequantization", "DequantLinearFunctionBackward": "NF4 dequantization",
     "LoRAProduct": "NF4 dequantization", "LoRAProductBackward": "NF4 dequantization",
-    # the llama family's RMSNorm (with its bf16 hand-out) and SwiGLU gate in C (minigpt.native_norm, native_swiglu)
+    # the llama family's RMSNorm (with its bf16 hand-out), SwiGLU gate and RoPE in C (minigpt.native_norm,
+    # native_swiglu, native_rope)
     "_RMSNormBf16": "C norms and activations", "_RMSNormBf16Backward": "C norms and activations",
     "_LayerNormBf16": "C norms and activations", "_LayerNormBf16Backward": "C norms and activations",
     "_SwiGLU": "C norms and activations", "_SwiGLUBackward": "C norms and activations",
+    "_RopeQK": "C norms and activations", "_RopeQKBackward": "C norms and activations",
     "_GeluTanh": "C norms and activations", "_GeluTanhBackward": "C norms and activations",
     "_GeluExactBackward": "C norms and activations",  # (its forward is PyTorch's aten::gelu: 'other')
 }
@@ -838,14 +840,15 @@ def run_shape(shape: str, quick: bool = False, wait_s: float | None = None) -> S
              f"AMX's tile layout for miniquant.nf4_amx's GEMM, once per weight for the forward, twice where the input "
              f"gradient does not run in miniquant.nf4_matmul, with the Python of the Function around each product) "
              f"{fmt_seconds(q.get('NF4 dequantization', 0.0))}, "
-             + (f"the C norm and activation kernels {fmt_seconds(q['C norms and activations'])}, "
+             + (f"the C norm, activation and RoPE kernels {fmt_seconds(q['C norms and activations'])}, "
                 if q.get("C norms and activations") else "")
              + "dtype casts and copies (aten's copy_: "
              + ("" if amx_attention.usable() else "attention's heads grouped for its GEMMs and back, ")
              + "the residual adds' bf16 gradients"
              + ("" if res.get("native_lora") else ", the LoRA masters' bf16 copies") + ") "
              f"{fmt_seconds(q.get('dtype casts and copies', 0.0))}, everything else (PyTorch's exact GELU forward, "
-             f"RoPE, the residual adds, the loss, embeddings, AdamW, the finite-output guards, autograd) "
+             f"{'' if native_rope.kernels() is not None else 'RoPE, '}the residual adds, the loss, embeddings, AdamW, "
+             f"the finite-output guards, autograd) "
              f"{fmt_seconds(q.get('other', 0.0))}",
              measurable=support.fast),
         Goal(f"bf16 step ({shape}): ours QLoRA / ours LoRA", t["qlora_bf16"] / t["lora_bf16"], VS_LORA_GOAL, False,

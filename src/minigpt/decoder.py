@@ -30,6 +30,9 @@ reads each K/V head for its group of query heads, so k and v are never repeated 
 CPU at Llama-3.2-1B's shape, 39 against 43 ms for one layer's attention forward and backward, and the saved k
 and v are n_head / n_kv_head times smaller). Elsewhere, and on CUDA (whose memory-efficient kernel does not
 take enable_gqa, so SDPA would fall back to its h·T² math path), k and v are repeated first.
+
+RoPE in bf16 on CPU (heads whose width is a multiple of 32) is ``minigpt.native_rope``: q and k rotated in one C
+call each way, the bits of ``apply_rope``'s PyTorch ops, which run everywhere else.
 """
 from __future__ import annotations
 
@@ -41,7 +44,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from . import native_attention, native_gelu, native_swiglu
+from . import native_attention, native_gelu, native_rope, native_swiglu
 from .errors import InputError, check_config_values, check_known_fields
 from .kv_cache import KVCache, LayerKV, attention_mask
 from .model import head_rows
@@ -191,6 +194,15 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> 
     return x * cos + swap_halves(x) * sin_signed
 
 
+def apply_rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """apply_rope on q (B, h, T, d) and on k (B, kv, T, d): for bf16 on CPU one C call for both each way
+    (``minigpt.native_rope``, the same bits), else PyTorch's ops."""
+    if native_rope.fits(q, k, cos, sin_signed):
+        return native_rope.rope_qk(q, k, cos, sin_signed)
+    return apply_rope(q, cos, sin_signed), apply_rope(k, cos, sin_signed)
+
+
 class RMSNorm(nn.Module):
     """x / rms(x) * weight, computed in float32 and cast back before the weight (as the reference does)."""
 
@@ -231,9 +243,7 @@ class Attention(nn.Module):
         k = self.k_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, kv, T, hd)
         v = self.v_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, kv, T, hd)
         if rope is not None:
-            cos, sin_signed = rope  # (T, hd) each; the sine with its first half negated (signed_sin)
-            q = apply_rope(q, cos, sin_signed)
-            k = apply_rope(k, cos, sin_signed)
+            q, k = apply_rope_qk(q, k, *rope)  # rope: cos and sin (T, hd), the sine's first half negated
         start = 0
         if kv is not None:  # generation: the tokens before these are stored (minigpt.kv_cache)
             start = kv.cache.length

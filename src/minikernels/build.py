@@ -6,8 +6,8 @@
     split.run(blocks, values_per_block, lambda b0, b1: lib.kernel(..., b0, b1), min_values, chunk_values)
 
 Used by ``miniquant.native`` (NF4) and minigpt's bf16 kernels (``native_loss``, ``native_attention``,
-``native_norm``, ``native_swiglu``). A library is cached under $MINIQUANT_CACHE (default: <tmp>/miniquant-<uid>),
-keyed by a hash of the source, the flags, the compiler's version and the CPU's feature flags (kernels are
+``native_norm``, ``native_swiglu``, ``native_rope``). A library is cached under $MINIQUANT_CACHE (default:
+<tmp>/miniquant-<uid>), keyed by a hash of the source, the flags, the compiler's version and the CPU's feature flags (kernels are
 built with -march=native), so a changed source or another CPU builds afresh.
 
 Threads: a source that starts with OPENMP_PRELUDE can split a kernel's range over OpenMP threads (its
