@@ -7,8 +7,8 @@
 
 Used by ``miniquant.native`` (NF4) and minigpt's bf16 kernels (``native_loss``, ``native_attention``,
 ``native_norm``, ``native_swiglu``, ``native_rope``). A library is cached under $MINIQUANT_CACHE (default:
-<tmp>/miniquant-<uid>), keyed by a hash of the source, the flags, the compiler's version and the CPU's feature flags (kernels are
-built with -march=native), so a changed source or another CPU builds afresh.
+<tmp>/miniquant-<uid>), keyed by a hash of the source, the flags, the compiler's version and the CPU's feature
+flags (kernels are built with -march=native), so a changed source or another CPU builds afresh.
 
 Threads: a source that starts with OPENMP_PRELUDE can split a kernel's range over OpenMP threads (its
 MK_PARALLEL_RANGES macro); its family, made with ``parallel=True``, is compiled with -fopenmp where the compiler
