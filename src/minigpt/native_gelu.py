@@ -70,17 +70,17 @@ int gelu_vectorized(void) {
 static inline void gelu_forward16(const uint16_t* x, uint16_t* y) {
     __m512 v = load16(x);
     __m512 inner = _mm512_add_ps(v, _mm512_mul_ps(_mm512_set1_ps(K_KAPPA), _mm512_mul_ps(v, _mm512_mul_ps(v, v))));
-    put16(y, _mm512_mul_ps(v, sigmoid16(_mm512_mul_ps(_mm512_set1_ps(2.0f * K_BETA), inner))));
+    store16(y, _mm512_mul_ps(v, sigmoid16(_mm512_mul_ps(_mm512_set1_ps(2.0f * K_BETA), inner))));
 }
 
 /* 16 values: dx = bf16(dy · (s + 2·x·s·(1 - s)·K_BETA·(1 + 3·K_KAPPA·x²))), s = σ(2u) (minikernels.gelu_slope) */
 static inline void gelu_backward16(const uint16_t* dy, const uint16_t* x, uint16_t* dx) {
-    put16(dx, _mm512_mul_ps(load16(dy), gelu_tanh_slope16(load16(x))));
+    store16(dx, _mm512_mul_ps(load16(dy), gelu_tanh_slope16(load16(x))));
 }
 
 /* 16 values: dx = bf16(dy · (Φ(x) + x·φ(x))) (minikernels.gelu_slope) */
 static inline void gelu_erf_backward16(const uint16_t* dy, const uint16_t* x, uint16_t* dx) {
-    put16(dx, _mm512_mul_ps(load16(dy), gelu_erf_slope16(load16(x))));
+    store16(dx, _mm512_mul_ps(load16(dy), gelu_erf_slope16(load16(x))));
 }
 #endif
 

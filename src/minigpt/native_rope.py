@@ -64,8 +64,8 @@ static inline void rope_row(const uint16_t* x, const uint16_t* c, const uint16_t
         const __m512 x1 = load16(x + j), x2 = load16(x + h + j);
         const uint16_t* s_for1 = backward ? s + h + j : s + j;
         const uint16_t* s_for2 = backward ? s + j : s + h + j;
-        put16(y + j, _mm512_add_ps(mul_rounded(x1, c + j), mul_rounded(x2, s_for1)));
-        put16(y + h + j, _mm512_add_ps(mul_rounded(x2, c + h + j), mul_rounded(x1, s_for2)));
+        store16(y + j, _mm512_add_ps(mul_rounded(x1, c + j), mul_rounded(x2, s_for1)));
+        store16(y + h + j, _mm512_add_ps(mul_rounded(x2, c + h + j), mul_rounded(x1, s_for2)));
     }
 }
 #endif

@@ -51,7 +51,7 @@ int swiglu_vectorized(void) {
 static inline void swiglu_forward16(const uint16_t* g, const uint16_t* u, uint16_t* h) {
     __m512 x = load16(g);
     __m512 s = round16(_mm512_mul_ps(x, sigmoid16(x)));
-    put16(h, _mm512_mul_ps(s, load16(u)));
+    store16(h, _mm512_mul_ps(s, load16(u)));
 }
 
 /* 16 values: du = bf16(dh · s) (du may be NULL), dg = bf16(bf16(dh · u) · σ·(1 + g·(1 - σ))) (dg may be NULL) */
@@ -60,11 +60,11 @@ static inline void swiglu_backward16(const uint16_t* dh, const uint16_t* g, cons
     __m512 one = _mm512_set1_ps(1.0f);
     __m512 x = load16(g), d = load16(dh);
     __m512 sg = sigmoid16(x);
-    if (du) put16(du, _mm512_mul_ps(d, round16(_mm512_mul_ps(x, sg))));
+    if (du) store16(du, _mm512_mul_ps(d, round16(_mm512_mul_ps(x, sg))));
     if (dg) {
         __m512 ds = round16(_mm512_mul_ps(d, load16(u)));
         __m512 slope = _mm512_mul_ps(sg, _mm512_add_ps(one, _mm512_mul_ps(x, _mm512_sub_ps(one, sg))));
-        put16(dg, _mm512_mul_ps(ds, slope));
+        store16(dg, _mm512_mul_ps(ds, slope));
     }
 }
 #endif

@@ -47,16 +47,6 @@ static inline void store_tail16(uint16_t* dst, int64_t n, __m512 v) {
 #endif
 }
 
-/* 16 fp32 sums rounded to bf16 and widened back: the values store16 and then load16 would give */
-static inline __m512 round16(__m512 v) {
-    const __m512i u = _mm512_castps_si512(v);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    const __m512i r = _mm512_and_si512(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb),
-                                       _mm512_set1_epi32((int)0xFFFF0000u));
-    return _mm512_castsi512_ps(_mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q),
-                                                     _mm512_set1_epi32(0x7FC00000)));
-}
-
 /* scores j..j + 15 of a row: its bf16 values (f NULL), or its fp32 sums f rounded to bf16 on the way (the same
    values); the tail's n < 16 likewise */
 static inline __m512 scores16(const uint16_t* v, const float* f, int64_t j) {
