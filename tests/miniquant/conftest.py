@@ -55,9 +55,11 @@ def nf4_lora_run(nf4_linear):
     base.compute_dtype = torch.bfloat16
     lora = LoRALinear(base, r=8, alpha=16)
     lora.compute_dtype = torch.bfloat16
+    g = torch.Generator().manual_seed(1)  # (not the global generator: the same values whatever ran before)
     with torch.no_grad():
-        lora.lora_B["default"].weight.normal_(0, 0.1)
-    x = torch.randn(64, 512).to(torch.bfloat16)
+        lora.lora_A["default"].weight.copy_(torch.randn(8, 512, generator=g) * 512 ** -0.5)
+        lora.lora_B["default"].weight.normal_(0, 0.1, generator=g)
+    x = torch.randn(64, 512, generator=g).to(torch.bfloat16)
     assert lora_product.fused_fits(lora, x, "default")  # base and adapter as one Function
 
     def run():

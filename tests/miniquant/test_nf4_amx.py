@@ -222,7 +222,7 @@ def test_amx_product_says_none_where_it_does_not_fit(nf4_linear, bf16_close):
 
 
 @needs_amx
-def test_lora_product_adds_the_adapter_inside_and_gives_the_workspace_paths_values(nf4_lora_run, bf16_close):
+def test_lora_product_adds_the_adapter_inside_and_gives_the_workspace_paths_values(nf4_lora_run):
     from minituner import native_lora
 
     run = nf4_lora_run
@@ -239,8 +239,8 @@ def test_lora_product_adds_the_adapter_inside_and_gives_the_workspace_paths_valu
         with mock.patch.object(nf4_amx, "usable", lambda: False), counting_products() as calls:
             workspace, _ = run()
         assert calls == [] and thin == ["forward_", "input_update_"]
-    for a, b in zip(amx, workspace):
-        assert bf16_close(a, b.double())
+    for a, b in zip(amx, workspace):  # each path rounds (y once here, twice there): two roundings apart at most
+        assert torch.allclose(a.double(), b.double(), rtol=2**-7, atol=2**-7 * b.abs().max().item())
 
 
 def test_the_planner_counts_each_threads_sums_where_it_runs():
