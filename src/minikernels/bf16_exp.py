@@ -13,8 +13,9 @@ a NaN or a denormal, the same bits: ``minigpt.native_loss``'s gradient of Llama-
 took 16.4 ms against 17.4 with the integer rounding for every store; 2 threads, Intel Xeon with AMX, 2026-12-06,
 medians of 41 interleaved calls, the same bits checked), ``round16`` keeps the rounded value in fp32 lanes.
 ``TAIL16`` sends a kernel's last n < 16 values through the same 16-lane code (a zero-padded copy), so a value's
-bits do not depend on where it sits or how the threads split the tensor. Used by
-``minigpt.native_loss`` and ``minigpt.native_attention``, and for its bf16 conversions by ``minituner.native_lora``.
+bits do not depend on where it sits or how the threads split the tensor. Used by minigpt's bf16 kernels (the loss,
+attention, norms, activations and RoPE), ``miniquant.nf4_matmul`` and, for its bf16 conversions,
+``minituner.native_lora``.
 
 ``BF16_SIGMOID_C`` (after BF16_EXP_C) adds σ(x) on 16 lanes (a shorter exp with fused multiply-adds, about 2e-6
 relative, ample for a bf16 result), for the activation kernels, ``minigpt.native_swiglu`` and
