@@ -119,6 +119,9 @@ class Shape:
 
 LLAMA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # not lm_head
 LLAMA_LAYERS = 6  # of Llama-3.2-1B's 16, for the bench time and memory (LLAMA_NOTE)
+# paced turns of the llama-1b shape: its goals' per-turn ratios ranged 1.29-1.49 over 7 turns (2026-12-06), the
+# medians of 7 moving with the machine's pace; each turn adds about 50 s to the section
+LLAMA_TURNS = 11
 LLAMA_NOTE = (
     f"{LLAMA_LAYERS} of Llama-3.2-1B's 16 layers: every row runs in every turn, in a process of its own, all alive "
     "together, so the section's time and memory grow with each layer; sized to fit a 23 GiB machine (each "
@@ -126,7 +129,7 @@ LLAMA_NOTE = (
     "about 4 layers)")
 
 
-def llama_1b(n_layer: int, vocab: int | None = None, note: str = "") -> Shape:
+def llama_1b(n_layer: int, vocab: int | None = None, note: str = "", turns: int = 7) -> Shape:
     """Llama-3.2-1B (real_checkpoints' config.json, through hf_config) cut to n_layer layers (and `vocab` tokens).
 
     A random-init minigpt.decoder.Decoder in float32; batch 1 × 512 tokens, LoRA r 16, alpha 32 (as in
@@ -141,7 +144,7 @@ def llama_1b(n_layer: int, vocab: int | None = None, note: str = "") -> Shape:
         f"{n_layer} of Llama-3.2-1B's 16 layers (d_model {cfg.d_model}, {cfg.n_head} heads, {cfg.n_kv_head} "
         f"KV heads, SwiGLU d_ff {cfg.d_ff}, vocab {cfg.vocab_size:,}, {tied}), random init, as minigpt.decoder."
         "Decoder; batch 1 × 512 tokens",
-        lambda: Decoder(cfg), cfg.vocab_size, 1, 512, LLAMA_TARGETS, rank=16, alpha=32.0, note=note)
+        lambda: Decoder(cfg), cfg.vocab_size, 1, 512, LLAMA_TARGETS, rank=16, alpha=32.0, note=note, turns=turns)
 
 
 def small_gpt() -> Shape:
@@ -173,7 +176,7 @@ SHAPES: dict[str, Shape] = {
         f"heads, vocab {bench_step.STACK.vocab_size}; batch {bench_step.BATCH} × {bench_step.STACK.block_size} tokens",
         lambda: MiniGPT(bench_step.STACK), bench_step.STACK.vocab_size, bench_step.BATCH, bench_step.STACK.block_size,
         tuple(bench_step.TARGETS), turns=21),
-    "llama-1b": llama_1b(LLAMA_LAYERS, note=LLAMA_NOTE),
+    "llama-1b": llama_1b(LLAMA_LAYERS, note=LLAMA_NOTE, turns=LLAMA_TURNS),
     # the quick run's stand-in: the same code path in seconds
     "llama-1b-tiny": llama_1b(1, vocab=8192, note="a smoke-run stand-in for the llama-1b shape: 1 layer, vocab 8,192"),
 }
