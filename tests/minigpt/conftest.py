@@ -1,4 +1,6 @@
-"""Fixtures of the attention tests (test_native_attention, test_amx_attention): what both paths are held to."""
+"""Fixtures of the attention tests (test_native_attention, test_amx_attention): what both paths are held to; and
+``plain_build``, a bf16 kernel family built without AVX-512 (the native_* tests: such a build is not used)."""
+import ctypes
 from types import SimpleNamespace
 
 import pytest
@@ -59,3 +61,22 @@ def attention_checks():
     grad_fn_names and checkpointing_changes_nothing."""
     return SimpleNamespace(visible=visible, reference=reference, rel=rel, as_close_as_sdpa=as_close_as_sdpa,
                            grad_fn_names=grad_fn_names, checkpointing_changes_nothing=checkpointing_changes_nothing)
+
+
+@pytest.fixture
+def plain_build(tmp_path, monkeypatch):
+    """(name, module) -> the module's C (_SOURCE, CFLAGS, LIBS) built without AVX-512 into a cache of its own, loaded;
+    skips where there is no C compiler or it does not know -mno-avx512f (not x86)."""
+    from minikernels.build import build_library, find_compiler
+
+    def build(name, module):
+        compiler = find_compiler()
+        if compiler is None:
+            pytest.skip("no C compiler")
+        monkeypatch.setenv("MINIQUANT_CACHE", str(tmp_path))
+        try:
+            path = build_library(name, module._SOURCE, module.CFLAGS + ["-mno-avx512f"], compiler, module.LIBS)
+        except RuntimeError as e:
+            pytest.skip(f"cannot build without AVX-512 here: {e}")
+        return ctypes.CDLL(str(path))
+    return build

@@ -1,6 +1,5 @@
 """minigpt.native_gelu: GPT-2's tanh GELU in C against PyTorch's bf16 F.gelu(approximate="tanh"), and the exact GELU's
 gradient in C against PyTorch's gelu_backward and against the exact value, on the same values."""
-import ctypes
 
 import pytest
 import torch
@@ -115,19 +114,8 @@ def test_the_exact_gelu_without_a_gradient_wanted_is_f_gelu_alone(monkeypatch):
     assert calls == [] and torch.equal(y, mlp.fc2(F.gelu(mlp.fc1(x))).detach())
 
 
-def test_a_build_without_avx512_is_not_used(tmp_path, monkeypatch):
-    from minikernels.build import build_library, find_compiler
-
-    compiler = find_compiler()
-    if compiler is None:
-        pytest.skip("no C compiler")
-    monkeypatch.setenv("MINIQUANT_CACHE", str(tmp_path))
-    try:
-        path = build_library("bf16_gelu_plain", native_gelu._SOURCE, native_gelu.CFLAGS + ["-mno-avx512f"],
-                             compiler, native_gelu.LIBS)
-    except RuntimeError as e:  # a compiler that does not know the flag (not x86)
-        pytest.skip(f"cannot build without AVX-512 here: {e}")
-    lib = ctypes.CDLL(str(path))
+def test_a_build_without_avx512_is_not_used(plain_build):
+    lib = plain_build("bf16_gelu_plain", native_gelu)
     assert lib.gelu_vectorized() == 0 and native_gelu._usable(lib) is None
 
 

@@ -1,5 +1,4 @@
 """minigpt.native_loss: the bf16 cross-entropy kernels against PyTorch's fp32 arithmetic on the same values."""
-import ctypes
 import os
 import subprocess
 import sys
@@ -79,20 +78,9 @@ def test_bad_arguments_never_reach_the_kernel():
         kernels.softmax_grad(z, lse, torch.tensor([0, 1]), torch.ones(3))
 
 
-def test_a_build_without_avx512_is_not_used(tmp_path, monkeypatch):
+def test_a_build_without_avx512_is_not_used(plain_build):
     """Without AVX-512 the row sums are sequential plain C: slower than PyTorch's ops, so not used."""
-    from minikernels.build import build_library, find_compiler
-
-    compiler = find_compiler()
-    if compiler is None:
-        pytest.skip("no C compiler")
-    monkeypatch.setenv("MINIQUANT_CACHE", str(tmp_path))
-    try:
-        path = build_library("bf16_loss_plain", native_loss._SOURCE, native_loss.CFLAGS + ["-mno-avx512f"], compiler,
-                             native_loss.LIBS)
-    except RuntimeError as e:  # a compiler that does not know the flag (not x86)
-        pytest.skip(f"cannot build without AVX-512 here: {e}")
-    lib = ctypes.CDLL(str(path))
+    lib = plain_build("bf16_loss_plain", native_loss)
     assert lib.ce_vectorized() == 0 and native_loss._usable(lib) is None
 
 

@@ -83,22 +83,9 @@ def test_without_kernels_it_is_not_taken(monkeypatch):
     assert native_norm.kernels() is None and not native_norm.fits(x, weight)
 
 
-def test_a_build_without_avx512_is_not_used(tmp_path, monkeypatch):
+def test_a_build_without_avx512_is_not_used(plain_build):
     """Without AVX-512 the row sums are one sequential chain in plain C: not used (PyTorch's ops run)."""
-    import ctypes
-
-    from minikernels.build import build_library, find_compiler
-
-    compiler = find_compiler()
-    if compiler is None:
-        pytest.skip("no C compiler")
-    monkeypatch.setenv("MINIQUANT_CACHE", str(tmp_path))
-    try:
-        path = build_library("bf16_norm_plain", native_norm._SOURCE, native_norm.CFLAGS + ["-mno-avx512f"], compiler,
-                             native_norm.LIBS)
-    except RuntimeError as e:  # a compiler that does not know the flag (not x86)
-        pytest.skip(f"cannot build without AVX-512 here: {e}")
-    lib = ctypes.CDLL(str(path))
+    lib = plain_build("bf16_norm_plain", native_norm)
     assert lib.norm_vectorized() == 0 and native_norm._usable(lib) is None
 
 

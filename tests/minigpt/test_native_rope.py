@@ -1,5 +1,4 @@
 """minigpt.native_rope: RoPE on q and k in C against apply_rope's PyTorch bf16 ops and their autograd, to the bit."""
-import ctypes
 
 import pytest
 import torch
@@ -181,17 +180,6 @@ def test_a_bf16_decoder_trains_and_generates_with_the_same_bits(d_head, monkeypa
         assert torch.equal(a, b)
 
 
-def test_a_build_without_avx512_is_not_used(tmp_path, monkeypatch):
-    from minikernels.build import build_library, find_compiler
-
-    compiler = find_compiler()
-    if compiler is None:
-        pytest.skip("no C compiler")
-    monkeypatch.setenv("MINIQUANT_CACHE", str(tmp_path))
-    try:
-        path = build_library("bf16_rope_plain", native_rope._SOURCE, native_rope.CFLAGS + ["-mno-avx512f"], compiler,
-                             native_rope.LIBS)
-    except RuntimeError as e:  # a compiler that does not know the flag (not x86)
-        pytest.skip(f"cannot build without AVX-512 here: {e}")
-    lib = ctypes.CDLL(str(path))
+def test_a_build_without_avx512_is_not_used(plain_build):
+    lib = plain_build("bf16_rope_plain", native_rope)
     assert lib.rope_vectorized() == 0 and native_rope._FAMILY.usable(lib) is None

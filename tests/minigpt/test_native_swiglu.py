@@ -1,5 +1,4 @@
 """minigpt.native_swiglu: SwiGLU's gate in C against PyTorch's bf16 ops (F.silu(gate) * up) on the same values."""
-import ctypes
 
 import pytest
 import torch
@@ -100,17 +99,6 @@ def test_what_it_does_not_take():
     assert not native_swiglu.fits(gate.view(4, 8).t(), up.view(4, 8).t())
 
 
-def test_a_build_without_avx512_is_not_used(tmp_path, monkeypatch):
-    from minikernels.build import build_library, find_compiler
-
-    compiler = find_compiler()
-    if compiler is None:
-        pytest.skip("no C compiler")
-    monkeypatch.setenv("MINIQUANT_CACHE", str(tmp_path))
-    try:
-        path = build_library("bf16_swiglu_plain", native_swiglu._SOURCE, native_swiglu.CFLAGS + ["-mno-avx512f"],
-                             compiler, native_swiglu.LIBS)
-    except RuntimeError as e:  # a compiler that does not know the flag (not x86)
-        pytest.skip(f"cannot build without AVX-512 here: {e}")
-    lib = ctypes.CDLL(str(path))
+def test_a_build_without_avx512_is_not_used(plain_build):
+    lib = plain_build("bf16_swiglu_plain", native_swiglu)
     assert lib.swiglu_vectorized() == 0 and native_swiglu._usable(lib) is None
