@@ -70,7 +70,7 @@ static inline void rope_row(const uint16_t* x, const uint16_t* c, const uint16_t
 }
 #endif
 
-/* rows [r0, r1) of q's rows then k's: row r < H·T·B of q is (b, t, h) = (r / (T·Hq), r / Hq % T, r % Hq), read at
+/* rows [r0, r1) of q's rows then k's: row r < Hq·T·B of q is (b, t, h) = (r / (T·Hq), r / Hq % T, r % Hq), read at
    q + b·qs[0] + h·qs[1] + t·qs[2] and written at qo + r·d; row r - Hq·T·B of k likewise with Hk, ks, ko. Position
    t's tables at c + t·d and s + t·d */
 void rope_rows(const uint16_t* q, const int64_t* qs, int64_t Hq, uint16_t* qo, const uint16_t* k, const int64_t* ks,
