@@ -71,30 +71,30 @@ static inline void rope_row(const uint16_t* x, const uint16_t* c, const uint16_t
 #endif
 
 /* rows [r0, r1) of q's rows then k's: row r < Hq·T·B of q is (b, t, h) = (r / (T·Hq), r / Hq % T, r % Hq), read at
-   q + b·qs[0] + h·qs[1] + t·qs[2] and written at qo + r·d; row r - Hq·T·B of k likewise with Hk, ks, ko. Position
-   t's tables at c + t·d and s + t·d */
-void rope_rows(const uint16_t* q, const int64_t* qs, int64_t Hq, uint16_t* qo, const uint16_t* k, const int64_t* ks,
-               int64_t Hk, uint16_t* ko, int64_t B, int64_t T, int64_t d, const uint16_t* c, const uint16_t* s,
-               int backward, int64_t r0, int64_t r1) {
+   q + b·qb + h·qh + t·qt and written at qo + r·d; row r - Hq·T·B of k likewise with its strides, Hk and ko.
+   Position t's tables at c + t·d and s + t·d */
+void rope_rows(const uint16_t* q, int64_t qb, int64_t qh, int64_t qt, int64_t Hq, uint16_t* qo, const uint16_t* k,
+               int64_t kb, int64_t kh, int64_t kt, int64_t Hk, uint16_t* ko, int64_t B, int64_t T, int64_t d,
+               const uint16_t* c, const uint16_t* s, int backward, int64_t r0, int64_t r1) {
 #ifdef __AVX512F__
     const int64_t nq = B * T * Hq;
     for (int64_t r = r0; r < r1; r++) {
         const int in_q = r < nq;
         const int64_t i = in_q ? r : r - nq, H = in_q ? Hq : Hk;
-        const int64_t* st = in_q ? qs : ks;
         const int64_t b = i / (T * H), t = i / H % T, h = i % H;
-        const uint16_t* x = (in_q ? q : k) + b * st[0] + h * st[1] + t * st[2];
+        const uint16_t* x = in_q ? q + b * qb + h * qh + t * qt : k + b * kb + h * kh + t * kt;
         rope_row(x, c + t * d, s + t * d, d, backward, (in_q ? qo : ko) + i * d);
     }
 #endif
 }
 
 /* rope_rows over OpenMP's threads, in `chunks` ranges (minikernels.build's MK_PARALLEL_RANGES) */
-void rope_rows_parallel(const uint16_t* q, const int64_t* qs, int64_t Hq, uint16_t* qo, const uint16_t* k,
-                        const int64_t* ks, int64_t Hk, uint16_t* ko, int64_t B, int64_t T, int64_t d,
-                        const uint16_t* c, const uint16_t* s, int backward, int64_t b0, int64_t b1, int64_t chunks,
-                        int threads) {
-    MK_PARALLEL_RANGES(b0, b1, r0, r1, rope_rows(q, qs, Hq, qo, k, ks, Hk, ko, B, T, d, c, s, backward, r0, r1));
+void rope_rows_parallel(const uint16_t* q, int64_t qb, int64_t qh, int64_t qt, int64_t Hq, uint16_t* qo,
+                        const uint16_t* k, int64_t kb, int64_t kh, int64_t kt, int64_t Hk, uint16_t* ko, int64_t B,
+                        int64_t T, int64_t d, const uint16_t* c, const uint16_t* s, int backward, int64_t b0,
+                        int64_t b1, int64_t chunks, int threads) {
+    MK_PARALLEL_RANGES(b0, b1, r0, r1,
+                       rope_rows(q, qb, qh, qt, Hq, qo, k, kb, kh, kt, Hk, ko, B, T, d, c, s, backward, r0, r1));
 }
 """
 
@@ -105,7 +105,7 @@ class RopeKernels:
     def __init__(self, lib: ctypes.CDLL) -> None:
         i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
         self._rows = lib.rope_rows
-        self._rows.argtypes = [ptr, ptr, i64, ptr, ptr, ptr, i64, ptr, i64, i64, i64, ptr, ptr, i32, i64, i64]
+        self._rows.argtypes = [ptr, i64, i64, i64, i64, ptr] * 2 + [i64, i64, i64, ptr, ptr, i32, i64, i64]
         self._rows.restype = None
         self._rows_parallel = parallel_entry(lib, self._rows)  # over OpenMP's threads
         self._threads = ThreadSplit("minigpt-rope", openmp=bool(lib.mk_openmp()))
@@ -119,10 +119,8 @@ class RopeKernels:
         Hk = k.shape[1]
         qo = torch.empty(B, T, Hq, d, dtype=q.dtype)
         ko = torch.empty(B, T, Hk, d, dtype=k.dtype)
-        qs = torch.tensor(q.stride()[:3], dtype=torch.int64)  # (b, head, t) strides in values
-        ks = torch.tensor(k.stride()[:3], dtype=torch.int64)
-        args = (q.data_ptr(), qs.data_ptr(), Hq, qo.data_ptr(), k.data_ptr(), ks.data_ptr(), Hk, ko.data_ptr(),
-                B, T, d, cos.data_ptr(), sin_signed.data_ptr(), int(backward))
+        args = (q.data_ptr(), *q.stride()[:3], Hq, qo.data_ptr(), k.data_ptr(), *k.stride()[:3], Hk, ko.data_ptr(),
+                B, T, d, cos.data_ptr(), sin_signed.data_ptr(), int(backward))  # (b, head, t) strides in values
         self._threads.run(B * T * (Hq + Hk), d, lambda r0, r1: self._rows(*args, r0, r1), MIN_VALUES_PER_THREAD,
                           CHUNK_VALUES, lambda r0, r1, c, t: self._rows_parallel(*args, r0, r1, c, t))
         return qo.transpose(1, 2), ko.transpose(1, 2)
@@ -155,15 +153,12 @@ class _RopeQK(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, cos: Tensor, sin_signed: Tensor) -> tuple[Tensor, Tensor]:
         ctx.save_for_backward(cos, sin_signed)
-        ctx.shapes = q.shape, k.shape  # (for a gradient that arrives as None)
         return kernels().rotate(q, k, cos, sin_signed)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, dq: Tensor | None, dk: Tensor | None):
+    def backward(ctx, dq: Tensor, dk: Tensor):  # (an output without a gradient gets zeros: materialize_grads)
         cos, sin_signed = ctx.saved_tensors
-        dq, dk = (torch.zeros(shape, dtype=torch.bfloat16) if g is None else g.to(torch.bfloat16)
-                  for g, shape in zip((dq, dk), ctx.shapes))
         dq, dk = (g if g.stride(3) == 1 else g.contiguous() for g in (dq, dk))
         dq, dk = kernels().rotate(dq, dk, cos, sin_signed, backward=True)
         return dq, dk, None, None
