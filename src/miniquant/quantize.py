@@ -20,7 +20,10 @@ minikernels.fp32_gemm: oneDNN on AMD CPUs) and drops W. Its backward
 dequantizes W again to return the gradient for x only: nothing dequantized is kept for backward
 (only the quantized buffers are saved, which costs no memory and catches in-place changes).
 NF4 weights are dequantized into a workspace reused by every layer (one buffer per thread, device and
-dtype, as large as the largest layer): no allocation and no page faults per call. With
+dtype, as large as the largest layer): no allocation and no page faults per call. On a CPU with AMX, bf16
+products of NF4 weights are computed without it where they fit: weights of at most 2^20 values are written into
+it in AMX's tile layout for miniquant.nf4_amx's GEMM, larger ones unpacked panel by panel inside
+miniquant.nf4_brgemm's product (inputs of at most 512 rows). With
 `compute_dtype` set (e.g. torch.bfloat16), forward casts x to it, computes in it and returns x's dtype.
 """
 from __future__ import annotations
@@ -37,7 +40,7 @@ from torch import Tensor, nn
 
 from minikernels import fp32_gemm
 
-from . import native, nf4_amx, nf4_matmul
+from . import native, nf4_amx, nf4_brgemm, nf4_matmul
 from .errors import QuantizationError
 from .int_quant import IntQuantized, dequantize_symmetric_per_group, quantize_symmetric_per_group
 from .nf4 import NF4Tensor, dequantize_nf4, quantize_nf4
@@ -264,6 +267,23 @@ class QuantizedLinear(nn.Module):
                 and qtensors[0].is_contiguous() and qtensors[1].dtype == torch.float32
                 and qtensors[1].is_contiguous() and _nf4_surely_finite(qtensors[1], a.dtype))
 
+    def _brgemm_fits(self, qtensors: tuple[Tensor, ...], a: Tensor, bias: Tensor | None = None) -> bool:
+        """Whether ``nf4_brgemm`` multiplies `a` (x·Wᵀ + bias or g·W) by this NF4 weight (a large one, on a CPU with
+        AMX): the shapes fit, the buffers are contiguous fp32 scales, scales that keep every value finite in bf16,
+        and a bias (if any) of a's dtype, contiguous."""
+        s = self._scheme
+        return (s.kind == "nf4" and nf4_brgemm.fits(a, self.in_features, self.out_features, s.group_size)
+                and qtensors[0].is_contiguous() and qtensors[1].dtype == torch.float32
+                and qtensors[1].is_contiguous() and _nf4_surely_finite(qtensors[1], a.dtype)
+                and (bias is None or (bias.dtype == a.dtype and bias.is_contiguous())))
+
+    def _brgemm_product(self, qtensors: tuple[Tensor, ...], a: Tensor, transposed: bool,
+                        bias: Tensor | None = None) -> tuple[Tensor, bool]:
+        """(c, finite): ``nf4_brgemm``'s product of a with this NF4 weight, as the caller checked it fits:
+        a·Wᵀ + bias (transposed, the forward) or a·W (the input's gradient), W unpacked panel by panel inside."""
+        return nf4_brgemm.kernels().product(a, qtensors[0], qtensors[1], self._scheme.group_size,
+                                            (self.out_features, self.in_features), bias, transposed)
+
     def amx_fits(self, qtensors: tuple[Tensor, ...], x: Tensor, bias: Tensor | None, rank: int = 0) -> bool:
         """Whether ``amx_product`` takes x (N, in) and this bias: ``_amx_fits`` for the forward, a bias (if any) of
         x's dtype, contiguous, and an adapter of this rank (0: none) that its GEMM adds (``nf4_amx.MAX_RANK``)."""
@@ -276,10 +296,13 @@ class QuantizedLinear(nn.Module):
         """(y, finite): y = x (N, in)·Wᵀ + bias (N, out) from the given buffers on AMX's tiles (``nf4_amx``: W
         dequantized into the shared workspace in the tiles' layout), where ``amx_fits``; with adapter = (a, B, scale)
         (a = x·Aᵀ (N, r) bf16, B (out, r) its fp32 master, ``nf4_amx.adapter_fits``), plus scale·a·Bᵀ before the
-        one rounding; finite: every value of y written finite. None elsewhere: the caller dequantizes and multiplies
-        its own way (and adds the adapter after). checked: the caller has just asked ``amx_fits`` for x and bias (as
-        the adapter's forward does before computing a), so it is not asked again."""
+        one rounding; finite: every value of y written finite. A larger weight without an adapter: by
+        ``nf4_brgemm`` (W unpacked panel by panel inside), where it fits. None elsewhere: the caller dequantizes and
+        multiplies its own way (and adds the adapter after). checked: the caller has just asked ``amx_fits`` for x
+        and bias (as the adapter's forward does before computing a), so it is not asked again."""
         if not checked and not self.amx_fits(qtensors, x, bias):
+            if adapter is None and self._brgemm_fits(qtensors, x, bias):
+                return self._brgemm_product(qtensors, x, True, bias)
             return None
         if adapter is not None and not nf4_amx.adapter_fits(x, adapter[0], adapter[1], self.out_features, True):
             return None
@@ -313,12 +336,15 @@ class QuantizedLinear(nn.Module):
     def input_grad_from(self, qtensors: tuple[Tensor, ...], g: Tensor, dtype: torch.dtype | None = None) -> Tensor:
         """g (N, out)·W -> (N, in), the gradient of x·Wᵀ for x, W from the given quantized buffers in `dtype` (default
         g's), no autograd: NF4 with bf16 g on a CPU with AVX512-BF16 and no AMX by ``nf4_matmul`` (the codes unpacked
-        inside the product), else W dequantized into the shared workspace and multiplied by ``fp32_gemm.input_grad``."""
+        inside the product), on a CPU with AMX by ``nf4_amx`` or, for a larger weight, ``nf4_brgemm``, where they
+        fit, else W dequantized into the shared workspace and multiplied by ``fp32_gemm.input_grad``."""
         dtype = dtype or g.dtype
         if dtype == g.dtype and self._nf4_input_grad_fits(qtensors, g):
             return self._nf4_matmul_input_grad(qtensors, g)
         if dtype == g.dtype and self._amx_fits(qtensors, g):
             return self._amx_product(qtensors, g, False)[0]
+        if dtype == g.dtype and self._brgemm_fits(qtensors, g):
+            return self._brgemm_product(qtensors, g, False)[0]
         return fp32_gemm.input_grad(g, self.dequantize_from(qtensors, dtype, transient=True))
 
     def input_grad_adding(self, qtensors: tuple[Tensor, ...], g: Tensor, grad_a: Tensor, A: Tensor,

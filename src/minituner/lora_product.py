@@ -24,7 +24,9 @@ reading the masters itself. Where an NF4 base's g·W runs as ``miniquant.nf4_mat
 it: one pass less over (N, in). On a CPU with AMX, an NF4 base that ``miniquant.nf4_amx`` takes (weights of at most
 2^20 values) runs both products as a GEMM on the tiles with the adapter's share added inside before the one
 rounding: in forward a = x·Aᵀ comes from native_lora's ``down`` and y is written once (``_base_and_adapter``), in
-backward through ``input_grad_adding`` as above. Through PyTorch the same work is six thin products, four casts,
+backward through ``input_grad_adding`` as above; a larger one runs both products as ``miniquant.nf4_brgemm`` (the
+base's product only: native_lora adds the adapter after, as on the workspace path). Through PyTorch the same work
+is six thin products, four casts,
 two scalings and a copy a layer, each a separate op; the bench's step above took 275.6 ms against 307.4 through
 PyTorch (medians of 24 steps, the two models alternating in one process, 2026-12-03).
 

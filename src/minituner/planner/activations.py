@@ -81,7 +81,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from minigpt import native_attention, native_loss, native_swiglu
-from miniquant import nf4_amx, nf4_matmul
+from miniquant import nf4_amx, nf4_brgemm, nf4_matmul
 from minituner import native_lora
 from minigpt.bf16_support import bf16_support
 from minigpt.cross_entropy import fp32_loss_chunked
@@ -144,6 +144,16 @@ def bf16_compute_nf4_amx(act_bytes: int, stream_bytes: int | None, on_cpu: bool 
     its sums in thread-local memory) in the run these widths describe: minituner.precision's bf16 compute (e = 2
     beside s = 4) on a CPU with AMX where the kernel runs; per weight, where it fits (``nf4_amx.weight_fits``)."""
     return on_cpu and act_bytes == 2 and stream_bytes == 4 and nf4_amx.takes_bf16_run()
+
+
+def bf16_compute_nf4_brgemm(act_bytes: int, stream_bytes: int | None, rows: int, on_cpu: bool = True) -> bool:
+    """Whether the NF4 base's products of larger weights run as ``miniquant.nf4_brgemm`` (each weight unpacked
+    panel by panel inside the product, each thread keeping its buffers; no workspace) in the run these widths
+    describe: minituner.precision's bf16 compute (e = 2 beside s = 4) on a CPU with AMX where the kernel runs, the
+    products' inputs of `rows` rows at most ``nf4_brgemm.MB``; per weight, where it fits
+    (``nf4_brgemm.weight_fits``)."""
+    return (on_cpu and act_bytes == 2 and stream_bytes == 4 and rows <= nf4_brgemm.MB
+            and nf4_brgemm.takes_bf16_run())
 
 
 def bf16_gemm_fallback(act_bytes: int, stream_bytes: int | None, on_cpu: bool = True) -> bool:

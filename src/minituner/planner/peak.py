@@ -24,7 +24,10 @@ sums (``nf4_matmul.scratch_bytes``: 128 KiB, and (N + 14)·512 bytes for an out_
 adapter's share of that gradient is added inside the product (``minituner.native_lora`` running: an even rank r, no
 LoRA dropout) the adapter's panel, r·256 bytes; where the products of NF4 weights of at most 2^20 values run as
 ``miniquant.nf4_amx`` (bf16 on a CPU with AMX), each thread keeps its sums in thread-local memory
-(``nf4_amx.scratch_bytes``: 64 KiB). The head returns
+(``nf4_amx.scratch_bytes``: 64 KiB); the larger ones, where N is at most 512, run as ``miniquant.nf4_brgemm``,
+which unpacks them inside its product, so the workspace is only as large as the largest other NF4 weight (none
+where there is no other), and its threads keep their buffers (``nf4_brgemm.scratch_bytes``: 1 MiB each). The
+head returns
 its logits in the block's dtype e, and the loss (``minigpt.cross_entropy``) reads them as they are: fp32 logits
 through ``F.cross_entropy``, narrower ones in fp32 chunks of R = ``chunk_rows(V)`` rows (CPU's chunk, about
 2 MiB; on CUDA the loss takes 64 MiB chunks, so its 2·R·V·4 term below is up to 128 MiB larger there than
@@ -98,10 +101,11 @@ from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 
 from minigpt.cross_entropy import chunk_rows, fp32_loss_chunked
-from miniquant import nf4_amx, nf4_matmul
+from miniquant import nf4_amx, nf4_brgemm, nf4_matmul
 
 from .activations import (FP32, LOSS_KEPT, MathAttention, SavedByLayer, as_minigpt, bf16_compute_loss,
-                          bf16_compute_lora, bf16_compute_nf4, bf16_compute_nf4_amx, bf16_gemm_fallback, counted_rows,
+                          bf16_compute_lora, bf16_compute_nf4, bf16_compute_nf4_amx, bf16_compute_nf4_brgemm,
+                          bf16_gemm_fallback, counted_rows,
                           lora_paths, minigpt_saved_by_layer)
 from .decoder_activations import decoder_saved_by_layer
 from .counts import ALL_LINEAR, NF4_BLOCK, resolve_targets, total_params
@@ -213,13 +217,21 @@ def step_phases(shape: ModelShape, regime: str, rank: int | None, targets: str |
     head_saved = sum(saved.head.values())
     embedding = V * C * FP32  # the token embedding (and a tied head): its gradient is fp32 like Adam's state
     base = {"weights": weights, "optimizer state": optimizer}
-    # every NF4 weight is dequantized (and a 16-bit one upcast) into one reused buffer, kept from the first step on
+    # every NF4 weight is dequantized (and a 16-bit one upcast) into one reused buffer, kept from the first step on,
+    # but for the larger NF4 weights nf4_brgemm unpacks inside its product (bf16 on a CPU with AMX): its threads'
+    # buffers instead
     quantized = set(lora_paths(shape, targets)) if regime == "qlora" else set()
     upcasts = set(upcast) - quantized if regime != "full" else set()
-    if quantized or upcasts:
-        name = " and ".join([*(["NF4 dequantization"] if quantized else []), *(["16-bit upcast"] if upcasts else [])])
+    unpacked = {lin.path for lin in shape.linears if lin.path in quantized
+                and nf4_brgemm.weight_fits(lin.in_features, lin.out_features, NF4_BLOCK)} \
+        if bf16_compute_nf4_brgemm(e, stream_bytes, N, on_cpu) else set()
+    if unpacked:
+        base["NF4 brgemm panels (nf4_brgemm, per thread)"] = nf4_brgemm.scratch_bytes(nf4_matmul.team_threads())
+    if (quantized - unpacked) or upcasts:
+        name = " and ".join([*(["NF4 dequantization"] if quantized - unpacked else []),
+                             *(["16-bit upcast"] if upcasts else [])])
         base[f"{name} workspace"] = max(lin.weight_params for lin in shape.linears
-                                        if lin.path in quantized | upcasts) * e
+                                        if lin.path in (quantized - unpacked) | upcasts) * e
     # where nf4_matmul computes an NF4 weight's input gradient (bf16 on a CPU with AVX512-BF16), its threads' panels
     in_c = [lin for lin in shape.linears if lin.path in quantized and bf16_compute_nf4(e, stream_bytes, on_cpu)
             and nf4_matmul.shape_fits(lin.in_features, lin.out_features, NF4_BLOCK)]

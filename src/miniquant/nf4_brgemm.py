@@ -1,0 +1,305 @@
+"""A large NF4 weight's bf16 products on a CPU with AMX: the forward x·Wᵀ and the input gradient g·W of a frozen NF4
+layer, each thread unpacking W panel by panel into its own buffer, in oneDNN's brgemm layout, and multiplying it
+at once with oneDNN's brgemm micro-kernel (PyTorch's, ``minikernels.onednn_brgemm``).
+
+    if fits(x, in_features, out_features, blocksize):   # bf16 x on a CPU with AMX, a weight of more than 2^20 values
+        y, finite = kernels().product(x, packed, absmax, blocksize, (out, in), bias)              # x·Wᵀ + b
+        grad_x, finite = kernels().product(g, packed, absmax, blocksize, (out, in), transposed=False)  # g·W
+
+Elsewhere (weights of at most 2^20 values, ``miniquant.nf4_amx``'s; and before this file) the weight is written
+whole into the shared workspace, then multiplied: for a weight of this size, through oneDNN's matmul, which first
+copies it into the layout its kernel reads, a pass of its own. Here that layout is written straight from the codes,
+a panel at a time, in a buffer that stays in the core's L2 cache for the product that reads it; W's bf16 values
+never reach memory. On an Intel Xeon with AMX (2 threads, 2026-12-06; 512 rows, caches flushed before each call,
+the two interleaved, medians of 21 per-call ratios) this product took 0.94 and 0.94x the time of dequantization
+into the workspace and oneDNN's matmul for an 8,192 x 2,048 weight's forward (two runs), 0.86 and 0.86x for its
+input gradient, 0.82 and 0.87x for 2,048 x 8,192's forward, 0.80 and 0.88x its input gradient, 0.85-0.87x and
+0.78-0.81x at 2,048 x 2,048, the products alone (unpack=False) 0.67-0.76x. A third run fell in one of the
+machine's slow phases, which slowed this product more (35-50% over the two runs above) than the two-step path
+(0-20%): 1.01-1.25x there. In the bench's 6-layer
+Llama-3.2-1B-shaped bf16 QLoRA step (benchmarks/bench_bf16.py, 512 tokens; one process, the two paths
+alternating step by step, 16 rounds) the products of these weights took 433 ms a step against 512 (forward 228
+against 262, input gradient 205 against 250), the step 1,065 against 1,141 ms (medians). With more rows than MB
+the weight is unpacked once per MB rows: at 2,048 rows that ran 0.87-1.09x the two-step path (one run), so
+layers take this product for at most MB rows.
+
+The layout: B (K, N), the right operand of A (M, K)·B, as K / 2 lines of N pairs (B[2p][n], B[2p + 1][n]) in one
+uint32 each (the even k low); a panel of NP columns (fewer for the last) and KC values of k is (KC / 2) lines of
+its width. For x·Wᵀ, B is Wᵀ (K = in, N = out): 16 rows of W's codes unpacked, then transposed as 16 x 16 words;
+for g·W, B is W (K = out, N = in): two rows of W's codes interleaved. Each value is the one ``dequantize_nf4``
+writes (code x absmax in fp32, rounded to bf16, nearest even): a block's 16 rounded once, its nibbles looking them
+up 32 at a time.
+
+The GEMM: panels of NP columns split statically over PyTorch's OpenMP team; per panel, rows of A in blocks of MB,
+k in chunks of KC, each chunk unpacked and multiplied (brgemm, fp32 sums kept in the thread's buffer between
+chunks); after the last chunk each output is sum + bias in fp32, rounded to bf16 once, and checked finite. The
+sums of every output run over k in order, 32 at a time, on AMX's tiles, so the bits are ``nf4_amx``'s
+(tests/miniquant/test_nf4_brgemm.py holds the two equal) and do not depend on the threads' split. Rows of A
+beyond MB unpack each panel again per block of MB rows. Each thread's buffer (KC·NP bf16 and MB·NP fp32: 1 MiB)
+is held from call to call (``scratch_bytes``; ``minituner.planner`` counts it).
+
+Used by ``QuantizedLinear.amx_product`` (the forward, without an adapter: ``minituner.native_lora`` adds it after)
+and ``QuantizedLinear.input_grad_from`` where ``fits``: the library built with AVX512-BF16, PyTorch's brgemm found
+(``onednn_brgemm``), a CPU where ``nf4_amx`` runs (AMX and Linux's permission), bf16 input with contiguous rows on
+CPU, in and out multiples of 32, blocks a multiple of 32 values, and more than ``nf4_amx.MAX_WEIGHT`` values.
+"""
+from __future__ import annotations
+
+import ctypes
+import threading
+
+import torch
+from torch import Tensor
+
+from minikernels import onednn_brgemm
+from minikernels.build import OPENMP_PRELUDE, KernelFamily
+from minikernels.transpose16 import TRANSPOSE16_C
+
+from . import nf4_amx, nf4_matmul
+from .nf4 import nf4_code_table
+
+CFLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-ffp-contract=off", "-fno-fast-math", "-std=gnu11"]
+NP, KC, MB = 256, 1024, 512  # the C's panel width, k chunk and rows of A per call (its #defines)
+SCRATCH_BYTES = KC * NP * 2 + MB * NP * 4  # per thread: a chunk of a panel unpacked, and its block's fp32 sums
+MIN_MACS_PER_THREAD = 1 << 22  # smaller products stay on the calling thread
+
+_SOURCE = OPENMP_PRELUDE + TRANSPOSE16_C + r"""
+#include <stdbool.h>
+#include <stdlib.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+#define NP 256
+#define KC 1024
+#define MB 512
+#define SCRATCH_BYTES (KC * NP * 2 + MB * NP * 4)
+#define AHEAD_VALUES 1024  /* Wᵀ: each row's codes prefetched this many values ahead */
+#define AHEAD_PAIRS 16     /* W: the codes of the pair of rows this many pairs ahead prefetched */
+/* at::native::cpublas::brgemm (bf16) and brgemm_release, as minikernels.onednn_brgemm finds them */
+typedef void (*brgemm_fn)(int64_t M, int64_t N, int64_t K, int64_t lda, int64_t ldb, int64_t ldc, bool add_C,
+                          const uint16_t* A, const uint16_t* B, float* C, bool is_vnni);
+typedef void (*release_fn)(bool is_vnni);
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define NF4BG 1
+#include <immintrin.h>
+#endif
+int nf4bg_built(void) {
+#ifdef NF4BG
+    return 1;
+#else
+    return 0;
+#endif
+}
+#ifdef NF4BG
+/* a block's 16 values code[j]·s rounded to bf16 (nearest even), in 16-bit lanes 0..15 */
+static inline __m512i lut16(__m512 table, float s) {
+    return _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(table, _mm512_set1_ps(s))));
+}
+/* 16 packed bytes -> the 32 codes in order as 16-bit lanes (value 2i in byte i's high nibble) */
+static inline __m512i nib32(const uint8_t* p) {
+    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p));
+    return _mm512_or_si512(_mm512_srli_epi32(b, 4), _mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(15)), 16));
+}
+/* B[k0:k1, n0:n0 + nw] into dst as (k1 - k0) / 2 lines of nw pairs; transposed: B = Wᵀ (B[k][n] = W[n][k]),
+   else B = W. W (rows, cols): NF4 codes, fp32 scales per block of bs values */
+static void unpack_panel(const uint8_t* codes, const float* scales, int64_t bs, __m512 table, int64_t rows,
+                         int64_t cols, int transposed, int64_t k0, int64_t k1, int64_t n0, int64_t nw, uint32_t* dst) {
+    if (transposed) {
+        for (int64_t s = 0; s < nw; s += 16)
+            for (int64_t k = k0; k < k1; k += 32) {
+                __m512i r[16];
+                for (int j = 0; j < 16; j++) {  /* row n0 + s + j's 32 values from k: word p the pair (2p, 2p + 1) */
+                    const int64_t e = (n0 + s + j) * cols + k;
+                    if (k + AHEAD_VALUES < cols)
+                        _mm_prefetch((const char*)(codes + (e + AHEAD_VALUES) / 2), _MM_HINT_T0);
+                    r[j] = _mm512_permutexvar_epi16(nib32(codes + e / 2), lut16(table, scales[e / bs]));
+                }
+                transpose16(r);  /* r[p]: pair p of each of the 16 rows */
+                uint32_t* out = dst + (k - k0) / 2 * nw + s;
+                for (int p = 0; p < 16; p++) _mm512_storeu_si512(out + p * nw, r[p]);
+            }
+    } else {
+        /* 16-bit lanes of the pairs of columns 0-15 (lo) and 16-31 (hi): row 2q's value, then row 2q + 1's */
+        const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
+                                            39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+        const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+        for (int64_t q = k0 / 2; q < k1 / 2; q++) {
+            const int64_t e0 = 2 * q * cols + n0, e1 = e0 + cols;
+            if (2 * (q + AHEAD_PAIRS) + 1 < rows) {
+                const int64_t a0 = e0 + 2 * AHEAD_PAIRS * cols, a1 = a0 + cols;
+                for (int64_t c = 0; c < nw / 2; c += 64) {
+                    _mm_prefetch((const char*)(codes + a0 / 2 + c), _MM_HINT_T0);
+                    _mm_prefetch((const char*)(codes + a1 / 2 + c), _MM_HINT_T0);
+                }
+                _mm_prefetch((const char*)(scales + a0 / bs), _MM_HINT_T0);
+                _mm_prefetch((const char*)(scales + a1 / bs), _MM_HINT_T0);
+            }
+            for (int64_t c = 0; c < nw; c += 32) {
+                const int64_t f0 = e0 + c, f1 = e1 + c;
+                const __m512i v0 = _mm512_permutexvar_epi16(nib32(codes + f0 / 2), lut16(table, scales[f0 / bs]));
+                const __m512i v1 = _mm512_permutexvar_epi16(nib32(codes + f1 / 2), lut16(table, scales[f1 / bs]));
+                uint32_t* out = dst + (q - k0 / 2) * nw + c;
+                _mm512_storeu_si512(out, _mm512_permutex2var_epi16(v0, lo, v1));
+                _mm512_storeu_si512(out + 16, _mm512_permutex2var_epi16(v0, hi, v1));
+            }
+        }
+    }
+}
+#endif  /* NF4BG */
+/* C (M, N; ldc) = A (M, K; bf16, rows lda apart) · B (+ bias (N,) bf16 where given), rounded to bf16 once; B = Wᵀ
+   (transposed: K = cols, N = rows) or W (K = rows, N = cols), W (rows, cols) NF4 (codes, fp32 scales per block of bs
+   values, the 16 code values in table16); N and K multiples of 32, bs a multiple of 32. scratch: SCRATCH_BYTES per
+   thread, 64-byte aligned. unpack = 0 multiplies whatever each thread's buffer holds instead of unpacking W (the
+   products alone: the bench's floor). *nonfinite = 1 where a value written is NaN or ±inf, else 0 */
+void nf4bg_product(const uint16_t* A, int64_t lda, const uint8_t* codes, const float* scales, int64_t bs,
+                   const float* table16, int64_t rows, int64_t cols, int transposed, int64_t M, const uint16_t* bias,
+                   uint16_t* C, int64_t ldc, uint8_t* scratch, int unpack, int* nonfinite, int threads,
+                   brgemm_fn brgemm, release_fn release) {
+    *nonfinite = 0;
+#ifdef NF4BG
+    const int64_t N = transposed ? rows : cols, K = transposed ? cols : rows, panels = (N + NP - 1) / NP;
+    int bad_any = 0;
+    #pragma omp parallel num_threads(threads) if(threads > 1) reduction(|:bad_any)
+    {
+#ifdef _OPENMP
+        uint8_t* mine = scratch + (size_t)omp_get_thread_num() * SCRATCH_BYTES;
+#else
+        uint8_t* mine = scratch;
+#endif
+        uint32_t* panel = (uint32_t*)mine;
+        float* sums = (float*)(mine + KC * NP * 2);
+        const __m512 table = _mm512_loadu_ps(table16);
+        const __m512i expo = _mm512_set1_epi16(0x7F80);
+        #pragma omp for schedule(static)
+        for (int64_t pn = 0; pn < panels; pn++) {
+            const int64_t n0 = pn * NP, nw = n0 + NP <= N ? NP : N - n0;
+            for (int64_t m0 = 0; m0 < M; m0 += MB) {
+                const int64_t mh = m0 + MB <= M ? MB : M - m0;
+                for (int64_t k0 = 0; k0 < K; k0 += KC) {
+                    const int64_t k1 = k0 + KC <= K ? k0 + KC : K;
+                    if (unpack) unpack_panel(codes, scales, bs, table, rows, cols, transposed, k0, k1, n0, nw, panel);
+                    brgemm(mh, nw, k1 - k0, lda, nw, nw, k0 > 0, A + m0 * lda + k0, (const uint16_t*)panel, sums, true);
+                }
+                __mmask32 bad = 0;
+                for (int64_t i = 0; i < mh; i++)
+                    for (int64_t j = 0; j < nw; j += 32) {
+                        __m512 l = _mm512_loadu_ps(sums + i * nw + j), h = _mm512_loadu_ps(sums + i * nw + j + 16);
+                        if (bias) {
+                            const __m256i* b = (const __m256i*)(bias + n0 + j);
+                            l = _mm512_add_ps(l, _mm512_cvtpbh_ps((__m256bh)_mm256_loadu_si256(b)));
+                            h = _mm512_add_ps(h, _mm512_cvtpbh_ps((__m256bh)_mm256_loadu_si256(b + 1)));
+                        }
+                        const __m512i v = (__m512i)_mm512_cvtne2ps_pbh(h, l);
+                        bad |= _mm512_cmpeq_epi16_mask(_mm512_and_si512(v, expo), expo);
+                        _mm512_storeu_si512((void*)(C + (m0 + i) * ldc + n0 + j), v);
+                    }
+                bad_any |= bad != 0;
+            }
+        }
+        release(true);  /* the tiles released, and PyTorch told so (the next brgemm configures them again) */
+    }
+    *nonfinite = bad_any;
+#endif
+}
+"""
+
+
+class _Scratch(threading.local):
+    """Each Python thread's buffers for the C's threads (zeros at first: what the floor's replay multiplies)."""
+
+    def __init__(self) -> None:
+        self.buffer = torch.empty(0, dtype=torch.uint8)
+
+    def get(self, threads: int) -> Tensor:
+        need = threads * SCRATCH_BYTES + 64
+        if self.buffer.numel() < need:
+            self.buffer = torch.zeros(need, dtype=torch.uint8)
+        offset = -self.buffer.data_ptr() % 64  # 64-byte aligned for the C
+        return self.buffer[offset:]
+
+
+class NF4Brgemm:
+    """The compiled product; each call one pass of C, on PyTorch's OpenMP team where built with OpenMP."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+        self._product = lib.nf4bg_product
+        self._product.argtypes = [ptr, i64, ptr, ptr, i64, ptr, i64, i64, i32, i64, ptr, ptr, i64, ptr, i32, ptr,
+                                  i32, ptr, ptr]
+        self._product.restype = None
+        self._openmp = bool(lib.mk_openmp())
+        self._table = nf4_code_table("cpu").float().contiguous()  # (16,) the NF4 code values
+        self._scratch = _Scratch()
+
+    def _threads(self, macs: int, panels: int) -> int:
+        """Threads for a product of `macs` multiply-adds over `panels` panels."""
+        if not self._openmp or macs < 2 * MIN_MACS_PER_THREAD:
+            return 1
+        return max(1, min(nf4_matmul.team_threads(), macs // MIN_MACS_PER_THREAD, panels))
+
+    def product(self, a: Tensor, packed: Tensor, absmax: Tensor, blocksize: int, shape: tuple[int, int],
+                bias: Tensor | None = None, transposed: bool = True, unpack: bool = True) -> tuple[Tensor, bool]:
+        """(c, finite): a·Wᵀ (+ bias) (transposed: a (M, in), the forward) or a·W (a (M, out), the input's
+        gradient) -> bf16; W (out, in) NF4: packed codes (out·in / 2 bytes) and fp32 absmax per block. finite: every
+        value written finite. unpack=False: the products alone, on whatever the threads' buffers hold (the result
+        is not a·W: the bench's floor times them so)."""
+        brgemm, release = onednn_brgemm.brgemm_bf16()
+        rows, cols = shape
+        m, k = a.shape
+        n = rows if transposed else cols
+        c = torch.empty(m, n, dtype=torch.bfloat16)
+        if m == 0:
+            return c, True
+        threads = self._threads(m * n * k, -(-n // NP))
+        nonfinite = ctypes.c_int(0)
+        self._product(a.data_ptr(), a.stride(0), packed.data_ptr(), absmax.data_ptr(), blocksize,
+                      self._table.data_ptr(), rows, cols, int(transposed), m, None if bias is None else bias.data_ptr(),
+                      c.data_ptr(), n, self._scratch.get(threads).data_ptr(), int(unpack), ctypes.byref(nonfinite),
+                      threads, brgemm, release)
+        return c, not nonfinite.value
+
+
+_FAMILY = KernelFamily("nf4_brgemm", _SOURCE, CFLAGS, "miniquant's NF4 products on oneDNN's brgemm", NF4Brgemm,
+                       vectorized="nf4bg_built", parallel=True)
+
+
+def kernels() -> NF4Brgemm | None:
+    """The kernel, built on first use; None where native kernels are off (MINIQUANT_NATIVE=0), cannot be built, or
+    were built without AVX512-BF16 (``nf4bg_built``)."""
+    return _FAMILY.kernels()
+
+
+def usable() -> bool:
+    """Whether the products run here: ``nf4_amx``'s (AMX, Linux's permission), PyTorch's brgemm found, and built."""
+    return nf4_amx.usable() and onednn_brgemm.brgemm_bf16() is not None and kernels() is not None
+
+
+def shape_fits(in_features: int, out_features: int, blocksize: int) -> bool:
+    """Whether an (out, in) NF4 weight in blocks of `blocksize` fits: in and out multiples of 32, blocks of a
+    multiple of 32 values (so 32 values of a row share a scale)."""
+    return in_features % 32 == 0 and out_features % 32 == 0 and out_features > 0 and blocksize % 32 == 0
+
+
+def weight_fits(in_features: int, out_features: int, blocksize: int) -> bool:
+    """Whether layers take these products for an (out, in) NF4 weight: more values than ``nf4_amx`` takes, and a
+    fitting shape."""
+    return in_features * out_features > nf4_amx.MAX_WEIGHT and shape_fits(in_features, out_features, blocksize)
+
+
+def fits(a: Tensor, in_features: int, out_features: int, blocksize: int) -> bool:
+    """Whether layers take ``product`` for `a` (x for the forward, g for the input's gradient) with this weight: bf16
+    on CPU, 2-D with contiguous rows, at most MB rows (more unpack W once per MB: there dequantizing it once into
+    the workspace for oneDNN is as fast or faster, see the module docstring), the weight fitting (``weight_fits``),
+    the products usable here."""
+    return (a.dtype == torch.bfloat16 and a.device.type == "cpu" and a.dim() == 2 and a.stride(1) == 1
+            and a.shape[0] <= MB and weight_fits(in_features, out_features, blocksize) and usable())
+
+
+def takes_bf16_run() -> bool:
+    """Whether a bf16 CPU run's products of fitting NF4 weights run here (what minituner.planner counts)."""
+    return usable()
+
+
+def scratch_bytes(threads: int) -> int:
+    """Bytes held for the C's threads from call to call (each its panel's chunk and fp32 sums), for `threads`."""
+    return threads * SCRATCH_BYTES + 64
