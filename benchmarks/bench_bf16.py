@@ -22,7 +22,10 @@ minituner.native_lora (the adapters' thin products in C) recorded alike, and eac
 miniquant.nf4_matmul computes in C recorded as the aten::mm PyTorch would run from the weight in bf16 (the NF4
 unpacking inside it left out of the floor), with the adapter's share it adds inside as native_lora's call that
 adds it elsewhere, and each product miniquant.nf4_amx runs on AMX's tiles recorded as its own GEMM (the weight's
-writing into the tiles' layout left out, as dequantization is); the floor row replays them all,
+writing into the tiles' layout left out, as dequantization is), and each product of a larger NF4 weight that
+miniquant.nf4_brgemm runs (W unpacked panel by panel inside, multiplied by oneDNN's brgemm) recorded as that call,
+replayed with unpack=False: the same brgemm calls on whatever its buffers hold, the unpacking left out as
+dequantization is; the floor row replays them all,
 back to back, on random inputs of the same layouts (in its own process: the model it recorded is dropped first),
 timed in the same turns as the steps.
 Our attention's q·kᵀ and P·v are bf16 GEMMs (aten::bmm) and count among the products; its C softmax, and
@@ -70,7 +73,7 @@ from minigpt.bf16_support import bf16_support  # noqa: E402
 from minigpt.decoder import Decoder  # noqa: E402
 from minigpt.model import MiniGPT  # noqa: E402
 from minigpt.train import lm_loss  # noqa: E402
-from miniquant import nf4_amx, nf4_matmul  # noqa: E402
+from miniquant import nf4_amx, nf4_brgemm, nf4_matmul  # noqa: E402
 from minituner import native_lora, native_lora_fp32  # noqa: E402
 from minituner.hf_config import decoder_config_from_hf  # noqa: E402
 from report import Goal, Section  # noqa: E402
@@ -309,6 +312,14 @@ def _nf4_amx_wrapped(wrap: Callable[[str, Callable], Callable]):
 AMX_ATTENTION = ("forward", "backward")  # minigpt.amx_attention's calls: a layer's attention on AMX's tiles
 
 
+NF4_BRGEMM = ("product",)  # miniquant.nf4_brgemm's call: a larger NF4 weight unpacked and multiplied, panel by panel
+
+
+def _nf4_brgemm_wrapped(wrap: Callable[[str, Callable], Callable]):
+    """miniquant.nf4_brgemm's calls (NF4Brgemm's methods) replaced by wrap(name, call) for the while."""
+    return _methods_wrapped(nf4_brgemm.NF4Brgemm, NF4_BRGEMM, wrap)
+
+
 def _amx_attention_wrapped(wrap: Callable[[str, Callable], Callable]):
     """minigpt.amx_attention's calls (AmxAttention's methods) replaced by wrap(name, call) for the while."""
     return _methods_wrapped(amx_attention.AmxAttention, AMX_ATTENTION, wrap)
@@ -364,6 +375,12 @@ def record_products(step: Callable[[], object]) -> Counter:
             return call(self, *args)
         return run
 
+    def counted_brgemm(name: str, call: Callable) -> Callable:  # replayed with unpack=False (_replay_op)
+        def run(self, *args):
+            calls[(f"nf4_brgemm.{name}", tuple(_spec(a) for a in args), ())] += 1
+            return call(self, *args)
+        return run
+
     def counted_attention(name: str, call: Callable) -> Callable:  # replayed with gemms_only (_replay_op)
         def run(self, *args):
             calls[(f"amx_attention.{name}", tuple(_spec(a) for a in args), ())] += 1
@@ -378,7 +395,7 @@ def record_products(step: Callable[[], object]) -> Counter:
             return func(*args, **kwargs)
 
     with Record(), _native_lora_wrapped(counted), _nf4_matmul_wrapped(counted_nf4), _nf4_amx_wrapped(counted_amx), \
-            _amx_attention_wrapped(counted_attention):
+            _nf4_brgemm_wrapped(counted_brgemm), _amx_attention_wrapped(counted_attention):
         step()
     return calls
 
@@ -402,6 +419,8 @@ def _replay_op(op: str, dtype: torch.dtype | None):
         return lambda *args, **kwargs: getattr(NATIVE_MODULES[module].kernels(), name)(*args, **kwargs)
     if module == "nf4_amx":  # (bf16 only, on a CPU with AMX) its GEMM on weights in the tiles' layout
         return lambda *args: getattr(nf4_amx.kernels(), name)(*args)
+    if module == "nf4_brgemm":  # (bf16 only, on a CPU with AMX) its brgemm calls, the unpacking left out
+        return lambda *args: getattr(nf4_brgemm.kernels(), name)(*args, unpack=False)
     if module == "amx_attention":  # (bf16 only, on a CPU with AMX) the layer's attention, its softmax left out
         return lambda *args: getattr(amx_attention.kernels(), name)(*args, gemms_only=True)
     if op == "mkldnn_linear":  # (x, W, bias, "none", [], ""); in another dtype, as F.linear computes it
@@ -438,6 +457,9 @@ def product_flops(op: str, args: tuple) -> int:
         return 2 * w[0] * w[1] * (math.prod(x) // x[-1])
     if op == "nf4_amx.gemm":  # a (M, K), B's tiles, its columns n
         return 2 * math.prod(shapes[0]) * args[2]
+    if op == "nf4_brgemm.product":  # a (M, K), the codes, the scales, the block, W's (out, in), bias, transposed
+        out_features, in_features = args[4]
+        return 2 * math.prod(shapes[0]) * (out_features if len(args) < 7 or args[6] else in_features)
     a, b = shapes[-2], shapes[-1]  # (addmm, baddbmm: the input comes first)
     return 2 * math.prod(a) * b[-1]
 
@@ -527,6 +549,7 @@ PROFILE_GROUPS = {  # profiler op name -> group, for "what the rest of the step 
     **{f"minituner::{module}.{name}": "matrix products" for module in NATIVE_MODULES for name in NATIVE_LORA},
     **{f"miniquant::nf4_matmul.{name}": "matrix products" for name in NF4_PRODUCTS},  # (the NF4 unpacked inside)
     "miniquant::nf4_amx.gemm": "matrix products", "miniquant::nf4_amx.pack": "NF4 dequantization",
+    "miniquant::nf4_brgemm.product": "matrix products",  # (its NF4 unpacking inside, as nf4_matmul's)
     # minigpt.amx_attention: one C call each way, its products inside (in the floor, the same calls without softmax)
     "minigpt::amx_attention.forward": "attention kernel", "minigpt::amx_attention.backward": "attention kernel",
     "_AmxCausalAttention": "attention kernel", "_AmxCausalAttentionBackward": "attention kernel",
@@ -571,7 +594,7 @@ def profile_groups(step: Callable[[], object]) -> tuple[float, dict[str, float]]
 
     with profile(activities=[ProfilerActivity.CPU]) as prof, _native_lora_wrapped(named), \
             _nf4_matmul_wrapped(named_in("nf4_matmul")), _nf4_amx_wrapped(named_in("nf4_amx")), \
-            _amx_attention_wrapped(named_in("amx_attention", "minigpt")):
+            _nf4_brgemm_wrapped(named_in("nf4_brgemm")), _amx_attention_wrapped(named_in("amx_attention", "minigpt")):
         t0 = time.perf_counter()
         step()
         wall = time.perf_counter() - t0
@@ -683,7 +706,8 @@ def measure_row(shape_name: str, row: str, warmup: int) -> dict:
 
         facts = {"floor_of": floor_of, "products": sum(calls.values()),
                  "native_lora": native_lora.kernels() is not None,  # the adapters' thin products in C (not aten's)
-                 "product_dtypes": sorted({a[3] for (_, args, _), _ in calls.items() for a in args
+                 "product_dtypes": sorted({a[3] for (op, args, _), _ in calls.items()  # (nf4_brgemm: a's,
+                                           for a in (args[:1] if op.startswith("nf4_brgemm.") else args)  # not W's)
                                            if isinstance(a, tuple) and a and a[0] == "tensor"})}
     else:
         step = make_step(shape, row, x, y)
@@ -782,6 +806,11 @@ def run_shape(shape: str, quick: bool = False, wait_s: float | None = None) -> S
          "(the adapter's share added inside it), and count as that GEMM, the weight's writing into the tiles' layout "
          "left out as dequantization is"
          if nf4_amx.usable() else "") +
+        ("; the products of larger NF4 weights (inputs of at most 512 rows) run as miniquant.nf4_brgemm, the weight "
+         "unpacked panel by panel into a thread's buffer and multiplied at once by oneDNN's brgemm micro-kernel "
+         "(the adapter's share added after, by native_lora), and count as those brgemm calls alone (unpack=False), "
+         "the unpacking left out as dequantization is"
+         if nf4_brgemm.usable() else "") +
         "), recorded with a TorchDispatchMode (the C calls by "
         "wrapping them) and replayed back to back on random "
         "inputs of the same shapes and strides. 'profiled share': self CPU time by group in one profiled step "
@@ -841,7 +870,9 @@ def run_shape(shape: str, quick: bool = False, wait_s: float | None = None) -> S
              f"{_attention_outside_products()} took "
              f"{fmt_seconds(q.get('attention kernel', 0.0))}, NF4 dequantization (C, into the workspace, or into "
              f"AMX's tile layout for miniquant.nf4_amx's GEMM, once per weight for the forward, twice where the input "
-             f"gradient does not run in miniquant.nf4_matmul, with the Python of the Function around each product) "
+             f"gradient does not run in miniquant.nf4_matmul, with the Python of the Function around each product"
+             + ("; miniquant.nf4_brgemm's unpacking is inside its calls, among the products" if nf4_brgemm.usable()
+                else "") + ") "
              f"{fmt_seconds(q.get('NF4 dequantization', 0.0))}, "
              + (f"the C norm, activation and RoPE kernels {fmt_seconds(q['C norms and activations'])}, "
                 if q.get("C norms and activations") else "")
@@ -864,6 +895,8 @@ def run_shape(shape: str, quick: bool = False, wait_s: float | None = None) -> S
                                   "dequantized weight is faster than miniquant.nf4_matmul)") +
              (" (weights of at most 2^20 values written into AMX's tile layout instead, for miniquant.nf4_amx's "
               "GEMM)" if nf4_amx.usable() else "") +
+             (" (larger ones unpacked panel by panel inside miniquant.nf4_brgemm's product instead, for oneDNN's "
+              "brgemm)" if nf4_brgemm.usable() else "") +
              ", and the finite-output guards QLoRA adds (build_for_training)",
              measurable=support.fast),
     ]
