@@ -376,9 +376,10 @@ def record_products(step: Callable[[], object]) -> Counter:
         return run
 
     def counted_brgemm(name: str, call: Callable) -> Callable:  # replayed with unpack=False (_replay_op)
-        def run(self, *args):
-            calls[(f"nf4_brgemm.{name}", tuple(_spec(a) for a in args), ())] += 1
-            return call(self, *args)
+        def run(self, *args, **kwargs):
+            calls[(f"nf4_brgemm.{name}", tuple(_spec(a) for a in args),
+                   tuple(sorted((k, _spec(v)) for k, v in kwargs.items())))] += 1
+            return call(self, *args, **kwargs)
         return run
 
     def counted_attention(name: str, call: Callable) -> Callable:  # replayed with gemms_only (_replay_op)
@@ -420,7 +421,7 @@ def _replay_op(op: str, dtype: torch.dtype | None):
     if module == "nf4_amx":  # (bf16 only, on a CPU with AMX) its GEMM on weights in the tiles' layout
         return lambda *args: getattr(nf4_amx.kernels(), name)(*args)
     if module == "nf4_brgemm":  # (bf16 only, on a CPU with AMX) its brgemm calls, the unpacking left out
-        return lambda *args: getattr(nf4_brgemm.kernels(), name)(*args, unpack=False)
+        return lambda *args, **kwargs: getattr(nf4_brgemm.kernels(), name)(*args, **kwargs, unpack=False)
     if module == "amx_attention":  # (bf16 only, on a CPU with AMX) the layer's attention, its softmax left out
         return lambda *args: getattr(amx_attention.kernels(), name)(*args, gemms_only=True)
     if op == "mkldnn_linear":  # (x, W, bias, "none", [], ""); in another dtype, as F.linear computes it

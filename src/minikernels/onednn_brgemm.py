@@ -8,12 +8,15 @@
 
 PyTorch's own C++ kernels (its CPU flash attention, the GEMM templates torch.compile writes) call these two; their
 names are the C++ ones (Itanium ABI), their arguments plain integers, a bool and pointers, so a C caller passes
-them as they are. PyTorch keeps one JIT-compiled kernel per shape and, per thread, which kernel last configured
-the tiles: ``release`` forgets that and releases the tiles, so the next caller (ours or PyTorch's) configures
-them again.
+them as they are. PyTorch compiles one kernel per shape (M, N, K, lda, ldb, ldc, add_C) and keeps it for the
+process's life, a copy per thread (about 190 KiB each, measured on an Intel Xeon with AMX): a caller bounds the
+shapes it asks for. Per thread it also remembers which kernel last configured the tiles: ``release`` forgets that
+and releases the tiles, so the next caller (ours or PyTorch's) configures them again.
 
-Taken only where PyTorch packs bf16 operands for it (``could_pack``: a CPU whose oneDNN runs bf16 brgemm on AMX or
-AVX512-BF16), so the VNNI layout above is the one it reads; None where libtorch_cpu or either name is missing (a
+Taken only where PyTorch itself would pack bf16 operands for it, asked on every call (``could_pack``: a CPU with
+AMX, and oneDNN available and enabled, which ``torch.backends.mkldnn.flags(enabled=False)`` turns off for the
+while; there PyTorch's brgemm refuses the VNNI layout by throwing a C++ exception, which would end the process
+from inside our C), so the layout above is the one it reads; None where libtorch_cpu or a name is missing (a
 PyTorch built otherwise, another OS): the callers then keep their other paths.
 """
 from __future__ import annotations
@@ -36,16 +39,22 @@ def library_path() -> str:
 
 
 @lru_cache(maxsize=None)
-def brgemm_bf16() -> tuple[int, int] | None:
-    """(brgemm, release): the two functions' addresses, or None where they are not there or PyTorch does not pack
-    bf16 operands for brgemm here (looked up once)."""
+def _functions() -> tuple[int, int, ctypes._CFuncPtr] | None:
+    """(brgemm's address, release's address, could_pack) from libtorch_cpu, or None (looked up once)."""
     try:
         lib = ctypes.CDLL(library_path())
         brgemm, release, could_pack = (getattr(lib, name) for name in (BRGEMM_BF16, RELEASE, COULD_PACK))
     except (OSError, AttributeError):
         return None
     could_pack.argtypes, could_pack.restype = [ctypes.c_int8], ctypes.c_bool
-    if not could_pack(BFLOAT16):
-        return None
     address = lambda f: ctypes.cast(f, ctypes.c_void_p).value  # noqa: E731
-    return address(brgemm), address(release)
+    return address(brgemm), address(release), could_pack
+
+
+def brgemm_bf16() -> tuple[int, int] | None:
+    """(brgemm, release): the two functions' addresses, or None where they are not there or PyTorch does not pack
+    bf16 operands for brgemm now (asked each call: oneDNN can be switched off and on)."""
+    found = _functions()
+    if found is None or not found[2](BFLOAT16):
+        return None
+    return found[0], found[1]

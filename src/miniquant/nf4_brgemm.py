@@ -9,9 +9,10 @@ at once with oneDNN's brgemm micro-kernel (PyTorch's, ``minikernels.onednn_brgem
 Elsewhere (weights of at most 2^20 values, ``miniquant.nf4_amx``'s; and before this file) the weight is written
 whole into the shared workspace, then multiplied: for a weight of this size, through oneDNN's matmul, which first
 copies it into the layout its kernel reads, a pass of its own. Here that layout is written straight from the codes,
-a panel at a time, in a buffer that stays in the core's L2 cache for the product that reads it; W's bf16 values
-never reach memory. On an Intel Xeon with AMX (2 threads, 2026-12-06; 512 rows, caches flushed before each call,
-the two interleaved, medians of 21 per-call ratios) this product took 0.94 and 0.94x the time of dequantization
+a panel at a time, in a thread's buffer of 512 KiB that the product reads at once, from the core's caches (its
+2 MiB L2 on the machine below, beside the block's fp32 sums and A's rows); W's bf16 values never reach memory.
+On an Intel Xeon with AMX (2 threads, 2026-12-06; 512 rows, caches flushed before each call, the two
+interleaved, medians of 21 per-call ratios) this product took 0.94 and 0.94x the time of dequantization
 into the workspace and oneDNN's matmul for an 8,192 x 2,048 weight's forward (two runs), 0.86 and 0.86x for its
 input gradient, 0.82 and 0.87x for 2,048 x 8,192's forward, 0.80 and 0.88x its input gradient, 0.85-0.87x and
 0.78-0.81x at 2,048 x 2,048, the products alone (unpack=False) 0.67-0.76x. A third run fell in one of the
@@ -35,8 +36,11 @@ k in chunks of KC, each chunk unpacked and multiplied (brgemm, fp32 sums kept in
 chunks); after the last chunk each output is sum + bias in fp32, rounded to bf16 once, and checked finite. The
 sums of every output run over k in order, 32 at a time, on AMX's tiles, so the bits are ``nf4_amx``'s
 (tests/miniquant/test_nf4_brgemm.py holds the two equal) and do not depend on the threads' split. Rows of A
-beyond MB unpack each panel again per block of MB rows. Each thread's buffer (KC·NP bf16 and MB·NP fp32: 1 MiB)
-is held from call to call (``scratch_bytes``; ``minituner.planner`` counts it).
+beyond MB unpack each panel again per block of MB rows. brgemm is asked for whole blocks of 32 rows only: the
+last M % 32 rows are copied, zero-padded to 32, into a buffer of their own first (on the calling thread), so
+PyTorch compiles a few kernel shapes per weight shape, not one per row count (each is kept for the process's
+life, about 190 KiB per thread). Each thread's buffer (KC·NP bf16 and MB·NP fp32: 1 MiB) and the padded rows
+(32·K bf16) are held from call to call (``scratch_bytes``; ``minituner.planner`` counts them).
 
 Used by ``QuantizedLinear.amx_product`` (the forward, without an adapter: ``minituner.native_lora`` adds it after)
 and ``QuantizedLinear.input_grad_from`` where ``fits``: the library built with AVX512-BF16, PyTorch's brgemm found
@@ -66,6 +70,7 @@ MIN_MACS_PER_THREAD = 1 << 22  # smaller products stay on the calling thread
 _SOURCE = OPENMP_PRELUDE + TRANSPOSE16_C + r"""
 #include <stdbool.h>
 #include <stdlib.h>
+#include <string.h>
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -149,8 +154,10 @@ static void unpack_panel(const uint8_t* codes, const float* scales, int64_t bs, 
 /* C (M, N; ldc) = A (M, K; bf16, rows lda apart) · B (+ bias (N,) bf16 where given), rounded to bf16 once; B = Wᵀ
    (transposed: K = cols, N = rows) or W (K = rows, N = cols), W (rows, cols) NF4 (codes, fp32 scales per block of bs
    values, the 16 code values in table16); N and K multiples of 32, bs a multiple of 32. scratch: SCRATCH_BYTES per
-   thread, 64-byte aligned. unpack = 0 multiplies whatever each thread's buffer holds instead of unpacking W (the
-   products alone: the bench's floor). *nonfinite = 1 where a value written is NaN or ±inf, else 0 */
+   thread, then 32 rows of K bf16 (A's last M % 32 rows, zero-padded: brgemm is only ever asked for a multiple of 32
+   rows, so few shapes are compiled), 64-byte aligned. unpack = 0 multiplies whatever each thread's buffer holds
+   instead of unpacking W (the products alone: the bench's floor). *nonfinite = 1 where a value written is NaN or
+   ±inf, else 0 */
 void nf4bg_product(const uint16_t* A, int64_t lda, const uint8_t* codes, const float* scales, int64_t bs,
                    const float* table16, int64_t rows, int64_t cols, int transposed, int64_t M, const uint16_t* bias,
                    uint16_t* C, int64_t ldc, uint8_t* scratch, int unpack, int* nonfinite, int threads,
@@ -158,6 +165,13 @@ void nf4bg_product(const uint16_t* A, int64_t lda, const uint8_t* codes, const f
     *nonfinite = 0;
 #ifdef NF4BG
     const int64_t N = transposed ? rows : cols, K = transposed ? cols : rows, panels = (N + NP - 1) / NP;
+    const int64_t m_whole = M / 32 * 32;
+    uint16_t* pad = (uint16_t*)(scratch + (size_t)threads * SCRATCH_BYTES);
+    if (M > m_whole)  /* made here, on the calling thread, before any panel reads it */
+        for (int64_t i = 0; i < 32; i++) {
+            if (m_whole + i < M) memcpy(pad + i * K, A + (m_whole + i) * lda, (size_t)K * 2);
+            else memset(pad + i * K, 0, (size_t)K * 2);
+        }
     int bad_any = 0;
     #pragma omp parallel num_threads(threads) if(threads > 1) reduction(|:bad_any)
     {
@@ -174,11 +188,13 @@ void nf4bg_product(const uint16_t* A, int64_t lda, const uint8_t* codes, const f
         for (int64_t pn = 0; pn < panels; pn++) {
             const int64_t n0 = pn * NP, nw = n0 + NP <= N ? NP : N - n0;
             for (int64_t m0 = 0; m0 < M; m0 += MB) {
-                const int64_t mh = m0 + MB <= M ? MB : M - m0;
+                const int64_t mh = m0 + MB <= M ? MB : M - m0, whole = mh / 32 * 32;  /* (a tail: the last block's) */
                 for (int64_t k0 = 0; k0 < K; k0 += KC) {
                     const int64_t k1 = k0 + KC <= K ? k0 + KC : K;
+                    const uint16_t* b = (const uint16_t*)panel;
                     if (unpack) unpack_panel(codes, scales, bs, table, rows, cols, transposed, k0, k1, n0, nw, panel);
-                    brgemm(mh, nw, k1 - k0, lda, nw, nw, k0 > 0, A + m0 * lda + k0, (const uint16_t*)panel, sums, true);
+                    if (whole) brgemm(whole, nw, k1 - k0, lda, nw, nw, k0 > 0, A + m0 * lda + k0, b, sums, true);
+                    if (mh > whole) brgemm(32, nw, k1 - k0, K, nw, nw, k0 > 0, pad + k0, b, sums + whole * nw, true);
                 }
                 __mmask32 bad = 0;
                 for (int64_t i = 0; i < mh; i++)
@@ -205,13 +221,14 @@ void nf4bg_product(const uint16_t* A, int64_t lda, const uint8_t* codes, const f
 
 
 class _Scratch(threading.local):
-    """Each Python thread's buffers for the C's threads (zeros at first: what the floor's replay multiplies)."""
+    """Each Python thread's buffers for the C's threads, and the rows padded for the last 32 (zeros at first: what
+    the floor's replay multiplies)."""
 
     def __init__(self) -> None:
         self.buffer = torch.empty(0, dtype=torch.uint8)
 
-    def get(self, threads: int) -> Tensor:
-        need = threads * SCRATCH_BYTES + 64
+    def get(self, threads: int, k: int) -> Tensor:
+        need = scratch_bytes(threads, k)
         if self.buffer.numel() < need:
             self.buffer = torch.zeros(need, dtype=torch.uint8)
         offset = -self.buffer.data_ptr() % 64  # 64-byte aligned for the C
@@ -243,7 +260,11 @@ class NF4Brgemm:
         gradient) -> bf16; W (out, in) NF4: packed codes (out·in / 2 bytes) and fp32 absmax per block. finite: every
         value written finite. unpack=False: the products alone, on whatever the threads' buffers hold (the result
         is not a·W: the bench's floor times them so)."""
-        brgemm, release = onednn_brgemm.brgemm_bf16()
+        found = onednn_brgemm.brgemm_bf16()
+        if found is None:
+            raise RuntimeError("miniquant.nf4_brgemm: PyTorch's bf16 brgemm is not available now (oneDNN switched "
+                               "off, or a PyTorch or CPU without it): ask fits() first")
+        brgemm, release = found
         rows, cols = shape
         m, k = a.shape
         n = rows if transposed else cols
@@ -254,7 +275,7 @@ class NF4Brgemm:
         nonfinite = ctypes.c_int(0)
         self._product(a.data_ptr(), a.stride(0), packed.data_ptr(), absmax.data_ptr(), blocksize,
                       self._table.data_ptr(), rows, cols, int(transposed), m, None if bias is None else bias.data_ptr(),
-                      c.data_ptr(), n, self._scratch.get(threads).data_ptr(), int(unpack), ctypes.byref(nonfinite),
+                      c.data_ptr(), n, self._scratch.get(threads, k).data_ptr(), int(unpack), ctypes.byref(nonfinite),
                       threads, brgemm, release)
         return c, not nonfinite.value
 
@@ -300,6 +321,8 @@ def takes_bf16_run() -> bool:
     return usable()
 
 
-def scratch_bytes(threads: int) -> int:
-    """Bytes held for the C's threads from call to call (each its panel's chunk and fp32 sums), for `threads`."""
-    return threads * SCRATCH_BYTES + 64
+def scratch_bytes(threads: int, k: int) -> int:
+    """Bytes held from call to call for `threads` of the C's threads (each its panel's chunk and fp32 sums) and
+    products over k values (the last rows padded to 32), plus 64 for alignment. (PyTorch's compiled brgemm
+    kernels, about 190 KiB a shape per thread, a few shapes a model, are not counted.)"""
+    return threads * SCRATCH_BYTES + 32 * k * 2 + 64

@@ -5,6 +5,10 @@ bias, and fp64 references of the same bf16 operands; the same bits on one thread
 row; where layers take it (QuantizedLinear's forward and input gradient, minituner.lora_product, bf16 on a CPU
 with AMX, weights of more than nf4_amx.MAX_WEIGHT values, at most MB rows) and where not; PyTorch's brgemm
 looked up (minikernels.onednn_brgemm) and its absence; the planner's buffers for it."""
+import ctypes
+import os
+import subprocess
+import sys
 from contextlib import contextmanager
 from unittest import mock
 
@@ -13,6 +17,7 @@ import torch
 
 from minikernels import onednn_brgemm
 from miniquant import nf4_amx, nf4_brgemm, nf4_matmul
+from miniquant.quantize import release_workspace, workspace_bytes
 
 BF16 = torch.bfloat16
 needs_brgemm = pytest.mark.skipif(not nf4_brgemm.usable(), reason="miniquant.nf4_brgemm needs a CPU with AMX "
@@ -110,19 +115,77 @@ def test_not_usable_without_the_cpus_amx_or_pytorchs_brgemm(monkeypatch):
 
 
 def test_pytorchs_brgemm_is_looked_up_by_name_and_none_where_missing():
-    onednn_brgemm.brgemm_bf16.cache_clear()
+    onednn_brgemm._functions.cache_clear()
     try:
         found = onednn_brgemm.brgemm_bf16()
         if nf4_matmul.cpu_has_amx():  # PyTorch's CPU wheels ship it; its oneDNN packs bf16 for AMX's brgemm
             assert found is not None and all(isinstance(a, int) and a for a in found)
-        onednn_brgemm.brgemm_bf16.cache_clear()
+        onednn_brgemm._functions.cache_clear()
         with mock.patch.object(onednn_brgemm, "BRGEMM_BF16", "no_such_symbol"):
             assert onednn_brgemm.brgemm_bf16() is None
-        onednn_brgemm.brgemm_bf16.cache_clear()
+        onednn_brgemm._functions.cache_clear()
         with mock.patch.object(onednn_brgemm, "library_path", lambda: "/nonexistent/libtorch_cpu.so"):
             assert onednn_brgemm.brgemm_bf16() is None
     finally:
-        onednn_brgemm.brgemm_bf16.cache_clear()
+        onednn_brgemm._functions.cache_clear()
+
+
+@needs_brgemm
+def test_onednn_switched_off_turns_it_off_for_the_while():
+    """PyTorch's brgemm throws (a C++ exception: the process would end inside our C) for the VNNI layout while
+    oneDNN is off: fits says no then, and yes again after. In a process of its own, so a regression fails this
+    test instead of ending the session."""
+    code = """
+import torch
+from miniquant import nf4_brgemm
+from miniquant.quantize import QuantizedLinear
+lin = QuantizedLinear.from_linear(torch.nn.Linear(1056, 1024), "nf4_per_group_64")
+lin.compute_dtype = torch.bfloat16
+x = torch.randn(8, 1056).to(torch.bfloat16)
+y = lin(x)
+with torch.backends.mkldnn.flags(enabled=False):
+    assert not nf4_brgemm.fits(x, 1056, 1024, 64)
+    y_off = lin(x)
+assert nf4_brgemm.fits(x, 1056, 1024, 64) and torch.equal(lin(x), y)
+print("ok", y_off.shape)
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-2000:]
+
+
+BRGEMM_SIGNATURE = ctypes.CFUNCTYPE(None, *[ctypes.c_int64] * 6, ctypes.c_bool, ctypes.c_void_p, ctypes.c_void_p,
+                                    ctypes.c_void_p, ctypes.c_bool)
+
+
+@needs_brgemm
+def test_brgemm_is_asked_for_whole_blocks_of_32_rows_and_the_same_calls_without_unpacking(nf4_linear, nf4_parts):
+    """Every brgemm call the C makes, recorded through a stand-in (one thread): only multiples of 32 rows (the last
+    rows padded), so row counts 1..200 ask for a handful of shapes, not one per count; the bench's floor
+    (unpack=False) makes exactly the calls a product makes."""
+    calls = []
+    record = BRGEMM_SIGNATURE(lambda m, n, k, lda, ldb, ldc, add, a, b, c, vnni: calls.append((m, n, k, lda, add)))
+    release = ctypes.CFUNCTYPE(None, ctypes.c_bool)(lambda vnni: None)
+    layer = nf4_linear(1088, 288, 64)
+    pointers = (ctypes.cast(record, ctypes.c_void_p).value, ctypes.cast(release, ctypes.c_void_p).value)
+    with mock.patch.object(onednn_brgemm, "brgemm_bf16", lambda: pointers), \
+            mock.patch.object(nf4_brgemm.NF4Brgemm, "_threads", lambda self, macs, panels: 1):
+        k = nf4_brgemm.kernels()
+        shapes = set()
+        for m in range(1, 201):
+            calls.clear()
+            k.product(torch.randn(m, 1088).to(BF16), *nf4_parts(layer), (288, 1088))
+            assert calls and all(c[0] % 32 == 0 and 0 < c[0] <= nf4_brgemm.MB for c in calls)
+            assert sum(c[0] for c in calls if not c[4]) == -(-m // 32) * 32 * 2  # 2 panels (256 + 32), rows once
+            shapes |= set(calls)
+        assert len(shapes) <= 2 * 2 * 2 * 8  # panels x k chunks (1,024 + 64) x add_C x whole-block row counts
+        x = torch.randn(70, 1088).to(BF16)
+        calls.clear()
+        k.product(x, *nf4_parts(layer), (288, 1088))
+        made = list(calls)
+        calls.clear()
+        k.product(x, *nf4_parts(layer), (288, 1088), unpack=False)
+        assert calls == made
 
 
 @contextmanager
@@ -143,10 +206,11 @@ def test_quantized_linear_in_bf16_takes_it_both_ways_and_matches_the_workspace_p
     layer = nf4_linear(1056, 1024, 64)  # 1,081,344 values: over nf4_amx's MAX_WEIGHT
     layer.compute_dtype = BF16
     x = torch.randn(2, 10, 1056).to(BF16).requires_grad_()
+    release_workspace()
     with counting_products() as calls:
         y = layer(x)
         y.float().square().sum().backward()
-    assert calls == ["forward", "input_grad"]
+    assert calls == ["forward", "input_grad"] and workspace_bytes() == 0  # (what the planner counts)
     parts = nf4_parts(layer)
     assert torch.equal(y.view(20, 1024), amx_bits(x.detach().view(20, 1056), layer, parts, True,
                                                     layer.bias.to(BF16)))
@@ -235,4 +299,4 @@ def test_the_planner_counts_its_buffers_instead_of_the_workspace(monkeypatch, ro
     for terms in peak.phases.values():
         assert terms["NF4 dequantization workspace"] == (1024 * 1024 if brgemm else 2048 * 1024) * 2
         assert terms.get("NF4 brgemm panels (nf4_brgemm, per thread)") == (
-            nf4_brgemm.scratch_bytes(nf4_matmul.team_threads()) if brgemm else None)
+            nf4_brgemm.scratch_bytes(nf4_matmul.team_threads(), 2048) if brgemm else None)

@@ -26,7 +26,9 @@ LoRA dropout) the adapter's panel, r·256 bytes; where the products of NF4 weigh
 ``miniquant.nf4_amx`` (bf16 on a CPU with AMX), each thread keeps its sums in thread-local memory
 (``nf4_amx.scratch_bytes``: 64 KiB); the larger ones, where N is at most 512, run as ``miniquant.nf4_brgemm``,
 which unpacks them inside its product, so the workspace is only as large as the largest other NF4 weight (none
-where there is no other), and its threads keep their buffers (``nf4_brgemm.scratch_bytes``: 1 MiB each). The
+where there is no other), and its threads keep their buffers (``nf4_brgemm.scratch_bytes``: 1 MiB each, and
+64·k bytes for the last rows, k the widest product's; PyTorch's compiled brgemm kernels, about 190 KiB a shape per
+thread, are not counted). The
 head returns
 its logits in the block's dtype e, and the loss (``minigpt.cross_entropy``) reads them as they are: fp32 logits
 through ``F.cross_entropy``, narrower ones in fp32 chunks of R = ``chunk_rows(V)`` rows (CPU's chunk, about
@@ -225,8 +227,9 @@ def step_phases(shape: ModelShape, regime: str, rank: int | None, targets: str |
     unpacked = {lin.path for lin in shape.linears if lin.path in quantized
                 and nf4_brgemm.weight_fits(lin.in_features, lin.out_features, NF4_BLOCK)} \
         if bf16_compute_nf4_brgemm(e, stream_bytes, N, on_cpu) else set()
-    if unpacked:
-        base["NF4 brgemm panels (nf4_brgemm, per thread)"] = nf4_brgemm.scratch_bytes(nf4_matmul.team_threads())
+    if unpacked:  # (k: the widest product's, the forward's in or the input gradient's out)
+        k = max(max(lin.in_features, lin.out_features) for lin in shape.linears if lin.path in unpacked)
+        base["NF4 brgemm panels (nf4_brgemm, per thread)"] = nf4_brgemm.scratch_bytes(nf4_matmul.team_threads(), k)
     if (quantized - unpacked) or upcasts:
         name = " and ".join([*(["NF4 dequantization"] if quantized - unpacked else []),
                              *(["16-bit upcast"] if upcasts else [])])
