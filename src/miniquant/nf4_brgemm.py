@@ -61,13 +61,14 @@ from minikernels.transpose16 import TRANSPOSE16_C
 
 from . import nf4_amx, nf4_matmul
 from .nf4 import nf4_code_table
+from .nf4_unpack import NF4_UNPACK_C
 
 CFLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-ffp-contract=off", "-fno-fast-math", "-std=gnu11"]
 NP, KC, MB = 256, 1024, 512  # the C's panel width, k chunk and rows of A per call (its #defines)
 SCRATCH_BYTES = KC * NP * 2 + MB * NP * 4  # per thread: a chunk of a panel unpacked, and its block's fp32 sums
 MIN_MACS_PER_THREAD = 1 << 22  # smaller products stay on the calling thread
 
-_SOURCE = OPENMP_PRELUDE + TRANSPOSE16_C + r"""
+_SOURCE = OPENMP_PRELUDE + NF4_UNPACK_C + TRANSPOSE16_C + r"""
 #include <stdbool.h>
 #include <stdlib.h>
 #include <string.h>
@@ -96,15 +97,6 @@ int nf4bg_built(void) {
 #endif
 }
 #ifdef NF4BG
-/* a block's 16 values code[j]·s rounded to bf16 (nearest even), in 16-bit lanes 0..15 */
-static inline __m512i lut16(__m512 table, float s) {
-    return _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(table, _mm512_set1_ps(s))));
-}
-/* 16 packed bytes -> the 32 codes in order as 16-bit lanes (value 2i in byte i's high nibble) */
-static inline __m512i nib32(const uint8_t* p) {
-    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p));
-    return _mm512_or_si512(_mm512_srli_epi32(b, 4), _mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(15)), 16));
-}
 /* B[k0:k1, n0:n0 + nw] into dst as (k1 - k0) / 2 lines of nw pairs; transposed: B = Wᵀ (B[k][n] = W[n][k]),
    else B = W. W (rows, cols): NF4 codes, fp32 scales per block of bs values */
 static void unpack_panel(const uint8_t* codes, const float* scales, int64_t bs, __m512 table, int64_t rows,
@@ -295,10 +287,7 @@ def usable() -> bool:
     return nf4_amx.usable() and onednn_brgemm.brgemm_bf16() is not None and kernels() is not None
 
 
-def shape_fits(in_features: int, out_features: int, blocksize: int) -> bool:
-    """Whether an (out, in) NF4 weight in blocks of `blocksize` fits: in and out multiples of 32, blocks of a
-    multiple of 32 values (so 32 values of a row share a scale)."""
-    return in_features % 32 == 0 and out_features % 32 == 0 and out_features > 0 and blocksize % 32 == 0
+shape_fits = nf4_amx.shape_fits  # the same shapes: in and out multiples of 32, blocks a multiple of 32 values
 
 
 def weight_fits(in_features: int, out_features: int, blocksize: int) -> bool:

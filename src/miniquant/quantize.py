@@ -92,6 +92,13 @@ def _nf4_surely_finite(absmax: Tensor, dtype: torch.dtype) -> bool:
     return math.isfinite(low) and math.isfinite(high) and max(-low, high) <= torch.finfo(dtype).max
 
 
+def _nf4_buffers_fit(qtensors: tuple[Tensor, ...], dtype: torch.dtype) -> bool:
+    """Whether an NF4 weight's buffers go to the kernels that unpack it inside their products as they are: the codes
+    and fp32 scales contiguous, and scales that keep every value finite in `dtype` (what dequantize_from checks)."""
+    return (qtensors[0].is_contiguous() and qtensors[1].dtype == torch.float32 and qtensors[1].is_contiguous()
+            and _nf4_surely_finite(qtensors[1], dtype))
+
+
 @lru_cache(maxsize=None)
 def _largest_product(dtype: torch.dtype) -> float:
     """The largest scale whose products with the NF4 codes are finite in dtype: code x scale is an fp32 product
@@ -256,16 +263,14 @@ class QuantizedLinear(nn.Module):
         fitting, g bf16, and scales that keep every value finite in bf16 (what dequantize_from checks)."""
         s = self._scheme
         return (s.kind == "nf4" and nf4_matmul.fits(g, self.in_features, self.out_features, s.group_size)
-                and qtensors[0].is_contiguous() and qtensors[1].dtype == torch.float32
-                and qtensors[1].is_contiguous() and _nf4_surely_finite(qtensors[1], g.dtype))
+                and _nf4_buffers_fit(qtensors, g.dtype))
 
     def _amx_fits(self, qtensors: tuple[Tensor, ...], a: Tensor) -> bool:
         """Whether ``nf4_amx`` multiplies `a` (x·Wᵀ or g·W) by this NF4 weight on AMX's tiles: the CPU has them, the
         shapes fit, the buffers are contiguous fp32 scales, and scales that keep every value finite in bf16."""
         s = self._scheme
         return (s.kind == "nf4" and nf4_amx.fits(a, self.in_features, self.out_features, s.group_size)
-                and qtensors[0].is_contiguous() and qtensors[1].dtype == torch.float32
-                and qtensors[1].is_contiguous() and _nf4_surely_finite(qtensors[1], a.dtype))
+                and _nf4_buffers_fit(qtensors, a.dtype))
 
     def _brgemm_fits(self, qtensors: tuple[Tensor, ...], a: Tensor, bias: Tensor | None = None) -> bool:
         """Whether ``nf4_brgemm`` multiplies `a` (x·Wᵀ + bias or g·W) by this NF4 weight (a large one, on a CPU with
@@ -273,8 +278,7 @@ class QuantizedLinear(nn.Module):
         and a bias (if any) of a's dtype, contiguous."""
         s = self._scheme
         return (s.kind == "nf4" and nf4_brgemm.fits(a, self.in_features, self.out_features, s.group_size)
-                and qtensors[0].is_contiguous() and qtensors[1].dtype == torch.float32
-                and qtensors[1].is_contiguous() and _nf4_surely_finite(qtensors[1], a.dtype)
+                and _nf4_buffers_fit(qtensors, a.dtype)
                 and (bias is None or (bias.dtype == a.dtype and bias.is_contiguous())))
 
     def _brgemm_product(self, qtensors: tuple[Tensor, ...], a: Tensor, transposed: bool,
