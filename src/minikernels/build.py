@@ -43,6 +43,8 @@ CACHE_ENV = "MINIQUANT_CACHE"  # folder for the compiled libraries
 NATIVE_ENV = "MINIQUANT_NATIVE"  # set to 0 to never build or use native kernels (NF4, the bf16 loss and attention)
 CPU_COUNT = os.cpu_count() or 1  # asked once: the call costs microseconds
 HUGE_PAGE_MIN_BYTES = 8 << 20  # fresh_tensor asks for transparent huge pages from this size on
+GLIBC_MMAP_THRESHOLD_MAX = 32 << 20  # glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit: mallopt refuses more; so a
+# block this large is always a mapping of its own, unmapped when freed
 MADV_HUGEPAGE = 14  # Linux's <sys/mman.h>
 
 

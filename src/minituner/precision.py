@@ -34,9 +34,10 @@ the dtype RoPE is applied in; the residual stream stays fp32):
   the same pass of C as the norm (``add_and_norm``), and in backward hands the branch its bf16 gradient from that
   pass too;
 - a frozen head computes in bf16 and returns bf16 logits (it reads the final norm's bf16 output), as a
-  transformers model in bf16 does; the loss (``minigpt.cross_entropy``) computes in fp32 a few rows at a time
-  and hands back a bf16 gradient, so no (N, V) tensor is ever fp32. AdamW holds fp32 state for the fp32
-  masters.
+  transformers model in bf16 does (on CPU, 32 MiB of them or more are written into fresh huge pages:
+  ``minikernels.large_output``, for any Bf16Linear, and for an Fp32Linear where PyTorch's own library
+  multiplies); the loss (``minigpt.cross_entropy``) computes in fp32 a few rows at a time and hands back a bf16
+  gradient, so no (N, V) tensor is ever fp32. AdamW holds fp32 state for the fp32 masters.
 
 In fp32 (``use_fp32_products``, what ``build_for_training`` does for every method in fp32), an fp32
 ``nn.Linear`` other than a LoRA factor (the frozen base of LoRA and QLoRA, every Linear of a full fine-tune)
@@ -63,7 +64,7 @@ from minigpt.bf16_support import Bf16Support
 from minigpt.decoder import RMSNorm
 from minigpt.device import PRECISIONS, check_precision
 from minigpt.errors import InputError
-from minikernels import fp32_gemm
+from minikernels import fp32_gemm, large_output
 from miniquant import QuantizedLinear
 
 from .lora import LoRALinear, lora_modules
@@ -79,6 +80,8 @@ class Bf16Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
+        if large_output.takes(x, w, self.bias):  # a large vocabulary's logits: into fresh huge pages
+            return large_output.linear(x, w, self.bias)
         y = F.linear(x.to(w.dtype), w, self.bias)  # (..., out), computed in w.dtype (a no-op cast when x is)
         return y.to(x.dtype)
 
@@ -88,6 +91,8 @@ class Fp32Linear(nn.Linear):
     is slow; F.linear's elsewhere, a trainable weight's gradient through fp32_gemm's Function)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if fp32_gemm.backend() == "aten" and large_output.takes(x, self.weight, self.bias):  # (oneDNN's: no out=)
+            return large_output.linear(x, self.weight, self.bias)  # a large vocabulary's logits: in huge pages
         return fp32_gemm.linear(x, self.weight, self.bias)  # (..., out); F.linear off fp32 CPU
 
 

@@ -53,6 +53,7 @@ import torch
 import torch.nn as nn
 
 from minigpt.model import block_list
+from minikernels.build import GLIBC_MMAP_THRESHOLD_MAX
 
 TRIM_EVERY_BLOCKS = 8  # trim before blocks 8, 16, ... of a training forward (and before the head)
 # trim only when the heap holds at least this much resident free memory: below it the pages handed back are few,
@@ -66,7 +67,7 @@ class _MallInfo2(ctypes.Structure):  # glibc's struct mallinfo2 (malloc.h, glibc
 
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # mallopt's parameter numbers (glibc's malloc.h)
-LARGEST_MMAP_THRESHOLD = 32 * 2**20  # glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit: mallopt refuses more
+LARGEST_MMAP_THRESHOLD = GLIBC_MMAP_THRESHOLD_MAX  # (32 MiB) mallopt refuses more
 NEVER_TRIM = 2**31 - 1  # the largest trim threshold mallopt takes (an int): the heap's top is never trimmed
 USER_ALLOCATOR_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")  # glibc's own settings, read at start
 _allocator = {"set_by": None}  # "pin_allocator" or "keep_freed_memory": who called mallopt in this process
