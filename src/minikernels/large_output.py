@@ -13,8 +13,10 @@ every step: 512 tokens × 128,256 bf16 logits are 131 MB, 32,000 faults. Here th
 ``torch.addmm`` with ``out=``, the kernels F.linear runs, so the same bits). On an Intel Xeon with AMX (2 threads,
 2026-12-06; 512 × 2,048 by 128,256 × 2,048 bf16, medians of 7) that product took 211 ms into a fresh tensor,
 187 into fresh huge pages and 178 into a tensor written before; in the bench's 6-layer Llama-3.2-1B-shaped bf16
-QLoRA step (one process, the two ways alternating step by step, 8 rounds) the step took 0.956x the time (median
-per round; 0.87-1.06x), its page faults down from about 55,000 to 22,000.
+QLoRA step (one process, the two ways alternating step by step, 16 rounds) the step took 0.96x the time (median
+per round; 0.78-1.04x; a first run of 10 rounds: 1.01x, 0.80-1.64x, medians of the steps 976 against 1,001 ms), its
+page faults down from about 59,000 to 27,000 a step (the rest: the heap's pages trimmed before the head faulted in
+again, ``minituner.memory.heap``).
 
 For a frozen weight (and bias) on CPU, x in the weight's dtype, outside autocast: ``precision.Bf16Linear`` (bf16
 runs' frozen Linears, the head among them) and ``precision.Fp32Linear`` where fp32 products are PyTorch's own
