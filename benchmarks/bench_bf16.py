@@ -268,6 +268,8 @@ def _spec(a):
         return ("tensor", tuple(a.shape), tuple(a.stride()), str(a.dtype).removeprefix("torch."))
     if isinstance(a, list):  # hashable; the op takes a tuple for a list
         return tuple(_spec(x) for x in a)
+    if isinstance(a, tuple) and any(isinstance(x, torch.Tensor) for x in a):  # (nf4_brgemm's adapter=(xa, wa, s))
+        return ("tensors", tuple(_spec(x) for x in a))
     return a
 
 
@@ -404,7 +406,9 @@ def record_products(step: Callable[[], object]) -> Counter:
 
 
 def _materialize(spec, dtype: torch.dtype | None = None):
-    """A random tensor of a recorded layout (in `dtype` instead of the recorded one when given)."""
+    """A random tensor of a recorded layout (in `dtype` instead of the recorded one when given); a tuple of them."""
+    if isinstance(spec, tuple) and spec and spec[0] == "tensors":
+        return tuple(_materialize(a, dtype) for a in spec[1])
     if not (isinstance(spec, tuple) and spec and spec[0] == "tensor"):
         return spec
     _, shape, stride, recorded = spec
@@ -812,7 +816,8 @@ def run_shape(shape: str, quick: bool = False, wait_s: float | None = None) -> S
          if nf4_amx.usable() else "") +
         ("; the products of larger NF4 weights (inputs of at most 512 rows) run as miniquant.nf4_brgemm, the weight "
          "unpacked panel by panel into a thread's buffer and multiplied at once by oneDNN's brgemm micro-kernel "
-         "(the adapter's share added after, by native_lora), and count as those brgemm calls alone (unpack=False), "
+         "(the adapter's share added inside, one more brgemm call), and count as those brgemm calls alone "
+         "(unpack=False), "
          "the unpacking left out as dequantization is"
          if nf4_brgemm.usable() else "") +
         "), recorded with a TorchDispatchMode (the C calls by "

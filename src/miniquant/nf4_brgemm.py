@@ -5,6 +5,7 @@ at once with oneDNN's brgemm micro-kernel (PyTorch's, ``minikernels.onednn_brgem
     if fits(x, in_features, out_features, blocksize):   # bf16 x on a CPU with AMX, a weight of more than 2^20 values
         y, finite = kernels().product(x, packed, absmax, blocksize, (out, in), bias)              # x·Wᵀ + b
         grad_x, finite = kernels().product(g, packed, absmax, blocksize, (out, in), transposed=False)  # g·W
+        y, finite = kernels().product(x, ..., adapter=(a, B, scale))   # x·Wᵀ + b + scale·a·Bᵀ, one rounding
 
 Elsewhere (weights of at most 2^20 values, ``miniquant.nf4_amx``'s; and before this file) the weight is written
 whole into the shared workspace, then multiplied: for a weight of this size, through oneDNN's matmul, which first
@@ -42,8 +43,15 @@ PyTorch compiles a few kernel shapes per weight shape, not one per row count (ea
 life, about 190 KiB per thread). Each thread's buffer (KC·NP bf16 and MB·NP fp32: 1 MiB) and the padded rows
 (32·K bf16) are held from call to call (``scratch_bytes``; ``minituner.planner`` counts them).
 
-Used by ``QuantizedLinear.amx_product`` (the forward, without an adapter: ``minituner.native_lora`` adds it after)
-and ``QuantizedLinear.input_grad_from`` where ``fits``: the library built with AVX512-BF16, PyTorch's brgemm found
+A LoRA adapter's share (``adapter=(xa, wa, scale)``, as ``nf4_amx`` takes it) is summed apart after the last k
+chunk, from 0, by one more brgemm call per panel and block of rows over ADAPTER_K values (r, padded with zeros;
+xa's rows and wa's pairs, the fp32 master rounded to bf16, made once a call: M·64 + N·64 bytes, freed before it
+returns), into the thread's panel buffer (its unpacked chunk is spent by then); each output is then (sum + bias) +
+scale·share in fp32, rounded once: ``nf4_amx``'s bits with the adapter too.
+
+Used by ``QuantizedLinear.amx_product`` (the forward, with the adapter's share where ``minituner.lora_product``
+hands it over), ``QuantizedLinear.input_grad_from`` and ``QuantizedLinear.input_grad_adding`` (with the adapter)
+where ``fits``: the library built with AVX512-BF16, PyTorch's brgemm found
 (``onednn_brgemm``), a CPU where ``nf4_amx`` runs (AMX and Linux's permission), bf16 input with contiguous rows on
 CPU, in and out multiples of 32, blocks a multiple of 32 values, and more than ``nf4_amx.MAX_WEIGHT`` values.
 """
@@ -65,6 +73,7 @@ from .nf4_unpack import NF4_UNPACK_C
 
 CFLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-ffp-contract=off", "-fno-fast-math", "-std=gnu11"]
 NP, KC, MB = 256, 1024, 512  # the C's panel width, k chunk and rows of A per call (its #defines)
+ADAPTER_K = 32  # an adapter's rank padded with zeros to one step of the tiles (the C's #define)
 SCRATCH_BYTES = KC * NP * 2 + MB * NP * 4  # per thread: a chunk of a panel unpacked, and its block's fp32 sums
 MIN_MACS_PER_THREAD = 1 << 22  # smaller products stay on the calling thread
 
@@ -79,6 +88,7 @@ _SOURCE = OPENMP_PRELUDE + NF4_UNPACK_C + TRANSPOSE16_C + r"""
 #define KC 1024
 #define MB 512
 #define SCRATCH_BYTES (KC * NP * 2 + MB * NP * 4)
+#define ADAPTER_K 32  /* an adapter's rank, padded with zeros: one step of the tiles */
 #define AHEAD_VALUES 1024  /* Wᵀ: each row's codes prefetched this many values ahead */
 #define AHEAD_PAIRS 16     /* W: the codes of the pair of rows this many pairs ahead prefetched */
 /* at::native::cpublas::brgemm (bf16) and brgemm_release, as minikernels.onednn_brgemm finds them */
@@ -142,6 +152,21 @@ static void unpack_panel(const uint8_t* codes, const float* scales, int64_t bs, 
         }
     }
 }
+/* a LoRA adapter's pairs as brgemm's B (ADAPTER_K values of k: ADAPTER_K / 2 lines of N pairs (Wa[2p][n],
+   Wa[2p + 1][n]), zero from p = r / 2 on), the fp32 master rounded to bf16 (nearest even); Wa (r, N), or given as
+   its transpose (N, r) where by_rows */
+static void adapter_pairs(const float* Wa, int64_t N, int64_t r, int by_rows, uint32_t* dst) {
+    for (int64_t p = 0; p < ADAPTER_K / 2; p++)
+        for (int64_t n = 0; n < N; n++) {
+            uint32_t w = 0;
+            if (2 * p < r) {
+                const float lo = by_rows ? Wa[n * r + 2 * p] : Wa[2 * p * N + n];
+                const float hi = by_rows ? Wa[n * r + 2 * p + 1] : Wa[(2 * p + 1) * N + n];
+                w = bf16_bits(lo) | bf16_bits(hi) << 16;
+            }
+            dst[p * N + n] = w;
+        }
+}
 #endif  /* NF4BG */
 /* C (M, N; ldc) = A (M, K; bf16, rows lda apart) · B (+ bias (N,) bf16 where given), rounded to bf16 once; B = Wᵀ
    (transposed: K = cols, N = rows) or W (K = rows, N = cols), W (rows, cols) NF4 (codes, fp32 scales per block of bs
@@ -150,10 +175,10 @@ static void unpack_panel(const uint8_t* codes, const float* scales, int64_t bs, 
    rows, so few shapes are compiled), 64-byte aligned. unpack = 0 multiplies whatever each thread's buffer holds
    instead of unpacking W (the products alone: the bench's floor). *nonfinite = 1 where a value written is NaN or
    ±inf, else 0 */
-void nf4bg_product(const uint16_t* A, int64_t lda, const uint8_t* codes, const float* scales, int64_t bs,
-                   const float* table16, int64_t rows, int64_t cols, int transposed, int64_t M, const uint16_t* bias,
-                   uint16_t* C, int64_t ldc, uint8_t* scratch, int unpack, int* nonfinite, int threads,
-                   brgemm_fn brgemm, release_fn release) {
+int nf4bg_product(const uint16_t* A, int64_t lda, const uint8_t* codes, const float* scales, int64_t bs,
+                  const float* table16, int64_t rows, int64_t cols, int transposed, int64_t M, const uint16_t* bias,
+                  const uint16_t* xa, int64_t r, const float* Wa, float ascale, uint16_t* C, int64_t ldc,
+                  uint8_t* scratch, int unpack, int* nonfinite, int threads, brgemm_fn brgemm, release_fn release) {
     *nonfinite = 0;
 #ifdef NF4BG
     const int64_t N = transposed ? rows : cols, K = transposed ? cols : rows, panels = (N + NP - 1) / NP;
@@ -164,6 +189,18 @@ void nf4bg_product(const uint16_t* A, int64_t lda, const uint8_t* codes, const f
             if (m_whole + i < M) memcpy(pad + i * K, A + (m_whole + i) * lda, (size_t)K * 2);
             else memset(pad + i * K, 0, (size_t)K * 2);
         }
+    /* the adapter's input in rows of 32 values (zero past r, and past M to a whole block of 32 rows) and its pairs
+       (ADAPTER_K / 2 lines of N), made once a call on the calling thread (as nf4_amx's are) */
+    uint16_t* xa32 = xa ? calloc((size_t)(M + 31) / 32 * 32 * ADAPTER_K, 2) : NULL;
+    uint32_t* ap = xa ? aligned_alloc(64, (size_t)(ADAPTER_K / 2) * N * 4) : NULL;
+    if (xa && (!xa32 || !ap)) {
+        free(xa32); free(ap);
+        return 1;
+    }
+    if (xa) {
+        for (int64_t i = 0; i < M; i++) memcpy(xa32 + i * ADAPTER_K, xa + i * r, (size_t)r * 2);
+        adapter_pairs(Wa, N, r, transposed, ap);
+    }
     int bad_any = 0;
     #pragma omp parallel num_threads(threads) if(threads > 1) reduction(|:bad_any)
     {
@@ -174,7 +211,8 @@ void nf4bg_product(const uint16_t* A, int64_t lda, const uint8_t* codes, const f
 #endif
         uint32_t* panel = (uint32_t*)mine;
         float* sums = (float*)(mine + KC * NP * 2);
-        const __m512 table = _mm512_loadu_ps(table16);
+        float* share = (float*)mine;  /* the adapter's share, over the panel once its k chunks are done */
+        const __m512 table = _mm512_loadu_ps(table16), sc = _mm512_set1_ps(ascale);
         const __m512i expo = _mm512_set1_epi16(0x7F80);
         #pragma omp for schedule(static)
         for (int64_t pn = 0; pn < panels; pn++) {
@@ -188,6 +226,9 @@ void nf4bg_product(const uint16_t* A, int64_t lda, const uint8_t* codes, const f
                     if (whole) brgemm(whole, nw, k1 - k0, lda, nw, nw, k0 > 0, A + m0 * lda + k0, b, sums, true);
                     if (mh > whole) brgemm(32, nw, k1 - k0, K, nw, nw, k0 > 0, pad + k0, b, sums + whole * nw, true);
                 }
+                if (xa)  /* summed apart, from 0, over the adapter's 32 values (r, then zeros) */
+                    brgemm((mh + 31) / 32 * 32, nw, ADAPTER_K, ADAPTER_K, N, nw, false, xa32 + m0 * ADAPTER_K,
+                           (const uint16_t*)(ap + n0), share, true);
                 __mmask32 bad = 0;
                 for (int64_t i = 0; i < mh; i++)
                     for (int64_t j = 0; j < nw; j += 32) {
@@ -196,6 +237,10 @@ void nf4bg_product(const uint16_t* A, int64_t lda, const uint8_t* codes, const f
                             const __m256i* b = (const __m256i*)(bias + n0 + j);
                             l = _mm512_add_ps(l, _mm512_cvtpbh_ps((__m256bh)_mm256_loadu_si256(b)));
                             h = _mm512_add_ps(h, _mm512_cvtpbh_ps((__m256bh)_mm256_loadu_si256(b + 1)));
+                        }
+                        if (xa) {  /* (sum + bias) + ascale·share, in that order, as nf4_amx adds it */
+                            l = _mm512_add_ps(l, _mm512_mul_ps(sc, _mm512_loadu_ps(share + i * nw + j)));
+                            h = _mm512_add_ps(h, _mm512_mul_ps(sc, _mm512_loadu_ps(share + i * nw + j + 16)));
                         }
                         const __m512i v = (__m512i)_mm512_cvtne2ps_pbh(h, l);
                         bad |= _mm512_cmpeq_epi16_mask(_mm512_and_si512(v, expo), expo);
@@ -206,8 +251,10 @@ void nf4bg_product(const uint16_t* A, int64_t lda, const uint8_t* codes, const f
         }
         release(true);  /* the tiles released, and PyTorch told so (the next brgemm configures them again) */
     }
+    free(xa32); free(ap);
     *nonfinite = bad_any;
 #endif
+    return 0;
 }
 """
 
@@ -233,9 +280,9 @@ class NF4Brgemm:
     def __init__(self, lib: ctypes.CDLL) -> None:
         i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
         self._product = lib.nf4bg_product
-        self._product.argtypes = [ptr, i64, ptr, ptr, i64, ptr, i64, i64, i32, i64, ptr, ptr, i64, ptr, i32, ptr,
-                                  i32, ptr, ptr]
-        self._product.restype = None
+        self._product.argtypes = [ptr, i64, ptr, ptr, i64, ptr, i64, i64, i32, i64, ptr, ptr, i64, ptr,
+                                  ctypes.c_float, ptr, i64, ptr, i32, ptr, i32, ptr, ptr]
+        self._product.restype = i32
         self._openmp = bool(lib.mk_openmp())
         self._table = nf4_code_table("cpu").float().contiguous()  # (16,) the NF4 code values
         self._scratch = _Scratch()
@@ -247,11 +294,14 @@ class NF4Brgemm:
         return max(1, min(nf4_matmul.team_threads(), macs // MIN_MACS_PER_THREAD, panels))
 
     def product(self, a: Tensor, packed: Tensor, absmax: Tensor, blocksize: int, shape: tuple[int, int],
-                bias: Tensor | None = None, transposed: bool = True, unpack: bool = True) -> tuple[Tensor, bool]:
+                bias: Tensor | None = None, transposed: bool = True,
+                adapter: tuple[Tensor, Tensor, float] | None = None, unpack: bool = True) -> tuple[Tensor, bool]:
         """(c, finite): a·Wᵀ (+ bias) (transposed: a (M, in), the forward) or a·W (a (M, out), the input's
-        gradient) -> bf16; W (out, in) NF4: packed codes (out·in / 2 bytes) and fp32 absmax per block. finite: every
-        value written finite. unpack=False: the products alone, on whatever the threads' buffers hold (the result
-        is not a·W: the bench's floor times them so)."""
+        gradient) -> bf16; W (out, in) NF4: packed codes (out·in / 2 bytes) and fp32 absmax per block. With
+        adapter = (xa, wa, scale) (``nf4_amx.adapter_fits``), a LoRA adapter's share scale·xa·wa summed apart and
+        added before the one rounding, as ``nf4_amx`` adds it (the forward: xa = x·Aᵀ, wa = B (out, r); the input's
+        gradient: xa = grad_a, wa = A (r, in)). finite: every value written finite. unpack=False: the products
+        alone, on whatever the threads' buffers hold (the result is not a·W: the bench's floor times them so)."""
         found = onednn_brgemm.brgemm_bf16()
         if found is None:
             raise RuntimeError("miniquant.nf4_brgemm: PyTorch's bf16 brgemm is not available now (oneDNN switched "
@@ -265,10 +315,15 @@ class NF4Brgemm:
             return c, True
         threads = self._threads(m * n * k, -(-n // NP))
         nonfinite = ctypes.c_int(0)
-        self._product(a.data_ptr(), a.stride(0), packed.data_ptr(), absmax.data_ptr(), blocksize,
-                      self._table.data_ptr(), rows, cols, int(transposed), m, None if bias is None else bias.data_ptr(),
-                      c.data_ptr(), n, self._scratch.get(threads, k).data_ptr(), int(unpack), ctypes.byref(nonfinite),
-                      threads, brgemm, release)
+        ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
+        xa, wa, scale = adapter if adapter is not None else (None, None, 1.0)
+        rc = self._product(a.data_ptr(), a.stride(0), packed.data_ptr(), absmax.data_ptr(), blocksize,
+                           self._table.data_ptr(), rows, cols, int(transposed), m, ptr(bias), ptr(xa),
+                           0 if xa is None else xa.shape[1], ptr(wa), scale, c.data_ptr(), n,
+                           self._scratch.get(threads, k).data_ptr(), int(unpack), ctypes.byref(nonfinite), threads,
+                           brgemm, release)
+        if rc:
+            raise MemoryError("miniquant.nf4_brgemm: out of memory for the adapter's input and pairs")
         return c, not nonfinite.value
 
 

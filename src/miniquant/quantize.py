@@ -281,35 +281,38 @@ class QuantizedLinear(nn.Module):
                 and _nf4_buffers_fit(qtensors, a.dtype)
                 and (bias is None or (bias.dtype == a.dtype and bias.is_contiguous())))
 
-    def _brgemm_product(self, qtensors: tuple[Tensor, ...], a: Tensor, transposed: bool,
-                        bias: Tensor | None = None) -> tuple[Tensor, bool]:
+    def _brgemm_product(self, qtensors: tuple[Tensor, ...], a: Tensor, transposed: bool, bias: Tensor | None = None,
+                        adapter: tuple[Tensor, Tensor, float] | None = None) -> tuple[Tensor, bool]:
         """(c, finite): ``nf4_brgemm``'s product of a with this NF4 weight, as the caller checked it fits:
-        a·Wᵀ + bias (transposed, the forward) or a·W (the input's gradient), W unpacked panel by panel inside."""
+        a·Wᵀ + bias (transposed, the forward) or a·W (the input's gradient), W unpacked panel by panel inside, an
+        adapter's share added before the one rounding where given."""
         return nf4_brgemm.kernels().product(a, qtensors[0], qtensors[1], self._scheme.group_size,
-                                            (self.out_features, self.in_features), bias, transposed)
+                                            (self.out_features, self.in_features), bias, transposed, adapter=adapter)
 
     def amx_fits(self, qtensors: tuple[Tensor, ...], x: Tensor, bias: Tensor | None, rank: int = 0) -> bool:
-        """Whether ``amx_product`` takes x (N, in) and this bias: ``_amx_fits`` for the forward, a bias (if any) of
-        x's dtype, contiguous, and an adapter of this rank (0: none) that its GEMM adds (``nf4_amx.MAX_RANK``)."""
-        return (self._amx_fits(qtensors, x) and (bias is None or (bias.dtype == x.dtype and bias.is_contiguous()))
-                and rank % 2 == 0 and rank <= nf4_amx.MAX_RANK)
+        """Whether ``amx_product`` takes x (N, in) and this bias: ``_amx_fits`` or, for a larger weight,
+        ``_brgemm_fits`` for the forward, a bias (if any) of x's dtype, contiguous, and an adapter of this rank (0:
+        none) that their GEMMs add (``nf4_amx.MAX_RANK``)."""
+        return ((bias is None or (bias.dtype == x.dtype and bias.is_contiguous()))
+                and rank % 2 == 0 and rank <= nf4_amx.MAX_RANK
+                and (self._amx_fits(qtensors, x) or self._brgemm_fits(qtensors, x, bias)))
 
     def amx_product(self, qtensors: tuple[Tensor, ...], x: Tensor, bias: Tensor | None,
                     adapter: tuple[Tensor, Tensor, float] | None = None,
                     checked: bool = False) -> tuple[Tensor, bool] | None:
-        """(y, finite): y = x (N, in)·Wᵀ + bias (N, out) from the given buffers on AMX's tiles (``nf4_amx``: W
-        dequantized into the shared workspace in the tiles' layout), where ``amx_fits``; with adapter = (a, B, scale)
-        (a = x·Aᵀ (N, r) bf16, B (out, r) its fp32 master, ``nf4_amx.adapter_fits``), plus scale·a·Bᵀ before the
-        one rounding; finite: every value of y written finite. A larger weight without an adapter: by
-        ``nf4_brgemm`` (W unpacked panel by panel inside), where it fits. None elsewhere: the caller dequantizes and
-        multiplies its own way (and adds the adapter after). checked: the caller has just asked ``amx_fits`` for x
-        and bias (as the adapter's forward does before computing a), so it is not asked again."""
+        """(y, finite): y = x (N, in)·Wᵀ + bias (N, out) from the given buffers on AMX's tiles, where ``amx_fits``:
+        by ``nf4_amx`` (W dequantized into the shared workspace in the tiles' layout) or, for a larger weight, by
+        ``nf4_brgemm`` (W unpacked panel by panel inside); with adapter = (a, B, scale) (a = x·Aᵀ (N, r) bf16,
+        B (out, r) its fp32 master, ``nf4_amx.adapter_fits``), plus scale·a·Bᵀ before the one rounding; finite:
+        every value of y written finite. None elsewhere: the caller dequantizes and multiplies its own way (and
+        adds the adapter after). checked: the caller has just asked ``amx_fits`` for x and bias (as the adapter's
+        forward does before computing a), so it is not asked again."""
         if not checked and not self.amx_fits(qtensors, x, bias):
-            if adapter is None and self._brgemm_fits(qtensors, x, bias):
-                return self._brgemm_product(qtensors, x, True, bias)
             return None
         if adapter is not None and not nf4_amx.adapter_fits(x, adapter[0], adapter[1], self.out_features, True):
             return None
+        if nf4_brgemm.weight_fits(self.in_features, self.out_features, self._scheme.group_size):
+            return self._brgemm_product(qtensors, x, True, bias, adapter)
         return self._amx_product(qtensors, x, True, bias, adapter)
 
     def _amx_product(self, qtensors: tuple[Tensor, ...], a: Tensor, transposed: bool, bias: Tensor | None = None,
@@ -356,13 +359,17 @@ class QuantizedLinear(nn.Module):
         """g·W + grad_a·A (N, in) in one product, a LoRA adapter's share (grad_a (N, r), A (r, in) its fp32 master)
         summed inside ``nf4_matmul``'s sums and rounded once with them, where that kernel takes g and the adapter
         (``nf4_matmul.adapter_fits``), or, on a CPU with AMX, summed apart on its tiles and added before the one
-        rounding (``nf4_amx``, where it takes g and the adapter, without gelu); with gelu = (h, approximate), the
+        rounding (``nf4_amx``, or ``nf4_brgemm`` for a larger weight, where they take g and the adapter, without
+        gelu); with gelu = (h, approximate), the
         layer's input GELU's output at h, the gradient for h (GELU's applied to the rounded sum,
         ``nf4_matmul.gelu_fits``). None elsewhere: the caller adds the adapter (and applies GELU's gradient) its own
         way after input_grad_from."""
-        if gelu is None and not self._nf4_input_grad_fits(qtensors, g) and self._amx_fits(qtensors, g) \
+        if gelu is None and not self._nf4_input_grad_fits(qtensors, g) \
                 and nf4_amx.adapter_fits(g, grad_a, A, self.in_features, False):  # on AMX's tiles, rounded once too
-            return self._amx_product(qtensors, g, False, adapter=(grad_a, A, 1.0))[0]
+            if self._amx_fits(qtensors, g):
+                return self._amx_product(qtensors, g, False, adapter=(grad_a, A, 1.0))[0]
+            if self._brgemm_fits(qtensors, g):
+                return self._brgemm_product(qtensors, g, False, adapter=(grad_a, A, 1.0))[0]
         if not (self._nf4_input_grad_fits(qtensors, g) and nf4_matmul.adapter_fits(g, grad_a, A, self.in_features)):
             return None
         if gelu is not None and not nf4_matmul.gelu_fits(g, *gelu):

@@ -55,6 +55,33 @@ def test_products_give_nf4_amx_bits_and_match_fp64(m, n_in, n_out, bs, nf4_linea
 
 
 @needs_brgemm
+@pytest.mark.parametrize("m, n_in, n_out, bs", SHAPES)
+def test_an_adapters_share_added_before_the_rounding_gives_nf4_amx_bits(m, n_in, n_out, bs, nf4_linear,
+                                                                        nf4_parts, bf16_close):
+    """x·Wᵀ + b + s·a·Bᵀ (B (out, r)) and g·W + grad_a·A (A (r, in)), the masters rounded to bf16: nf4_amx's
+    bits."""
+    layer = nf4_linear(n_in, n_out, bs)
+    parts = nf4_parts(layer)
+    gen = torch.Generator().manual_seed(3)
+    w = layer.dequantize(BF16).double()
+    k = nf4_brgemm.kernels()
+    for r, transposed in ((16, True), (2, True), (32, False), (8, False)):
+        n_k, n = (n_in, n_out) if transposed else (n_out, n_in)
+        a = torch.randn(m, n_k, generator=gen).to(BF16)
+        xa = torch.randn(m, r, generator=gen).to(BF16)
+        wa = torch.randn(*((n, r) if transposed else (r, n)), generator=gen)
+        bias = torch.randn(n, generator=gen).to(BF16) if transposed else None
+        got, finite = k.product(a, *parts, (n_out, n_in), bias, transposed, adapter=(xa, wa, 0.75))
+        ref = nf4_amx.kernels().product(a, *parts, (n_out, n_in), torch.empty(n_out * n_in, dtype=BF16), bias,
+                                        transposed=transposed, adapter=(xa, wa, 0.75))[0]
+        assert finite and torch.equal(got, ref)
+        share = xa.double() @ (wa.to(BF16).double().t() if transposed else wa.to(BF16).double())
+        base = a.double() @ (w.t() if transposed else w) + (0 if bias is None else bias.double())
+        assert bf16_close(got, base + 0.75 * share)
+        assert not torch.equal(got, k.product(a, *parts, (n_out, n_in), bias, transposed)[0])
+
+
+@needs_brgemm
 def test_the_same_bits_on_one_thread_or_many(nf4_linear, nf4_parts):
     """Each output's sums run over k in order within its panel, whatever the panels' split over the threads."""
     layer = nf4_linear(1088, 800, 64)
@@ -186,6 +213,16 @@ def test_brgemm_is_asked_for_whole_blocks_of_32_rows_and_the_same_calls_without_
         calls.clear()
         k.product(x, *nf4_parts(layer), (288, 1088), unpack=False)
         assert calls == made
+        # an adapter: one more call per panel and block of rows, over its 32 values (r padded), from 0
+        adapter = (torch.randn(70, 8).to(BF16), torch.randn(288, 8), 0.5)
+        calls.clear()
+        k.product(x, *nf4_parts(layer), (288, 1088), adapter=adapter)
+        assert [c for c in calls if c[2] == nf4_brgemm.ADAPTER_K] == [(96, 256, 32, 32, False), (96, 32, 32, 32, False)]
+        assert [c for c in calls if c[2] != nf4_brgemm.ADAPTER_K] == made
+        made = list(calls)
+        calls.clear()
+        k.product(x, *nf4_parts(layer), (288, 1088), adapter=adapter, unpack=False)
+        assert calls == made
 
 
 @contextmanager
@@ -194,9 +231,9 @@ def counting_products():
     calls = []
     real = nf4_brgemm.NF4Brgemm.product
 
-    def counted(self, a, packed, absmax, blocksize, shape, bias=None, transposed=True, unpack=True):
-        calls.append("forward" if transposed else "input_grad")
-        return real(self, a, packed, absmax, blocksize, shape, bias, transposed, unpack)
+    def counted(self, a, packed, absmax, blocksize, shape, bias=None, transposed=True, adapter=None, unpack=True):
+        calls.append(("forward" if transposed else "input_grad") + ("+adapter" if adapter is not None else ""))
+        return real(self, a, packed, absmax, blocksize, shape, bias, transposed, adapter, unpack)
     with mock.patch.object(nf4_brgemm.NF4Brgemm, "product", counted):
         yield calls
 
@@ -240,8 +277,8 @@ def test_more_rows_than_mb_and_smaller_weights_go_elsewhere(nf4_linear):
 
 
 @needs_brgemm
-def test_lora_product_on_a_large_nf4_base_takes_it_and_gives_the_workspace_paths_values(nf4_linear):
-    from minituner import lora_product
+def test_lora_product_on_a_large_nf4_base_takes_it_and_gives_the_workspace_paths_values(nf4_linear, nf4_parts):
+    from minituner import lora_product, native_lora
     from minituner.lora import LoRALinear
 
     base = nf4_linear(1056, 1024, 64)
@@ -263,7 +300,13 @@ def test_lora_product_on_a_large_nf4_base_takes_it_and_gives_the_workspace_paths
         return y, xr.grad, lora.lora_A["default"].weight.grad, lora.lora_B["default"].weight.grad
     with counting_products() as calls:
         got = run()
-    assert calls == ["forward", "input_grad"]
+    assert calls == ["forward+adapter", "input_grad+adapter"]  # the adapter's share inside, rounded once
+    parts = nf4_parts(base)
+    A, B = lora.lora_A["default"].weight.detach(), lora.lora_B["default"].weight.detach()
+    a = native_lora.kernels().down(x, A)  # x·Aᵀ (64, r), as the forward makes it
+    workspace = torch.empty(1024 * 1056, dtype=BF16)
+    assert torch.equal(got[0], nf4_amx.kernels().product(x, *parts, (1024, 1056), workspace, base.bias.to(BF16),
+                                                         adapter=(a, B, 2.0))[0])
     with mock.patch.object(nf4_brgemm, "usable", lambda: False), counting_products() as calls:
         ref = run()
     assert calls == []
