@@ -25,10 +25,10 @@ it: one pass less over (N, in). On a CPU with AMX, an NF4 base that ``miniquant.
 2^20 values) runs both products as a GEMM on the tiles with the adapter's share added inside before the one
 rounding: in forward a = x·Aᵀ comes from native_lora's ``down`` and y is written once (``_base_and_adapter``), in
 backward through ``input_grad_adding`` as above; a larger one (for inputs of at most 512 rows) likewise as
-``miniquant.nf4_brgemm``, the same bits (in the bench's 6-layer Llama-3.2-1B-shaped bf16 QLoRA step, its forward and
-input gradient with the share inside against native_lora's passes after: 0.98x and 0.99x the step's time, medians
-of the per-round ratios of 14 and 16 rounds, the two ways alternating in one process; Intel Xeon with AMX,
-2026-12-06). Through PyTorch the same work
+``miniquant.nf4_brgemm``, the same bits (per product 0.89-1.00x the base's product plus native_lora's pass after,
+its module docstring gives them; in the bench's 6-layer Llama-3.2-1B-shaped bf16 QLoRA step 0.99x and 1.01x the
+step's time, medians of the per-round ratios of 16 rounds each, the two ways alternating in one process, within
+the noise of a slow phase of the machine; Intel Xeon with AMX, 2026-12-06). Through PyTorch the same work
 is six thin products, four casts,
 two scalings and a copy a layer, each a separate op; the bench's step above took 275.6 ms against 307.4 through
 PyTorch (medians of 24 steps, the two models alternating in one process, 2026-12-03).
