@@ -249,9 +249,9 @@ MM_OPS = ("mm", "addmm", "addmm_", "bmm", "baddbmm")
 
 def _product_ops() -> dict:
     """op -> name: aten's products, also into a given tensor ("bmm.out": minigpt.native_attention writes four of
-    its six products so; "mm.out": minikernels.large_output the head's logits, into fresh huge pages, where the
-    replay writes into one tensor made before, as for every output it gives), and oneDNN's linear, which the
-    fp32 rows' frozen products take (minikernels.fp32_gemm)."""
+    its six products so; "mm.out": minikernels.large_output the head's logits, into huge pages, the last step's
+    again once spent, where the replay writes into one tensor made before, as for every output it gives), and
+    oneDNN's linear, which the fp32 rows' frozen products take (minikernels.fp32_gemm)."""
     ops = {}
     for name in MM_OPS:
         packet = getattr(torch.ops.aten, name)
@@ -790,7 +790,8 @@ def run_shape(shape: str, quick: bool = False, wait_s: float | None = None) -> S
         "workspace, LoRA factors fp32 masters computed in bf16, base and adapter one autograd Function "
         "(`minituner.lora_product`), the block bf16 from each norm (in C, `minigpt.native_norm`) to the residual add "
         f"(attention: {_our_attention()}), the residual stream and "
-        "norms in fp32, bf16 logits (of 32 MiB or more: written into fresh huge pages, `minikernels.large_output`) "
+        "norms in fp32, bf16 logits (of 32 MiB or more: written into huge pages, the last step's again once "
+        "spent, `minikernels.large_output`) "
         "whose loss `minigpt.cross_entropy` computes in fp32 a few rows at a time; "
         "glibc keeps what a step frees and the forward trims the heap where much lies free in it, "
         "`minituner.memory.heap`, both set when ours are built). "

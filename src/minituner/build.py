@@ -40,7 +40,7 @@ from miniquant import DEFAULT_QUANT_SCHEME, QuantizedLinear
 from .adapter_io import load_adapter
 from .lora import ALL_LINEAR, LoRAConfig, apply_lora, find_targets, lora_modules
 from .memory.heap import keep_freed_memory, trim_heap_in_forward
-from .precision import dtype_of_most_values, use_bf16_compute, use_fp32_products
+from .precision import dtype_of_most_values, keep_head_output, use_bf16_compute, use_fp32_products
 from .qlora import (COMPUTE_DTYPES, add_finite_guards, cast_float_tensors, check_qlora, check_scheme,
                     default_compute_dtype, quantize_linears)
 from .upcast import compute_in_fp32
@@ -118,7 +118,8 @@ def build_for_training(base: nn.Module, method: str = "lora", lora: LoRAConfig |
     from a saved adapter (file, run folder or PEFT folder) instead of fresh factors. `guards` adds the
     finite-output hooks (QLoRA only); `heap_trims` the CPU heap trims of ``minituner.memory.heap``.
     `precision` "bf16": built in float32 (QLoRA quantizes from it), then the frozen base is stored in bf16
-    (minituner.precision); refused where bf16 is slow unless allow_slow_bf16.
+    (minituner.precision); refused where bf16 is slow unless allow_slow_bf16; on CPU its head writes large logits
+    into the last step's memory once spent (``precision.keep_head_output``).
     """
     lora = lora or LoRAConfig()
     dev = training_device(device)
@@ -136,6 +137,8 @@ def build_for_training(base: nn.Module, method: str = "lora", lora: LoRAConfig |
         _adapt(base, method, lora, paths, quant_scheme, dtype, precision, adapter_name, init_adapter, guards)
     if dev.type == "cpu":
         keep_freed_memory()  # glibc: what a step frees stays for the next, not faulted in again page by page
+    if dev.type == "cpu" and precision == "bf16":
+        keep_head_output(base)  # a large vocabulary's bf16 logits: the last step's memory again, once spent
     if dev.type == "cpu" and heap_trims:  # last: bf16, quantization or LoRA may have replaced the head
         trim_heap_in_forward(base)  # glibc keeps a forward's freed temporaries resident; give them back
     return base

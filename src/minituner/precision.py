@@ -36,8 +36,9 @@ the dtype RoPE is applied in; the residual stream stays fp32):
 - a frozen head computes in bf16 and returns bf16 logits (it reads the final norm's bf16 output), as a
   transformers model in bf16 does (on CPU, 32 MiB of them or more are written into fresh huge pages:
   ``minikernels.large_output``, for any Bf16Linear, and for an Fp32Linear where PyTorch's own library
-  multiplies); the loss (``minigpt.cross_entropy``) computes in fp32 a few rows at a time and hands back a bf16
-  gradient, so no (N, V) tensor is ever fp32. AdamW holds fp32 state for the fp32 masters.
+  multiplies; a bf16 training run's head writes into its last step's logits again once nothing holds them,
+  ``keep_head_output``); the loss (``minigpt.cross_entropy``) computes in fp32 a few rows at a time and hands
+  back a bf16 gradient, so no (N, V) tensor is ever fp32. AdamW holds fp32 state for the fp32 masters.
 
 In fp32 (``use_fp32_products``, what ``build_for_training`` does for every method in fp32), an fp32
 ``nn.Linear`` other than a LoRA factor (the frozen base of LoRA and QLoRA, every Linear of a full fine-tune)
@@ -67,7 +68,7 @@ from minigpt.errors import InputError
 from minikernels import fp32_gemm, large_output
 from miniquant import QuantizedLinear
 
-from .lora import LoRALinear, lora_modules
+from .lora import OUTPUT_HEADS, LoRALinear, lora_modules
 from .qlora import cast_float_tensors
 
 BF16 = torch.bfloat16
@@ -80,8 +81,8 @@ class Bf16Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
-        if large_output.takes(x, w, self.bias):  # a large vocabulary's logits: into fresh huge pages
-            return large_output.linear(x, w, self.bias)
+        if large_output.takes(x, w, self.bias):  # a large vocabulary's logits: into huge pages (keep_head_output)
+            return large_output.linear(x, w, self.bias, self.__dict__.get("_output_store"))
         y = F.linear(x.to(w.dtype), w, self.bias)  # (..., out), computed in w.dtype (a no-op cast when x is)
         return y.to(x.dtype)
 
@@ -202,6 +203,35 @@ def _bf16_linear(m: nn.Linear, dtype: torch.dtype, cache: dict[int, nn.Parameter
 
 def _fp32_linear(m: nn.Linear) -> Fp32Linear:
     return linear_as(Fp32Linear, m, m.weight, m.bias)  # the same Parameters: ties stay ties, nothing copied
+
+
+def keep_head_output(model: nn.Module) -> int:
+    """A bf16 training run on CPU: the output head (a Bf16Linear named in ``OUTPUT_HEADS``) writes its large logits
+    into the memory of the last step's once nothing holds them (``large_output.OutputStore``), not into fresh
+    pages, except while the model checkpoints its blocks (``model.grad_checkpoint``, looked at each forward): then
+    logits kept from the last step would sit beside the recomputed block at the step's peak, as ``planner/peak.py``
+    counts them. A forward pre-hook on the model; returns how many heads (once per model)."""
+    heads = [m for name, m in model.named_modules()
+             if name.rsplit(".", 1)[-1] in OUTPUT_HEADS and type(m) is Bf16Linear]
+    if not heads or getattr(model, "_keeps_head_output", False):
+        return 0
+
+    def follow_checkpointing(module: nn.Module, args: tuple) -> None:
+        keep = not getattr(module, "grad_checkpoint", False)
+        for head in heads:
+            if not keep:
+                head.__dict__.pop("_output_store", None)  # (the logits kept, if unheld, freed now)
+            elif "_output_store" not in head.__dict__:
+                head.__dict__["_output_store"] = large_output.OutputStore()
+
+    model.register_forward_pre_hook(follow_checkpointing)
+    model._keeps_head_output = True
+    return len(heads)
+
+
+def kept_output_bytes(model: nn.Module) -> int:
+    """Bytes of the logits the model's heads keep from step to step (``keep_head_output``)."""
+    return sum(m.__dict__["_output_store"].kept_bytes() for m in model.modules() if "_output_store" in m.__dict__)
 
 
 def embedding_as(m: nn.Embedding, weight: nn.Parameter, output_dtype: torch.dtype) -> CastEmbedding:

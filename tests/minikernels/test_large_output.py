@@ -93,3 +93,91 @@ def test_an_fp32_linear_writes_a_large_output_so_where_aten_multiplies(monkeypat
     trainable = Fp32Linear(IN, OUT)  # full fine-tuning's: fp32_gemm's Function, for the weight's gradient
     trainable(x)
     assert len(calls) == int(taken)
+
+
+def _keeping_head() -> Bf16Linear:
+    """A bf16 head that keeps its output, as minituner.precision.keep_head_output sets a training run's."""
+    head = Bf16Linear(IN, OUT, bias=False).to(torch.bfloat16).requires_grad_(False)
+    head.__dict__["_output_store"] = large_output.OutputStore()
+    return head
+
+
+def test_a_head_without_a_store_writes_fresh_pages_every_call():
+    head = Bf16Linear(IN, OUT, bias=False).to(torch.bfloat16).requires_grad_(False)
+    x, _, _ = _operands(torch.bfloat16, False, (1,))
+    with torch.no_grad():
+        kept = head(x)  # held: the next call cannot reuse it either way
+        assert head(x).data_ptr() != kept.data_ptr()
+
+
+def _spent_step(head, x):
+    """A training step's use of the head: logits, a loss, its backward; nothing of them kept."""
+    y = head(x)
+    y.float().sum().backward()
+    return y.data_ptr()
+
+
+def test_a_layer_writes_its_spent_output_again():
+    """The step after a step whose logits are spent writes into the same memory, no fresh pages; a smaller output
+    takes a prefix of it, a larger one fresh memory, kept from then on."""
+    head = _keeping_head()
+    x, _, _ = _operands(torch.bfloat16, False, (1,))
+    first = _spent_step(head, x)
+    assert _spent_step(head, x) == first
+    bigger = torch.cat([x, x[:, :64]], dim=1)
+    larger = _spent_step(head, bigger)
+    assert larger != first
+    assert _spent_step(head, bigger) == larger
+    assert _spent_step(head, x) == larger  # a prefix of the larger one
+    assert torch.equal(head(x), F.linear(x, head.weight))
+
+
+def _held(y: torch.Tensor, hold: str):
+    """(what holds y's memory, a function reading the values it holds back as a tensor)."""
+    if hold == "view":
+        return y[0, :5], lambda v: v
+    if hold == "detach":
+        return y.detach(), lambda v: v
+    if hold == "data":
+        return y.data, lambda v: v
+    if hold == "numpy":
+        return y.view(torch.int16).numpy(), lambda v: torch.from_numpy(v).view(torch.bfloat16)
+    if hold == "storage":
+        return y.untyped_storage(), lambda v: torch.empty(0, dtype=y.dtype).set_(v).view(y.shape)
+    return y, lambda v: v
+
+
+@pytest.mark.parametrize("hold", ["output", "view", "detach", "data", "numpy", "storage"])
+def test_an_output_still_held_is_never_written_again(hold):
+    """Whatever still refers to the last output (the tensor, a view, .detach(), .data, a NumPy array, its storage
+    object) keeps its values: the next call writes fresh memory; once that is let go, the memory is taken again."""
+    head = _keeping_head()
+    x, _, _ = _operands(torch.bfloat16, False, (1,))
+    with torch.no_grad():
+        y = head(x)
+        ptr = y.data_ptr()
+        held, read = _held(y, hold)
+        expected = read(held).clone()
+        del y
+        y2 = head(x * 2)
+        ptr2 = y2.data_ptr()
+        assert ptr2 != ptr
+        assert torch.equal(read(held), expected)
+        del held, y2
+        y3 = head(x)
+    assert y3.data_ptr() == ptr2  # the fresh one, kept since and now spent
+    assert torch.equal(y3, F.linear(x, head.weight))
+
+
+def test_a_copied_layer_keeps_no_output():
+    import copy
+    import pickle
+
+    head = _keeping_head()
+    x, _, _ = _operands(torch.bfloat16, False, (1,))
+    with torch.no_grad():
+        head(x)
+    assert head._output_store.kept_bytes() == large_output.MAPPED_BYTES
+    for twin in (copy.deepcopy(head), pickle.loads(pickle.dumps(head))):
+        assert twin._output_store._kept is None
+        assert torch.equal(twin(x.detach()), head(x.detach()))

@@ -251,3 +251,28 @@ def test_grad_accum_holds_every_gradient_in_each_backward(regime, rank):
     assert MemoryConfig(grad_accum=2).grad_accum == 2
     with pytest.raises(Exception, match="grad_accum must be a positive integer"):
         MemoryConfig(grad_accum=0)
+
+
+@pytest.mark.parametrize("ckpt", [False, True])
+def test_bf16_logits_kept_for_the_next_step_in_every_other_phase(ckpt):
+    """bf16 compute on a CPU keeps the head's logits of at least large_output's 32 MiB from step to step
+    (precision.keep_head_output): every phase but the loss's and the head's holds them, none under checkpointing,
+    none for smaller logits, fp32 or CUDA."""
+    from minikernels import large_output
+    from minituner.planner.peak import kept_logits
+
+    V = 32768
+    shape = minigpt_shape(GPTConfig(**{**TINY, "vocab_size": V, "block_size": 512}))
+    b = buckets(shape, Regime("lora", 4))
+    widths = PRECISION_WIDTHS["bf16"]
+    peak = step_peak(shape, "lora", 4, "all-linear", 1, 512, grad_checkpoint=ckpt, weights=b.weights, grads=b.grads,
+                     optimizer=b.optimizer, **widths)
+    kept = 512 * V * 2
+    assert kept == large_output.MAPPED_BYTES
+    term = "logits kept for the next step (keep_head_output)"
+    for name, terms in peak.phases.items():
+        counted_there = name in ("forward (loss)", "backward: loss", "backward: head")
+        assert terms.get(term, 0) == (0 if ckpt or counted_there else kept), name
+    assert kept_logits(511, V, 2, 4, True, False) == 0  # under 32 MiB: fresh pages each step, nothing kept
+    assert kept_logits(512, V, 4, None, True, False) == 0  # fp32
+    assert kept_logits(512, V, 2, 4, False, False) == 0  # CUDA

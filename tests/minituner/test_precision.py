@@ -321,3 +321,32 @@ def test_stored_precision_counts_the_base_not_an_adapters_factors():
     assert lora_values > sum(p.numel() for n, p in model.named_parameters() if "lora_" not in n)
     assert stored_precision(model) == "bf16"
     assert stored_precision(model.float()) == "fp32"
+
+
+def test_a_bf16_training_head_keeps_its_logits_unless_the_model_checkpoints():
+    """keep_head_output: the head (only it) gets an OutputStore before each forward, dropped while the model
+    checkpoints its blocks; build_for_training installs it for bf16 on CPU, once."""
+    from minituner.build import build_for_training
+    from minituner.precision import Bf16Linear, keep_head_output, kept_output_bytes
+
+    cfg = GPTConfig(vocab_size=8192, block_size=1024, n_layer=1, n_head=2, d_model=32)
+    model = build_for_training(MiniGPT(cfg), "lora", device="cpu", precision="bf16", allow_slow_bf16=True)
+    assert keep_head_output(model) == 0  # installed once already
+    assert isinstance(model.lm_head, Bf16Linear)
+    idx = torch.randint(0, cfg.vocab_size, (2, 1024))  # 2,048 x 8,192 bf16 logits: 32 MiB
+
+    def step():
+        logits = model(idx)
+        ptr = logits.data_ptr()
+        logits.float().mean().backward()
+        return ptr
+
+    first = step()
+    assert step() == first and kept_output_bytes(model) == 2048 * 8192 * 2
+    assert [n for n, m in model.named_modules() if "_output_store" in m.__dict__] == ["lm_head"]
+    model.grad_checkpoint = True
+    step()
+    assert kept_output_bytes(model) == 0
+    model.grad_checkpoint = False
+    again = step()
+    assert step() == again and kept_output_bytes(model) == 2048 * 8192 * 2

@@ -14,7 +14,8 @@ Measured, bucket by bucket (bytes; every storage counted once, so tied weights a
   first frees and keeps them, and the resident set then holds freed activations of earlier steps); on
   CUDA ``torch.cuda.max_memory_allocated``. The process's own memory (Python, libraries' buffers,
   allocator slack) is measured before the measured steps as the resident set minus the live tensors'
-  bytes (QLoRA's dequantization workspace among them), shown as its own line ("baseline": its growth since
+  bytes (QLoRA's dequantization workspace and the logits a bf16 head keeps for the next step among them), shown
+  as its own line ("baseline": its growth since
   before the model was built) and taken out of the peak, which the planner's peak model
   (``planner/peak.py``) predicts; the raw resident-set peak above the pre-build process is shown too.
   With the threshold pinned, the heap's free pages are handed back first (``malloc_trim``): the small blocks
@@ -65,7 +66,7 @@ from ..planner.decoder_activations import exact_activation_bytes
 from ..planner.hf import decoder_shape
 from ..planner.peak import step_peak
 from ..planner.report import UNITS
-from ..precision import LOW_BITS
+from ..precision import LOW_BITS, kept_output_bytes
 from ..qlora import param_summary
 
 REGIMES = ("full", "lora", "qlora")
@@ -419,7 +420,8 @@ def memory_check(build: Callable[[], nn.Module], check: CheckConfig, device: tor
         if step == first:
             if pinned:  # the heap's free pages back to the system: not the process's own (see the docstring)
                 trim_heap()
-            own = meter.level() - account(model, opt)["total"] - workspace_bytes()  # QLoRA's workspace: live
+            # live too: QLoRA's workspace, and the logits a bf16 head keeps for the next step (keep_head_output)
+            own = meter.level() - account(model, opt)["total"] - workspace_bytes() - kept_output_bytes(model)
             meter.reset_peak()
         micro = [random_batch(vocab, check, gen, device) for _ in range(check.grad_accum)]
         saved = SavedTensors(model)

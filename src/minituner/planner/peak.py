@@ -84,6 +84,9 @@ The phases:
 - optimizer step: W + G + O (minigpt.train's AdamW is PyTorch's fused kernel on CPU and CUDA, which updates
   every tensor in place and allocates nothing; gradient clipping adds nothing). Torch's default off CUDA,
   the single-tensor loop, would add two temporaries of the largest trainable tensor's size.
+- bf16 compute on a CPU without gradient checkpointing: logits of at least ``large_output.MAPPED_BYTES``
+  (n·V·2) are written into the memory of the last step's (``precision.keep_head_output``), kept from step to
+  step: every phase but the loss's and the head's, which count them already, holds them too (``kept_logits``).
 
 With gradient accumulation (``grad_accum`` micro-batches of batch·seq per step, ``accumulating``) each
 micro-batch's phases are the ones above, except that every backward after the first holds all of G (the step's
@@ -103,6 +106,7 @@ from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 
 from minigpt.cross_entropy import chunk_rows, fp32_loss_chunked
+from minikernels import large_output
 from miniquant import nf4_amx, nf4_brgemm, nf4_matmul
 
 from .activations import (FP32, LOSS_KEPT, MathAttention, SavedByLayer, as_minigpt, bf16_compute_loss,
@@ -170,6 +174,16 @@ def llama_phases(shape: ModelShape, regime: str, rank: int | None, targets: str 
                        optimizer, grad_bytes, decoder_saved_by_layer, block_grads, stream_bytes=stream_bytes,
                        lora_copy_bytes=lora_copy_bytes, on_cpu=on_cpu, upcast=upcast, counted=counted,
                        dropout=dropout, lora_dropout=lora_dropout)
+
+
+def kept_logits(tokens: int, vocab: int, act_bytes: int, stream_bytes: int | None, on_cpu: bool,
+                grad_checkpoint: bool) -> int:
+    """Bytes of the logits a bf16 run's head keeps from step to step (``precision.keep_head_output``): bf16 compute
+    (e = 2 beside s = 4) on a CPU, no gradient checkpointing, (tokens, vocab) bf16 logits that large_output
+    writes (at least its MAPPED_BYTES); else 0."""
+    nbytes = tokens * vocab * act_bytes
+    bf16_cpu = on_cpu and act_bytes == 2 and stream_bytes == 4
+    return nbytes if bf16_cpu and not grad_checkpoint and nbytes >= large_output.MAPPED_BYTES else 0
 
 
 def head_gradients(tokens: int, d_model: int, vocab: int, act_bytes: int) -> dict[str, int]:
@@ -291,6 +305,11 @@ def step_phases(shape: ModelShape, regime: str, rank: int | None, targets: str |
                                           "embedding gradient temporaries":
                                               embedding if shape.tie_embeddings else 0}
     phases["optimizer step"] = {**base, "grads": grads}  # fused AdamW: in place, no temporaries
+    kept = kept_logits(n, V, e, stream_bytes, on_cpu, grad_checkpoint)
+    if kept:  # held from one step to the next; the loss's and the head's phases count them as the logits
+        for name, terms in phases.items():
+            if name not in ("forward (loss)", "backward: loss", "backward: head"):
+                terms["logits kept for the next step (keep_head_output)"] = kept
     return phases
 
 
