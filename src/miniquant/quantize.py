@@ -292,8 +292,9 @@ class QuantizedLinear(nn.Module):
     def amx_fits(self, qtensors: tuple[Tensor, ...], x: Tensor, bias: Tensor | None, rank: int = 0) -> bool:
         """Whether ``amx_product`` takes x (N, in) and this bias: ``_amx_fits`` or, for a larger weight,
         ``_brgemm_fits`` for the forward, a bias (if any) of x's dtype, contiguous, and an adapter of this rank (0:
-        none) that their GEMMs add (``nf4_amx.MAX_RANK``)."""
-        return ((bias is None or (bias.dtype == x.dtype and bias.is_contiguous()))
+        none) that their GEMMs add (``nf4_amx.MAX_RANK``). Both need AMX, asked first: where it is absent (asked on
+        every product's forward) that is the whole answer."""
+        return (nf4_amx.usable() and (bias is None or (bias.dtype == x.dtype and bias.is_contiguous()))
                 and rank % 2 == 0 and rank <= nf4_amx.MAX_RANK
                 and (self._amx_fits(qtensors, x) or self._brgemm_fits(qtensors, x, bias)))
 
@@ -364,13 +365,14 @@ class QuantizedLinear(nn.Module):
         layer's input GELU's output at h, the gradient for h (GELU's applied to the rounded sum,
         ``nf4_matmul.gelu_fits``). None elsewhere: the caller adds the adapter (and applies GELU's gradient) its own
         way after input_grad_from."""
-        if gelu is None and not self._nf4_input_grad_fits(qtensors, g) \
+        nf4_matmul_fits = self._nf4_input_grad_fits(qtensors, g)  # (asked once: it reads the scales each time)
+        if gelu is None and not nf4_matmul_fits \
                 and nf4_amx.adapter_fits(g, grad_a, A, self.in_features, False):  # on AMX's tiles, rounded once too
             if self._amx_fits(qtensors, g):
                 return self._amx_product(qtensors, g, False, adapter=(grad_a, A, 1.0))[0]
             if self._brgemm_fits(qtensors, g):
                 return self._brgemm_product(qtensors, g, False, adapter=(grad_a, A, 1.0))[0]
-        if not (self._nf4_input_grad_fits(qtensors, g) and nf4_matmul.adapter_fits(g, grad_a, A, self.in_features)):
+        if not (nf4_matmul_fits and nf4_matmul.adapter_fits(g, grad_a, A, self.in_features)):
             return None
         if gelu is not None and not nf4_matmul.gelu_fits(g, *gelu):
             return None
