@@ -2,7 +2,8 @@
 
 For each model shape (SHAPES: a builder of the float base model plus its batch; the GPT-shaped stack of
 bench_step.py and Llama-3.2-1B cut to LLAMA_LAYERS of its 16 layers, a section each) every configuration
-(CONFIGS) and the floor run in a subprocess of their own, all alive together, and their optimizer steps are timed
+(CONFIGS) and the floor run in a subprocess of their own, in groups (row_groups: the goals' rows, then the rest)
+whose members are alive together, and their optimizer steps are timed
 in turns (paced.run_paced: each turn gives every row SETTLE_STEPS untimed steps and one timed step, who goes
 first rotating), so load from other processes falls on all rows alike, while each row has its process to itself
 as a training run does: its own heap, and the allocator settings its library leaves (ours: build_for_training's
@@ -126,8 +127,9 @@ LLAMA_LAYERS = 6  # of Llama-3.2-1B's 16, for the bench time and memory (LLAMA_N
 # medians of 7 moving with the machine's pace; each turn adds about 50 s to the section
 LLAMA_TURNS = 11
 LLAMA_NOTE = (
-    f"{LLAMA_LAYERS} of Llama-3.2-1B's 16 layers: every row runs in every turn, in a process of its own, all alive "
-    "together, so the section's time and memory grow with each layer; sized to fit a 23 GiB machine (each "
+    f"{LLAMA_LAYERS} of Llama-3.2-1B's 16 layers: every row runs in every turn of its group, in a process of its "
+    "own, the group's rows alive together, so the section's time and memory grow with each layer; sized to fit a "
+    "23 GiB machine (each "
     "process's peak is in the note above; in matrix-product FLOPs the tied lm_head over 128,256 tokens weighs "
     "about 4 layers)")
 
@@ -736,16 +738,31 @@ def measure_row(shape_name: str, row: str, warmup: int) -> dict:
 # ---- the section (runs in the parent) ------------------------------------------------------------
 
 
+def row_groups(bf16: bool) -> list[list[str]]:
+    """The rows timed together, group after group: where the CPU has bf16 units, first the goals' rows (ours LoRA
+    and QLoRA bf16, PEFT + bitsandbytes' two bf16 settings, the floor, the fixed-cost rows), then the rest (the
+    fp32 rows, the informational one); else one group. Fewer processes alive at once: with every row of the
+    llama-1b shape alive together (about 19 GiB resident on a 23 GiB machine), PEFT + bitsandbytes' bf16 step
+    (the model in bf16) took 4.27 s against 2.81-3.09 s with five rows or fewer alive, ours 2.62 s against
+    1.89-2.22 s: ours over theirs 0.58x against 0.67-0.68x (AMD EPYC with AVX512-BF16, 2 cores, 2026-12-07; medians
+    of 5-8 turns), a bias in our favour."""
+    if not bf16:
+        return [[*rows(False), "floor"]]
+    goals = ["lora_bf16", "qlora_bf16", *PEFT_BF16, "floor", *(r + FIXED_SUFFIX for r in FIXED_ROWS)]
+    return [goals, [r for r in rows(True) if r not in goals]]
+
+
 def _run(shape: str, warmup: int, repeats: int) -> dict:
-    """Every row of the shape in a subprocess of its own, all alive together, their timed steps alternating
-    (paced.run_paced); the rows' results gathered."""
+    """Every row of the shape in a subprocess of its own, each group of row_groups alive together and their timed
+    steps alternating (paced.run_paced), one group after the other; the rows' results gathered."""
     bf16 = bf16_support("cpu").fast
     configs = rows(bf16)
-    fixed = [r + FIXED_SUFFIX for r in FIXED_ROWS] if bf16 else []
-    children = {r: ([sys.executable, str(Path(__file__).resolve()), "--shape", shape, "--row", r, "--warmup",
-                     str(warmup)], None) for r in (*configs, "floor", *fixed)}
     t0 = time.perf_counter()
-    results = run_paced(children, turns=repeats, warm=SETTLE_STEPS, timeout_s=3600)
+    results = {}
+    for group in row_groups(bf16):
+        children = {r: ([sys.executable, str(Path(__file__).resolve()), "--shape", shape, "--row", r, "--warmup",
+                         str(warmup)], None) for r in group}
+        results.update(run_paced(children, turns=repeats, warm=SETTLE_STEPS, timeout_s=3600))
     wall = time.perf_counter() - t0
     failed = {r: v["error"] for r, v in results.items() if "error" in v}
     if failed:
@@ -801,7 +818,7 @@ def run_shape(shape: str, quick: bool = False, wait_s: float | None = None) -> S
         "ForCausalLMLoss does; it runs our model code with Linear4bit swapped in, attending through SDPA's fused "
         "kernel as transformers' models do on CPU (an informational row gives it our attention instead); the goal "
         "compares ours with the faster of its two settings. "
-        f"{_PACED_NOTE.format(turns=res['rounds'], warmup=warmup)} The floor: every matrix product of one QLoRA bf16 step ({res['products']} calls; dtypes "
+        f"{_paced_note(res, warmup)} The floor: every matrix product of one QLoRA bf16 step ({res['products']} calls; dtypes "
         f"{', '.join(res['product_dtypes'])}; attention's among them ({_attention_in_floor()}), and the adapters' thin "
         "products, which "
         "minituner.native_lora runs in C where the CPU has AVX512-BF16 (x·Aᵀ and g·B on AMX's tiles where it has "
@@ -927,10 +944,22 @@ def run_shape(shape: str, quick: bool = False, wait_s: float | None = None) -> S
     return _closing_notes(section, res, spec)
 
 
+def _groups_text() -> str:
+    """row_groups as the section's text says them."""
+    return ", then ".join(", ".join(g) for g in row_groups(bf16_support("cpu").fast))
+
+
+def _paced_note(res: dict, warmup: int) -> str:
+    return _PACED_NOTE.format(turns=res["rounds"], warmup=warmup, groups=_groups_text())
+
+
 _PACED_NOTE = (
-    "Every row, the floor too, runs in a subprocess of its own, all alive together, as a training run has its "
+    "Every row, the floor too, runs in a subprocess of its own, as a training run has its "
     "process to itself (its heap; ours with build_for_training's allocator settings, PEFT's with glibc's "
-    "defaults): each built and warmed up ({warmup} step(s)) in turn, then timed in {turns} turns, each giving "
+    "defaults), in groups timed one after the other ({groups}), the rows of a group alive together: fewer "
+    "processes alive at once, as every row alive together slowed PEFT + bitsandbytes' step more than ours "
+    "(row_groups in benchmarks/bench_bf16.py gives the figures); each built and warmed up ({warmup} step(s)) in "
+    "turn, then timed in {turns} turns, each giving "
     f"every row {SETTLE_STEPS} untimed step(s) and then one timed step, who goes first rotating and the rest "
     "shuffled (paced.run_paced), so load from other processes falls on all rows alike. Each goal is a ratio of "
     "two medians; beside it, the same ratio turn by turn (timing.per_turn_ratio): a slow phase of the machine "
@@ -943,7 +972,9 @@ def _closing_notes(section: Section, res: dict, spec: Shape) -> Section:
     section.notes.append(f"torch threads: {res['threads']}; the section's subprocesses took {fmt_seconds(res['wall_s'])} "
                          f"from the first start to the last result; peak RSS over the timed steps, by process: "
                          + ", ".join(f"{r} {v / 1024:.1f} GiB" for r, v in peaks.items())
-                         + f" (the largest: {largest}; {sum(peaks.values()) / 1024:.1f} GiB summed)")
+                         + f" (the largest: {largest}; the groups' sums: "
+                         + ", ".join(f"{sum(peaks.get(r, 0) for r in g) / 1024:.1f} GiB"
+                                     for g in row_groups(bf16_support('cpu').fast)) + ")")
     if spec.note:
         section.notes.append(spec.note)
     return section
@@ -971,7 +1002,7 @@ def fp32_only_section(shape: str, res: dict, support, busy: float, warmup: int) 
         f"that runs slower than its fp32 products ({timed}), so `finetune` refuses bf16 here and "
         "this section runs only the fp32 rows: ours LoRA and QLoRA (`precision=\"fp32\"`) and PEFT + "
         "bitsandbytes QLoRA with compute_dtype fp32 (our model code with Linear4bit swapped in, attending "
-        f"through SDPA). {_PACED_NOTE.format(turns=res['rounds'], warmup=warmup)} The floor: every matrix "
+        f"through SDPA). {_paced_note(res, warmup)} The floor: every matrix "
         f"product of one QLoRA fp32 step ({res['products']} calls; dtypes {', '.join(res['product_dtypes'])}; "
         "the frozen products through oneDNN's linear where minikernels.fp32_gemm chose it), recorded with a "
         "TorchDispatchMode and replayed back to back on random inputs of the same shapes and strides. 'profiled "
