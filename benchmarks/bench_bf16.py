@@ -129,9 +129,8 @@ LLAMA_TURNS = 11
 LLAMA_NOTE = (
     f"{LLAMA_LAYERS} of Llama-3.2-1B's 16 layers: every row runs in every turn of its group, in a process of its "
     "own, the group's rows alive together, so the section's time and memory grow with each layer; sized to fit a "
-    "23 GiB machine (each "
-    "process's peak is in the note above; in matrix-product FLOPs the tied lm_head over 128,256 tokens weighs "
-    "about 4 layers)")
+    "23 GiB machine (each process's peak is in the note above; in matrix-product FLOPs the tied lm_head over "
+    "128,256 tokens weighs about 4 layers)")
 
 
 def llama_1b(n_layer: int, vocab: int | None = None, note: str = "", turns: int = 7) -> Shape:
@@ -758,8 +757,8 @@ def _run(shape: str, warmup: int, repeats: int) -> dict:
     bf16 = bf16_support("cpu").fast
     configs = rows(bf16)
     t0 = time.perf_counter()
-    results = {}
-    for group in row_groups(bf16):
+    results, groups = {}, row_groups(bf16)
+    for group in groups:
         children = {r: ([sys.executable, str(Path(__file__).resolve()), "--shape", shape, "--row", r, "--warmup",
                          str(warmup)], None) for r in group}
         results.update(run_paced(children, turns=repeats, warm=SETTLE_STEPS, timeout_s=3600))
@@ -770,7 +769,8 @@ def _run(shape: str, warmup: int, repeats: int) -> dict:
     floor = results["floor"]
     return {"timings": {r: [statistics.median(v["times"]), min(v["times"]), v["first_s"]] for r, v in results.items()},
             "times": {r: v["times"] for r, v in results.items()},  # in turn order: turn i's timed step of each row
-            "rounds": repeats, "configs": configs, "floor_of": floor["floor_of"], "bf16_cost": floor.get("bf16_cost"),
+            "rounds": repeats, "configs": configs, "row_groups": groups, "floor_of": floor["floor_of"],
+            "bf16_cost": floor.get("bf16_cost"),
             "losses": {r: v["losses"] for r, v in results.items() if r != "floor"},
             "groups": {r: v["groups"] for r, v in results.items()}, "threads": floor["threads"],
             "peak_rss_mib": {r: v["peak_rss_mib"] for r, v in results.items()}, "products": floor["products"],
@@ -944,13 +944,10 @@ def run_shape(shape: str, quick: bool = False, wait_s: float | None = None) -> S
     return _closing_notes(section, res, spec)
 
 
-def _groups_text() -> str:
-    """row_groups as the section's text says them."""
-    return ", then ".join(", ".join(g) for g in row_groups(bf16_support("cpu").fast))
-
-
 def _paced_note(res: dict, warmup: int) -> str:
-    return _PACED_NOTE.format(turns=res["rounds"], warmup=warmup, groups=_groups_text())
+    """_PACED_NOTE for this run: its turns, warm-up steps and the groups its rows ran in (row_groups)."""
+    groups = ", then ".join(", ".join(g) for g in res["row_groups"])
+    return _PACED_NOTE.format(turns=res["rounds"], warmup=warmup, groups=groups)
 
 
 _PACED_NOTE = (
@@ -974,7 +971,7 @@ def _closing_notes(section: Section, res: dict, spec: Shape) -> Section:
                          + ", ".join(f"{r} {v / 1024:.1f} GiB" for r, v in peaks.items())
                          + f" (the largest: {largest}; the groups' sums: "
                          + ", ".join(f"{sum(peaks.get(r, 0) for r in g) / 1024:.1f} GiB"
-                                     for g in row_groups(bf16_support('cpu').fast)) + ")")
+                                     for g in res["row_groups"]) + ")")
     if spec.note:
         section.notes.append(spec.note)
     return section
