@@ -3,9 +3,9 @@
 For each model shape (SHAPES: a builder of the float base model plus its batch; the GPT-shaped stack of
 bench_step.py and Llama-3.2-1B cut to LLAMA_LAYERS of its 16 layers, a section each) every configuration
 (CONFIGS) and the floor run in a subprocess of their own, in groups (row_groups: the goals' rows, then the rest)
-whose members are alive together, and their optimizer steps are timed
-in turns (paced.run_paced: each turn gives every row SETTLE_STEPS untimed steps and one timed step, who goes
-first rotating), so load from other processes falls on all rows alike, while each row has its process to itself
+whose members are alive together, and their optimizer steps are timed in turns (paced.run_paced: each turn gives
+every row SETTLE_STEPS untimed steps and one timed step, who goes first rotating), so load from other processes
+falls on all rows alike, while each row has its process to itself
 as a training run does: its own heap, and the allocator settings its library leaves (ours: build_for_training's
 keep_freed_memory and heap trims, minituner.memory.heap; PEFT's: glibc's defaults, as transformers leaves them).
 After the timed turns each row profiles one more step of its own. Rows: our LoRA and QLoRA in fp32 and in
@@ -946,17 +946,19 @@ def run_shape(shape: str, quick: bool = False, wait_s: float | None = None) -> S
 
 def _paced_note(res: dict, warmup: int) -> str:
     """_PACED_NOTE for this run: its turns, warm-up steps and the groups its rows ran in (row_groups)."""
-    groups = ", then ".join(", ".join(g) for g in res["row_groups"])
-    return _PACED_NOTE.format(turns=res["rounds"], warmup=warmup, groups=groups)
+    groups = res["row_groups"]
+    together = "all alive together" if len(groups) == 1 else (
+        f"in groups timed one after the other ({', then '.join(', '.join(g) for g in groups)}), the rows of a group "
+        "alive together: fewer processes alive at once, as every row alive together slowed PEFT + bitsandbytes' "
+        "step more than ours (row_groups in benchmarks/bench_bf16.py gives the figures)")
+    return _PACED_NOTE.format(turns=res["rounds"], warmup=warmup, together=together)
 
 
 _PACED_NOTE = (
     "Every row, the floor too, runs in a subprocess of its own, as a training run has its "
     "process to itself (its heap; ours with build_for_training's allocator settings, PEFT's with glibc's "
-    "defaults), in groups timed one after the other ({groups}), the rows of a group alive together: fewer "
-    "processes alive at once, as every row alive together slowed PEFT + bitsandbytes' step more than ours "
-    "(row_groups in benchmarks/bench_bf16.py gives the figures); each built and warmed up ({warmup} step(s)) in "
-    "turn, then timed in {turns} turns, each giving "
+    "defaults), {together}; each built and warmed up ({warmup} step(s)) in turn, then timed in {turns} turns, "
+    "each giving "
     f"every row {SETTLE_STEPS} untimed step(s) and then one timed step, who goes first rotating and the rest "
     "shuffled (paced.run_paced), so load from other processes falls on all rows alike. Each goal is a ratio of "
     "two medians; beside it, the same ratio turn by turn (timing.per_turn_ratio): a slow phase of the machine "
