@@ -31,7 +31,7 @@ back to back, on random inputs of the same layouts (in its own process: the mode
 timed in the same turns as the steps.
 Our attention's q·kᵀ and P·v are bf16 GEMMs (aten::bmm) and count among the products; its C softmax, and
 SDPA's fused kernel in the PEFT rows, are reported apart. On a CPU with AMX our attention runs as one C call for
-the forward and one for the backward (minigpt.amx_attention): the floor replays each with its softmax left out
+the forward and one for the backward (minigpt.fused_attention): the floor replays each with its softmax left out
 (gemms_only: its products and the packing of their operands).
 The fixed cost of a step: FIXED_ROWS (ours QLoRA bf16, PEFT + bitsandbytes with the model in bf16) also run, in
 the same turns and processes of their own, on each shape's small variant (SMALL_SHAPES: the same layers, targets
@@ -69,7 +69,7 @@ import torch.nn.functional as F  # noqa: E402
 
 import bench_step  # noqa: E402
 import real_checkpoints  # noqa: E402
-from minigpt import amx_attention, native_attention, native_rope  # noqa: E402
+from minigpt import fused_attention, native_attention, native_rope  # noqa: E402
 from minigpt.bf16_support import bf16_support  # noqa: E402
 from minigpt.decoder import Decoder  # noqa: E402
 from minigpt.model import MiniGPT  # noqa: E402
@@ -314,7 +314,7 @@ def _nf4_amx_wrapped(wrap: Callable[[str, Callable], Callable]):
     return _methods_wrapped(nf4_amx.NF4Amx, NF4_AMX, wrap)
 
 
-AMX_ATTENTION = ("forward", "backward")  # minigpt.amx_attention's calls: a layer's attention on AMX's tiles
+FUSED_ATTENTION = ("forward", "backward")  # minigpt.fused_attention's calls: a layer's attention on AMX's tiles
 
 
 NF4_BRGEMM = ("product",)  # miniquant.nf4_brgemm's call: a larger NF4 weight unpacked and multiplied, panel by panel
@@ -325,9 +325,9 @@ def _nf4_brgemm_wrapped(wrap: Callable[[str, Callable], Callable]):
     return _methods_wrapped(nf4_brgemm.NF4Brgemm, NF4_BRGEMM, wrap)
 
 
-def _amx_attention_wrapped(wrap: Callable[[str, Callable], Callable]):
-    """minigpt.amx_attention's calls (AmxAttention's methods) replaced by wrap(name, call) for the while."""
-    return _methods_wrapped(amx_attention.AmxAttention, AMX_ATTENTION, wrap)
+def _fused_attention_wrapped(wrap: Callable[[str, Callable], Callable]):
+    """minigpt.fused_attention's calls (FusedAttention's methods) replaced by wrap(name, call) for the while."""
+    return _methods_wrapped(fused_attention.FusedAttention, FUSED_ATTENTION, wrap)
 
 
 def _bf16_weight(rows: int, cols: int) -> tuple:
@@ -389,7 +389,7 @@ def record_products(step: Callable[[], object]) -> Counter:
 
     def counted_attention(name: str, call: Callable) -> Callable:  # replayed with gemms_only (_replay_op)
         def run(self, *args):
-            calls[(f"amx_attention.{name}", tuple(_spec(a) for a in args), ())] += 1
+            calls[(f"fused_attention.{name}", tuple(_spec(a) for a in args), ())] += 1
             return call(self, *args)
         return run
 
@@ -401,7 +401,7 @@ def record_products(step: Callable[[], object]) -> Counter:
             return func(*args, **kwargs)
 
     with Record(), _native_lora_wrapped(counted), _nf4_matmul_wrapped(counted_nf4), _nf4_amx_wrapped(counted_amx), \
-            _nf4_brgemm_wrapped(counted_brgemm), _amx_attention_wrapped(counted_attention):
+            _nf4_brgemm_wrapped(counted_brgemm), _fused_attention_wrapped(counted_attention):
         step()
     return calls
 
@@ -429,8 +429,8 @@ def _replay_op(op: str, dtype: torch.dtype | None):
         return lambda *args: getattr(nf4_amx.kernels(), name)(*args)
     if module == "nf4_brgemm":  # (bf16 only, on a CPU with AMX) its brgemm calls, the unpacking left out
         return lambda *args, **kwargs: getattr(nf4_brgemm.kernels(), name)(*args, **kwargs, unpack=False)
-    if module == "amx_attention":  # (bf16 only, on a CPU with AMX) the layer's attention, its softmax left out
-        return lambda *args: getattr(amx_attention.kernels(), name)(*args, gemms_only=True)
+    if module == "fused_attention":  # (bf16 only, on a CPU with AMX) the layer's attention, its softmax left out
+        return lambda *args: getattr(fused_attention.kernels(), name)(*args, gemms_only=True)
     if op == "mkldnn_linear":  # (x, W, bias, "none", [], ""); in another dtype, as F.linear computes it
         return torch.ops.mkldnn._linear_pointwise.default if dtype is None else (lambda x, w, b, *_: F.linear(x, w, b))
     name, _, overload = op.partition(".")
@@ -558,9 +558,9 @@ PROFILE_GROUPS = {  # profiler op name -> group, for "what the rest of the step 
     **{f"miniquant::nf4_matmul.{name}": "matrix products" for name in NF4_PRODUCTS},  # (the NF4 unpacked inside)
     "miniquant::nf4_amx.gemm": "matrix products", "miniquant::nf4_amx.pack": "NF4 dequantization",
     "miniquant::nf4_brgemm.product": "matrix products",  # (its NF4 unpacking inside, as nf4_matmul's)
-    # minigpt.amx_attention: one C call each way, its products inside (in the floor, the same calls without softmax)
-    "minigpt::amx_attention.forward": "attention kernel", "minigpt::amx_attention.backward": "attention kernel",
-    "_AmxCausalAttention": "attention kernel", "_AmxCausalAttentionBackward": "attention kernel",
+    # minigpt.fused_attention: one C call each way, its products inside (in the floor, the same calls without softmax)
+    "minigpt::fused_attention.forward": "attention kernel", "minigpt::fused_attention.backward": "attention kernel",
+    "_FusedCausalAttention": "attention kernel", "_FusedCausalAttentionBackward": "attention kernel",
     # (profile_groups names them)
     "aten::_scaled_dot_product_flash_attention_for_cpu": "attention kernel",
     "aten::_scaled_dot_product_flash_attention_for_cpu_backward": "attention kernel",
@@ -602,7 +602,7 @@ def profile_groups(step: Callable[[], object]) -> tuple[float, dict[str, float]]
 
     with profile(activities=[ProfilerActivity.CPU]) as prof, _native_lora_wrapped(named), \
             _nf4_matmul_wrapped(named_in("nf4_matmul")), _nf4_amx_wrapped(named_in("nf4_amx")), \
-            _nf4_brgemm_wrapped(named_in("nf4_brgemm")), _amx_attention_wrapped(named_in("amx_attention", "minigpt")):
+            _nf4_brgemm_wrapped(named_in("nf4_brgemm")), _fused_attention_wrapped(named_in("fused_attention", "minigpt")):
         t0 = time.perf_counter()
         step()
         wall = time.perf_counter() - t0
@@ -662,22 +662,22 @@ def make_step(shape: Shape, config: str, x: torch.Tensor, y: torch.Tensor) -> Ca
 
 
 def _our_attention() -> str:  # a phrase of the section's text, chosen by the CPU
-    if amx_attention.usable():
+    if fused_attention.usable():
         return ("on AMX's tiles in blocks of 32 or 64 queries, each block's scores kept in the thread's cache, the "
-                "softmax and its gradient in fp32 in C, `minigpt.amx_attention`")
+                "softmax and its gradient in fp32 in C, `minigpt.fused_attention`")
     return "q·kᵀ and P·v as bf16 GEMMs, the softmax and its gradient in fp32 in C, `minigpt.native_attention`"
 
 
 def _attention_in_floor() -> str:
-    if amx_attention.usable():
-        return ("minigpt.amx_attention's forward and backward, one C call each, counted as the same calls with the "
+    if fused_attention.usable():
+        return ("minigpt.fused_attention's forward and backward, one C call each, counted as the same calls with the "
                 "softmax and its gradient left out: their products and the packing of their operands")
     return "q·kᵀ, P·v and their gradients' GEMMs, aten::bmm"
 
 
 def _attention_outside_products() -> str:
-    if amx_attention.usable():
-        return "(minigpt.amx_attention's two C calls, their products included: the floor counts those apart)"
+    if fused_attention.usable():
+        return "(minigpt.fused_attention's two C calls, their products included: the floor counts those apart)"
     return "outside its GEMMs (minigpt.native_attention's C softmax and softmax gradient)"
 
 
@@ -904,7 +904,7 @@ def run_shape(shape: str, quick: bool = False, wait_s: float | None = None) -> S
              + (f"the C norm, activation and RoPE kernels {fmt_seconds(q['C norms and activations'])}, "
                 if q.get("C norms and activations") else "")
              + "dtype casts and copies (aten's copy_: "
-             + ("" if amx_attention.usable() else "attention's heads grouped for its GEMMs and back, ")
+             + ("" if fused_attention.usable() else "attention's heads grouped for its GEMMs and back, ")
              + "the residual adds' bf16 gradients"
              + ("" if res.get("native_lora") else ", the LoRA masters' bf16 copies") + ") "
              f"{fmt_seconds(q.get('dtype casts and copies', 0.0))}, everything else (PyTorch's exact GELU forward, "

@@ -12,7 +12,7 @@ CPU its bf16 run is no faster than its fp32 one (oneDNN's bf16 GEMMs are several
 Llama-3.2-1B's shape (32 heads, 8 KV heads, 512 tokens) one layer's forward and backward take about 36 ms
 through it and about 9.5 ms in bf16 GEMMs (benchmarks/RESULTS.md has the whole-step figures).
 
-On a CPU with AMX (amx_bf16) heads whose width is a multiple of 32 go to ``minigpt.amx_attention`` instead: the
+On a CPU with AMX (amx_bf16) heads whose width is a multiple of 32 go to ``minigpt.fused_attention`` instead: the
 same roundings computed a block of queries at a time on AMX's tiles, each block's scores kept in the thread's
 cache and only the keys it sees multiplied; q, k, v read where they lie; P always recomputed in backward. What
 follows is the GEMM path, taken elsewhere.
@@ -57,7 +57,7 @@ from minikernels.bf16_exp import BF16_EXP_C
 from minikernels.build import OPENMP_PRELUDE, KernelFamily, ThreadSplit, parallel_entry
 from minikernels.softmax_rows import SOFTMAX_ROWS_C
 
-from . import amx_attention
+from . import fused_attention
 
 CFLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-ffp-contract=off", "-fno-fast-math", "-std=gnu11"]
 LIBS = ["-lm"]  # expf, logf
@@ -167,9 +167,9 @@ def takes_bf16_run(seq_len: int) -> bool:
 def keeps_probabilities(n_head: int, n_kv_head: int, seq_len: int, head_dim: int) -> bool:
     """Whether attention keeps its bf16 probabilities P (B·h·T² values) for backward rather than recomputing them
     from the logsumexp: on the GEMM path where P is no larger than the grouped q, k and v it keeps anyway, h·T <=
-    (h + 2·kv)·d (the saved bytes at most double); never on AMX's tiles (``minigpt.amx_attention``, which
+    (h + 2·kv)·d (the saved bytes at most double); never on AMX's tiles (``minigpt.fused_attention``, which
     recomputes each block's P where it needs it). ``minituner.planner`` asks the same."""
-    return n_head * seq_len <= (n_head + 2 * n_kv_head) * head_dim and not amx_attention.head_fits(head_dim)
+    return n_head * seq_len <= (n_head + 2 * n_kv_head) * head_dim and not fused_attention.head_fits(head_dim)
 
 
 def _chunks(q_shape: torch.Size, kv: int) -> list[tuple[int, int]]:
@@ -241,8 +241,8 @@ def causal_attention(q: Tensor, k: Tensor, v: Tensor, window: int | None = None)
     """softmax(q·kᵀ/√d, causal; at most `window` keys back, itself included) · v for bf16 on CPU (``fits``).
 
     q (B, h, T, d), k and v (B, kv, T, d) with kv dividing h -> (B, h, T, d). On a CPU with AMX, heads whose width
-    is a multiple of 32 attend on its tiles (``minigpt.amx_attention``: the same roundings, S never in memory)."""
+    is a multiple of 32 attend on its tiles (``minigpt.fused_attention``: the same roundings, S never in memory)."""
     window = 0 if window is None else int(window)
-    if amx_attention.fits(q, k, v):
-        return amx_attention.causal_attention(q, k, v, window)
+    if fused_attention.fits(q, k, v):
+        return fused_attention.causal_attention(q, k, v, window)
     return _CausalAttention.apply(q, k, v, window)

@@ -10,7 +10,7 @@ permission is the process's, for all its threads) and returns whether it was gra
 ``mk_tiles_2x2_config()`` sets eight tiles of 16 rows by 64 bytes (0-3 a 32 x 32 block of fp32 sums, 4-5 A's two
 16-row tiles, 6-7 B's two 16-column strips) and ``mk_tiles_2x2`` adds a range of k to the sums. Used by
 ``minituner.native_lora`` (the adapters' thin products), ``miniquant.nf4_amx`` (an NF4 weight's GEMM) and
-``minigpt.amx_attention`` (causal attention's products).
+``minigpt.fused_attention`` (causal attention's products).
 """
 
 AMX_TILES_C = r"""

@@ -7,7 +7,7 @@ at most `window` back where window > 0); ``softmax_row`` writes P = softmax(s·s
 span's other keys, with its logsumexp (or P = exp(s·scale - lse) from a given one, the backward's recomputation);
 ``softmax_grad_row`` writes dS = P ∘ (dP - D)·scale with D = Σ P ∘ dP in fp32. exp and the bf16 roundings are
 ``minikernels.bf16_exp``'s. ``minigpt.native_attention`` runs them over whole rows of S (the span every key),
-``minigpt.amx_attention`` over each block of 32 queries' scores (the span the block's keys).
+``minigpt.fused_attention`` over each block of 32 queries' scores (the span the block's keys).
 """
 
 SOFTMAX_ROWS_C = r"""

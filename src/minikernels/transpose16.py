@@ -4,7 +4,7 @@ in AMX's tiles' layout or read their sums back transposed.
     SOURCE = TRANSPOSE16_C + my_kernels   # then transpose16(__m512i r[16]) where __AVX512F__
 
 Three rounds of unpacks and 128-bit shuffles. Used by ``miniquant.nf4_amx`` and ``miniquant.nf4_brgemm`` (an NF4
-weight's rows into the tiles' strips) and ``minigpt.amx_attention`` (keys as strips, blocks of q and dy
+weight's rows into the tiles' strips) and ``minigpt.fused_attention`` (keys as strips, blocks of q and dy
 transposed, the fp32 sums of dk and dv back to rows).
 """
 

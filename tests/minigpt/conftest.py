@@ -1,4 +1,4 @@
-"""Fixtures of the attention tests (test_native_attention, test_amx_attention): what both paths are held to; and
+"""Fixtures of the attention tests (test_native_attention, test_fused_attention): what both paths are held to; and
 ``plain_build``, a bf16 kernel family built without AVX-512 (the native_* tests: such a build is not used)."""
 import ctypes
 from types import SimpleNamespace

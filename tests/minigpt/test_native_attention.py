@@ -1,5 +1,5 @@
 """minigpt.native_attention: bf16 causal attention (bf16 GEMMs + C softmax) against fp32 arithmetic and SDPA. Every
-test here runs the GEMM path, AMX's tiles set aside where the CPU has them (tests/minigpt/test_amx_attention.py
+test here runs the GEMM path, AMX's tiles set aside where the CPU has them (tests/minigpt/test_fused_attention.py
 holds that path)."""
 import ctypes
 
@@ -18,9 +18,9 @@ needs_kernels = pytest.mark.skipif(kernels is None, reason="no C compiler or no 
 
 @pytest.fixture(autouse=True)
 def gemm_path(monkeypatch):
-    """The GEMM path, also on a CPU with AMX (minigpt.amx_attention takes no heads)."""
-    monkeypatch.setattr(native_attention.amx_attention, "head_fits", lambda head_dim: False)
-    monkeypatch.setattr(native_attention.amx_attention, "fits", lambda q, k, v: False)
+    """The GEMM path, also on a CPU with AMX (minigpt.fused_attention takes no heads)."""
+    monkeypatch.setattr(native_attention.fused_attention, "head_fits", lambda head_dim: False)
+    monkeypatch.setattr(native_attention.fused_attention, "fits", lambda q, k, v: False)
 
 
 def _inputs(B, h, kv, T, d, seed=0):

@@ -11,7 +11,7 @@ path's, reading the fp32 sums and rounding each to bf16 on the way) written in b
 rounded once; backward as FlashAttention-2 does it, P recomputed from the logsumexp (exp(S·d^-½ - lse)), dP = dy·vᵀ
 rounded to bf16, dS = P ∘ (dP - D)·d^-½ with D = Σ P ∘ dP, dq = dS·k, dk = dSᵀ·q and dv = Pᵀ·dy each summed in fp32
 (dk and dv over every query head of the K/V group and every block) and rounded once. The sums run in AMX's order,
-not oneDNN's, so a value may differ from that path's in its last place (tests/minigpt/test_amx_attention.py holds
+not oneDNN's, so a value may differ from that path's in its last place (tests/minigpt/test_fused_attention.py holds
 both to fp32 attention and to each other).
 
 Why: on the GEMM path, S, P and dP of a whole K/V group (g·T x T values) go to memory and back between three
@@ -38,7 +38,7 @@ v) and per thread 32 rows of scores (fp32 and bf16) and a block of output; the b
 k, kᵀ, vᵀ in the tiles' layout, the fp32 dkᵀ and dvᵀ, and a block's S, P, dS and their pairs (about 2.6 MiB at
 1,024 tokens and heads of 128).
 
-Used by ``minigpt.native_attention.causal_attention`` where ``fits``: the library built for AMX (``amx_attn_built``:
+Used by ``minigpt.native_attention.causal_attention`` where ``fits``: the library built for AMX (``fused_attn_built``:
 a compiler that knows -mamx-tile, on a CPU that has it), Linux's permission for the tiles (asked once, ``usable``),
 d a multiple of 32 up to MAX_HEAD_DIM; native_attention's own conditions (bf16 on CPU, T queries over the same T
 keys, T at most its MAX_TOKENS) come first. P is never kept for backward here (``native_attention.
@@ -71,14 +71,14 @@ _SOURCE = OPENMP_PRELUDE + BF16_EXP_C + SOFTMAX_ROWS_C + AMX_TILES_C + TRANSPOSE
 #if defined(MK_AMX) && defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define AMXATTN 1
 #endif
-int amx_attn_built(void) {
+int fused_attn_built(void) {
 #ifdef AMXATTN
     return 1;
 #else
     return 0;
 #endif
 }
-int amx_attn_permit(void) {
+int fused_attn_permit(void) {
 #ifdef AMXATTN
     return mk_amx_permit();
 #else
@@ -222,7 +222,7 @@ static inline size_t al64(size_t bytes) { return (bytes + 63) / 64 * 64; }
    given by its three strides (batch, head, token; elements, unit along d), at most `window` keys back where window
    > 0. gemms_only: the products alone (the softmax left out; y and lse meaningless). Returns 1 where its scratch
    could not be allocated (nothing written), else 0 */
-int amx_attn_forward(const uint16_t* q, int64_t qb, int64_t qh, int64_t qt, const uint16_t* k, int64_t kb,
+int fused_attn_forward(const uint16_t* q, int64_t qb, int64_t qh, int64_t qt, const uint16_t* k, int64_t kb,
                      int64_t kh, int64_t kt, const uint16_t* v, int64_t vb, int64_t vh, int64_t vt, int64_t B,
                      int64_t h, int64_t kv, int64_t T, int64_t d, int64_t window, float scale, uint16_t* y,
                      float* lse, int gemms_only, int threads) {
@@ -282,7 +282,7 @@ int amx_attn_forward(const uint16_t* q, int64_t qb, int64_t qh, int64_t qt, cons
 /* dq (B, T, h, d), dk and dv (B, T, kv, d) of the attention above, from q, k, v as its forward took them, dy (B, h,
    T, d; three strides) and the forward's lse, in blocks of QB queries (two halves of 32 rows for S, dP and dq).
    gemms_only as there. Returns 1 where its scratch could not be allocated (nothing written), else 0 */
-int amx_attn_backward(const uint16_t* q, int64_t qb, int64_t qh, int64_t qt, const uint16_t* k, int64_t kb,
+int fused_attn_backward(const uint16_t* q, int64_t qb, int64_t qh, int64_t qt, const uint16_t* k, int64_t kb,
                       int64_t kh, int64_t kt, const uint16_t* v, int64_t vb, int64_t vh, int64_t vt,
                       const uint16_t* dy, int64_t db, int64_t dh, int64_t dt, const float* lse, int64_t B, int64_t h,
                       int64_t kv, int64_t T, int64_t d, int64_t window, float scale, uint16_t* dq, uint16_t* dk,
@@ -391,19 +391,19 @@ int amx_attn_backward(const uint16_t* q, int64_t qb, int64_t qh, int64_t qt, con
 """
 
 
-class AmxAttention:
+class FusedAttention:
     """The compiled forward and backward, each one call of C on PyTorch's OpenMP team where built with OpenMP."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         i64, ptr, f32, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
         strided = [ptr, i64, i64, i64]
-        self._forward = lib.amx_attn_forward
+        self._forward = lib.fused_attn_forward
         self._forward.argtypes = [*strided * 3, i64, i64, i64, i64, i64, i64, f32, ptr, ptr, i32, i32]
         self._forward.restype = i32
-        self._backward = lib.amx_attn_backward
+        self._backward = lib.fused_attn_backward
         self._backward.argtypes = [*strided * 4, ptr, i64, i64, i64, i64, i64, i64, f32, ptr, ptr, ptr, i32, i32]
         self._backward.restype = i32
-        self._permit = lib.amx_attn_permit
+        self._permit = lib.fused_attn_permit
         self._permit.restype = i32
         self._openmp = bool(lib.mk_openmp())
         self._permitted: bool | None = None
@@ -416,7 +416,7 @@ class AmxAttention:
 
     def _check(self) -> None:
         if not self.permitted():  # the tiles' first instruction would kill the process (SIGILL)
-            raise RuntimeError("minigpt.amx_attention: Linux did not grant this process AMX's tiles")
+            raise RuntimeError("minigpt.fused_attention: Linux did not grant this process AMX's tiles")
 
     def _threads(self, units: int) -> int:
         return max(1, min(torch.get_num_threads(), units)) if self._openmp else 1
@@ -433,7 +433,7 @@ class AmxAttention:
         rc = self._forward(*_strided(q), *_strided(k), *_strided(v), B, h, kv, T, d, window, 1.0 / math.sqrt(d),
                            y.data_ptr(), lse.data_ptr(), int(gemms_only), self._threads(B * h * ((T + 31) // 32)))
         if rc:
-            raise MemoryError("minigpt.amx_attention: out of memory for the forward's scratch")
+            raise MemoryError("minigpt.fused_attention: out of memory for the forward's scratch")
         return y.transpose(1, 2), lse
 
     def backward(self, q: Tensor, k: Tensor, v: Tensor, dy: Tensor, lse: Tensor, window: int = 0,
@@ -449,7 +449,7 @@ class AmxAttention:
                             d, window, 1.0 / math.sqrt(d), dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), int(gemms_only),
                             self._threads(B * kv))
         if rc:
-            raise MemoryError("minigpt.amx_attention: out of memory for the backward's scratch")
+            raise MemoryError("minigpt.fused_attention: out of memory for the backward's scratch")
         return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
 
 
@@ -458,11 +458,11 @@ def _strided(t: Tensor) -> tuple[int, int, int, int]:
     return t.data_ptr(), t.stride(0), t.stride(1), t.stride(2)
 
 
-_FAMILY = KernelFamily("amx_attention", _SOURCE, CFLAGS, "minigpt's attention on AMX", AmxAttention, LIBS,
-                       vectorized="amx_attn_built", parallel=True)
+_FAMILY = KernelFamily("fused_attention", _SOURCE, CFLAGS, "minigpt's attention on AMX", FusedAttention, LIBS,
+                       vectorized="fused_attn_built", parallel=True)
 
 
-def kernels() -> AmxAttention | None:
+def kernels() -> FusedAttention | None:
     """The AMX attention kernels, built on first use; None when disabled (MINIQUANT_NATIVE=0), unavailable or
     built without AMX."""
     return _FAMILY.kernels()
@@ -488,7 +488,7 @@ def fits(q: Tensor, k: Tensor, v: Tensor) -> bool:
     return head_fits(q.shape[-1]) and all(t.stride(-1) == 1 for t in (q, k, v))
 
 
-class _AmxCausalAttention(torch.autograd.Function):
+class _FusedCausalAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, window: int) -> Tensor:
         y, lse = kernels().forward(q, k, v, window)
@@ -510,4 +510,4 @@ class _AmxCausalAttention(torch.autograd.Function):
 def causal_attention(q: Tensor, k: Tensor, v: Tensor, window: int | None = None) -> Tensor:
     """softmax(q·kᵀ/√d, causal; at most `window` keys back where given and > 0) · v on AMX's tiles, where ``fits``:
     q (B, h, T, d), k and v (B, kv, T, d) -> (B, h, T, d), laid out (B, T, h, d)."""
-    return _AmxCausalAttention.apply(q, k, v, int(window or 0))
+    return _FusedCausalAttention.apply(q, k, v, int(window or 0))
