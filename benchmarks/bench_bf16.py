@@ -30,9 +30,9 @@ dequantization is; the floor row replays them all,
 back to back, on random inputs of the same layouts (in its own process: the model it recorded is dropped first),
 timed in the same turns as the steps.
 Our attention's q·kᵀ and P·v are bf16 GEMMs (aten::bmm) and count among the products; its C softmax, and
-SDPA's fused kernel in the PEFT rows, are reported apart. On a CPU with AMX our attention runs as one C call for
-the forward and one for the backward (minigpt.fused_attention): the floor replays each with its softmax left out
-(gemms_only: its products and the packing of their operands).
+SDPA's fused kernel in the PEFT rows, are reported apart. On a CPU with bf16 units (AVX512-BF16, or AMX's tiles)
+our attention runs as one C call for the forward and one for the backward (minigpt.fused_attention): the floor
+replays each with its softmax left out (gemms_only: its products and the packing of their operands).
 The fixed cost of a step: FIXED_ROWS (ours QLoRA bf16, PEFT + bitsandbytes with the model in bf16) also run, in
 the same turns and processes of their own, on each shape's small variant (SMALL_SHAPES: the same layers, targets
 and rank at a small width, 16 tokens), whose arithmetic is next to nothing: what is left, Python, PyTorch's dispatch
@@ -152,9 +152,10 @@ def llama_1b(n_layer: int, vocab: int | None = None, note: str = "", turns: int 
 
 
 def small_gpt() -> Shape:
-    """The gpt shape's layers at d_model 128 (8 heads of 16, d_ff 512), batch 1 × 16 tokens: the same ops, next to
-    no arithmetic (the fixed cost of a step, FIXED_ROWS)."""
-    cfg = replace(bench_step.STACK, d_model=128, d_ff=0)
+    """The gpt shape's layers at d_model 128 (4 heads of 32, d_ff 512), batch 1 × 16 tokens: the same ops, next to
+    no arithmetic (the fixed cost of a step, FIXED_ROWS); heads of 32, the narrowest minigpt.fused_attention takes,
+    so attention takes the full shape's path on every CPU."""
+    cfg = replace(bench_step.STACK, d_model=128, n_head=4, d_ff=0)
     return Shape(f"MiniGPT d_model {cfg.d_model}, {cfg.n_layer} layers, {cfg.n_head} heads, vocab {cfg.vocab_size}; "
                  f"batch 1 × {SMALL_TOKENS} tokens", lambda: MiniGPT(cfg), cfg.vocab_size, 1, SMALL_TOKENS,
                  tuple(bench_step.TARGETS))
@@ -314,7 +315,7 @@ def _nf4_amx_wrapped(wrap: Callable[[str, Callable], Callable]):
     return _methods_wrapped(nf4_amx.NF4Amx, NF4_AMX, wrap)
 
 
-FUSED_ATTENTION = ("forward", "backward")  # minigpt.fused_attention's calls: a layer's attention on AMX's tiles
+FUSED_ATTENTION = ("forward", "backward")  # minigpt.fused_attention's calls: a layer's attention, one C call each
 
 
 NF4_BRGEMM = ("product",)  # miniquant.nf4_brgemm's call: a larger NF4 weight unpacked and multiplied, panel by panel
@@ -429,7 +430,7 @@ def _replay_op(op: str, dtype: torch.dtype | None):
         return lambda *args: getattr(nf4_amx.kernels(), name)(*args)
     if module == "nf4_brgemm":  # (bf16 only, on a CPU with AMX) its brgemm calls, the unpacking left out
         return lambda *args, **kwargs: getattr(nf4_brgemm.kernels(), name)(*args, **kwargs, unpack=False)
-    if module == "fused_attention":  # (bf16 only, on a CPU with AMX) the layer's attention, its softmax left out
+    if module == "fused_attention":  # (bf16 on a CPU with bf16 units) a layer's attention, its softmax left out
         return lambda *args: getattr(fused_attention.kernels(), name)(*args, gemms_only=True)
     if op == "mkldnn_linear":  # (x, W, bias, "none", [], ""); in another dtype, as F.linear computes it
         return torch.ops.mkldnn._linear_pointwise.default if dtype is None else (lambda x, w, b, *_: F.linear(x, w, b))
@@ -663,7 +664,8 @@ def make_step(shape: Shape, config: str, x: torch.Tensor, y: torch.Tensor) -> Ca
 
 def _our_attention() -> str:  # a phrase of the section's text, chosen by the CPU
     if fused_attention.usable():
-        return ("on AMX's tiles in blocks of 32 or 64 queries, each block's scores kept in the thread's cache, the "
+        units = "on AMX's tiles" if fused_attention.kernels().tiles else "as AVX512-BF16's dot products (vdpbf16ps)"
+        return (f"{units} in blocks of 32 or 64 queries, each block's scores kept in the thread's cache, the "
                 "softmax and its gradient in fp32 in C, `minigpt.fused_attention`")
     return "q·kᵀ and P·v as bf16 GEMMs, the softmax and its gradient in fp32 in C, `minigpt.native_attention`"
 

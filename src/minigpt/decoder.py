@@ -22,8 +22,9 @@ and values (after RoPE, at their num_key_value_heads), and the next call's token
 
 Attention in bf16 on CPU (as many keys as queries: training, plain forwards and generation's first call; no
 attention dropout; up to 1,024 tokens) is ``minigpt.native_attention``: bf16 GEMMs around a C softmax, each K/V head's query heads stacked as rows, so k
-and v stay at their kv heads there too (on a CPU with AMX, heads whose width is a multiple of 32 attend on its
-tiles, ``minigpt.fused_attention``, each query head reading its K/V head where it lies). Otherwise:
+and v stay at their kv heads there too (on a CPU with bf16 units, AVX512-BF16 or AMX, heads whose width is a
+multiple of 32 attend in one C call, ``minigpt.fused_attention``, each query head reading its K/V head where it
+lies). Otherwise:
 grouped-query attention on CPU hands the kv heads to ``F.scaled_dot_product_attention(..., enable_gqa=True)``
 where PyTorch's fused CPU kernel takes them (``cpu_flash_takes_gqa``, asked once: torch 2.9 on): the kernel
 reads each K/V head for its group of query heads, so k and v are never repeated to n_head heads (on a 2-core

@@ -1,7 +1,8 @@
-"""Causal self-attention for bf16 on AMX's tiles (Intel Xeon with amx_bf16): forward and backward each one call of C
-over blocks of queries, a block's scores never leaving the core's caches.
+"""Causal self-attention for bf16 on CPUs with bf16 units, on AMX's tiles (Intel Xeon with amx_bf16) or as
+AVX512-BF16's dot products (vdpbf16ps: an AMD EPYC of Zen 4 or 5, an Intel Xeon without AMX): forward and backward
+each one call of C over blocks of queries, a block's scores never leaving the core's caches.
 
-    if fits(q, k, v):                                  # bf16, head width a multiple of 32, AMX usable
+    if fits(q, k, v):                                  # bf16, head width a multiple of 32, bf16 units usable
         y, lse = kernels().forward(q, k, v, window)    # y (B, h, T, d) laid out (B, T, h, d); lse (B, h, T) fp32
         dq, dk, dv = kernels().backward(q, k, v, dy, lse, window)
 
@@ -10,8 +11,9 @@ fp32 and rounded to bf16, P = softmax(S·d^-½) per row in fp32 (``minikernels.s
 path's, reading the fp32 sums and rounding each to bf16 on the way) written in bf16, y = P·v summed in fp32 and
 rounded once; backward as FlashAttention-2 does it, P recomputed from the logsumexp (exp(S·d^-½ - lse)), dP = dy·vᵀ
 rounded to bf16, dS = P ∘ (dP - D)·d^-½ with D = Σ P ∘ dP, dq = dS·k, dk = dSᵀ·q and dv = Pᵀ·dy each summed in fp32
-(dk and dv over every query head of the K/V group and every block) and rounded once. The sums run in AMX's order,
-not oneDNN's, so a value may differ from that path's in its last place (tests/minigpt/test_fused_attention.py holds
+(dk and dv over every query head of the K/V group and every block) and rounded once. The sums run in AMX's order
+(or vdpbf16ps's: a pair of products added per instruction), not oneDNN's, so a value may differ from that path's
+in its last place (tests/minigpt/test_fused_attention.py holds
 both to fp32 attention and to each other).
 
 Why: on the GEMM path, S, P and dP of a whole K/V group (g·T x T values) go to memory and back between three
@@ -20,26 +22,31 @@ an Intel Xeon with AMX (2 threads, 2026-12-06; medians of 15, the two interleave
 then backward, took at the bench's GPT shape (8 x 128 tokens, 8 heads of 64; P kept there) 3.15 ms on the GEMM
 path and 2.74 here; at Llama-3.2-1B's (512 tokens, 32 heads, 8 K/V heads of 64) 16.6 and 9.5 ms; at 1,024 tokens
 and heads of 128, 75.7 and 53.6 ms. In the bench's bf16 QLoRA steps (paced, 24 and 12 turns): GPT-shaped 184.8
-against 174.7 ms, Llama-1B-shaped (6 layers) 1,191.7 against 1,132.3 ms. Here a block multiplies only the keys it
+against 174.7 ms, Llama-1B-shaped (6 layers) 1,191.7 against 1,132.3 ms. On an AMD EPYC (Zen 5) with AVX512-BF16
+and no AMX (2 threads, 2026-12-07; medians of 30 and 20, interleaved) 3.17 ms on the GEMM path (P kept) against
+1.73 here at the GPT shape, 15.7 against 8.0 ms at Llama-3.2-1B's; the bench's GPT-shaped bf16 QLoRA step 0.95x
+and 0.96x (12 rounds each way, the two checkouts' processes alternating). Here a block multiplies only the keys it
 can see (the 32-key blocks up to its last query, from its first visible key under a window), its scores stay in a
 buffer of the thread's, q, k, v and dy are read where they lie (any strides with unit stride along d; a block's
 rows copied together first: a Llama's q rows lie 4 KiB apart, and sixteen such rows would share a cache set), and
 dq, dk, dv come back laid out (B, T, heads, d), as the projections' gradients want them.
 
-The tiles: a 32 x 32 block of fp32 sums is four tiles (two of A's 16-row tiles by two of B's 16-column strips),
-k in steps of 32 (``mm32``). B operands are written in the tiles' layout first, per K/V head: kᵀ and vᵀ (each key's
-d values as d/2 pairs), k and v (pairs of keys). The forward takes blocks of 32 queries, split (batch, query head,
-block) over PyTorch's OpenMP team, the heaviest first. The backward takes blocks of QB = 64 (S, dP and dq in two
-halves of 32 rows over the keys the whole block sees), split by (batch, K/V head), each thread owning its head's
-sums of dkᵀ = Σ qᵀ·dS and dvᵀ = Σ dyᵀ·P (d x T, fp32), so a block's P and dS are paired along its 64 queries and its
-q and dy rows transposed; the sums are turned back into rows and rounded at the end. Scratch, all allocated on the
-calling thread and freed before the call returns: the forward's kᵀ and v in the tiles' layout (the size of k and
-v) and per thread 32 rows of scores (fp32 and bf16) and a block of output; the backward per thread its K/V head's
-k, kᵀ, vᵀ in the tiles' layout, the fp32 dkᵀ and dvᵀ, and a block's S, P, dS and their pairs (about 2.6 MiB at
-1,024 tokens and heads of 128).
+The products (``mm32``): a 32 x 32 block of fp32 sums, on AMX four tiles (two of A's 16-row tiles by two of B's
+16-column strips), k in steps of 32; without AMX, 8 rows at a time by the same two strips, 16 sums in registers,
+each row's pair of bf16 values at k = 2p, 2p + 1 broadcast against line p of both strips (vdpbf16ps). B operands are
+written in the tiles' layout first, per K/V head: kᵀ and vᵀ (each key's d values as d/2 pairs), k and v (pairs of
+keys). The forward takes blocks of 32 queries, split (batch, query head, block) over PyTorch's OpenMP team, the
+heaviest first. The backward takes blocks of QB = 64 (S, dP and dq in two halves of 32 rows over the keys the whole
+block sees), split by (batch, K/V head), each thread owning its head's sums of dkᵀ = Σ qᵀ·dS and dvᵀ = Σ dyᵀ·P (d x
+T, fp32), so a block's P and dS are paired along its 64 queries and its q and dy rows transposed; the sums are
+turned back into rows and rounded at the end. Scratch, all allocated on the calling thread and freed before the call
+returns: the forward's kᵀ and v in the tiles' layout (the size of k and v) and per thread 32 rows of scores (fp32
+and bf16) and a block of output; the backward per thread its K/V head's k, kᵀ, vᵀ in the tiles' layout, the fp32 dkᵀ
+and dvᵀ, and a block's S, P, dS and their pairs (about 2.6 MiB at 1,024 tokens and heads of 128).
 
-Used by ``minigpt.native_attention.causal_attention`` where ``fits``: the library built for AMX (``fused_attn_built``:
-a compiler that knows -mamx-tile, on a CPU that has it), Linux's permission for the tiles (asked once, ``usable``),
+Used by ``minigpt.native_attention.causal_attention`` where ``fits``: the library built for AVX512-BF16
+(``fused_attn_built``: -march=native on a CPU that has it; with -mamx-tile where the CPU has AMX too, then
+``fused_attn_tiles``), Linux's permission for the tiles where built for them (asked once, ``usable``),
 d a multiple of 32 up to MAX_HEAD_DIM; native_attention's own conditions (bf16 on CPU, T queries over the same T
 keys, T at most its MAX_TOKENS) come first. P is never kept for backward here (``native_attention.
 keeps_probabilities`` says so to the planner). ``gemms_only`` (the bench's floor) runs the same calls with the
@@ -62,30 +69,41 @@ from minikernels.transpose16 import TRANSPOSE16_C
 CFLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-ffp-contract=off", "-fno-fast-math", "-std=gnu11"]
 LIBS = ["-lm"]
 MAX_HEAD_DIM = 256  # head widths up to this (a multiple of 32) run here
+BF16_UNITS = frozenset({"avx512_bf16", "amx_bf16"})  # /proc/cpuinfo's flags of the CPUs this runs on
 
 _SOURCE = OPENMP_PRELUDE + BF16_EXP_C + SOFTMAX_ROWS_C + AMX_TILES_C + TRANSPOSE16_C + r"""
 #include <stdlib.h>
 #ifdef _OPENMP
 #include <omp.h>
 #endif
-#if defined(MK_AMX) && defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-#define AMXATTN 1
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define FUSEDATTN 1
+#include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
 #endif
 int fused_attn_built(void) {
-#ifdef AMXATTN
+#ifdef FUSEDATTN
+    return 1;
+#else
+    return 0;
+#endif
+}
+int fused_attn_tiles(void) {  /* 1: the products on AMX's tiles; 0: as vdpbf16ps (AVX512-BF16) */
+#if defined(FUSEDATTN) && defined(MK_AMX)
     return 1;
 #else
     return 0;
 #endif
 }
 int fused_attn_permit(void) {
-#ifdef AMXATTN
+#if defined(FUSEDATTN) && defined(MK_AMX)
     return mk_amx_permit();
 #else
-    return 0;
+    return 1;  /* no tiles: nothing to ask Linux for */
 #endif
 }
-#ifdef AMXATTN
+#ifdef FUSEDATTN
 static inline int64_t up32(int64_t n) { return (n + 31) / 32 * 32; }
 static inline int thread_id(void) {
 #ifdef _OPENMP
@@ -96,6 +114,9 @@ static inline int thread_id(void) {
 }
 /* c (32 x 32 fp32, rows ldc apart) = (acc: c +) a (32 rows of K bf16, lda apart) · B, B's two 16-column strips at
    b0 and b1 in the tiles' layout (line p: the pairs of rows 2p and 2p + 1, 64 bytes apart); K a multiple of 32 */
+#ifdef MK_AMX
+#define TILES_CONFIG() mk_tiles_2x2_config()
+#define TILES_RELEASE() _tile_release()
 static inline void mm32(const uint16_t* a, int64_t lda, const uint32_t* b0, const uint32_t* b1, int64_t K, float* c,
                         int64_t ldc, int acc) {
     if (acc) {
@@ -106,6 +127,36 @@ static inline void mm32(const uint16_t* a, int64_t lda, const uint32_t* b0, cons
     _tile_stored(0, c, ldc * 4); _tile_stored(1, c + 16, ldc * 4);
     _tile_stored(2, c + 16 * ldc, ldc * 4); _tile_stored(3, c + 16 * ldc + 16, ldc * 4);
 }
+#else  /* AVX512-BF16: vdpbf16ps over 8 rows by the two strips at a time, 16 sums in registers */
+#define TILES_CONFIG()
+#define TILES_RELEASE()
+static inline void mm32(const uint16_t* a, int64_t lda, const uint32_t* b0, const uint32_t* b1, int64_t K, float* c,
+                        int64_t ldc, int acc) {
+    for (int64_t r = 0; r < 32; r += 8) {
+        __m512 s0[8], s1[8];
+        for (int i = 0; i < 8; i++) {
+            s0[i] = acc ? _mm512_loadu_ps(c + (r + i) * ldc) : _mm512_setzero_ps();
+            s1[i] = acc ? _mm512_loadu_ps(c + (r + i) * ldc + 16) : _mm512_setzero_ps();
+        }
+        const uint16_t* ar = a + r * lda;
+        for (int64_t p = 0; p < K / 2; p++) {  /* line p: the pairs of k = 2p and 2p + 1 */
+            const __m512bh w0 = (__m512bh)_mm512_loadu_si512(b0 + p * 16);
+            const __m512bh w1 = (__m512bh)_mm512_loadu_si512(b1 + p * 16);
+            for (int i = 0; i < 8; i++) {
+                int32_t pair;  /* row r + i's two values at k = 2p, 2p + 1, against each column's pair */
+                memcpy(&pair, ar + i * lda + 2 * p, 4);
+                const __m512bh x = (__m512bh)_mm512_set1_epi32(pair);
+                s0[i] = _mm512_dpbf16_ps(s0[i], x, w0);
+                s1[i] = _mm512_dpbf16_ps(s1[i], x, w1);
+            }
+        }
+        for (int i = 0; i < 8; i++) {
+            _mm512_storeu_ps(c + (r + i) * ldc, s0[i]);
+            _mm512_storeu_ps(c + (r + i) * ldc + 16, s1[i]);
+        }
+    }
+}
+#endif
 /* B = Xᵀ for X (n rows of d bf16, ld apart; rows n..np zero): strips of 16 of X's rows, each d/2 lines of their pairs
    (line p of strip s holds word p of rows 16s..16s + 15): 16 rows' 16 words transposed at a time */
 static void pack_rows_as_columns(const uint16_t* x, int64_t ld, int64_t n, int64_t np, int64_t d, uint32_t* dst) {
@@ -216,7 +267,7 @@ static const uint16_t* block_rows(const uint16_t* x, int64_t ld, int64_t rows, i
     return pad;
 }
 static inline size_t al64(size_t bytes) { return (bytes + 63) / 64 * 64; }
-#endif  /* AMXATTN */
+#endif  /* FUSEDATTN */
 
 /* y (B, T, h, d) and lse (B, h, T) fp32 of causal attention over q (B, h, T, d), k and v (B, kv, T, d), each
    given by its three strides (batch, head, token; elements, unit along d), at most `window` keys back where window
@@ -226,7 +277,7 @@ int fused_attn_forward(const uint16_t* q, int64_t qb, int64_t qh, int64_t qt, co
                      int64_t kh, int64_t kt, const uint16_t* v, int64_t vb, int64_t vh, int64_t vt, int64_t B,
                      int64_t h, int64_t kv, int64_t T, int64_t d, int64_t window, float scale, uint16_t* y,
                      float* lse, int gemms_only, int threads) {
-#ifdef AMXATTN
+#ifdef FUSEDATTN
     const int64_t Tp = up32(T), g = h / kv, nqb = Tp / 32, head = Tp * d / 2;  /* words of one packed head */
     const int64_t ld = Tp + 32;  /* the scores' rows: not a power of 2 apart, so 16 rows spread over cache sets */
     const size_t shared = al64((size_t)B * kv * 2 * head * 4);
@@ -249,7 +300,7 @@ int fused_attn_forward(const uint16_t* q, int64_t qb, int64_t qh, int64_t qt, co
         uint16_t* p16 = (uint16_t*)(mine + al64(32 * (size_t)ld * 4));
         uint16_t* qpad = (uint16_t*)((char*)p16 + al64(32 * (size_t)ld * 2));
         float* out = (float*)((char*)qpad + al64(32 * (size_t)d * 2));
-        mk_tiles_2x2_config();
+        TILES_CONFIG();
         #pragma omp for schedule(dynamic, 1)
         for (int64_t w = 0; w < B * h * nqb; w++) {  /* the heaviest blocks (the last queries) first */
             const int64_t t0 = (nqb - 1 - w % nqb) * 32, hq = (w / nqb) % h, b = w / (nqb * h);
@@ -269,7 +320,7 @@ int fused_attn_forward(const uint16_t* q, int64_t qb, int64_t qh, int64_t qt, co
             times_rows(p16, ld, kp + head, Tp, d, klo, nk, out);
             write_rows(out, rows, d, y + ((b * T + t0) * h + hq) * d, h * d);
         }
-        _tile_release();
+        TILES_RELEASE();
     }
     free(mem);
     return 0;
@@ -287,7 +338,7 @@ int fused_attn_backward(const uint16_t* q, int64_t qb, int64_t qh, int64_t qt, c
                       const uint16_t* dy, int64_t db, int64_t dh, int64_t dt, const float* lse, int64_t B, int64_t h,
                       int64_t kv, int64_t T, int64_t d, int64_t window, float scale, uint16_t* dq, uint16_t* dk,
                       uint16_t* dv, int gemms_only, int threads) {
-#ifdef AMXATTN
+#ifdef FUSEDATTN
     const int64_t Tp = up32(T), g = h / kv, head = Tp * d / 2, ld = Tp + 32;  /* ld: as the forward's */
     const size_t sizes[] = {
         (size_t)head * 4, (size_t)head * 4, (size_t)head * 4,  /* kᵀ, vᵀ, k in the tiles' layout */
@@ -314,7 +365,7 @@ int fused_attn_backward(const uint16_t* q, int64_t qb, int64_t qh, int64_t qt, c
         uint16_t *p16 = (uint16_t*)(mine + offs[P16]), *ds16 = (uint16_t*)(mine + offs[DS16]);
         uint16_t *qpad = (uint16_t*)(mine + offs[QPAD]), *dypad = (uint16_t*)(mine + offs[DYPAD]);
         uint16_t *qtr = (uint16_t*)(mine + offs[QT]), *dytr = (uint16_t*)(mine + offs[DYT]);
-        mk_tiles_2x2_config();
+        TILES_CONFIG();
         #pragma omp for schedule(dynamic, 1)
         for (int64_t u = 0; u < B * kv; u++) {
             const int64_t b = u / kv, j = u % kv;
@@ -380,7 +431,7 @@ int fused_attn_backward(const uint16_t* q, int64_t qb, int64_t qh, int64_t qt, c
             rows_from_columns(dkt, Tp, T, d, dk + (b * T * kv + j) * d, kv * d);
             rows_from_columns(dvt, Tp, T, d, dv + (b * T * kv + j) * d, kv * d);
         }
-        _tile_release();
+        TILES_RELEASE();
     }
     free(mem);
     return 0;
@@ -405,11 +456,12 @@ class FusedAttention:
         self._backward.restype = i32
         self._permit = lib.fused_attn_permit
         self._permit.restype = i32
+        self.tiles = bool(lib.fused_attn_tiles())  # the products on AMX's tiles, else as AVX512-BF16's vdpbf16ps
         self._openmp = bool(lib.mk_openmp())
         self._permitted: bool | None = None
 
     def permitted(self) -> bool:
-        """Whether Linux lets this process use the tiles (asked once)."""
+        """Whether Linux lets this process use the tiles (asked once; True where built without them)."""
         if self._permitted is None:
             self._permitted = bool(self._permit())
         return self._permitted
@@ -458,20 +510,21 @@ def _strided(t: Tensor) -> tuple[int, int, int, int]:
     return t.data_ptr(), t.stride(0), t.stride(1), t.stride(2)
 
 
-_FAMILY = KernelFamily("fused_attention", _SOURCE, CFLAGS, "minigpt's attention on AMX", FusedAttention, LIBS,
+_FAMILY = KernelFamily("fused_attention", _SOURCE, CFLAGS, "minigpt's fused bf16 attention", FusedAttention, LIBS,
                        vectorized="fused_attn_built", parallel=True)
 
 
 def kernels() -> FusedAttention | None:
-    """The AMX attention kernels, built on first use; None when disabled (MINIQUANT_NATIVE=0), unavailable or
-    built without AMX."""
+    """The fused attention kernels, built on first use; None when disabled (MINIQUANT_NATIVE=0), unavailable or
+    built without bf16 units (AVX512-BF16, with or without AMX)."""
     return _FAMILY.kernels()
 
 
 def usable() -> bool:
-    """Whether the CPU has AMX's bf16 tiles (/proc/cpuinfo's amx_bf16, asked before any build, as the planner asks
-    this on every CPU), the kernels are built for them, and Linux lets this process use them."""
-    if "amx_bf16" not in cpu_flag_set():
+    """Whether the CPU has bf16 units (/proc/cpuinfo's avx512_bf16 or amx_bf16, asked before any build, as the
+    planner asks this on every CPU), the kernels are built for them, and, built for AMX's tiles, Linux lets this
+    process use them."""
+    if not BF16_UNITS & cpu_flag_set():
         return False
     lib = kernels()
     return lib is not None and lib.permitted()
@@ -508,6 +561,6 @@ class _FusedCausalAttention(torch.autograd.Function):
 
 
 def causal_attention(q: Tensor, k: Tensor, v: Tensor, window: int | None = None) -> Tensor:
-    """softmax(q·kᵀ/√d, causal; at most `window` keys back where given and > 0) · v on AMX's tiles, where ``fits``:
+    """softmax(q·kᵀ/√d, causal; at most `window` keys back where given and > 0) · v in one C call, where ``fits``:
     q (B, h, T, d), k and v (B, kv, T, d) -> (B, h, T, d), laid out (B, T, h, d)."""
     return _FusedCausalAttention.apply(q, k, v, int(window or 0))

@@ -10,7 +10,8 @@ block's input and the backward recomputes the block before differentiating it.
 
 Attention is ``F.scaled_dot_product_attention`` (causal), except in bf16 on CPU with as many keys as queries (no
 KV cache before them) and no attention dropout, where ``minigpt.native_attention`` computes the same with bf16
-GEMMs around a C softmax (faster there; on a CPU with AMX, on its tiles, ``minigpt.fused_attention``). In bf16 on CPU GPT-2's tanh GELU runs in C, and the exact GELU's
+GEMMs around a C softmax (faster there; on a CPU with bf16 units, AVX512-BF16 or AMX, a block of queries at a
+time in one C call, ``minigpt.fused_attention``). In bf16 on CPU GPT-2's tanh GELU runs in C, and the exact GELU's
 gradient (``minigpt.native_gelu``). Where ``mlp.fc2`` says it takes GELU's input (``takes_gelu_input``: minituner's
 LoRALinear) the MLP hands it fc1's output and the GELU form (``fc2(h, gelu=...)``), and fc2 applies GELU itself,
 its gradient fused into fc2's own; the same values as GELU then fc2.

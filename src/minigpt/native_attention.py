@@ -12,10 +12,12 @@ CPU its bf16 run is no faster than its fp32 one (oneDNN's bf16 GEMMs are several
 Llama-3.2-1B's shape (32 heads, 8 KV heads, 512 tokens) one layer's forward and backward take about 36 ms
 through it and about 9.5 ms in bf16 GEMMs (benchmarks/RESULTS.md has the whole-step figures).
 
-On a CPU with AMX (amx_bf16) heads whose width is a multiple of 32 go to ``minigpt.fused_attention`` instead: the
-same roundings computed a block of queries at a time on AMX's tiles, each block's scores kept in the thread's
-cache and only the keys it sees multiplied; q, k, v read where they lie; P always recomputed in backward. What
-follows is the GEMM path, taken elsewhere.
+On a CPU with bf16 units (avx512_bf16 or amx_bf16) heads whose width is a multiple of 32 go to
+``minigpt.fused_attention`` instead: the same roundings computed a block of queries at a time in one C call (on
+AMX's tiles, or as AVX512-BF16's dot products), each block's scores kept in the thread's cache and only the keys
+it sees multiplied; q, k, v read where they lie; P always recomputed in backward. What follows is the GEMM path,
+taken elsewhere (other head widths; a CPU with AVX-512 but no bf16 units, where bf16 runs only when the user
+insists).
 
 Grouped-query attention without repeating K/V: the g = h / kv query heads that share a K/V head are stacked
 as g·T rows of one GEMM against that head's T keys, so S is (B·kv, g·T, T) and row r is query t = r mod T.
@@ -27,7 +29,8 @@ than the q, k and v attention keeps anyway (``keeps_probabilities``: h·T <= (h 
 elsewhere it is recomputed from the saved logsumexp (S again by ``bmm``, P = exp(S·d^-½ - lse) in C), as
 FlashAttention-2 does. On the bench's GPT-shaped bf16 QLoRA step (8 layers, 8 heads of 64, 8 × 128 tokens:
 2 MiB of P a layer; AMD EPYC with AVX512-BF16, 2 cores) keeping it took 4.1 ms off a 176 ms step (median of 20
-paced turns, faster in 16, 2026-12-05): a GEMM and a pass of exp a layer. It saves q, k, v, as the grouped copies
+paced turns, faster in 16, 2026-12-05), a GEMM and a pass of exp a layer, before that CPU's heads went to
+``minigpt.fused_attention``. It saves q, k, v, as the grouped copies
 its GEMMs read (so backward does not copy them again, and the tensors they were copied from, the projections' or
 rotary embedding's outputs, are freed: the same bytes; where the grouping is a view nothing is copied), and P
 (bf16, B·h·T²) where kept, else the logsumexp per query and head (fp32); not its output, which the fused kernel
@@ -167,8 +170,8 @@ def takes_bf16_run(seq_len: int) -> bool:
 def keeps_probabilities(n_head: int, n_kv_head: int, seq_len: int, head_dim: int) -> bool:
     """Whether attention keeps its bf16 probabilities P (B·h·T² values) for backward rather than recomputing them
     from the logsumexp: on the GEMM path where P is no larger than the grouped q, k and v it keeps anyway, h·T <=
-    (h + 2·kv)·d (the saved bytes at most double); never on AMX's tiles (``minigpt.fused_attention``, which
-    recomputes each block's P where it needs it). ``minituner.planner`` asks the same."""
+    (h + 2·kv)·d (the saved bytes at most double); never in ``minigpt.fused_attention`` (CPUs with bf16 units,
+    which recomputes each block's P where it needs it). ``minituner.planner`` asks the same."""
     return n_head * seq_len <= (n_head + 2 * n_kv_head) * head_dim and not fused_attention.head_fits(head_dim)
 
 
@@ -240,8 +243,9 @@ class _CausalAttention(torch.autograd.Function):
 def causal_attention(q: Tensor, k: Tensor, v: Tensor, window: int | None = None) -> Tensor:
     """softmax(q·kᵀ/√d, causal; at most `window` keys back, itself included) · v for bf16 on CPU (``fits``).
 
-    q (B, h, T, d), k and v (B, kv, T, d) with kv dividing h -> (B, h, T, d). On a CPU with AMX, heads whose width
-    is a multiple of 32 attend on its tiles (``minigpt.fused_attention``: the same roundings, S never in memory)."""
+    q (B, h, T, d), k and v (B, kv, T, d) with kv dividing h -> (B, h, T, d). On a CPU with bf16 units (AVX512-BF16
+    or AMX), heads whose width is a multiple of 32 attend in one C call (``minigpt.fused_attention``: the same
+    roundings, S never in memory)."""
     window = 0 if window is None else int(window)
     if fused_attention.fits(q, k, v):
         return fused_attention.causal_attention(q, k, v, window)

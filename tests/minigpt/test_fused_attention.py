@@ -1,4 +1,5 @@
-"""minigpt.fused_attention: bf16 causal attention on AMX's tiles against fp32 arithmetic, SDPA and the GEMM path."""
+"""minigpt.fused_attention: bf16 causal attention in one C call each way (on AMX's tiles or as AVX512-BF16's
+vdpbf16ps) against fp32 arithmetic, SDPA and the GEMM path."""
 import ctypes
 
 import pytest
@@ -10,8 +11,9 @@ from minigpt.decoder import Decoder, DecoderConfig
 from minigpt.model import GPTConfig, MiniGPT
 from minikernels.build import build_library, find_compiler
 
-needs_amx = pytest.mark.skipif(native_attention.kernels() is None or not fused_attention.usable(),
-                               reason="no CPU with AMX (amx_bf16) or no compiler for it: the kernels are not used")
+needs_units = pytest.mark.skipif(native_attention.kernels() is None or not fused_attention.usable(),
+                                 reason="no CPU with bf16 units (avx512_bf16, amx_bf16) or no compiler for them: the "
+                                        "kernels are not used")
 
 
 def _inputs(B, h, kv, T, d, seed=0):
@@ -32,7 +34,7 @@ def _gemm_path(q, k, v, window):
     return native_attention._CausalAttention.apply(q, k, v, window or 0)
 
 
-@needs_amx
+@needs_units
 @pytest.mark.parametrize("B,h,kv,T,d,window", [
     (2, 4, 4, 37, 32, None), (2, 4, 2, 40, 64, None), (1, 8, 1, 33, 64, 7), (3, 2, 2, 1, 32, None),
     (1, 32, 8, 128, 64, None), (1, 4, 2, 100, 128, 40), (1, 2, 1, 96, 256, 33), (2, 2, 2, 64, 32, 64)])
@@ -57,7 +59,7 @@ def test_attention_and_its_gradients_are_as_close_to_fp32_as_sdpa_in_bf16(B, h, 
         torch.testing.assert_close(a.float(), c.float(), rtol=2 ** -6, atol=2 ** -8)
 
 
-@needs_amx
+@needs_units
 def test_layouts_and_threads_change_nothing():
     """Contiguous (B, h, T, d) inputs give the bits of the models' views of (B, T, h, d), one thread the bits of
     several (each output's sums run in one order whatever the split); the output and the gradients come back laid
@@ -80,7 +82,7 @@ def test_layouts_and_threads_change_nothing():
     assert all(t.transpose(1, 2).is_contiguous() for t in (y, *grads))
 
 
-@needs_amx
+@needs_units
 def test_the_products_alone_skip_the_softmax():
     """gemms_only (the bench's floor) runs the block's products on S itself: with 32 tokens (one block of queries
     and keys) y is bf16(S)·v, S = bf16(q·kᵀ) over every key, unmasked."""
@@ -90,7 +92,7 @@ def test_the_products_alone_skip_the_softmax():
     torch.testing.assert_close(y.float(), (s.float() @ v.float()).bfloat16().float(), rtol=2 ** -7, atol=2 ** -7)
 
 
-@needs_amx
+@needs_units
 def test_a_nan_in_a_query_makes_its_rows_nan_and_no_other():
     """The NaN stays with its query's row: its output, its q gradient, and the v gradient of the keys it sees; the K/V
     heads it does not read stay finite."""
@@ -103,7 +105,7 @@ def test_a_nan_in_a_query_makes_its_rows_nan_and_no_other():
     assert not torch.isnan(dv[0, 1, 8:]).any() and not torch.isnan(dk[0, 0]).any()
 
 
-@needs_amx
+@needs_units
 def test_the_backward_is_once_differentiable():
     (q, k, v), dy = _inputs(1, 2, 2, 8, 32)
     q = q.detach().requires_grad_()
@@ -124,12 +126,20 @@ def test_fits_heads_of_a_width_its_tiles_take(monkeypatch):
     assert fused_attention.kernels() is None and not fused_attention.fits(q, k, v)
 
 
-def test_a_cpu_without_amx_builds_nothing(monkeypatch):
-    """usable() reads the CPU's flags first: without amx_bf16 it says no before building the library (the planner
-    asks it on every CPU)."""
-    monkeypatch.setattr(fused_attention, "cpu_flag_set", lambda: frozenset({"avx512f", "avx512_bf16"}))
-    monkeypatch.setattr(fused_attention, "kernels", lambda: pytest.fail("built on a CPU without AMX"))
+def test_a_cpu_without_bf16_units_builds_nothing(monkeypatch):
+    """usable() reads the CPU's flags first: without avx512_bf16 or amx_bf16 it says no before building the library
+    (the planner asks it on every CPU)."""
+    monkeypatch.setattr(fused_attention, "cpu_flag_set", lambda: frozenset({"avx512f", "avx512bw", "avx512vl"}))
+    monkeypatch.setattr(fused_attention, "kernels", lambda: pytest.fail("built on a CPU without bf16 units"))
     assert not fused_attention.usable() and not fused_attention.head_fits(64)
+
+
+@pytest.mark.parametrize("flags", [{"avx512f", "avx512_bf16"}, {"avx512f", "avx512_bf16", "amx_bf16"}])
+def test_either_kind_of_bf16_unit_is_enough(monkeypatch, flags):
+    """AVX512-BF16 alone (an AMD EPYC of Zen 4 or 5) runs the products as vdpbf16ps; AMX's tiles where they are."""
+    monkeypatch.setattr(fused_attention, "cpu_flag_set", lambda: frozenset(flags))
+    monkeypatch.setattr(fused_attention, "kernels", lambda: type("Lib", (), {"permitted": lambda self: True})())
+    assert fused_attention.usable() and fused_attention.head_fits(64)
 
 
 def test_p_is_never_kept_on_the_tiles(monkeypatch):
@@ -139,7 +149,7 @@ def test_p_is_never_kept_on_the_tiles(monkeypatch):
     assert native_attention.keeps_probabilities(8, 8, 128, 48) == (8 * 128 <= 24 * 48)  # not a width taken here
 
 
-@needs_amx
+@needs_units
 def test_without_linux_s_permission_it_refuses_rather_than_crash(monkeypatch):
     """Without the tiles granted, the first AMX instruction would kill the process (SIGILL): the kernels refuse."""
     lib = fused_attention.FusedAttention.__new__(fused_attention.FusedAttention)
@@ -149,16 +159,54 @@ def test_without_linux_s_permission_it_refuses_rather_than_crash(monkeypatch):
         lib.forward(q, k, v)
 
 
-@needs_amx
-def test_a_build_without_amx_is_not_used(tmp_path, monkeypatch):
+def _build(tmp_path, monkeypatch, name, flags):
     monkeypatch.setenv("MINIQUANT_CACHE", str(tmp_path))
-    path = build_library("fused_attention_plain", fused_attention._SOURCE,
-                         fused_attention.CFLAGS + ["-mno-amx-tile", "-mno-amx-bf16"], find_compiler(), fused_attention.LIBS)
-    lib = ctypes.CDLL(str(path))
+    path = build_library(name, fused_attention._SOURCE, fused_attention.CFLAGS + flags, find_compiler(),
+                         fused_attention.LIBS)
+    return ctypes.CDLL(str(path))
+
+
+@needs_units
+def test_a_build_without_bf16_units_is_not_used(tmp_path, monkeypatch):
+    lib = _build(tmp_path, monkeypatch, "fused_attention_plain", ["-mno-amx-tile", "-mno-amx-bf16", "-mno-avx512bf16"])
     assert lib.fused_attn_built() == 0 and fused_attention._FAMILY.usable(lib) is None
 
 
-@needs_amx
+def test_the_tiles_build_compiles_on_any_cpu(tmp_path, monkeypatch):
+    """Built for AMX's tiles (as -march=native builds it on a CPU with them) the library compiles and says it
+    multiplies on the tiles; it runs only on such a CPU (the tests above, there), so a CPU without AMX checks that
+    much of that path."""
+    if find_compiler() is None:
+        pytest.skip("no C compiler")
+    try:
+        lib = _build(tmp_path, monkeypatch, "fused_attention_tiles",
+                     ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mamx-tile", "-mamx-bf16"])
+    except RuntimeError as e:  # a compiler (or an architecture) without these flags
+        pytest.skip(f"the compiler does not build for AMX here: {e}")
+    assert lib.fused_attn_built() == 1 and lib.fused_attn_tiles() == 1
+
+
+@needs_units
+def test_the_dot_product_build_agrees_with_the_one_in_use(tmp_path, monkeypatch):
+    """Built without AMX's tiles (as on a CPU with AVX512-BF16 alone) the products run as vdpbf16ps, each pair of
+    products added to the sum in one instruction: the output and gradients within a bf16 rounding of the library in
+    use (the same bits where that is this build: a CPU without AMX)."""
+    lib = fused_attention.FusedAttention(_build(tmp_path, monkeypatch, "fused_attention_dots",
+                                                ["-mno-amx-tile", "-mno-amx-bf16"]))
+    assert not lib.tiles and lib.permitted()
+    (q, k, v), dy = _inputs(2, 4, 2, 70, 64, seed=3)
+    ours, theirs = fused_attention.kernels(), lib
+    y, lse = ours.forward(q, k, v, 9)
+    y2, lse2 = theirs.forward(q, k, v, 9)
+    got = [y2, lse2, *theirs.backward(q, k, v, dy, lse2, 9)]
+    for a, b in zip([y, lse, *ours.backward(q, k, v, dy, lse, 9)], got):
+        if ours.tiles:
+            torch.testing.assert_close(a.float(), b.float(), rtol=2 ** -6, atol=2 ** -8)
+        else:
+            assert torch.equal(a, b)
+
+
+@needs_units
 def test_the_models_attend_here_in_bf16(attention_checks):
     """Both models (MiniGPT, the llama-family Decoder with GQA and a window) take this path for bf16 heads of 32
     while training; gradient checkpointing recomputes it to the same bits."""
