@@ -572,10 +572,12 @@ PROFILE_GROUPS = {  # profiler op name -> group, for "what the rest of the step 
     # own time is the C dequantization into the workspace of an NF4 base, and their Python
     "DequantLinearFunction": "NF4 dequantization", "DequantLinearFunctionBackward": "NF4 dequantization",
     "LoRAProduct": "NF4 dequantization", "LoRAProductBackward": "NF4 dequantization",
-    # the llama family's RMSNorm (with its bf16 hand-out), SwiGLU gate and RoPE in C (minigpt.native_norm,
-    # native_swiglu, native_rope)
+    # the norms with their bf16 hand-out (RMSNorm, LayerNorm, and a block's norm after its residual add, minigpt.
+    # residual's add_and_norm: one pass of C), SwiGLU's gate, GELU and RoPE in C (minigpt.native_norm, native_swiglu,
+    # native_gelu, native_rope)
     "_RMSNormBf16": "C norms and activations", "_RMSNormBf16Backward": "C norms and activations",
     "_LayerNormBf16": "C norms and activations", "_LayerNormBf16Backward": "C norms and activations",
+    "_AddNormBf16": "C norms and activations", "_AddNormBf16Backward": "C norms and activations",
     "_SwiGLU": "C norms and activations", "_SwiGLUBackward": "C norms and activations",
     "_RopeQK": "C norms and activations", "_RopeQKBackward": "C norms and activations",
     "_GeluTanh": "C norms and activations", "_GeluTanhBackward": "C norms and activations",
