@@ -605,7 +605,8 @@ def profile_groups(step: Callable[[], object]) -> tuple[float, dict[str, float]]
 
     with profile(activities=[ProfilerActivity.CPU]) as prof, _native_lora_wrapped(named), \
             _nf4_matmul_wrapped(named_in("nf4_matmul")), _nf4_amx_wrapped(named_in("nf4_amx")), \
-            _nf4_brgemm_wrapped(named_in("nf4_brgemm")), _fused_attention_wrapped(named_in("fused_attention", "minigpt")):
+            _nf4_brgemm_wrapped(named_in("nf4_brgemm")), \
+            _fused_attention_wrapped(named_in("fused_attention", "minigpt")):
         t0 = time.perf_counter()
         step()
         wall = time.perf_counter() - t0
