@@ -6,15 +6,14 @@ each one call of C over blocks of queries, a block's scores never leaving the co
         y, lse = kernels().forward(q, k, v, window)    # y (B, h, T, d) laid out (B, T, h, d); lse (B, h, T) fp32
         dq, dk, dv = kernels().backward(q, k, v, dy, lse, window)
 
-It computes what ``minigpt.native_attention``'s GEMM path computes, in the same roundings: S = q·kᵀ summed in
-fp32 and rounded to bf16, P = softmax(S·d^-½) per row in fp32 (``minikernels.softmax_rows``, the same C as that
-path's, reading the fp32 sums and rounding each to bf16 on the way) written in bf16, y = P·v summed in fp32 and
-rounded once; backward as FlashAttention-2 does it, P recomputed from the logsumexp (exp(S·d^-½ - lse)), dP = dy·vᵀ
-rounded to bf16, dS = P ∘ (dP - D)·d^-½ with D = Σ P ∘ dP, dq = dS·k, dk = dSᵀ·q and dv = Pᵀ·dy each summed in fp32
-(dk and dv over every query head of the K/V group and every block) and rounded once. The sums run in AMX's order
-(or vdpbf16ps's: a pair of products added per instruction), not oneDNN's, so a value may differ from that path's
-in its last place (tests/minigpt/test_fused_attention.py holds
-both to fp32 attention and to each other).
+It computes what ``minigpt.native_attention``'s GEMM path computes, in the same roundings: S = q·kᵀ summed in fp32
+and rounded to bf16, P = softmax(S·d^-½) per row in fp32 (``minikernels.softmax_rows``, the same C as that path's,
+reading the fp32 sums and rounding each to bf16 on the way) written in bf16, y = P·v summed in fp32 and rounded
+once; backward as FlashAttention-2 does it, P recomputed from the logsumexp (exp(S·d^-½ - lse)), dP = dy·vᵀ rounded
+to bf16, dS = P ∘ (dP - D)·d^-½ with D = Σ P ∘ dP, dq = dS·k, dk = dSᵀ·q and dv = Pᵀ·dy each summed in fp32 (dk and
+dv over every query head of the K/V group and every block) and rounded once. The sums run in AMX's order (or
+vdpbf16ps's: a pair of products added per instruction), not oneDNN's, so a value may differ from that path's in its
+last place (tests/minigpt/test_fused_attention.py holds both to fp32 attention and to each other).
 
 Why: on the GEMM path, S, P and dP of a whole K/V group (g·T x T values) go to memory and back between three
 GEMMs and two passes of C, the masked half included, and q, k, v are copied into the groups' layout and back. On
@@ -46,11 +45,11 @@ and dvᵀ, and a block's S, P, dS and their pairs (about 2.6 MiB at 1,024 tokens
 
 Used by ``minigpt.native_attention.causal_attention`` where ``fits``: the library built for AVX512-BF16
 (``fused_attn_built``: -march=native on a CPU that has it; with -mamx-tile where the CPU has AMX too, then
-``fused_attn_tiles``), Linux's permission for the tiles where built for them (asked once, ``usable``),
-d a multiple of 32 up to MAX_HEAD_DIM; native_attention's own conditions (bf16 on CPU, T queries over the same T
-keys, T at most its MAX_TOKENS) come first. P is never kept for backward here (``native_attention.
-keeps_probabilities`` says so to the planner). ``gemms_only`` (the bench's floor) runs the same calls with the
-softmax and its gradient left out: the products and the packing of their operands, timed alone.
+``fused_attn_tiles``), Linux's permission for the tiles where built for them (asked once, ``usable``), d a multiple
+of 32 up to MAX_HEAD_DIM; native_attention's own conditions (bf16 on CPU, T queries over the same T keys, T at most
+its MAX_TOKENS) come first. P is never kept for backward here (``native_attention.keeps_probabilities`` says so to
+the planner). ``gemms_only`` (the bench's floor) runs the same calls with the softmax and its gradient left out: the
+products and the packing of their operands, timed alone.
 """
 from __future__ import annotations
 

@@ -114,7 +114,7 @@ def test_the_backward_is_once_differentiable():
         g.sum().backward()
 
 
-def test_fits_heads_of_a_width_its_tiles_take(monkeypatch):
+def test_fits_heads_of_a_width_its_products_take(monkeypatch):
     (q, k, v), _ = _inputs(1, 4, 2, 8, 64)
     assert fused_attention.fits(q, k, v) == fused_attention.usable()
     assert not fused_attention.fits(q[..., :48], k[..., :48], v[..., :48])  # not a multiple of 32
@@ -142,7 +142,7 @@ def test_either_kind_of_bf16_unit_is_enough(monkeypatch, flags):
     assert fused_attention.usable() and fused_attention.head_fits(64)
 
 
-def test_p_is_never_kept_on_the_tiles(monkeypatch):
+def test_p_is_never_kept_on_the_fused_path(monkeypatch):
     """The planner asks native_attention.keeps_probabilities: never where these kernels take the heads."""
     monkeypatch.setattr(fused_attention, "usable", lambda: True)
     assert not native_attention.keeps_probabilities(8, 8, 128, 64)  # kept on the GEMM path
