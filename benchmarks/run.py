@@ -1,5 +1,6 @@
 """`make bench`: run every benchmark side by side and write benchmarks/RESULTS.md (and, for a full run, the same
-text to benchmarks/results/<machine kind>.md, the latest full run on each kind of machine).
+text to benchmarks/results/<machine kind>.md, the latest full run on each kind of machine). Its machine section
+names the code it measured and the code each other kind's kept report ran (``provenance``).
 
     python benchmarks/run.py                     # everything (about 10 minutes on 2 cores, + bf16's Llama-1B
                                                  #   shape: about 8, + real_models: about an hour, the 7B shape
@@ -19,6 +20,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from minigpt.io import atomic_write_text  # noqa: E402
+from provenance import code_line, kept_run  # noqa: E402
 from report import render  # noqa: E402
 from timing import fmt_seconds, machine_description, machine_kind, wait_for_quiet  # noqa: E402
 
@@ -58,9 +60,10 @@ def main(argv: list[str] | None = None) -> int:
     machine = machine_description()  # before the run: the load average says how busy the machine was
     full = set(chosen) == set(SECTIONS) and not args.quick and args.out.resolve() == RESULTS.resolve()
     kind = machine_kind()
-    others = sorted(p.name for p in BY_MACHINE.glob("*.md") if p.stem != kind) if BY_MACHINE.is_dir() else []
+    others = sorted(p for p in BY_MACHINE.glob("*.md") if p.stem != kind) if BY_MACHINE.is_dir() else []
+    machine.append(code_line(HERE.parent))
     machine.append(f"- Machine kind: {kind}" + (f"; this run is also results/{kind}.md" if full else "")
-                   + (f"; the latest full runs on other kinds: {', '.join('results/' + o for o in others)}"
+                   + (f"; the latest full runs on other kinds: {', '.join(kept_run(o, HERE.parent) for o in others)}"
                       if others else ""))
     start = time.perf_counter()
     sections = []
