@@ -5,15 +5,19 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from .base_folder import MANIFEST, WEIGHTS, save_base
-from .run_dir import check_run_dir
+from .base_folder import CONFIG, MANIFEST, TOKENIZER, WEIGHTS, save_base
+from .distributed import barrier, is_writer
+from .run_dir import check_inputs_outside_run, check_run_dir, replacing_run
 from .data import PRETRAIN_DATA, encode_split, load_documents, split_documents, unigram_entropy
 from .manifest import seed_everything, write_manifest
 from .model import GPTConfig, MiniGPT
 from .tokenizer import CharTokenizer
 from .train import METRICS, TrainConfig, evaluate, train
+from .train_state import CHECKPOINT_DIR
 
 DEFAULT_DATA = PRETRAIN_DATA
+# what a pretraining run writes: any of these and the folder holds a run, which --overwrite replaces
+PRETRAIN_FILES = (WEIGHTS, MANIFEST, METRICS, CONFIG, TOKENIZER, CHECKPOINT_DIR, "loss_curve.png")
 
 
 def pretrain(
@@ -34,7 +38,17 @@ def pretrain(
     train_cfg = train_cfg or TrainConfig()
     start = time.perf_counter()
     out = Path(out)
-    check_run_dir(out, (WEIGHTS, MANIFEST, METRICS), overwrite, resume)
+    check_run_dir(out, PRETRAIN_FILES, overwrite, resume)
+    if overwrite:
+        check_inputs_outside_run(out, PRETRAIN_FILES, PRETRAIN_FILES, {"--data": data})
+    barrier()  # every rank has checked the folder before rank 0 writes to it
+    with replacing_run(out, PRETRAIN_FILES, PRETRAIN_FILES, active=is_writer(), resuming=resume):
+        return _pretrain(out, data, model_overrides, train_cfg, progress, log, resume, start)
+
+
+def _pretrain(out: Path, data: str | Path, model_overrides: dict | None, train_cfg: TrainConfig, progress: bool, log,
+              resume: bool, start: float) -> dict:
+    """pretrain's run once its folder is checked (a failure before the first checkpoint leaves it as it was)."""
     seed_everything(train_cfg.seed)
     splits = split_documents(load_documents(data))
     tokenizer = CharTokenizer.train(splits.train)

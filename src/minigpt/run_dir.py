@@ -8,6 +8,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
+from .data import BUILTIN_PREFIX
 from .errors import InputError
 from .train_state import CHECKPOINT_DIR, list_checkpoints
 
@@ -42,6 +43,23 @@ def check_run_dir(out: Path, markers: tuple[str, ...], overwrite: bool = False, 
     if held and not overwrite:
         raise InputError(f"{out} already holds a run ({held[0]}); "
                          "pass --overwrite to replace it or --resume to continue it")
+
+
+def check_inputs_outside_run(out: Path, patterns: Sequence[str], markers: Sequence[str],
+                             inputs: dict[str, str | Path | None]) -> None:
+    """An InputError for an input (flag -> path) among the earlier run's files that --overwrite moves aside before
+    the new run reads anything (``replacing_run``): it would read as missing. Call only when overwriting."""
+    out = Path(out)
+    if not out.is_dir() or not any((out / m).exists() for m in (*markers, CHECKPOINT_DIR)):
+        return
+    moved = [path.resolve() for path in _matching(out, patterns)]
+    for flag, given in inputs.items():
+        if given is None or str(given).startswith(BUILTIN_PREFIX):  # data shipped with the package
+            continue
+        path = Path(given).resolve()
+        if any(path == m or m in path.parents or path in m.parents for m in moved):
+            raise InputError(f"{flag} {given} reads the run in {out} that --overwrite replaces: "
+                             "copy what it needs elsewhere first")
 
 
 @contextmanager

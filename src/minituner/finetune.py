@@ -27,7 +27,7 @@ import torch.nn as nn
 from minigpt.base_folder import MANIFEST, WEIGHTS, WEIGHTS_INDEX, save_base
 from minigpt.bf16_support import bf16_support
 from minigpt.decoder import Decoder
-from minigpt.run_dir import check_run_dir, replacing_run
+from minigpt.run_dir import check_inputs_outside_run, check_run_dir, replacing_run
 from minigpt.train_state import CHECKPOINT_DIR
 from minigpt.data import FINETUNE_DATA, PRETRAIN_DATA
 from minigpt.device import check_precision
@@ -59,9 +59,11 @@ from .zoo import adapters_disabled
 DEFAULT_DATA = FINETUNE_DATA
 BASE_DOMAIN = PRETRAIN_DATA  # val loss here before/after shows what fine-tuning forgets
 PEFT_DIR = "adapter_peft"
-RUN_MARKERS = (MANIFEST, "metrics.jsonl", ADAPTER_FILE, WEIGHTS, WEIGHTS_INDEX)  # any of these: the folder holds a run
-# what a run writes, which a new run in the same folder replaces; a full fine-tune writes a whole base folder
-LORA_RUN_FILES = (*RUN_MARKERS, CHECKPOINT_DIR, PEFT_DIR, "loss_curve.png", TEMPLATE_FILE)
+# what a LoRA run writes, which a new run in the same folder replaces: any of these, and the folder holds a run
+# (refused without --overwrite or --resume); a full fine-tune writes a whole base folder (WEIGHTS and the rest)
+RUN_MARKERS = (MANIFEST, "metrics.jsonl", ADAPTER_FILE, WEIGHTS, WEIGHTS_INDEX, PEFT_DIR, "loss_curve.png",
+               TEMPLATE_FILE)
+LORA_RUN_FILES = (*RUN_MARKERS, CHECKPOINT_DIR)
 FULL_RUN_FILES = (*LORA_RUN_FILES, "model-*-of-*.safetensors", "config.json", "generation_config.json",
                   "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
@@ -170,14 +172,15 @@ def finetune(base: str | Path, out: str | Path, cfg: FinetuneConfig, progress: b
     if out.resolve() == base.resolve():
         raise InputError("--out must differ from --base (the base folder is never written)")
     check_run_dir(out, RUN_MARKERS, overwrite, resume)
-    if cfg.chat_template and overwrite and out.resolve() in Path(cfg.chat_template).resolve().parents:
-        raise InputError(f"--chat-template {cfg.chat_template} lies in --out {out}, whose run --overwrite replaces: "
-                         "copy it elsewhere first")
+    full = (out / WEIGHTS).exists() or (out / WEIGHTS_INDEX).exists()  # the earlier run, if any, was a full FT
+    files = FULL_RUN_FILES if full else LORA_RUN_FILES
+    if overwrite:
+        check_inputs_outside_run(out, files, RUN_MARKERS, {
+            "--data": cfg.data, "--init-adapter": cfg.init_adapter, "--chat-template": cfg.chat_template,
+            "--base-domain": cfg.base_domain})
     barrier()  # every rank has checked the folder before rank 0 writes to it
     writer = is_writer()
     progress, log = progress and writer, log if writer else (lambda *a, **k: None)
-    full = (out / WEIGHTS).exists() or (out / WEIGHTS_INDEX).exists()  # the earlier run, if any, was a full FT
-    files = FULL_RUN_FILES if full else LORA_RUN_FILES
     with replacing_run(out, files, RUN_MARKERS, active=writer, resuming=resume):  # a failed run leaves it as it was
         return _finetune(base, out, cfg, progress, log, resume, device, allow_slow_bf16, heap_trims, bf16, start,
                          writer)

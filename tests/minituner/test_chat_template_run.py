@@ -112,8 +112,10 @@ def test_a_base_without_a_template_exports_the_default_it_trained_with(hf_folder
 
 
 def test_template_mistakes_are_one_line(root, tmp_path, cli):
+    (tmp_path / "folder.jinja").mkdir()
     for name, content, message in [("missing.jinja", None, "chat template file not found"),
-                                   ("bad.jinja", "{% for m in messages %}", "chat_template"),
+                                   ("folder.jinja", None, "a folder, not a chat template file"),
+                                   ("bad.jinja", "{% for m in messages %}", "the chat template does not parse"),
                                    ("latin1.jinja", "caf\xe9".encode("latin-1"), "not UTF-8")]:
         path = tmp_path / name
         if isinstance(content, bytes):
@@ -122,7 +124,7 @@ def test_template_mistakes_are_one_line(root, tmp_path, cli):
             path.write_text(content)
         code, _, err = cli("finetune", "--base", root / "base", "--data", root / "chats.jsonl", "--out",
                            tmp_path / "run", "--chat-template", path, *FLAGS)
-        assert code == 2 and err.count("\n") == 1 and (message in err or name in err), err
+        assert code == 2 and err.count("\n") == 1 and message in err, err
         assert not (tmp_path / "run").exists()
     (tmp_path / "notes.txt").write_text("wind 3 force 3\n" * 40)
     code, _, err = cli("finetune", "--base", root / "base", "--data", tmp_path / "notes.txt", "--out",
@@ -152,7 +154,7 @@ def test_a_chat_run_evaluates_plain_text_and_its_peft_folder_finds_the_template(
     assert rendered == load_chat_template(root / "base", run / TEMPLATE_FILE).render(CHAT, True)
     code, _, err = cli("finetune", "--base", root / "base", "--data", root / "chats.jsonl", "--out", run,
                        "--chat-template", run / TEMPLATE_FILE, "--overwrite", *FLAGS)
-    assert code == 2 and "lies in --out" in err and (run / TEMPLATE_FILE).is_file()
+    assert code == 2 and "reads the run in" in err and (run / TEMPLATE_FILE).is_file()
 
 
 def test_a_minigpt_base_with_its_own_template_file_exports_what_it_renders(root, tmp_path, cli):

@@ -127,6 +127,11 @@ def test_minigpt_base_config(capsys, tmp_path):
     (["--rank", "65"], "LoRA rank r=65 exceeds min(in, out) = 64 of attn.q_proj"),  # MiniGPT's d_model 64
     (["--grad-checkpoint", "--activations", "seed"], "--grad-checkpoint needs --activations exact, got --activations seed"),
     (["--config", "{tmp}/ctx.json", "--seq-len", "65"], "--seq-len 65 exceeds the model's context of 64 tokens"),
+    (["--seq-len", "129"], "--seq-len 129 exceeds the context of 128 tokens of preset minigpt"),
+    (["--preset", "llama-7b", "--seq-len", "2049"], "--seq-len 2049 exceeds the context of 2048 tokens of preset "
+                                                    "llama-7b"),
+    (["--preset", "llama-70b", "--seq-len", "4097"], "--seq-len 4097 exceeds the context of 4096 tokens of preset "
+                                                     "llama-70b"),
 ])
 def test_errors_are_one_line_exit_2(args, fragment, tmp_path, capsys):
     (tmp_path / "bad.json").write_text("{not json")

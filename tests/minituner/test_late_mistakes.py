@@ -227,3 +227,47 @@ def test_a_resumed_replacement_deletes_the_run_it_replaced_once_it_succeeds(tmp_
     with replacing_run(out, LORA_RUN_FILES, RUN_MARKERS, resuming=True):
         (out / "manifest.json").write_text("new")
     assert not aside.exists() and (out / "manifest.json").read_text() == "new"
+
+
+def test_overwrite_refuses_inputs_among_the_files_of_the_run_it_replaces(hf_folder, data, tmp_path, capsys):
+    """--overwrite moves the earlier run aside before reading anything: an input from it would read as missing."""
+    base, run = hf_folder("llama"), tmp_path / "run"
+    assert main(["finetune", "--base", str(base), "--data", str(data), "--out", str(run), *TRAIN]) == 0
+    capsys.readouterr()
+    before = hashes(run)
+    for flag, path in (("--init-adapter", run / "adapter_final.safetensors"), ("--init-adapter", run),
+                       ("--init-adapter", run / "adapter_peft"), ("--data", run / "metrics.jsonl"),
+                       ("--base-domain", run / "checkpoints")):
+        extra = [flag, str(path)] if flag != "--data" else []
+        data_path = path if flag == "--data" else data
+        code = main(["finetune", "--base", str(base), "--data", str(data_path), "--out", str(run), *TRAIN,
+                     "--overwrite", *extra])
+        one_line_error(capsys, code, f"{flag} {path} reads the run in {run} that --overwrite replaces")
+    assert hashes(run) == before
+    (run / "mine.txt").write_text(data.read_text())  # the user's own file beside the run is not the run's
+    assert main(["finetune", "--base", str(base), "--data", str(run / "mine.txt"), "--out", str(run), *TRAIN,
+                 "--overwrite"]) == 0
+
+
+@pytest.mark.parametrize("written", ["adapter_peft", "loss_curve.png", "chat_template.jinja"])
+def test_a_folder_holding_any_file_a_run_writes_is_refused(hf_folder, data, tmp_path, capsys, written):
+    base, out = hf_folder("llama"), tmp_path / "out"
+    out.mkdir()
+    (out / written).mkdir() if written == "adapter_peft" else (out / written).write_text("mine")
+    before = hashes(out)
+    code = main(["finetune", "--base", str(base), "--data", str(data), "--out", str(out), *TRAIN])
+    one_line_error(capsys, code, f"already holds a run ({written})")
+    assert hashes(out) == before and sorted(p.name for p in out.iterdir()) == [written]
+
+
+def test_a_pretrain_overwrite_that_fails_leaves_the_base_as_it_was(data, tmp_path, capsys):
+    out = tmp_path / "base"
+    tiny = ["--data", str(data), "--out", str(out), "--steps", "2", "--batch-size", "2", "--block-size", "8",
+            "--n-layer", "1", "--n-head", "1", "--d-model", "8", "--no-progress"]
+    assert main(["pretrain", *tiny]) == 0 and list((out / "checkpoints").iterdir())
+    capsys.readouterr()
+    before = hashes(out)
+    one_line_error(capsys, main(["pretrain", *tiny, "--overwrite", "--lr", "1e30"]), "non-finite loss")
+    assert hashes(out) == before and not list(out.glob(".replaced-run.*"))
+    assert main(["pretrain", *tiny, "--overwrite", "--seed", "5"]) == 0  # a run that succeeds replaces it
+    assert hashes(out) != before and not list(out.glob(".replaced-run.*"))

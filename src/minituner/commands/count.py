@@ -14,7 +14,7 @@ from minituner.finetune import default_train_config
 from minituner.finetune_data import largest_data_batch
 from minituner.memory.run_plan import counted_phrase, finetune_plan
 from minituner.planner import (ALL_LINEAR, PRESETS, MemoryConfig, config_context, default_regimes, load_config_shape,
-                               minigpt_vocab, plan, preset_shape)
+                               minigpt_vocab, plan, preset_context, preset_shape)
 from minituner.planner.memory import (ACTIVATION_MODELS, FULL_PRECISIONS, MASTER_COPIES, QUANTIZE_CHOICES,
                                       best_activation_model)
 from minituner.planner.activations import dropout_phrase
@@ -216,7 +216,10 @@ def run(args: argparse.Namespace) -> int:
             raise InputError(f"--tokenizer applies to the MiniGPT presets ({', '.join(MINIGPT_SIZES)}), not {name}")
         vocab = minigpt_vocab(args.tokenizer).size if name in MINIGPT_SIZES else None
         shape = preset_shape(name, vocab)
-        seq_len, note = args.seq_len or MemoryConfig.seq_len, None
+        context = preset_context(name)
+        if args.seq_len is not None and args.seq_len > context:
+            raise InputError(f"--seq-len {args.seq_len} exceeds the context of {context} tokens of preset {name}")
+        seq_len, note = args.seq_len or min(MemoryConfig.seq_len, context), None
     activations = args.activations or best_activation_model(shape)
     for flag, given in (("--grad-checkpoint", args.grad_checkpoint), ("--counted-targets", args.counted_targets),
                         ("--grad-accum", args.grad_accum > 1),

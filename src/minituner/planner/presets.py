@@ -14,6 +14,7 @@ from minigpt.errors import InputError
 from minigpt.model import GPTConfig
 from minigpt.tokenizer import CharTokenizer, read_vocab_size
 
+from ..hf_config import decoder_config_from_hf
 from .hf import shape_from_config
 from .shapes import ModelShape, minigpt_shape
 
@@ -25,7 +26,7 @@ LLAMA_7B = {"model_type": "llama", "vocab_size": 32000, "hidden_size": 4096, "in
             "tie_word_embeddings": False}
 LLAMA_70B = {"model_type": "llama", "vocab_size": 32000, "hidden_size": 8192, "intermediate_size": 28672,
              "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8,
-             "tie_word_embeddings": False}
+             "max_position_embeddings": 4096, "tie_word_embeddings": False}
 # MiniGPT sizes: the Lab's d 64 / L 4 and Theory 02's GPT-2-small-sized d 768 / L 12, both on MiniGPT's vocabulary.
 MINIGPT_SIZES = {"minigpt": {}, "minigpt-768": {"d_model": 768, "n_layer": 12, "n_head": 12}}
 PRESETS = (*MINIGPT_SIZES, "llama-7b", "llama-70b")
@@ -49,6 +50,17 @@ def minigpt_vocab(tokenizer: str | Path | None = None) -> Vocab:
     if DEFAULT_TOKENIZER.is_file():
         return Vocab(read_vocab_size(DEFAULT_TOKENIZER), f"read from {DEFAULT_TOKENIZER}")
     return Vocab(builtin_vocab_size(), f"rebuilt from {PRETRAIN_DATA} as pretraining builds it")
+
+
+def preset_context(name: str) -> int:
+    """The longest sequence a preset's model takes: MiniGPT's block_size, else its config's max_position_embeddings
+    (LLaMA-7B's 2,048 by default, Llama-2-70B's 4,096)."""
+    if name in MINIGPT_SIZES:
+        return GPTConfig(vocab_size=1, **MINIGPT_SIZES[name]).block_size
+    configs = {"llama-7b": LLAMA_7B, "llama-70b": LLAMA_70B}
+    if name not in configs:
+        raise InputError(f"unknown preset {name!r}; valid: {', '.join(PRESETS)}")
+    return decoder_config_from_hf(configs[name], name, check_rope=False).block_size
 
 
 def simplified_shape(d_model: int, n_layer: int) -> ModelShape:
