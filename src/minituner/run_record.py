@@ -21,6 +21,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from minigpt.base_folder import MANIFEST
+from minigpt.device import PRECISIONS
 from minigpt.errors import InputError
 from minigpt.io import read_json
 
@@ -76,9 +77,12 @@ def _run_config(adapter: str | Path | None) -> dict:
 
 
 def trained_seq_len(adapter: str | Path | None) -> int | None:
-    """The training window (``seq_len``) the finetune run holding `adapter` recorded; None without a run manifest."""
+    """The training window (``seq_len``) the finetune run holding `adapter` recorded; None without a run manifest
+    or where the run took the model's default. Anything else recorded there is an InputError (an edited manifest)."""
     seq_len = _run_config(adapter).get("seq_len")
-    return seq_len if isinstance(seq_len, int) and not isinstance(seq_len, bool) and seq_len > 0 else None
+    if seq_len is not None and (not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 1):
+        raise InputError(f"{adapter}: its run's {MANIFEST} records seq_len {seq_len!r}, not a positive integer")
+    return seq_len
 
 
 def run_quant_scheme(adapter: str | Path) -> str | None:
@@ -92,7 +96,11 @@ def run_quant_scheme(adapter: str | Path) -> str | None:
 def trained_precision(adapter: str | Path | None) -> str:
     """The precision ("fp32" or "bf16") the finetune run holding `adapter` trained in; "fp32" without a run manifest."""
     train = _run_config(adapter).get("train")
-    return "bf16" if isinstance(train, dict) and train.get("precision") == "bf16" else "fp32"
+    precision = train.get("precision", "fp32") if isinstance(train, dict) else "fp32"
+    if precision not in PRECISIONS:
+        raise InputError(f"{adapter}: its run's {MANIFEST} records precision {precision!r}; "
+                         f"valid: {', '.join(PRECISIONS)}")
+    return precision
 
 
 def _pairs(value, what: str, manifest: str) -> tuple[tuple[str, str], ...]:

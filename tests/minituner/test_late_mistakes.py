@@ -271,3 +271,18 @@ def test_a_pretrain_overwrite_that_fails_leaves_the_base_as_it_was(data, tmp_pat
     assert hashes(out) == before and not list(out.glob(".replaced-run.*"))
     assert main(["pretrain", *tiny, "--overwrite", "--seed", "5"]) == 0  # a run that succeeds replaces it
     assert hashes(out) != before and not list(out.glob(".replaced-run.*"))
+
+
+@pytest.mark.parametrize("edit", [("seq_len", "eight", "records seq_len 'eight', not a positive integer"),
+                                  ("seq_len", 0, "records seq_len 0, not a positive integer"),
+                                  ("precision", "fp8", "records precision 'fp8'; valid: fp32, bf16")])
+def test_eval_refuses_an_edited_run_manifest_it_would_have_ignored(hf_folder, data, tmp_path, capsys, edit):
+    base, run = hf_folder("llama"), tmp_path / "run"
+    assert main(["finetune", "--base", str(base), "--data", str(data), "--out", str(run), *TRAIN]) == 0
+    path = run / "manifest.json"
+    manifest = json.loads(path.read_text())
+    key, value, needle = edit
+    (manifest["config"] if key == "seq_len" else manifest["config"]["train"])[key] = value
+    path.write_text(json.dumps(manifest))
+    capsys.readouterr()
+    one_line_error(capsys, main(["eval", "--base", str(base), "--adapter", str(run), "--data", str(data)]), needle)
