@@ -117,18 +117,23 @@ def _spent_step(head, x):
     return y.data_ptr()
 
 
-def test_a_layer_writes_its_spent_output_again():
+def test_a_layer_writes_its_spent_output_again(monkeypatch):
     """The step after a step whose logits are spent writes into the same memory, no fresh pages; a smaller output
     takes a prefix of it, a larger one fresh memory, kept from then on."""
+    made = []  # fresh tensors (counted, not told apart by address: the old one is freed first, and the fresh
+    real = large_output.fresh_tensor  # mapping may land where it was)
+    monkeypatch.setattr(large_output, "fresh_tensor", lambda shape, dtype: made.append(shape) or real(shape, dtype))
     head = _keeping_head()
     x, _, _ = _operands(torch.bfloat16, False, (1,))
     first = _spent_step(head, x)
-    assert _spent_step(head, x) == first
+    assert _spent_step(head, x) == first and made == [(ROWS * OUT,)]
     bigger = torch.cat([x, x[:, :64]], dim=1)
     larger = _spent_step(head, bigger)
-    assert larger != first
+    assert made == [(ROWS * OUT,), ((ROWS + 64) * OUT,)]
+    assert head._output_store.kept_bytes() == (ROWS + 64) * OUT * 2
     assert _spent_step(head, bigger) == larger
     assert _spent_step(head, x) == larger  # a prefix of the larger one
+    assert len(made) == 2
     assert torch.equal(head(x), F.linear(x, head.weight))
 
 
