@@ -39,7 +39,7 @@ def check_run_dir(out: Path, markers: tuple[str, ...], overwrite: bool = False, 
             raise InputError(f"{out}: no checkpoint to resume from in {CHECKPOINT_DIR}/; "
                              "start a new run (--overwrite replaces what is there)")
         return
-    held = [m for m in (*markers, CHECKPOINT_DIR) if (out / m).exists()]
+    held = _run_files_held(out, markers)
     if held and not overwrite:
         raise InputError(f"{out} already holds a run ({held[0]}); "
                          "pass --overwrite to replace it or --resume to continue it")
@@ -50,7 +50,7 @@ def check_inputs_outside_run(out: Path, patterns: Sequence[str], markers: Sequen
     """An InputError for an input (flag -> path) among the earlier run's files that --overwrite moves aside before
     the new run reads anything (``replacing_run``): it would read as missing. Call only when overwriting."""
     out = Path(out)
-    if not out.is_dir() or not any((out / m).exists() for m in (*markers, CHECKPOINT_DIR)):
+    if not out.is_dir() or not _run_files_held(out, markers):
         return
     moved = [path.resolve() for path in _matching(out, patterns)]
     for flag, given in inputs.items():
@@ -83,7 +83,7 @@ def replacing_run(out: Path, patterns: Sequence[str], markers: Sequence[str], ac
             shutil.rmtree(old, ignore_errors=True)
         return
     existed = out.exists()
-    held = existed and any((out / m).exists() for m in (*markers, CHECKPOINT_DIR))
+    held = existed and bool(_run_files_held(out, markers))
     aside = Path(tempfile.mkdtemp(dir=out, prefix=".replaced-run.")) if held else None
     for path in _matching(out, patterns) if held else []:
         os.replace(path, aside / path.name)
@@ -107,6 +107,11 @@ def replacing_run(out: Path, patterns: Sequence[str], markers: Sequence[str], ac
         raise
     if aside is not None:
         shutil.rmtree(aside, ignore_errors=True)
+
+
+def _run_files_held(out: Path, markers: Sequence[str]) -> list[str]:
+    """The markers (and the checkpoint folder) that `out` holds: any of them and it holds a run."""
+    return [m for m in (*markers, CHECKPOINT_DIR) if (out / m).exists()]
 
 
 def _matching(folder: Path, patterns: Sequence[str]) -> list[Path]:

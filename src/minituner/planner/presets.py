@@ -29,7 +29,8 @@ LLAMA_70B = {"model_type": "llama", "vocab_size": 32000, "hidden_size": 8192, "i
              "max_position_embeddings": 4096, "tie_word_embeddings": False}
 # MiniGPT sizes: the Lab's d 64 / L 4 and Theory 02's GPT-2-small-sized d 768 / L 12, both on MiniGPT's vocabulary.
 MINIGPT_SIZES = {"minigpt": {}, "minigpt-768": {"d_model": 768, "n_layer": 12, "n_head": 12}}
-PRESETS = (*MINIGPT_SIZES, "llama-7b", "llama-70b")
+LLAMA_CONFIGS = {"llama-7b": LLAMA_7B, "llama-70b": LLAMA_70B}
+PRESETS = (*MINIGPT_SIZES, *LLAMA_CONFIGS)
 
 
 @dataclass(frozen=True)
@@ -57,10 +58,9 @@ def preset_context(name: str) -> int:
     (LLaMA-7B's 2,048 by default, Llama-2-70B's 4,096)."""
     if name in MINIGPT_SIZES:
         return GPTConfig(vocab_size=1, **MINIGPT_SIZES[name]).block_size
-    configs = {"llama-7b": LLAMA_7B, "llama-70b": LLAMA_70B}
-    if name not in configs:
+    if name not in LLAMA_CONFIGS:
         raise InputError(f"unknown preset {name!r}; valid: {', '.join(PRESETS)}")
-    return decoder_config_from_hf(configs[name], name, check_rope=False).block_size
+    return decoder_config_from_hf(LLAMA_CONFIGS[name], name, check_rope=False).block_size
 
 
 def simplified_shape(d_model: int, n_layer: int) -> ModelShape:
@@ -74,8 +74,6 @@ def preset_shape(name: str, vocab_size: int | None = None) -> ModelShape:
     if name in MINIGPT_SIZES:
         vocab = vocab_size if vocab_size is not None else minigpt_vocab().size
         return minigpt_shape(GPTConfig(vocab_size=vocab, **MINIGPT_SIZES[name]), name)
-    if name == "llama-7b":
-        return shape_from_config(LLAMA_7B, name)
-    if name == "llama-70b":
-        return shape_from_config(LLAMA_70B, name)
+    if name in LLAMA_CONFIGS:
+        return shape_from_config(LLAMA_CONFIGS[name], name)
     raise InputError(f"unknown preset {name!r}; valid: {', '.join(PRESETS)}")
