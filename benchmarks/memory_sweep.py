@@ -4,8 +4,8 @@ without gradient checkpointing.
     python benchmarks/memory_sweep.py           # writes benchmarks/memory_sweep.md and memory_sweep.png
     python benchmarks/memory_sweep.py --quick   # six small points, to check that it runs
 
-Each point is one `minituner memory-check --json` in a fresh process (so the peak is that run's alone)
-on MiniGPT (the `minigpt` preset), a GPT-2-124M-shaped model (GPT-2 small's config.json, random
+Each point is one `minituner memory-check --json` in a fresh process (so the peak is that run's alone; a point
+whose peak is under SMALL_PEAK runs REPEATS times, the run with the median peak kept) on MiniGPT (the `minigpt` preset), a GPT-2-124M-shaped model (GPT-2 small's config.json, random
 weights, imported into MiniGPT) and two small llama-family shapes built as ``minigpt.decoder.Decoder``
 (a llama with grouped-query attention and an untied head, a qwen2 with q/k/v biases and a tied head);
 full, LoRA and QLoRA; instruction batches (some targets counted) and runs with dropout (the model's, as GPT-2
@@ -32,6 +32,13 @@ from minituner.planner.activations import dropout_phrase  # noqa: E402
 
 MIB = 2**20
 GOAL = 10.0  # percent: the step's peak predicted within ±10% of the measurement
+# A point whose measured peak is under SMALL_PEAK is measured REPEATS times (fresh processes) and its median run kept:
+# there the process's own unmodelled bytes (Python's and autograd's objects in the heap, tensors under the pinned
+# mmap threshold) move the measurement by a share the planner is not asked to track. minigpt full 8 x 64,
+# checkpointed, predicted 5.82 MiB: measured 5.76-6.22 MiB over six processes, 6.64 in one bench run (AMD EPYC,
+# 2026-12-07); its optimizer step, whose live tensors the planner knows exactly, measured 0.11-0.36 MiB above them.
+SMALL_PEAK = 16 * MIB
+REPEATS = 3
 # GPT-2 small (124M) as its Hugging Face config.json says it; the weights are random.
 GPT2_124M = {"model_type": "gpt2", "vocab_size": 50257, "n_positions": 1024, "n_embd": 768, "n_layer": 12,
              "n_head": 12, "activation_function": "gelu_new", "layer_norm_epsilon": 1e-5}
@@ -152,10 +159,39 @@ def sweep(quick: bool = False) -> list[dict]:
         for point, pinned in [(p, True) for p in (QUICK_POINTS if quick else POINTS)] + \
                 [(p, False) for p in ([] if quick else UNPINNED_POINTS)]:
             t0 = time.perf_counter()
-            results.append(measure(point, cfg, pinned))
+            runs = [measure(point, cfg, pinned)]
+            if pinned and runs[0]["measured"]["peak"] < SMALL_PEAK:
+                runs += [measure(point, cfg, pinned) for _ in range(REPEATS - 1)]
+            results.append(median_run(runs))
             print(f"[memory_sweep] {point}{'' if pinned else ' glibc default'} {time.perf_counter() - t0:.1f}s",
                   file=sys.stderr, flush=True)
     return results
+
+
+def median_run(runs: list[dict]) -> dict:
+    """The run whose measured peak is the median of the runs (the lower middle of an even count), whole, so its
+    figures stay one run's; with more than one run, details["peak_runs"] holds every run's measured peak, sorted."""
+    ordered = sorted(runs, key=lambda r: r["measured"]["peak"])
+    kept = ordered[(len(ordered) - 1) // 2]
+    if len(runs) > 1:
+        kept["details"]["peak_runs"] = [r["measured"]["peak"] for r in ordered]
+    return kept
+
+
+def repeated(results: list[dict]) -> list[str]:
+    """A sentence on the points measured more than once (median_run), their spread; [] where none was."""
+    many = [r for r in results if len(r["details"].get("peak_runs", [])) > 1]
+    if not many:
+        return []
+    spreads = "; ".join(
+        f"{r['details']['model']} {label(r)} {batch_cell(r['details'])}"
+        f"{', checkpointed' if r['details']['grad_checkpoint'] else ''}: "
+        + " / ".join(f"{v / MIB:,.2f}" for v in r["details"]["peak_runs"])
+        + f" (predicted {r['predicted']['peak'] / MIB:,.2f})" for r in many)
+    return [f"Points whose peak measured under {SMALL_PEAK / MIB:g} MiB ran {REPEATS} times, each in a fresh process; "
+            f"the table keeps the run with the median peak (the process's own bytes that the planner does not "
+            f"model, Python's and autograd's objects and tensors under the mmap threshold in the heap, move a peak "
+            f"this small by several percent from run to run). Measured peaks, MiB: {spreads}."]
 
 
 def pinned(results: list[dict]) -> list[dict]:
@@ -372,7 +408,8 @@ def plot(results: list[dict]) -> bytes:
     return buf.getvalue()
 
 
-INTRO = ("`minituner memory-check --json` on each point (a fresh process each): the planner's buckets and its peak "
+INTRO = ("`minituner memory-check --json` on each point (a fresh process each; points whose peak is under "
+         f"{SMALL_PEAK // MIB} MiB {REPEATS} times, the run with the median peak kept): the planner's buckets and its peak "
          "model (`planner/peak.py`: what is alive at the worst phase of a step), told the run's dtypes (fp32 "
          "weights, grads, Adam and activations), beside the measurement. Peak measured: the resident set's "
          "high-water mark (VmHWM, reset per phase) over the steps after the first, with glibc's mmap threshold "
@@ -421,7 +458,7 @@ def markdown(results: list[dict], command: str) -> str:
         lines += ["", "Gradient accumulation (memory-check `--grad-accum N`, as finetune's: N batches a step, their "
                   "gradients adding up): every backward after the first holds all the gradients, added into; beside "
                   "each, the same point with one batch a step:", ""] + [f"- {s}" for s in accumulating]
-    lines += [""] + [f"- {s}" for s in summary(results)]
+    lines += [""] + [f"- {s}" for s in summary(results) + repeated(results)]
     if len(extra) > 2:
         lines += ["", "With glibc's malloc left as it is (`--default-allocator`, what a plain training process gets), "
                   "the resident set keeps freed tensors of earlier steps (glibc raises its mmap threshold after the "
@@ -444,7 +481,8 @@ def run(quick: bool = False):
              Goal("peak: smallest predicted / measured", min(ratios), 1 - GOAL / 100, True, "planner/peak.py")]
     intro = INTRO + "\n\n![predicted vs measured peak](memory_sweep.png)"
     return Section("Memory: the planner against measurement", intro, header, rows, goals,
-                   summary(results) + counted(results) + with_dropout(results) + accumulated(results))
+                   summary(results) + repeated(results) + counted(results) + with_dropout(results)
+                   + accumulated(results))
 
 
 def write(results: list[dict], command: str) -> None:
