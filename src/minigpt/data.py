@@ -60,10 +60,32 @@ PRETRAIN_DATA = BUILTIN_PREFIX + "python-docs"  # what pretraining reads by defa
 FINETUNE_DATA = BUILTIN_PREFIX + "forecasts"  # what fine-tuning reads by default: a domain the base never saw
 
 
+# what marks a folder as a model or a training run, never data: a run of ours (its manifest beside its metrics), a
+# model folder (config.json beside its weights), a PEFT adapter; any one pair present
+NOT_DATA_MARKS = (("manifest.json", "metrics.jsonl"), ("config.json", "model.safetensors"),
+                  ("config.json", "model.safetensors.index.json"), ("adapter_config.json", "adapter_model.safetensors"),
+                  ("adapter_config.json", "adapter_model.bin"))
+
+
+def check_no_models_within(folder: Path) -> None:
+    """Refuse a data folder that holds a model or a training run (NOT_DATA_MARKS), itself or in a folder under it:
+    read recursively, its files (a tokenizer's merges.txt, a model card, metrics.jsonl) would be taken for data."""
+    for first, second in NOT_DATA_MARKS:
+        for mark in sorted(folder.rglob(first)):
+            if (mark.parent / second).is_file():
+                where = mark.parent.relative_to(folder)
+                raise InputError(f"{folder}: {'the folder' if where == Path('.') else where} holds a model or a "
+                                 f"training run ({first}, {second}), not data; keep it outside the data folder or "
+                                 "give --data the data files")
+
+
 def read_user_documents(path: Path) -> list[str]:
-    """A text file, or every text file under a folder (sorted), split into paragraphs."""
+    """A text file, or every text file under a folder (sorted; not one holding a model or a run), split into
+    paragraphs."""
     if not path.exists():
         raise InputError(f"{path}: data file or folder not found")
+    if path.is_dir():
+        check_no_models_within(path)
     files = [path] if path.is_file() else sorted(
         p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES and not p.name.startswith(".")
     )

@@ -286,3 +286,32 @@ def test_eval_refuses_an_edited_run_manifest_it_would_have_ignored(hf_folder, da
     path.write_text(json.dumps(manifest))
     capsys.readouterr()
     one_line_error(capsys, main(["eval", "--base", str(base), "--adapter", str(run), "--data", str(data)]), needle)
+
+
+def test_a_data_folder_holding_a_run_or_a_model_is_refused(hf_folder, data, tmp_path, capsys):
+    """A run written inside its data folder (or a model kept there) would be read back as data by the next run,
+    recursively: its metrics.jsonl, manifest.json, a tokenizer's merges.txt. Refused in one line, nothing written."""
+    base = hf_folder("llama")
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    shutil.copy(data, corpus / "words.txt")
+    assert main(["finetune", "--base", str(base), "--data", str(corpus), "--out", str(corpus / "run1"), *TRAIN]) == 0
+    capsys.readouterr()
+    before = hashes(tmp_path)
+    code = main(["finetune", "--base", str(base), "--data", str(corpus), "--out", str(tmp_path / "run2"), *TRAIN])
+    one_line_error(capsys, code, "run1 holds a model or a training run (manifest.json, metrics.jsonl)")
+    code = main(["pretrain", "--data", str(corpus), "--out", str(tmp_path / "base2"), "--steps", "1"])
+    one_line_error(capsys, code, "run1 holds a model or a training run")
+    shutil.rmtree(corpus / "run1")
+    shutil.copytree(base, corpus / "models" / "llama")  # a Hugging Face model folder kept beside the text
+    one_line_error(capsys, main(["pretrain", "--data", str(corpus), "--out", str(tmp_path / "base2"), "--steps", "1"]),
+                   "models/llama holds a model or a training run (config.json, model.safetensors)")
+    chat = tmp_path / "chat"
+    (chat / "adapter").mkdir(parents=True)
+    (chat / "train.jsonl").write_text(json.dumps({"instruction": "a", "output": "b"}) + "\n")
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        (chat / "adapter" / name).write_text("{}")
+    code = main(["finetune", "--base", str(base), "--data", str(chat), "--out", str(tmp_path / "run3"), *TRAIN])
+    one_line_error(capsys, code, "adapter holds a model or a training run (adapter_config.json")
+    assert not (tmp_path / "run2").exists() and not (tmp_path / "base2").exists() and not (tmp_path / "run3").exists()
+    assert all(hashes(tmp_path)[k] == v for k, v in before.items() if not k.startswith("corpus/run1"))

@@ -21,6 +21,7 @@ import zlib
 from dataclasses import replace
 from pathlib import Path
 
+from minigpt.data import check_no_models_within
 from minigpt.errors import InputError
 
 from .dataset_card import card_configs, choose_config, pattern_files
@@ -291,10 +292,11 @@ def data_files(path: str | Path, selection: DataSelection = DataSelection()) -> 
     (recursively, sorted, hidden ones skipped; a save_to_disk folder's own .arrow files, not datasets' caches beside
     them), each in the split its path names.
 
-    Refused, as data is never skipped silently: a folder that also holds text files (a README excepted) or data
-    this module does not read (.zip, .tar, ...), one whose card declares several configs and none is chosen, a
-    split named otherwise than train, validation or test unless --data-split says what it is, and a folder where
-    some files name a split and others do not.
+    Refused, as data is never skipped silently: a folder that holds a model or a training run, itself or in a
+    folder under it (``minigpt.data.check_no_models_within``), a folder that also holds text files (a README
+    excepted) or data this module does not read (.zip, .tar, ...), one whose card declares several configs and none
+    is chosen, a split named otherwise than train, validation or test unless --data-split says what it is, and a
+    folder where some files name a split and others do not.
     """
     path = Path(path)
     if not path.exists():
@@ -322,7 +324,9 @@ def data_files(path: str | Path, selection: DataSelection = DataSelection()) -> 
 
 
 def _named_files(path: Path) -> list[tuple[Path, str | None]]:
-    """(file, the split its path names as written, or None) for the data files under a folder."""
+    """(file, the split its path names as written, or None) for the data files under a folder (not one holding a
+    model or a run)."""
+    check_no_models_within(path)
     listed = [p for p in _listed(path) if not _is_metadata(p)]
     saved = {folder: _saved_arrow_files(folder) for folder in {p.parent for p in listed}}
     files = [p for p in listed if data_kind(p) is not None
