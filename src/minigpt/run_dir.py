@@ -14,14 +14,21 @@ from .train_state import CHECKPOINT_DIR, list_checkpoints
 
 
 def check_creatable(out: Path) -> None:
-    """An InputError when `out` cannot be made a folder: it, or the nearest existing folder above it, is a file."""
+    """An InputError when `out` cannot be made a folder and written into: it, or the nearest existing folder above
+    it, is a file, or that folder takes no new entries (read-only, another user's, /proc): tried with an empty
+    hidden folder made there and removed at once, before any work."""
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise InputError(f"{out}: exists and is not a folder")
-    for parent in out.parents:
-        if parent.exists():
-            if not parent.is_dir():
-                raise InputError(f"{out}: cannot be created, {parent} is a file, not a folder")
+    for folder in (out, *out.parents):
+        if folder.exists():
+            if not folder.is_dir():
+                raise InputError(f"{out}: cannot be created, {folder} is a file, not a folder")
+            try:
+                os.rmdir(tempfile.mkdtemp(prefix=".write-test.", dir=folder))
+            except OSError as e:
+                raise InputError(f"{out}: cannot be {'written' if folder == out else 'created'} ({folder}: "
+                                 f"{e.strerror or e})") from None
             return
 
 

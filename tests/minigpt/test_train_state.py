@@ -2,8 +2,11 @@
 training loop's resume and non-finite handling."""
 import json
 import random
+import tempfile
+from pathlib import Path
 
 import numpy as np
+
 import pytest
 import torch
 import torch.nn as nn
@@ -148,6 +151,27 @@ def test_check_run_dir(tmp_path):
         check_run_dir(tmp_path / "file", ())
     with pytest.raises(InputError, match=r"file/a/run: cannot be created, .*file is a file, not a folder"):
         check_run_dir(tmp_path / "file" / "a" / "run", ())  # was an OSError: [Errno 20] Not a directory
+
+
+def test_check_run_dir_tries_the_folder_it_would_write_in(tmp_path, monkeypatch):
+    """A folder that takes no new entries is refused before any work, in one line that says why; the probe leaves
+    nothing behind."""
+    check_run_dir(tmp_path / "new" / "run", ())
+    check_run_dir(tmp_path, ())
+    assert list(tmp_path.iterdir()) == []  # the probe folders are gone
+    if Path("/proc/self").is_dir():  # Linux: /proc takes no folders, even from root
+        with pytest.raises(InputError, match=r"^/proc/minigpt-test/run: cannot be created \(/proc: "):
+            check_run_dir(Path("/proc/minigpt-test/run"), ())
+
+    def refused(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(tempfile, "mkdtemp", refused)  # a read-only folder (root is never refused, so mocked)
+    with pytest.raises(InputError, match=r"run: cannot be created \(.*: Permission denied\)"):
+        check_run_dir(tmp_path / "run", ())
+    (tmp_path / "old").mkdir()
+    with pytest.raises(InputError, match=r"old: cannot be written \(.*old: Permission denied\)"):
+        check_run_dir(tmp_path / "old", ())
 
 
 class NaNAt(nn.Module):
