@@ -67,28 +67,37 @@ NOT_DATA_MARKS = (("manifest.json", "metrics.jsonl"), ("config.json", "model.saf
                   ("adapter_config.json", "adapter_model.bin"))
 
 
-def check_no_models_within(folder: Path) -> None:
-    """Refuse a data folder that holds a model or a training run (NOT_DATA_MARKS), itself or in a folder under it:
-    read recursively, its files (a tokenizer's merges.txt, a model card, metrics.jsonl) would be taken for data."""
+def visible_files(folder: Path) -> list[Path]:
+    """The files under `folder`, recursively, sorted; none hidden or in a hidden folder (.git, .cache, a run's
+    .replaced-run.*), which are never data."""
+    return sorted(p for p in folder.rglob("*") if p.is_file()
+                  and not any(part.startswith(".") for part in p.relative_to(folder).parts))
+
+
+def check_no_models_within(folder: Path, files: list[Path]) -> None:
+    """Refuse a data folder whose files (``visible_files``) include a model or a training run (NOT_DATA_MARKS), in
+    the folder itself or under it: read recursively, its files (a tokenizer's merges.txt, a model card,
+    metrics.jsonl) would be taken for data."""
+    held = set(files)
     for first, second in NOT_DATA_MARKS:
-        for mark in sorted(folder.rglob(first)):
-            if (mark.parent / second).is_file():
-                where = mark.parent.relative_to(folder)
-                raise InputError(f"{folder}: {'the folder' if where == Path('.') else where} holds a model or a "
-                                 f"training run ({first}, {second}), not data; keep it outside the data folder or "
-                                 "give --data the data files")
+        mark = next((f for f in files if f.name == first and f.parent / second in held), None)
+        if mark is not None:
+            where = mark.parent.relative_to(folder)
+            raise InputError(f"{folder}: {'the folder' if where == Path('.') else where} holds a model or a "
+                             f"training run ({first}, {second}), not data; keep it outside the data folder or give "
+                             "--data the data files")
 
 
 def read_user_documents(path: Path) -> list[str]:
-    """A text file, or every text file under a folder (sorted; not one holding a model or a run), split into
-    paragraphs."""
+    """A text file, or every text file under a folder (``visible_files``; not a folder holding a model or a run),
+    split into paragraphs."""
     if not path.exists():
         raise InputError(f"{path}: data file or folder not found")
+    files = [path]
     if path.is_dir():
-        check_no_models_within(path)
-    files = [path] if path.is_file() else sorted(
-        p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES and not p.name.startswith(".")
-    )
+        listed = visible_files(path)
+        check_no_models_within(path, listed)
+        files = [p for p in listed if p.suffix.lower() in TEXT_SUFFIXES]
     docs: list[str] = []
     for f in files:
         try:

@@ -34,6 +34,26 @@ def test_user_file_and_folder(tmp_path):
     assert load_documents(tmp_path / "a.txt") == ["first paragraph", "second one"]
 
 
+def test_a_folder_skips_hidden_folders_and_refuses_models_and_runs(tmp_path):
+    """A corpus kept in git: .git's suffixless files (HEAD, description) are not text to learn; a model or a run
+    kept under the corpus is refused, not read (an exported tokenizer's merges.txt would have been), unless hidden."""
+    (tmp_path / "a.txt").write_text("first paragraph\n")
+    (tmp_path / ".git").mkdir()
+    (tmp_path / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
+    (tmp_path / ".git" / "description").write_text("Unnamed repository\n")
+    assert load_documents(tmp_path) == ["first paragraph"]
+    model = tmp_path / ".cache" / "gpt2"
+    model.mkdir(parents=True)
+    for name in ("config.json", "model.safetensors", "merges.txt"):
+        (model / name).write_text("x\n")
+    assert load_documents(tmp_path) == ["first paragraph"]  # hidden: neither read nor refused
+    (tmp_path / ".cache").rename(tmp_path / "models")
+    with pytest.raises(InputError, match="models/gpt2 holds a model or a training run .config.json, model.safetensors"):
+        load_documents(tmp_path)
+    with pytest.raises(InputError, match="the folder holds a model or a training run"):
+        load_documents(tmp_path / "models" / "gpt2")
+
+
 @pytest.mark.parametrize("make", ["missing", "empty", "blank", "binary"])
 def test_bad_data_is_input_error(tmp_path, make):
     p = tmp_path / "data.txt"

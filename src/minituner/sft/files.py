@@ -21,7 +21,7 @@ import zlib
 from dataclasses import replace
 from pathlib import Path
 
-from minigpt.data import check_no_models_within
+from minigpt.data import check_no_models_within, visible_files
 from minigpt.errors import InputError
 
 from .dataset_card import card_configs, choose_config, pattern_files
@@ -249,11 +249,6 @@ def read_file(path: str | Path, fmt: str | None = None, split: str | None = None
     return records
 
 
-def _listed(folder: Path) -> list[Path]:
-    return sorted(p for p in folder.rglob("*") if p.is_file()
-                  and not any(part.startswith(".") for part in p.relative_to(folder).parts))
-
-
 def _is_metadata(p: Path) -> bool:
     """datasets' metadata, or a README beside the data (a Hub snapshot's dataset card)."""
     return p.name in DATASETS_METADATA or (p.stem.lower() == "readme" and p.suffix.lower() in TEXT_SUFFIXES)
@@ -326,8 +321,9 @@ def data_files(path: str | Path, selection: DataSelection = DataSelection()) -> 
 def _named_files(path: Path) -> list[tuple[Path, str | None]]:
     """(file, the split its path names as written, or None) for the data files under a folder (not one holding a
     model or a run)."""
-    check_no_models_within(path)
-    listed = [p for p in _listed(path) if not _is_metadata(p)]
+    every = visible_files(path)
+    check_no_models_within(path, every)
+    listed = [p for p in every if not _is_metadata(p)]
     saved = {folder: _saved_arrow_files(folder) for folder in {p.parent for p in listed}}
     files = [p for p in listed if data_kind(p) is not None
              and (saved[p.parent] is None or p.suffix.lower() != ".arrow" or p.name in saved[p.parent])]
@@ -410,7 +406,7 @@ def is_structured(path: str | Path) -> bool:
     path = Path(path)
     if path.is_file():
         return data_kind(path) is not None
-    return path.is_dir() and any(data_kind(p) is not None for p in _listed(path))
+    return path.is_dir() and any(data_kind(p) is not None for p in visible_files(path))
 
 
 def read_records(path: str | Path, fmt: str | None = None, selection: DataSelection = DataSelection()
