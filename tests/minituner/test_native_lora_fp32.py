@@ -2,12 +2,14 @@
 strided rows; the same bits on one thread or two; every value the forward writes looked at for NaN and inf; and a
 LoRALinear through them (lora_product's fused Function) against its two pieces as PyTorch ops."""
 import copy
+import ctypes
 
 import pytest
 import torch
 import torch.nn as nn
 
 from miniquant import QuantizedLinear
+from minikernels.build import build_library, find_compiler
 from minituner import lora_product, native_lora, native_lora_fp32
 from minituner.lora import LoRALinear
 
@@ -86,6 +88,48 @@ def test_the_same_bits_on_one_thread_or_two():
         torch.set_num_threads(threads)
     assert all(torch.equal(p, q) for p, q in zip(one, two))
 
+
+
+@pytest.mark.parametrize("n, k, m, r", [(9, 40, 70, 10), (6, 32, 64, 8), (5, 16, 130, 3)])
+def test_rows_in_pairs_give_the_bits_of_rows_one_at_a_time(n, k, m, r):
+    """The update of y (forward) and of grad_x (input_update_) runs two rows at a time over whole blocks of columns,
+    the rest (the last columns, an odd last row) one row at a time: one row per call takes only the second path."""
+    x, A, B, _, y0 = operands(n, k, m, r)
+    y = y0.clone()
+    a, _ = K.forward_(y, x, A, B, 0.5)
+    rows = [y0[i:i + 1].clone() for i in range(n)]
+    for i, row in enumerate(rows):
+        K.forward_(row, x[i:i + 1], A, B, 0.5)
+    assert torch.equal(y, torch.cat(rows))
+    grad_a = torch.randn(n, r, generator=torch.Generator().manual_seed(5))
+    A_wide = torch.randn(r, m, generator=torch.Generator().manual_seed(6))  # the update's Bt: m columns
+    grad_x = y0.clone()
+    K.input_update_(grad_x, grad_a, A_wide)
+    rows = [y0[i:i + 1].clone() for i in range(n)]
+    for i, row in enumerate(rows):
+        K.input_update_(row, grad_a[i:i + 1], A_wide)
+    assert torch.equal(grad_x, torch.cat(rows))
+
+
+def test_an_avx2_build_gives_the_bits_of_the_library_in_use(tmp_path, monkeypatch):
+    """Built without AVX-512 (as on an AVX2 CPU) the updates' row pairs take blocks of 16 columns in 8-lane vectors,
+    not 32 in 16 lanes: each value is the same chain of multiply-adds, so y's and grad_x's updates keep their bits."""
+    monkeypatch.setenv("MINIQUANT_CACHE", str(tmp_path))
+    try:
+        path = build_library("lora_fp32_avx2", native_lora_fp32._SOURCE, native_lora_fp32.CFLAGS + ["-mno-avx512f"],
+                             find_compiler(), ["-fopenmp"])
+    except RuntimeError as e:
+        pytest.skip(f"cannot build without AVX-512 here: {e}")
+    avx2 = native_lora.NativeLoRA(ctypes.CDLL(str(path)), dtype=torch.float32)
+    x, A, B, _, y0 = operands(67, 96, 100, 6)
+    grad_a = torch.randn(67, 6, generator=torch.Generator().manual_seed(5))
+    outputs = []
+    for lib in (K, avx2):
+        y, grad_x = y0.clone(), x.contiguous()
+        a, _ = lib.forward_(y, x, A, B, 0.5)
+        lib.input_update_(grad_x, grad_a, A)
+        outputs.append((y, a, grad_x))
+    assert all(torch.equal(p, q) for p, q in zip(*outputs))
 
 @pytest.mark.parametrize("n, k, m, r", [(33, 100, 70, 10), (5, 32, 64, 1), (130, 64, 17, 2), (2048, 128, 136, 8)])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
