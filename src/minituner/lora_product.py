@@ -146,7 +146,8 @@ def fused_fits(lora: nn.Module, x2: Tensor, name: str) -> bool:
     """Whether lora_product computes this call: `name` the one active adapter without dropout in play, a base with
     no hooks of its own, and either a low-precision compute dtype that x2 (N, in) already has with a base that is
     a frozen Linear stored in that dtype or a quantized linear computing in it (``quantized_tensors``,
-    ``dequantize_from``), or fp32 where the fp32 C kernels run (``_fp32_fits``)."""
+    ``dequantize_from``), or fp32 where the fp32 C kernels run (``_fp32_fits``). With grad off (no_grad, inference
+    mode) a Linear base whose weight would train counts as frozen: no gradient is taken."""
     cd, base = lora.compute_dtype, lora.base_layer
     if x2.dim() != 2 or len(lora.active_adapters) != 1:
         return False
@@ -155,8 +156,9 @@ def fused_fits(lora: nn.Module, x2: Tensor, name: str) -> bool:
         return False
     if base._forward_hooks or base._forward_pre_hooks:
         return False
-    if isinstance(base, nn.Linear) and (base.weight.requires_grad or (base.bias is not None and base.bias.requires_grad)):
-        return False
+    if isinstance(base, nn.Linear) and torch.is_grad_enabled() and (
+            base.weight.requires_grad or (base.bias is not None and base.bias.requires_grad)):
+        return False  # a base that trains
     if cd is None or cd == torch.float32:
         return _fp32_fits(lora, x2, name)
     if x2.dtype != cd:

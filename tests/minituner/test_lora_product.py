@@ -434,3 +434,34 @@ def test_the_guard_of_a_layer_handed_gelus_input_judges_gelus_output():
         layer.lora_B["default"].weight.fill_(float("inf"))
     with pytest.raises(FloatingPointError, match=r"0: non-finite output .*the LoRA path"):
         layer(h, gelu="tanh")
+
+
+
+def test_with_grad_off_a_base_that_would_train_takes_it_and_gives_the_same_numbers(monkeypatch):
+    """A LoRALinear made by hand (its base's weight still requires grad) under no_grad: nothing trains, so the
+    fused Function runs, with the two pieces' numbers; with grad on the same layer keeps the two pieces."""
+    import minituner.lora as lora
+
+    torch.manual_seed(0)
+    bf16 = layer_in_bf16("linear")
+    bf16[0].base_layer.requires_grad_(True)
+    fp32 = nn.Sequential(LoRALinear(nn.Linear(64, 48), r=4))  # the base's weight requires grad, as nn.Linear makes it
+    with torch.no_grad():
+        fp32[0].lora_B["default"].weight.normal_(0, 0.1)
+    calls = []
+    monkeypatch.setattr(lora, "lora_product", lambda *a, **k: calls.append(1) or lora_product.lora_product(*a, **k))
+    cases = [(bf16, torch.randn(5, 64).to(BF16), 2e-2)]
+    if native_lora_fp32.kernels() is not None:  # fp32 takes the Function only where its C kernels run
+        cases.append((fp32, torch.randn(5, 64), 1e-5))
+    for model, x, tol in cases:
+        y = model(x)
+        assert not calls and y.requires_grad  # grad on: the base gets a gradient, so the two pieces
+        for mode in (torch.no_grad, torch.inference_mode):
+            with mode():
+                fused_y = model(x)
+                assert len(calls) == 1
+                calls.clear()
+                with monkeypatch.context() as m:
+                    m.setattr(lora, "fused_fits", lambda *a: False)
+                    torch.testing.assert_close(fused_y, model(x), atol=tol, rtol=tol)
+        torch.testing.assert_close(fused_y, y.detach(), atol=tol, rtol=tol)
