@@ -8,6 +8,7 @@ the Python docs never use, so an adapter's gain on it is easy to see.
 from __future__ import annotations
 
 import random
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -129,21 +130,37 @@ class Splits:
 
 
 def split_documents(docs: list[str], period: int = 20) -> Splits:
-    """Deterministic split: of every `period` documents, one goes to val and one to test.
+    """Deterministic split: of every `period` documents, one goes to val and one to test (documents joined by a
+    blank line, as paragraphs are read).
 
-    With fewer than `period` documents, the joined text is cut into `period` equal pieces first.
+    With fewer than `period` documents, the joined text itself is split: its last two `period`-ths are val, then
+    test, each cut moved to whitespace (``_cut_at_whitespace``: no word cut in two, nothing added).
     """
     if not docs or not any(d.strip() for d in docs):
         raise InputError("the data is empty")
     if len(docs) < period:
         text = "\n\n".join(docs)
-        step = max(1, len(text) // period)
-        docs = [text[i : i + step] for i in range(0, len(text), step)]
+        val_at = _cut_at_whitespace(text, len(text) * (period - 2) // period)
+        test_at = max(val_at, _cut_at_whitespace(text, len(text) * (period - 1) // period))
+        return Splits(train=text[:val_at], val=text[val_at:test_at], test=text[test_at:])
     parts: dict[str, list[str]] = {"train": [], "val": [], "test": []}
     for i, d in enumerate(docs):
         r = i % period
         parts["val" if r == period - 2 else "test" if r == period - 1 else "train"].append(d)
     return Splits(**{k: "\n\n".join(v) + "\n\n" for k, v in parts.items()})
+
+
+WHITESPACE = re.compile(r"\s")
+
+
+def _cut_at_whitespace(text: str, at: int) -> int:
+    """Where whitespace starts at or after `at`, else the last whitespace before it, else `at` (text with no
+    whitespace, as Chinese or Japanese is written): a cut there splits no word."""
+    found = WHITESPACE.search(text, at)
+    if found:
+        return found.start()
+    before = max(text.rfind(c, 0, at) for c in " \t\n\r\f\v")
+    return before if before > 0 else at
 
 
 def encode_split(text: str, tokenizer, block_size: int, name: str) -> torch.Tensor:

@@ -26,6 +26,19 @@ def test_split_is_deterministic_and_disjoint():
     assert s.train.count("doc") == 90 and s.val.count("doc") == 5 and s.test.count("doc") == 5
 
 
+
+def test_few_documents_are_split_at_whitespace_with_nothing_added():
+    """Under 20 documents the joined text is split: the last two twentieths val, then test, at whitespace. Before,
+    it was cut into 20 equal pieces joined by blank lines: 'the w\n\nind i\n\ns cal...' (words cut, text added)."""
+    docs = ["the wind is calm today and tomorrow " * 6, "the sea is flat and the sky is clear " * 6]
+    s = split_documents(docs)
+    text = "\n\n".join(docs)
+    assert s.train + s.val + s.test == text and s.val and s.test
+    assert len(s.train) <= 0.9 * len(text) + 10 and len(s.val) <= 0.05 * len(text) + 10
+    words = set(text.split())
+    assert all(set(part.split()) <= words for part in (s.train, s.val, s.test))
+    assert split_documents(["風が静かです今日は明日も" * 4]).val  # no whitespace: cut where it falls
+
 def test_user_file_and_folder(tmp_path):
     (tmp_path / "a.txt").write_text("first paragraph\n\nsecond one\n")
     (tmp_path / "sub").mkdir()
