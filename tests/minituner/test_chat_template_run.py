@@ -115,6 +115,7 @@ def test_template_mistakes_are_one_line(root, tmp_path, cli):
     (tmp_path / "folder.jinja").mkdir()
     for name, content, message in [("missing.jinja", None, "chat template file not found"),
                                    ("folder.jinja", None, "a folder, not a chat template file"),
+                                   ("/dev/null", None, "/dev/null: not a regular file (a device or pipe)"),
                                    ("bad.jinja", "{% for m in messages %}", "the chat template does not parse"),
                                    ("latin1.jinja", "caf\xe9".encode("latin-1"), "not UTF-8")]:
         path = tmp_path / name

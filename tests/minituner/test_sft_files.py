@@ -343,5 +343,10 @@ def test_damaged_compressed_and_quoted_files_are_one_line(tmp_path):
     with pytest.raises(InputError, match=r"bad\.jsonl\.gz: not a readable gz file"):
         read_file(tmp_path / "bad.jsonl.gz")
     (tmp_path / "quote.csv").write_text('prompt,completion\nq1, a1\nq2,"a2 is wide\nq3, a3\n')
-    with pytest.raises(InputError, match=r"quote\.csv:\d+: not valid CSV"):
+    with pytest.raises(InputError, match=r"quote\.csv:3: not valid CSV"):  # the line the bad record starts on
         read_file(tmp_path / "quote.csv")
+    (tmp_path / "quoted.csv").write_text('prompt,completion\n"q1\non two lines",a1\nq2,a2\n')
+    assert [r.where.rsplit(":", 1)[1] for r in read_file(tmp_path / "quoted.csv")] == ["2", "4"]
+    (tmp_path / "twice.csv").write_text("prompt,prompt\nq1,a1\n")  # DictReader kept the last one, silently
+    with pytest.raises(InputError, match=r"twice\.csv:1: the header names 'prompt' twice"):
+        read_file(tmp_path / "twice.csv")

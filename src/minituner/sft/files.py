@@ -179,14 +179,20 @@ def _csv_rows(path: Path):
     """(where, row as a dict of strings) of each row of a .csv/.tsv file (its first line the column names)."""
     reader = csv.DictReader(io.StringIO(_decode(path), newline=""),
                             delimiter="\t" if _inner_suffix(path) == ".tsv" else ",", strict=True)
+    start = 1  # the line the record being read starts on (line_num counts the lines read once a record is whole)
     try:
+        twice = sorted({name for name in reader.fieldnames or [] if reader.fieldnames.count(name) > 1})
+        if twice:  # DictReader would keep the last such column's cells under the name, silently
+            raise InputError(f"{path}:1: the header names {twice[0]!r} twice")
+        start = reader.line_num + 1
         for row in reader:
             if None in row:  # more cells than the header names
-                raise InputError(f"{path}:{reader.line_num}: {len(row) - 1 + len(row[None])} cells, the header names "
+                raise InputError(f"{path}:{start}: {len(row) - 1 + len(row[None])} cells, the header names "
                                  f"{len(reader.fieldnames)}")
-            yield f"{path}:{reader.line_num}", row
+            yield f"{path}:{start}", row
+            start = reader.line_num + 1
     except csv.Error as e:
-        raise InputError(f"{path}:{reader.line_num}: not valid CSV ({e})") from None
+        raise InputError(f"{path}:{start}: not valid CSV ({e})") from None
 
 
 def _batches(path: Path):

@@ -344,7 +344,8 @@ def load_chat_template(folder: str | Path, template_file: str | Path | None = No
     jinja_path = Path(template_file) if template_file is not None else folder / TEMPLATE_FILE
     if template_file is not None and not jinja_path.is_file():
         raise InputError(f"{jinja_path}: " + ("a folder, not a chat template file" if jinja_path.is_dir()
-                                              else "chat template file not found"))
+                                              else "not a regular file (a device or pipe), not a chat template file"
+                                              if jinja_path.exists() else "chat template file not found"))
     if jinja_path.is_file():
         try:
             source, origin = jinja_path.read_text(encoding="utf-8"), str(jinja_path)
