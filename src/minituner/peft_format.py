@@ -3,10 +3,14 @@
 Keys are ``base_model.model.<module path>.lora_A.weight`` / ``.lora_B.weight`` (PEFT drops the adapter
 name when saving), so ``peft.PeftModel.from_pretrained(<a MiniGPT>, folder)`` loads what we write, and
 we load what PEFT writes. Only plain LoRA is understood: DoRA, per-module rank/alpha patterns, LoRA
-biases or extra saved modules are refused with a one-line error rather than silently dropped.
+biases, extra saved modules or a subset of layers (``layers_to_transform``) are refused with a one-line error
+rather than silently dropped, and so is an adapter for another task than a causal LM (``task_type``). The
+tensors say which modules get LoRA; each must be one the config's ``target_modules`` names as PEFT matches
+them (``targets_name``), since PEFT would leave the others out.
 """
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import torch
@@ -16,7 +20,7 @@ from minigpt.decoder import Decoder
 from minigpt.errors import InputError
 from minigpt.io import atomic_save_safetensors, load_safetensors, read_json, write_json
 
-from .adapter_tensors import PEFT_PREFIX, load_pickled_tensors, normalize_keys
+from .adapter_tensors import PEFT_PREFIX, load_pickled_tensors, module_paths, normalize_keys
 from .lora import ALL_LINEAR, LoRAConfig, adapter_config, lora_modules, lora_state_dict
 
 CONFIG_NAME = "adapter_config.json"
@@ -73,7 +77,18 @@ def save_peft_adapter(model: nn.Module, folder: str | Path, adapter_name: str | 
 UNSUPPORTED = {  # field -> value PEFT writes when the feature is off
     "use_dora": False, "rank_pattern": {}, "alpha_pattern": {}, "modules_to_save": None,
     "bias": "none", "fan_in_fan_out": False, "lora_bias": False, "layer_replication": None,
+    "layers_to_transform": None, "layers_pattern": None,
 }
+TASK_TYPES = (None, "CAUSAL_LM")  # a causal LM's adapter (None: a plain nn.Module's, as PEFT writes for MiniGPT)
+
+
+def targets_name(targets: str | list[str], path: str) -> bool:
+    """Whether PEFT's target_modules select the module at `path`: a list by name or path suffix ('q_proj' selects
+    'model.layers.0.self_attn.q_proj'), a string as a regular expression over the whole path, 'all-linear' every
+    Linear (the tensors' modules are Linears)."""
+    if isinstance(targets, str):
+        return targets.lower() == ALL_LINEAR or re.fullmatch(targets, path) is not None
+    return any(path == t or path.endswith("." + t) for t in targets)
 
 
 def _field(d: dict, key: str, kinds: type | tuple[type, ...], where: Path, default=None):
@@ -94,6 +109,9 @@ def _field(d: dict, key: str, kinds: type | tuple[type, ...], where: Path, defau
 def config_from_peft(d: dict, where: Path) -> LoRAConfig:
     if d.get("peft_type") != "LORA":
         raise InputError(f"{where}: peft_type is {d.get('peft_type')!r}, only LORA adapters are supported")
+    if d.get("task_type") not in TASK_TYPES:
+        raise InputError(f"{where}: task_type {d['task_type']!r} is not supported (a causal language model's "
+                         "adapter: CAUSAL_LM)")
     for key, off in UNSUPPORTED.items():
         value = d.get(key)
         if value is not None and value != off:
@@ -114,11 +132,23 @@ def config_from_peft(d: dict, where: Path) -> LoRAConfig:
 def read_peft_adapter(folder: str | Path) -> tuple[dict[str, torch.Tensor], LoRAConfig]:
     """Tensors keyed '<module path>.lora_A.weight' (prefix and adapter name removed) and the LoRAConfig."""
     folder = Path(folder)
-    cfg = config_from_peft(read_json(folder / CONFIG_NAME), folder / CONFIG_NAME)
+    d = read_json(folder / CONFIG_NAME)
+    cfg = config_from_peft(d, folder / CONFIG_NAME)
     if (folder / WEIGHTS_NAME).is_file():
         sd = load_safetensors(folder / WEIGHTS_NAME)
     elif (folder / LEGACY_WEIGHTS_NAME).is_file():
         sd = load_pickled_tensors(folder / LEGACY_WEIGHTS_NAME)
     else:
         raise InputError(f"{folder}: no {WEIGHTS_NAME} beside {CONFIG_NAME}")
-    return normalize_keys(sd), cfg
+    sd = normalize_keys(sd)
+    targets = d.get("target_modules") or ALL_LINEAR  # (a list of strings or a string: config_from_peft checked)
+    try:
+        unnamed = [p for p in module_paths(sd) if not targets_name(targets, p)]
+    except re.error as e:
+        raise InputError(f"{folder / CONFIG_NAME}: target_modules {targets!r} is not a regular expression "
+                         f"({e})") from None
+    if unnamed:
+        raise InputError(f"{folder}: its tensors adapt {len(unnamed)} module(s) that {CONFIG_NAME}'s target_modules "
+                         f"{targets!r} does not name ({unnamed[0]}{', ...' if len(unnamed) > 1 else ''}); PEFT "
+                         "would leave them out: name them there, or remove their tensors")
+    return sd, cfg

@@ -89,7 +89,9 @@ def test_peft_adapter_for_another_rank_names_keys(tmp_path):
 
 
 @pytest.mark.parametrize("field,value", [("use_dora", True), ("peft_type", "IA3"), ("rank_pattern", {"fc1": 2}),
-                                         ("modules_to_save", ["lm_head"]), ("bias", "all")])
+                                         ("modules_to_save", ["lm_head"]), ("bias", "all"),
+                                         ("layers_to_transform", [0]), ("layers_pattern", "blocks"),
+                                         ("task_type", "SEQ_CLS")])
 def test_unsupported_peft_features_are_refused(tmp_path, field, value):
     save_peft_adapter(trained_like(LoRAConfig(r=4)), tmp_path / "a")
     cfg = json.loads((tmp_path / "a" / CONFIG_NAME).read_text())
@@ -97,6 +99,24 @@ def test_unsupported_peft_features_are_refused(tmp_path, field, value):
     (tmp_path / "a" / CONFIG_NAME).write_text(json.dumps(cfg))
     with pytest.raises(InputError, match=field):
         load_peft_adapter(base_model(), tmp_path / "a")
+
+
+
+def test_tensors_for_modules_the_config_does_not_target_are_refused(tmp_path):
+    """PEFT puts LoRA only on the modules target_modules selects (a list by name or path suffix, a string as a
+    regular expression over the whole path) and leaves other tensors out; we took every tensor's module."""
+    save_peft_adapter(trained_like(LoRAConfig(r=4, target_modules=["q_proj", "fc1"])), tmp_path / "a")
+    config = tmp_path / "a" / CONFIG_NAME
+    cfg = json.loads(config.read_text())
+    for targets, refused in [(["q_proj"], True), ("blocks\\.0\\..*", True), (["q_proj", "fc1"], False),
+                             (".*\\.(q_proj|fc1)", False), ("all-linear", False), (None, False), ("(", True)]:
+        config.write_text(json.dumps({**cfg, "target_modules": targets}))
+        if refused:
+            with pytest.raises(InputError, match="does not name|not a regular expression"):
+                load_peft_adapter(base_model(), tmp_path / "a")
+        else:
+            loaded = load_peft_adapter(base_model(), tmp_path / "a")
+            assert len(loaded.target_modules) == 2 * base_model().config.n_layer, targets
 
 
 def test_peft_folder_without_weights_is_input_error(tmp_path):
