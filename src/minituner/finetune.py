@@ -43,7 +43,8 @@ from .build import FULL_IN_BF16, build_for_training
 from .dropout import config_dropout, set_model_dropout
 from .adapter_io import ADAPTER_FILE, save_adapter
 from .export import write_hf_folder
-from .finetune_data import encode_domain, steps_for_epochs, training_data  # noqa: F401 (steps_for_epochs: API)
+from .finetune_data import (  # noqa: F401 (steps_for_epochs: API)
+    domain_unknown_fraction, encode_domain, steps_for_epochs, training_data)
 from .lora import LoRAConfig, trainable_numel
 from .memory.run_plan import describe_run_plan, plan_run
 from .planner.activations import check_dropout_range
@@ -58,6 +59,7 @@ from .zoo import adapters_disabled
 
 DEFAULT_DATA = FINETUNE_DATA
 BASE_DOMAIN = PRETRAIN_DATA  # val loss here before/after shows what fine-tuning forgets
+UNREADABLE_DOMAIN = 0.01  # above this fraction of the base domain's text <unk> to the tokenizer, finetune says so
 PEFT_DIR = "adapter_peft"
 # what a LoRA run writes, which a new run in the same folder replaces: any of these, and the folder holds a run
 # (refused without --overwrite or --resume); a full fine-tune writes a whole base folder (WEIGHTS and the rest)
@@ -230,6 +232,8 @@ def _finetune(base: Path, out: Path, cfg: FinetuneConfig, progress: bool, log, r
     with adapters_disabled(model):  # the base's losses (a QLoRA base quantized), computed as training computes
         val_before = data.val_loss(model)
         base_before = domain_val_loss(model, tokenizer, cfg.base_domain, train_cfg, block) if cfg.base_domain else None
+    base_unk = domain_unknown_fraction(cfg.base_domain, tokenizer) if cfg.base_domain else None
+    unreadable = f" ({base_unk:.1%} <unk>)" if base_unk is not None and base_unk > UNREADABLE_DOMAIN else ""
     trainable = trainable_numel(model)
     label = f"{method} ({cfg.quant_scheme})" if cfg.quant_scheme else method  # qlora (nf4_per_group_64)
     log(f"{label}: {trainable:,} of {n_params:,} parameters trainable ({trainable / n_params:.2%}); "
@@ -241,6 +245,10 @@ def _finetune(base: Path, out: Path, cfg: FinetuneConfig, progress: bool, log, r
                 "and loss stay fp32): several times faster steps on CPUs with AMX (benchmarks/RESULTS.md)")
     if bf16 is not None and not bf16.fast:
         log(f"warning: {bf16.reason}: bf16 runs slower than fp32 here (--allow-slow-bf16)")
+    if unreadable:
+        log(f"note: {base_unk:.1%} of {cfg.base_domain}'s val text is unknown to the base's tokenizer (<unk>): "
+            "the loss there says little about what fine-tuning forgets; --base-domain DATA names text the base "
+            "reads (none skips the check)")
 
     out.mkdir(parents=True, exist_ok=True)
     base_files, (base_sha, base_bytes) = base_file_stats(base), base_weights_sha256(base)  # stats first: as hashed
@@ -284,6 +292,7 @@ def _finetune(base: Path, out: Path, cfg: FinetuneConfig, progress: bool, log, r
         "base_domain": cfg.base_domain,
         "base_domain_val_loss_before": base_before,
         "base_domain_val_loss_after": base_after,
+        "base_domain_unk_fraction": base_unk,  # of its val text's characters (None: no base domain)
         "base_bytes": base_bytes,
         "artifact_bytes": artifact.stat().st_size,
         "train_wall_time_s": result.wall_time_s,
@@ -309,5 +318,5 @@ def _finetune(base: Path, out: Path, cfg: FinetuneConfig, progress: bool, log, r
                **({} if cfg.method == "lora" else {"finetuned_sha256": base_weights_sha256(out)[0]})},
     )
     log(f"val loss on {cfg.data}: {val_before:.3f} -> {result.final_val_loss:.3f} nats/token"
-        + (f"; on {cfg.base_domain}: {base_before:.3f} -> {base_after:.3f}" if cfg.base_domain else ""))
+        + (f"; on {cfg.base_domain}{unreadable}: {base_before:.3f} -> {base_after:.3f}" if cfg.base_domain else ""))
     return FinetuneResult(model, tokenizer, summary)

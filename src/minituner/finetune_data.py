@@ -61,6 +61,12 @@ def encode_domain(source: str, tokenizer, block_size: int) -> tuple[torch.Tensor
             encode_split(splits.val, tokenizer, block_size, "val"))
 
 
+def domain_unknown_fraction(source: str, tokenizer) -> float:
+    """The fraction of the characters of a corpus's val split (what ``encode_domain`` evaluates on) that the
+    tokenizer reads as unknown: the forgetting check's loss means little on text mostly <unk>."""
+    return unknown_fraction([split_documents(load_documents(source)).val], tokenizer, source, allow=True)
+
+
 def unknown_fraction(pieces: Sequence[str], tokenizer, source: str, allow: bool) -> float:
     """The fraction of the characters of `pieces` that encode to the unknown token; refuses any unless `allow`.
 

@@ -89,6 +89,25 @@ def test_lora_finetune_writes_a_run_and_improves_val_loss(base, other_text, tmp_
     assert torch.equal(peft_copy(x), res.model(x))
 
 
+
+def test_a_base_domain_the_tokenizer_cannot_read_is_named_in_the_log_and_the_manifest(base, other_text, tmp_path):
+    """The forgetting check's loss on text mostly <unk> to the base tokenizer (a word-level vocabulary on Python's
+    docs read 92% <unk>) looked like a fine base-domain loss; now its unknown fraction is recorded and said."""
+    greek = tmp_path / "greek.txt"
+    greek.write_text("\n\n".join(f"Η συνάρτηση f{i}(x) επιστρέφει x συν {i}." for i in range(60)),
+                     encoding="utf-8")
+    for domain, unknown in ((greek, True), (other_text, False)):
+        lines = []
+        cfg = FinetuneConfig(lora=LoRAConfig(r=4, alpha=8), train=quick(2, eval_every=2), base_domain=str(domain))
+        s = finetune(base, tmp_path / domain.stem, cfg, progress=False, log=lines.append).summary
+        notes = [line for line in lines if line.startswith("note:") and "unknown to the base's tokenizer" in line]
+        last = lines[-1]
+        if unknown:
+            assert 0.5 < s["base_domain_unk_fraction"] < 1 and len(notes) == 1
+            assert f"on {domain} ({s['base_domain_unk_fraction']:.1%} <unk>): " in last, last
+        else:
+            assert s["base_domain_unk_fraction"] == 0 and not notes and f"on {domain}: " in last, last
+
 def test_epochs_set_the_step_count(base, tmp_path):
     cfg = FinetuneConfig(epochs=0.05, train=quick(warmup_steps=200, eval_every=300), lora=LoRAConfig(r=2),
                          base_domain=None)
