@@ -18,6 +18,7 @@ import torch.nn as nn
 
 from minigpt.errors import InputError
 from minigpt.io import atomic_save_safetensors, load_safetensors
+from minigpt.train_state import FORMAT as CHECKPOINT_FORMAT
 from miniquant import QuantizedLinear
 
 from .adapter_tensors import load_pickled_tensors, module_paths, normalize_keys
@@ -95,8 +96,12 @@ def read_adapter(path: str | Path) -> tuple[dict[str, torch.Tensor], LoRAConfig 
         raise InputError(f"{path}: adapter file not found")
     if path.suffix.lower() in PICKLE_SUFFIXES:
         return normalize_keys(load_pickled_tensors(path)), None
+    meta = read_metadata(path)
+    if meta.get("format") == CHECKPOINT_FORMAT:  # a run's checkpoints/step-N.safetensors: optimizer state too
+        raise InputError(f"{path}: a training checkpoint (the trained tensors with the optimizer's state), not an "
+                         f"adapter: give the run's folder or its {ADAPTER_FILE}; finetune --resume continues from it")
     sd = load_safetensors(path)
-    return normalize_keys(sd), config_from_metadata(read_metadata(path), path)
+    return normalize_keys(sd), config_from_metadata(meta, path)
 
 
 def load_adapter(model: nn.Module, path: str | Path, config: LoRAConfig | None = None,

@@ -315,3 +315,18 @@ def test_a_data_folder_holding_a_run_or_a_model_is_refused(hf_folder, data, tmp_
     one_line_error(capsys, code, "adapter holds a model or a training run (adapter_config.json")
     assert not (tmp_path / "run2").exists() and not (tmp_path / "base2").exists() and not (tmp_path / "run3").exists()
     assert all(hashes(tmp_path)[k] == v for k, v in before.items() if not k.startswith("corpus/run1"))
+
+
+def test_a_training_checkpoint_given_as_an_adapter_is_named_as_one(hf_folder, data, tmp_path, capsys):
+    """eval said 'the file records no LoRA config (r, alpha); pass one' (a flag it has not), finetune
+    --init-adapter listed the optimizer's keys (optim.0.exp_avg, ...) as unexpected."""
+    base = hf_folder("llama")
+    assert main(["finetune", "--base", str(base), "--data", str(data), "--out", str(tmp_path / "run"), *TRAIN,
+                 "--checkpoint-every", "1"]) == 0
+    capsys.readouterr()
+    checkpoint = sorted((tmp_path / "run" / "checkpoints").iterdir())[-1]
+    for argv in (["eval", "--base", str(base), "--data", str(data), "--adapter", str(checkpoint)],
+                 ["finetune", "--base", str(base), "--data", str(data), "--out", str(tmp_path / "next"), *TRAIN,
+                  "--init-adapter", str(checkpoint)]):
+        one_line_error(capsys, main(argv), "a training checkpoint (the trained tensors with the optimizer's state)")
+    assert not (tmp_path / "next").exists()
