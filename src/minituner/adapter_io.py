@@ -3,8 +3,9 @@
 Format ``minituner-lora-v1``: one safetensors file whose keys are ``<module path>.lora_A.weight``
 (r × in) and ``<module path>.lora_B.weight`` (out × r), e.g. ``blocks.0.attn.q_proj.lora_A.weight``
 (PEFT's keys without the ``base_model.model.`` prefix), and whose metadata holds the LoRAConfig
-(``r``, ``lora_alpha``, ``lora_dropout``, ``use_rslora``, ``target_modules`` as JSON) and, for a QLoRA adapter,
-the ``quant_scheme`` its targets were quantized by.
+(``r``, ``lora_alpha``, ``lora_dropout``, ``use_rslora``, ``target_modules`` as JSON), for a QLoRA adapter
+the ``quant_scheme`` its targets were quantized by, and the ``base_sha256`` of the weights its run trained on
+(``minituner.run_record.check_run_base`` reads it where the file travels without its run's manifest).
 A ``.pt`` / ``.pth`` / ``.bin`` adapter is read only with ``torch.load(weights_only=True)``.
 """
 from __future__ import annotations
@@ -32,8 +33,9 @@ ADAPTER_FILE = "adapter_final.safetensors"
 PICKLE_SUFFIXES = {".pt", ".pth", ".bin"}
 
 
-def save_adapter(model: nn.Module, path: str | Path, adapter_name: str | None = None) -> Path:
-    """Write one adapter in minituner-lora-v1 (atomically); return the path."""
+def save_adapter(model: nn.Module, path: str | Path, adapter_name: str | None = None,
+                 base_sha256: str | None = None) -> Path:
+    """Write one adapter in minituner-lora-v1 (atomically), with the base's sha256 where given; return the path."""
     path = Path(path)
     cfg = adapter_config(model, adapter_name)
     meta = {"format": FORMAT, "r": str(cfg.r), "lora_alpha": repr(float(cfg.alpha)),
@@ -42,6 +44,8 @@ def save_adapter(model: nn.Module, path: str | Path, adapter_name: str | None = 
     schemes = {m.scheme for m in model.modules() if isinstance(m, QuantizedLinear)}
     if len(schemes) == 1:  # QLoRA: the scheme its targets were quantized by, for a file read without its run
         meta["quant_scheme"] = schemes.pop()
+    if base_sha256:
+        meta["base_sha256"] = base_sha256
     atomic_save_safetensors(lora_state_dict(model, adapter_name), path, metadata=meta)
     return path
 
@@ -49,12 +53,22 @@ def save_adapter(model: nn.Module, path: str | Path, adapter_name: str | None = 
 def adapter_file_scheme(path: str | Path) -> str | None:
     """The quant_scheme a minituner adapter file (or a folder holding one) records: the QLoRA run's; None for a
     LoRA adapter, an older file, a PEFT folder or a legacy file."""
+    return _adapter_file_field(path, "quant_scheme")
+
+
+def adapter_file_base(path: str | Path) -> str | None:
+    """The base_sha256 a minituner adapter file (or a folder holding one) records: the weights its run trained
+    on; None for an older file, a PEFT folder or a legacy file."""
+    return _adapter_file_field(path, "base_sha256")
+
+
+def _adapter_file_field(path: str | Path, key: str) -> str | None:
     path = Path(path)
     if path.is_dir():
         path = path / ADAPTER_FILE
     if not path.is_file() or path.suffix.lower() != ".safetensors":
         return None
-    return read_metadata(path).get("quant_scheme") or None
+    return read_metadata(path).get(key) or None
 
 
 def read_metadata(path: Path) -> dict[str, str]:

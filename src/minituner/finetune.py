@@ -269,7 +269,7 @@ def _finetune(base: Path, out: Path, cfg: FinetuneConfig, progress: bool, log, r
     if not writer:
         return FinetuneResult(model, tokenizer, {})
     if cfg.method == "lora":
-        artifact = save_adapter(model, out / ADAPTER_FILE)
+        artifact = save_adapter(model, out / ADAPTER_FILE, base_sha256=base_sha)  # checked where it goes alone
         save_peft_adapter(model, out / PEFT_DIR, base_model_name_or_path=str(base))
     elif isinstance(model, Decoder) or base_kind(base) == "gpt2":  # a Hugging Face folder, as the base was:
         write_hf_folder(model, base, out, torch.float32)  # loadable by load_base and by transformers

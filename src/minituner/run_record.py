@@ -25,7 +25,7 @@ from minigpt.device import PRECISIONS
 from minigpt.errors import InputError
 from minigpt.io import read_json
 
-from .adapter_io import adapter_file_scheme
+from .adapter_io import adapter_file_base, adapter_file_scheme
 from .base_model import base_weights_sha256
 from .hf_load import checkpoint_files
 from .qlora import check_scheme
@@ -57,16 +57,16 @@ def run_manifest(adapter: str | Path) -> dict | None:
 
 
 def check_run_base(base: str | Path, adapter: str | Path, use: str = "merge") -> None:
-    """An InputError when the run holding `adapter` recorded other base weights (sha256) than `base` holds (nothing
-    to check without a run manifest: a PEFT folder or a bare adapter file). `use` names what --allow-other-base
-    would do anyway ("merge", "use")."""
-    manifest = run_manifest(adapter) or {}
-    recorded = manifest.get("base_sha256")
-    if not recorded or manifest.get("base_files") == base_file_stats(base):
+    """An InputError when the run holding `adapter` recorded other base weights (sha256) than `base` holds: its
+    manifest's record, else (an adapter file without its run) the file's own; nothing to check for a PEFT folder
+    without its run or an older file. `use` names what --allow-other-base would do anyway ("merge", "use")."""
+    manifest = run_manifest(adapter)
+    recorded, where = (manifest.get("base_sha256"), "manifest") if manifest else (adapter_file_base(adapter), "file")
+    if not recorded or (manifest and manifest.get("base_files") == base_file_stats(base)):
         return
     sha, _ = base_weights_sha256(base)
     if sha != recorded:
-        raise InputError(f"{base}: not the base this adapter's run trained on (its manifest records weights sha256 "
+        raise InputError(f"{base}: not the base this adapter's run trained on (its {where} records weights sha256 "
                          f"{recorded[:12]}..., these are {sha[:12]}...); pass that base, or --allow-other-base to "
                          f"{use} it anyway")
 

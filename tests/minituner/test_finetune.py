@@ -176,8 +176,11 @@ def test_cli_adapter_for_another_rank_or_base_is_exit_2(base, tmp_path, capsys):
     err = capsys.readouterr().err
     assert "wrong shape [blocks.0.attn.k_proj.lora_A.weight (file (4, 16), model (8, 16))" in err and err.count("\n") == 1
     wide = make_base(tmp_path / "wide", d_model=32)
-    assert cli("--base", wide, "--out", tmp_path / "w", "--rank", 4, "--steps", 1, "--batch-size", 2,
-               "--init-adapter", src) == 2
+    start_wide = ("--base", wide, "--out", tmp_path / "w", "--rank", 4, "--steps", 1, "--batch-size", 2,
+                  "--init-adapter", src)
+    assert cli(*start_wide) == 2
+    assert "not the base this adapter's run trained on" in capsys.readouterr().err  # its run's base_sha256
+    assert cli(*start_wide, "--allow-other-base") == 2
     assert "wrong shape" in capsys.readouterr().err
     assert not (tmp_path / "w" / ADAPTER_FILE).exists()
 

@@ -267,6 +267,47 @@ def test_export_refuses_a_base_other_than_the_runs(hf_folder, data, tmp_path, ca
     capsys.readouterr()
 
 
+
+def test_finetune_refuses_to_start_from_an_adapter_trained_on_another_base(hf_folder, data, tmp_path, capsys):
+    """--init-adapter is checked as eval, generate and export check --adapter: the run's base_sha256 decides."""
+    base, other = hf_folder("llama", name="llama-cli"), hf_folder("llama", name="llama-cli-seed1", seed=1)
+    finetune(base, data, tmp_path / "run", steps=1)
+    capsys.readouterr()
+
+    def start(base, *extra):
+        return main(["finetune", "--base", str(base), "--data", str(data), "--out", str(tmp_path / "next"),
+                     "--steps", "1", "--batch-size", "2", "--rank", "4", "--base-domain", "none", "--no-progress",
+                     *extra])
+
+    for adapter in (tmp_path / "run", tmp_path / "run" / "adapter_peft"):
+        assert start(other, "--init-adapter", str(adapter)) == 2
+        err = capsys.readouterr().err
+        assert len(err.splitlines()) == 1 and "not the base this adapter's run trained on" in err, err
+        assert "--allow-other-base to start from it anyway" in err and not (tmp_path / "next").exists()
+    assert start(base, "--allow-other-base") == 2
+    assert "--allow-other-base applies to an --init-adapter" in capsys.readouterr().err
+    finetune(other, data, tmp_path / "next", "--init-adapter", tmp_path / "run", "--allow-other-base", steps=1)
+    finetune(base, data, tmp_path / "again", "--init-adapter", tmp_path / "run", steps=1)
+    capsys.readouterr()
+
+
+def test_an_adapter_file_copied_out_of_its_run_still_names_its_base(hf_folder, data, tmp_path, capsys):
+    """The file records the base's sha256 too, so without the run's manifest beside it another base of the same
+    shapes is still refused (it loaded without a word)."""
+    base, other = hf_folder("llama", name="llama-cli"), hf_folder("llama", name="llama-cli-seed1", seed=1)
+    finetune(base, data, tmp_path / "run", steps=1)
+    lone = tmp_path / "elsewhere" / "lone.safetensors"
+    lone.parent.mkdir()
+    shutil.copy(tmp_path / "run" / ADAPTER_FILE, lone)
+    capsys.readouterr()
+    evaluate = ["eval", "--data", str(data), "--adapter", str(lone)]
+    assert main([*evaluate, "--base", str(other)]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and "not the base this adapter's run trained on (its file records" in err, err
+    assert main([*evaluate, "--base", str(other), "--allow-other-base"]) == 0
+    assert main([*evaluate, "--base", str(base)]) == 0
+    capsys.readouterr()
+
 def test_generate_and_eval_refuse_a_base_other_than_the_runs(hf_folder, data, tmp_path, capsys, monkeypatch):
     """An adapter on another model of the same shapes would generate and evaluate without a sign of it."""
     import minituner.run_record as run_record

@@ -12,6 +12,7 @@ from miniquant import DEFAULT_QUANT_SCHEME
 
 from ..finetune import BASE_DOMAIN, DEFAULT_DATA, FinetuneConfig, default_train_config, finetune
 from ..lora import ALL_LINEAR, LoRAConfig
+from ..run_record import check_run_base
 from ._common import (add_precision_arguments, add_run_arguments, add_sft_arguments, checkpoint_options,
                       non_negative_float, non_negative_int, positive_float, positive_int, seed)
 
@@ -56,6 +57,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--use-rslora", action="store_true", help="scale by alpha/sqrt(r) instead of alpha/r")
     p.add_argument("--full", action="store_true", help="full fine-tuning: train every parameter, save a base folder")
     p.add_argument("--init-adapter", type=Path, help="start from this adapter (file, run folder or PEFT folder)")
+    p.add_argument("--allow-other-base", action="store_true",
+                   help="start from --init-adapter even when --base's weights differ from those its run's "
+                        "manifest.json records (e.g. the same model converted to another dtype)")
     p.add_argument("--qlora", action="store_true", help="QLoRA: quantize the targeted Linears (NF4) before adding LoRA")
     p.add_argument("--quant-scheme", help=f"QLoRA's scheme: {DEFAULT_QUANT_SCHEME} (default with --qlora), "
                    "int8_per_group_<G> or int4_per_group_<G>; implies --qlora")
@@ -102,6 +106,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.full and args.init_adapter:
         raise InputError("--init-adapter needs LoRA, not --full")
+    if args.allow_other_base and not args.init_adapter:
+        raise InputError("--allow-other-base applies to an --init-adapter")
     quant_scheme = args.quant_scheme or (DEFAULT_QUANT_SCHEME if args.qlora else None)
     if args.full and quant_scheme:
         raise InputError("--qlora / --quant-scheme train LoRA on a quantized base, not --full")
@@ -125,6 +131,8 @@ def run(args: argparse.Namespace) -> int:
                          columns=args.columns, data_config=args.data_config, data_splits=args.data_split)
     device = resolve_device(args.device, local_rank())
     check_precision(args.precision, device, args.allow_slow_bf16)  # refused before anything is loaded
+    if args.init_adapter and not args.allow_other_base:  # as eval, generate and export check their --adapter
+        check_run_base(args.base, args.init_adapter, "start from")
     init_from_env(device)  # torchrun: join the process group (gloo on CPU, nccl on CUDA)
     writer = is_writer()
     try:
