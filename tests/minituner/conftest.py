@@ -6,6 +6,8 @@ clearly between positions, so a parity of 1e-4 is a real check. The tokenizer is
 """
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import warnings
 
@@ -71,7 +73,8 @@ def hf_folder(tmp_path_factory):
             folder = tmp_path_factory.mktemp(family)
             model = make_hf_model(family, seed, **overrides).to(dtype)
             kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
-            model.save_pretrained(folder, **kwargs)
+            with contextlib.redirect_stderr(io.StringIO()):  # transformers' "Writing model shards" bar: not the
+                model.save_pretrained(folder, **kwargs)  # stderr of the test that first asks for this folder
             write_tokenizer(folder)
             cache[key] = folder
         return cache[key]
