@@ -132,8 +132,7 @@ def config_from_peft(d: dict, where: Path) -> LoRAConfig:
 def read_peft_adapter(folder: str | Path) -> tuple[dict[str, torch.Tensor], LoRAConfig]:
     """Tensors keyed '<module path>.lora_A.weight' (prefix and adapter name removed) and the LoRAConfig."""
     folder = Path(folder)
-    d = read_json(folder / CONFIG_NAME)
-    cfg = config_from_peft(d, folder / CONFIG_NAME)
+    cfg = config_from_peft(read_json(folder / CONFIG_NAME), folder / CONFIG_NAME)
     if (folder / WEIGHTS_NAME).is_file():
         sd = load_safetensors(folder / WEIGHTS_NAME)
     elif (folder / LEGACY_WEIGHTS_NAME).is_file():
@@ -141,7 +140,7 @@ def read_peft_adapter(folder: str | Path) -> tuple[dict[str, torch.Tensor], LoRA
     else:
         raise InputError(f"{folder}: no {WEIGHTS_NAME} beside {CONFIG_NAME}")
     sd = normalize_keys(sd)
-    targets = d.get("target_modules") or ALL_LINEAR  # (a list of strings or a string: config_from_peft checked)
+    targets = cfg.target_modules  # as the file gives them (a list of strings, or a string), all-linear if null
     try:
         unnamed = [p for p in module_paths(sd) if not targets_name(targets, p)]
     except re.error as e:
