@@ -25,7 +25,7 @@ from miniquant import QuantizedLinear
 from .adapter_tensors import load_pickled_tensors, module_paths, normalize_keys
 from .lora import (LoRAConfig, adapter_config, apply_lora, linear_candidates, load_lora_state_dict, lora_state_dict,
                    mismatch_error)
-from .peft_format import CONFIG_NAME, read_peft_adapter
+from .peft_format import CONFIG_NAME, read_peft_adapter, targets_name
 from .zoo import delete_adapter
 
 FORMAT = "minituner-lora-v1"
@@ -114,8 +114,42 @@ def read_adapter(path: str | Path) -> tuple[dict[str, torch.Tensor], LoRAConfig 
     if meta.get("format") == CHECKPOINT_FORMAT:  # a run's checkpoints/step-N.safetensors: optimizer state too
         raise InputError(f"{path}: a training checkpoint (the trained tensors with the optimizer's state), not an "
                          f"adapter: give the run's folder or its {ADAPTER_FILE}; finetune --resume continues from it")
-    sd = load_safetensors(path)
-    return normalize_keys(sd), config_from_metadata(meta, path)
+    sd = normalize_keys(load_safetensors(path))
+    cfg = config_from_metadata(meta, path)
+    if cfg is not None:
+        _check_tensors_match_metadata(sd, cfg, path)
+    return sd, cfg
+
+
+def _check_tensors_match_metadata(sd: dict[str, torch.Tensor], cfg: LoRAConfig, path: Path) -> None:
+    """InputError where a minituner adapter file's tensors and its metadata's target_modules (the paths its run
+    wrapped, ``adapter_config``) name different modules: a file cut short or pieced together."""
+    held, named = module_paths(sd), list(cfg.target_modules)
+    lacking = [p for p in named if p not in set(held)]
+    unnamed = [p for p in held if p not in set(named)]
+    if lacking:
+        raise InputError(f"{path}: damaged adapter: its metadata names {len(lacking)} module(s) it holds no tensors "
+                         f"for ({_first(lacking)})")
+    if unnamed:
+        raise InputError(f"{path}: damaged adapter: it holds tensors for {len(unnamed)} module(s) its metadata "
+                         f"does not name ({_first(unnamed)})")
+
+
+def _first(paths: list[str]) -> str:
+    return paths[0] + (", ..." if len(paths) > 1 else "")
+
+
+def _check_targets_held(sd: dict[str, torch.Tensor], cfg: LoRAConfig, candidates: dict[str, nn.Module],
+                        path: Path) -> None:
+    """InputError where the adapter's own target_modules select modules of this model (as PEFT selects them,
+    ``targets_name``) that its tensors leave out: an adapter for a deeper model of the same widths, or one cut
+    short. PEFT would load it with a warning, those modules' LoRA left at its initialization (B = 0: no change),
+    so part of what was trained would be missing without a word."""
+    held = set(module_paths(sd))
+    lacking = [n for n in candidates if targets_name(cfg.target_modules, n) and n not in held]
+    if lacking:
+        raise InputError(f"{path}: the adapter's target_modules select {len(lacking)} module(s) of this model it "
+                         f"holds no tensors for ({_first(lacking)}): an adapter for another model, or one cut short")
 
 
 def load_adapter(model: nn.Module, path: str | Path, config: LoRAConfig | None = None,
@@ -123,7 +157,8 @@ def load_adapter(model: nn.Module, path: str | Path, config: LoRAConfig | None =
     """Wrap `model` with the adapter stored at `path` and load its tensors (strict: names bad keys).
 
     Without `config` the file's own r/alpha are used and the targets are the modules its keys name;
-    keys for modules this model lacks are reported as unexpected. `config` (needed for a .pt file,
+    keys for modules this model lacks are reported as unexpected, and modules of this model that the file's own
+    target_modules select but its tensors leave out are refused. `config` (needed for a .pt file,
     which records none) is used as given, so a different rank or target set is reported by key.
     """
     sd, file_cfg = read_adapter(path)
@@ -136,6 +171,7 @@ def load_adapter(model: nn.Module, path: str | Path, config: LoRAConfig | None =
         present = [p for p in module_paths(sd) if p in candidates]
         if not present:
             raise mismatch_error([], sorted(sd), [])
+        _check_targets_held(sd, file_cfg, candidates, Path(path))
         config = replace(file_cfg, target_modules=present)
     apply_lora(model, config, adapter_name)
     try:

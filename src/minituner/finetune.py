@@ -84,6 +84,7 @@ class FinetuneConfig:
     epochs: float | None = None  # if set, steps = ceil(epochs · train tokens / (batch_size · grad_accum · block));
     # for instruction data ceil(epochs · train examples / (batch_size · grad_accum))
     init_adapter: str | None = None  # start LoRA from this adapter (file, run folder or PEFT folder)
+    allow_other_base: bool = False  # init_adapter put on this base though its recorded base differs
     base_domain: str | None = BASE_DOMAIN  # also report val loss here before/after (forgetting); None skips
     quant_scheme: str | None = None  # QLoRA: quantize the LoRA targets (e.g. nf4_per_group_64) first; None: LoRA
     allow_unknown_chars: bool = False  # train on characters the base tokenizer never saw (as <unk>) instead of refusing
@@ -309,6 +310,7 @@ def _finetune(base: Path, out: Path, cfg: FinetuneConfig, progress: bool, log, r
                 **({"data_config": cfg.data_config} if cfg.data_config else {}),
                 **({"data_splits": dict(cfg.data_splits)} if cfg.data_splits else {}),
                 **({"chat_template": cfg.chat_template} if cfg.chat_template else {}),
+                **({"allow_other_base": True} if cfg.allow_other_base else {}),  # --init-adapter's base unchecked
                 "model_dropout": config_dropout(model.config),  # what it trained with (--model-dropout or config's)
                 "lora": lora_cfg.to_dict() if cfg.method == "lora" else None,
                 "train": asdict(train_cfg), "model": model.config.to_dict()},

@@ -289,6 +289,8 @@ def test_finetune_refuses_to_start_from_an_adapter_trained_on_another_base(hf_fo
     finetune(other, data, tmp_path / "next", "--init-adapter", tmp_path / "run", "--allow-other-base", steps=1)
     finetune(base, data, tmp_path / "again", "--init-adapter", tmp_path / "run", steps=1)
     capsys.readouterr()
+    recorded = {run: json.loads((tmp_path / run / "manifest.json").read_text())["config"] for run in ("next", "again")}
+    assert recorded["next"]["allow_other_base"] is True and "allow_other_base" not in recorded["again"]
 
 
 def test_an_adapter_file_copied_out_of_its_run_still_names_its_base(hf_folder, data, tmp_path, capsys):

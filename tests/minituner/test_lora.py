@@ -1,5 +1,6 @@
 """LoRALinear, apply_lora, merge/unmerge, adapter save/load: the behaviour Theory 02 fixes."""
 import copy
+import json
 import math
 import pickle
 
@@ -378,3 +379,27 @@ def test_lora_trains_on_a_miniquant_base_and_leaves_it_untouched(scheme):
     merge_and_unload(model)
     assert type(model.blocks[0].attn.q_proj) is nn.Linear
     torch.testing.assert_close(model(x), y, rtol=0, atol=1e-5)
+
+
+def test_an_adapter_file_whose_tensors_and_metadata_disagree_is_damaged(tmp_path):
+    """A minituner file records the paths its run wrapped; a file cut short (a module's tensors gone) or pieced
+    together (tensors its metadata does not name) is refused by name, not loaded as a smaller adapter."""
+    from safetensors.torch import load_file, save_file
+
+    from minituner.adapter_io import read_metadata
+
+    model = tiny()
+    apply_lora(model, LoRAConfig(r=4, target_modules="q_proj,fc2"))
+    save_adapter(model, tmp_path / "a.safetensors")
+    sd, meta = load_file(tmp_path / "a.safetensors"), read_metadata(tmp_path / "a.safetensors")
+    cut = {k: v for k, v in sd.items() if not k.startswith("blocks.1.mlp.fc2.")}
+    save_file(cut, tmp_path / "cut.safetensors", metadata=meta)
+    with pytest.raises(InputError, match=r"damaged adapter: its metadata names 1 module\(s\) it holds no tensors "
+                                         r"for \(blocks\.1\.mlp\.fc2\)"):
+        load_adapter(tiny(), tmp_path / "cut.safetensors")
+    named = json.loads(meta["target_modules"])
+    save_file(sd, tmp_path / "more.safetensors",
+              metadata={**meta, "target_modules": json.dumps([p for p in named if p != "blocks.0.attn.q_proj"])})
+    with pytest.raises(InputError, match=r"holds tensors for 1 module\(s\) its metadata does not name "
+                                         r"\(blocks\.0\.attn\.q_proj\)"):
+        load_adapter(tiny(), tmp_path / "more.safetensors")

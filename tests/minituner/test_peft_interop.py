@@ -108,11 +108,12 @@ def test_tensors_for_modules_the_config_does_not_target_are_refused(tmp_path):
     save_peft_adapter(trained_like(LoRAConfig(r=4, target_modules=["q_proj", "fc1"])), tmp_path / "a")
     config = tmp_path / "a" / CONFIG_NAME
     cfg = json.loads(config.read_text())
+    # (all-linear, or null, selects every Linear: those without tensors are refused, the test below)
     for targets, refused in [(["q_proj"], True), ("blocks\\.0\\..*", True), (["q_proj", "fc1"], False),
-                             (".*\\.(q_proj|fc1)", False), ("all-linear", False), (None, False), ("(", True)]:
+                             (".*\\.(q_proj|fc1)", False), ("all-linear", True), (None, True), ("(", True)]:
         config.write_text(json.dumps({**cfg, "target_modules": targets}))
         if refused:
-            with pytest.raises(InputError, match="does not name|not a regular expression"):
+            with pytest.raises(InputError, match="does not name|not a regular expression|holds no tensors for"):
                 load_peft_adapter(base_model(), tmp_path / "a")
         else:
             loaded = load_peft_adapter(base_model(), tmp_path / "a")
@@ -124,3 +125,29 @@ def test_peft_folder_without_weights_is_input_error(tmp_path):
     (tmp_path / "a" / WEIGHTS_NAME).unlink()
     with pytest.raises(InputError, match="no adapter_model"):
         load_peft_adapter(base_model(), tmp_path / "a")
+
+
+def test_an_adapter_lacking_modules_its_targets_select_is_refused(tmp_path):
+    """An adapter trained on a deeper model of the same widths (or cut short) holds tensors for fewer layers than
+    its target_modules select here; PEFT loads it with a warning and those layers' LoRA at its initialization
+    (B = 0), so part of the training would be missing silently. Both formats are refused by name; the model is
+    left as it was."""
+    from minituner.adapter_io import save_adapter
+
+    for_one_layer = {k: v for k, v in lora_state_dict(trained_like(LoRAConfig(r=4, target_modules=["q_proj"]))).items()
+                     if k.startswith("blocks.0.")}
+    shallow = MiniGPT(GPTConfig(vocab_size=21, block_size=16, n_layer=1, n_head=2, d_model=16))
+    apply_lora(shallow, LoRAConfig(r=4, target_modules=["q_proj"]))
+    from minituner.lora import load_lora_state_dict
+    load_lora_state_dict(shallow, for_one_layer)
+    save_peft_adapter(shallow, tmp_path / "peft")
+    save_adapter(shallow, tmp_path / "ours.safetensors")
+    assert json.loads((tmp_path / "peft" / CONFIG_NAME).read_text())["target_modules"] == ["q_proj"]
+    deeper = base_model()  # 2 layers: q_proj selects blocks.0 and blocks.1
+    before = deeper(X)
+    with pytest.raises(InputError, match=r"target_modules select 1 module\(s\) of this model it holds no tensors "
+                                         r"for \(blocks\.1\.attn\.q_proj\)"):
+        load_peft_adapter(deeper, tmp_path / "peft")
+    assert not lora_modules(deeper) and torch.equal(deeper(X), before)
+    # ours records the paths its run wrapped: on the deeper model it loads where those are, as finetune made it
+    assert load_adapter(deeper, tmp_path / "ours.safetensors").target_modules == ["blocks.0.attn.q_proj"]

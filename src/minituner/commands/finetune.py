@@ -123,6 +123,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = FinetuneConfig(data=args.data, method="full" if args.full else "lora", lora=lora, train=train,
                          quant_scheme=quant_scheme,
                          epochs=args.epochs, init_adapter=str(args.init_adapter) if args.init_adapter else None,
+                         allow_other_base=args.allow_other_base,
                          base_domain=None if args.base_domain.lower() == "none" else args.base_domain,
                          allow_unknown_chars=args.allow_unknown_chars, seq_len=args.seq_len,
                          format=args.format, train_on_inputs=args.train_on_inputs, overlong=args.overlong,
