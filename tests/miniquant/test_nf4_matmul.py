@@ -50,6 +50,29 @@ def test_the_same_bits_on_one_thread_or_many(nf4_linear, nf4_parts):
         assert torch.equal(gx, results[0])
 
 
+
+@pytest.mark.parametrize("n, n_in, n_out", [(37, 128, 2048), (100, 160, 6144), (15, 96, 4096)])
+def test_rows_a_multiple_of_4_kib_apart_give_the_bits_of_rows_read_in_place(n, n_in, n_out, nf4_linear, bf16_close,
+                                                                            nf4_parts):
+    """g's rows a multiple of 4 KiB apart (out 2,048, 4,096, 6,144 bf16) share one of L1's sets, so the kernel
+    copies each 14 rows of a K chunk apart before multiplying; rows a stride apart that is no such multiple are read
+    in place. Both give the same bits (row tails, K over KC, one thread and several), with an adapter's share and
+    GELU's gradient too, and match the fp64 product."""
+    gen = torch.Generator().manual_seed(5)
+    layer = nf4_linear(n_in, n_out, 64)
+    parts = nf4_parts(layer)
+    dy = torch.randn(n, n_out, generator=gen).to(BF16)
+    apart = torch.zeros(n, n_out + 32, dtype=BF16)[:, :n_out]  # rows 2 (n_out + 32) bytes apart
+    apart.copy_(dy)
+    adapter = (torch.randn(n, 4, generator=gen).to(BF16), torch.randn(4, n_in, generator=gen) * 0.3)
+    gelu = (torch.randn(n, n_in, generator=gen).to(BF16), "none")
+    for split in ((1, 1), (2, 1), (2, 3)):
+        with mock.patch.object(nf4_matmul.NF4Matmul, "_threads", lambda self, m, k, n, s=split: s):
+            for extra in ((), (adapter,), (adapter, gelu)):
+                got = K.input_grad(dy, *parts, n_in, *extra)
+                assert torch.equal(got, K.input_grad(apart, *parts, n_in, *extra)), (split, len(extra))
+    assert bf16_close(K.input_grad(dy, *parts, n_in), dy.double() @ layer.dequantize(BF16).double())
+
 def test_nan_is_carried_to_its_row_and_rows_with_a_stride_are_read_as_such(nf4_linear, bf16_close, nf4_parts):
     layer = nf4_linear(128, 64, 64)
     dy = torch.randn(20, 96).to(BF16)[:, :64]  # rows 96 apart
@@ -259,6 +282,15 @@ def test_the_planner_counts_panels_where_it_runs_and_the_workspace_where_not():
         assert terms()["NF4 input-gradient panels (nf4_matmul, per thread)"] == nf4_matmul.scratch_bytes(
             32, 256, nf4_matmul.team_threads())
     assert nf4_matmul.scratch_bytes(32, 1024, 1) == 128 * 512 * 2 + (32 + 14) * 128 * 4  # and the fp32 sums
+    assert nf4_matmul.scratch_bytes(32, 1024, 1, copies_rows=True) == \
+        128 * 512 * 2 + (32 + 14) * 128 * 4 + 14 * 544 * 2  # and its copy of 14 rows of g
+    assert [nf4_matmul.rows_copied(k) for k in (256, 1024, 1088, 2048, 3072, 6144)] == [False] * 3 + [True, False, True]
+    wide = minigpt_shape(GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, d_model=512))  # fc1: out 2,048
+    wb = regime_bytes(wide, Regime("qlora", 4), "all-linear", cfg)
+    wide_peak = step_peak(wide, "qlora", 4, "all-linear", 2, 16, 2, weights=wb.weights, grads=wb.grads,
+                          optimizer=wb.optimizer, stream_bytes=4)
+    assert wide_peak.phases["optimizer step"]["NF4 input-gradient panels (nf4_matmul, per thread)"] == \
+        nf4_matmul.scratch_bytes(32, 2048, nf4_matmul.team_threads(), adapter, copies_rows=True)
     assert not any("panels" in term for term in terms(on_cpu=False))  # CUDA
     with mock.patch.object(nf4_matmul, "takes_bf16_run", lambda: False):
         assert not any("panels" in term for term in terms())

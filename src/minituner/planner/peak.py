@@ -20,7 +20,8 @@ saved for backward, at those widths). For QLoRA, W in every phase below includes
 workspace: every NF4 weight is dequantized into one buffer the size of the largest, out·in·e, reused by
 every layer in forward and backward and kept from the first step on (``miniquant.quantize``); where the input's
 gradient runs as ``miniquant.nf4_matmul`` (bf16 on a CPU with AVX512-BF16), each thread also keeps its panel and
-sums (``nf4_matmul.scratch_bytes``: 128 KiB, and (N + 14)·512 bytes for an out_features over 512), and where the
+sums (``nf4_matmul.scratch_bytes``: 128 KiB, and (N + 14)·512 bytes for an out_features over 512, and 15,232 bytes
+where an out_features is a multiple of 2,048: its copy of 14 rows of the gradient), and where the
 adapter's share of that gradient is added inside the product (``minituner.native_lora`` running: an even rank r, no
 LoRA dropout) the adapter's panel, r·256 bytes; where the products of NF4 weights of at most 2^20 values run as
 ``miniquant.nf4_amx`` (bf16 on a CPU with AMX), each thread keeps its sums in thread-local memory
@@ -255,7 +256,8 @@ def step_phases(shape: ModelShape, regime: str, rank: int | None, targets: str |
     if in_c:  # (with the adapter's panel where native_lora's adapter is added inside that product)
         adapter_rank = rank if rank and bf16_compute_lora(e, stream_bytes, rank, lora_dropout, on_cpu) else 0
         base["NF4 input-gradient panels (nf4_matmul, per thread)"] = nf4_matmul.scratch_bytes(
-            N, max(lin.out_features for lin in in_c), nf4_matmul.team_threads(), adapter_rank)
+            N, max(lin.out_features for lin in in_c), nf4_matmul.team_threads(), adapter_rank,
+            any(nf4_matmul.rows_copied(lin.out_features) for lin in in_c))
     # where nf4_amx multiplies NF4 weights on AMX's tiles (bf16 on a CPU with AMX), its threads' sums
     if any(lin.path in quantized and nf4_amx.weight_fits(lin.in_features, lin.out_features, NF4_BLOCK)
            for lin in shape.linears) and bf16_compute_nf4_amx(e, stream_bytes, on_cpu):
