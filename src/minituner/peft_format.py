@@ -2,15 +2,18 @@
 
 Keys are ``base_model.model.<module path>.lora_A.weight`` / ``.lora_B.weight`` (PEFT drops the adapter
 name when saving), so ``peft.PeftModel.from_pretrained(<a MiniGPT>, folder)`` loads what we write, and
-we load what PEFT writes. Only plain LoRA is understood: DoRA, per-module rank/alpha patterns, LoRA
-biases, extra saved modules or a subset of layers (``layers_to_transform``) are refused with a one-line error
-rather than silently dropped, and so is an adapter for another task than a causal LM (``task_type``). The
-tensors say which modules get LoRA; each must be one the config's ``target_modules`` names as PEFT matches
-them (``targets_name``), since PEFT would leave the others out.
+we load what PEFT writes. Only plain LoRA is understood: any other feature of PEFT's LoraConfig that is on (DoRA,
+per-module rank/alpha patterns, LoRA biases, extra saved modules, a subset of layers, activated LoRA, an
+initialization that changed the base such as PiSSA, and any field this file does not know) is refused with a
+one-line error rather than silently dropped, and so is an adapter for another task than a causal LM
+(``task_type``). The tensors say which modules get LoRA; each must be one the config's ``target_modules`` select
+as PEFT matches them (``targets_name``), less its ``exclude_modules``, since PEFT would leave the others out.
 """
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -74,11 +77,22 @@ def save_peft_adapter(model: nn.Module, folder: str | Path, adapter_name: str | 
     return folder
 
 
-UNSUPPORTED = {  # field -> value PEFT writes when the feature is off
-    "use_dora": False, "rank_pattern": {}, "alpha_pattern": {}, "modules_to_save": None,
-    "bias": "none", "fan_in_fan_out": False, "lora_bias": False, "layer_replication": None,
-    "layers_to_transform": None, "layers_pattern": None,
-}
+# adapter_config.json's fields read here, and those that change nothing in a saved adapter's product (bookkeeping,
+# or settings used only beside a feature that must be off); every other field of PEFT's LoraConfig, and any a
+# later PEFT adds, must hold its off value (FEATURE_OFF), or the adapter is refused: DoRA, per-module ranks, LoRA
+# biases, saved modules, a subset of layers, activated LoRA (alora_invocation_tokens: the adapter applied only
+# after given tokens), parameter targets and the rest all compute something plain LoRA does not
+READ_FIELDS = {"peft_type", "task_type", "r", "lora_alpha", "lora_dropout", "target_modules", "exclude_modules",
+               "use_rslora", "init_lora_weights"}
+INERT_FIELDS = {"auto_mapping", "peft_version", "base_model_name_or_path", "revision", "inference_mode",
+                "runtime_config", "ensure_weight_tying",
+                "megatron_core",  # the module megatron_config names (that must be off)
+                "qalora_group_size",  # used with use_qalora only (that must be off)
+                "eva_config"}  # EVA's initialization: the saved factors are what it made
+FEATURE_OFF = (None, False, {}, [], "none")  # what PEFT writes for a feature not used (bias: "none")
+# init_lora_weights that leave the base as it was; PiSSA, OLoRA, CorDA, LoftQ and LoRA-GA train on a base they
+# changed (the residual of W), which an adapter saved without PEFT's conversion needs
+PLAIN_INITS = (True, False, "gaussian", "orthogonal", "eva")
 TASK_TYPES = (None, "CAUSAL_LM")  # a causal LM's adapter (None: a plain nn.Module's, as PEFT writes for MiniGPT)
 
 
@@ -106,19 +120,30 @@ def _field(d: dict, key: str, kinds: type | tuple[type, ...], where: Path, defau
     return value
 
 
+def _is_off(value) -> bool:
+    """Whether a field holds one of FEATURE_OFF (by type too: 0 is not False)."""
+    return any(value is off if off is None or isinstance(off, bool) else type(value) is type(off) and value == off
+               for off in FEATURE_OFF)
+
+
 def config_from_peft(d: dict, where: Path) -> LoRAConfig:
     if d.get("peft_type") != "LORA":
         raise InputError(f"{where}: peft_type is {d.get('peft_type')!r}, only LORA adapters are supported")
     if d.get("task_type") not in TASK_TYPES:
         raise InputError(f"{where}: task_type {d['task_type']!r} is not supported (a causal language model's "
                          "adapter: CAUSAL_LM)")
-    for key, off in UNSUPPORTED.items():
-        value = d.get(key)
-        if value is not None and value != off:
-            raise InputError(f"{where}: {key}={d[key]!r} is not supported (plain LoRA only)")
+    for key, value in d.items():
+        if key not in READ_FIELDS | INERT_FIELDS and not _is_off(value):
+            raise InputError(f"{where}: {key}={value!r} is not supported (plain LoRA only)")
+    init = d.get("init_lora_weights", True)
+    if not any(init is p if isinstance(p, bool) else init == p for p in PLAIN_INITS):
+        raise InputError(f"{where}: init_lora_weights={init!r} trains on a base PEFT changed (the residual of its "
+                         "weights): convert the adapter to plain LoRA with PEFT first (save_pretrained with "
+                         "path_initial_model_for_weight_conversion)")
     targets = ALL_LINEAR if d.get("target_modules") is None else d["target_modules"]  # [] is refused below
-    if not (isinstance(targets, str) or isinstance(targets, list) and all(isinstance(t, str) for t in targets)):
-        raise InputError(f"{where}: target_modules must be a string or a list of strings, got {targets!r}")
+    for key, value in (("target_modules", targets), ("exclude_modules", d.get("exclude_modules") or [])):
+        if not (isinstance(value, str) or isinstance(value, list) and all(isinstance(t, str) for t in value)):
+            raise InputError(f"{where}: {key} must be a string or a list of strings, got {value!r}")
     try:
         cfg = LoRAConfig(r=_field(d, "r", int, where), alpha=float(_field(d, "lora_alpha", (int, float), where)),
                          dropout=float(_field(d, "lora_dropout", (int, float), where, 0.0)), target_modules=targets,
@@ -132,7 +157,8 @@ def config_from_peft(d: dict, where: Path) -> LoRAConfig:
 def read_peft_adapter(folder: str | Path) -> tuple[dict[str, torch.Tensor], LoRAConfig]:
     """Tensors keyed '<module path>.lora_A.weight' (prefix and adapter name removed) and the LoRAConfig."""
     folder = Path(folder)
-    cfg = config_from_peft(read_json(folder / CONFIG_NAME), folder / CONFIG_NAME)
+    d = read_json(folder / CONFIG_NAME)
+    cfg = config_from_peft(d, folder / CONFIG_NAME)
     if (folder / WEIGHTS_NAME).is_file():
         sd = load_safetensors(folder / WEIGHTS_NAME)
     elif (folder / LEGACY_WEIGHTS_NAME).is_file():
@@ -140,14 +166,29 @@ def read_peft_adapter(folder: str | Path) -> tuple[dict[str, torch.Tensor], LoRA
     else:
         raise InputError(f"{folder}: no {WEIGHTS_NAME} beside {CONFIG_NAME}")
     sd = normalize_keys(sd)
-    targets = cfg.target_modules  # as the file gives them (a list of strings, or a string), all-linear if null
-    try:
-        unnamed = [p for p in module_paths(sd) if not targets_name(targets, p)]
-    except re.error as e:
-        raise InputError(f"{folder / CONFIG_NAME}: target_modules {targets!r} is not a regular expression "
-                         f"({e})") from None
-    if unnamed:
-        raise InputError(f"{folder}: its tensors adapt {len(unnamed)} module(s) that {CONFIG_NAME}'s target_modules "
-                         f"{targets!r} does not name ({unnamed[0]}{', ...' if len(unnamed) > 1 else ''}); PEFT "
-                         "would leave them out: name them there, or remove their tensors")
+    selected = _peft_selection(cfg.target_modules, d.get("exclude_modules") or None, folder / CONFIG_NAME)
+    held = module_paths(sd)
+    unselected = [p for p in held if not selected(p)]
+    if unselected:
+        chosen = f"target_modules {cfg.target_modules!r}" + (
+            f" less exclude_modules {d['exclude_modules']!r}" if d.get("exclude_modules") else "")
+        raise InputError(f"{folder}: its tensors adapt {len(unselected)} module(s) that {CONFIG_NAME}'s {chosen} does "
+                         f"not select ({unselected[0]}{', ...' if len(unselected) > 1 else ''}); PEFT would leave "
+                         "them out: select them there, or remove their tensors")
+    if d.get("target_modules") is None or d.get("exclude_modules"):
+        # null (PEFT's default targets for the model type) or a selection with exclusions: the tensors' own modules
+        # stand for it, so modules the config selects but the tensors lack are not looked for (load_adapter)
+        cfg = replace(cfg, target_modules=held)
     return sd, cfg
+
+
+def _peft_selection(targets: str | list[str], exclude: str | list[str] | None, where: Path) -> Callable[[str], bool]:
+    """path -> whether PEFT puts LoRA on that module: target_modules select it (``targets_name``) and
+    exclude_modules, matched the same way, do not; InputError for a string that is no regular expression."""
+    for key, value in (("target_modules", targets), ("exclude_modules", exclude)):
+        if isinstance(value, str) and value.lower() != ALL_LINEAR:
+            try:
+                re.compile(value)
+            except re.error as e:
+                raise InputError(f"{where}: {key} {value!r} is not a regular expression ({e})") from None
+    return lambda path: targets_name(targets, path) and not (exclude and targets_name(exclude, path))

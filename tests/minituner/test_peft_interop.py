@@ -73,6 +73,28 @@ def test_we_load_an_adapter_peft_trained_with_equal_logits(tmp_path, use_rslora)
     assert set(lora_state_dict(ours)) == peft_keys
 
 
+
+def test_peft_exclude_modules_select_as_in_peft_with_equal_logits(tmp_path):
+    """exclude_modules (matched as target_modules are) takes modules out of PEFT's selection: such an adapter loads
+    with PEFT's logits; tensors for an excluded module are refused, as PEFT would leave them out."""
+    cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "fc1", "fc2"], exclude_modules=["fc2"],
+                          init_lora_weights="gaussian")
+    theirs = peft.get_peft_model(base_model(), cfg)
+    with torch.no_grad():
+        for n, p in theirs.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.1, generator=torch.Generator().manual_seed(len(n)))
+    theirs.eval()
+    theirs.save_pretrained(tmp_path / "p")
+    ours = base_model()
+    load_peft_adapter(ours, tmp_path / "p")
+    assert sorted(lora_modules(ours)) == [f"blocks.{i}.{m}" for i in range(2) for m in ("attn.q_proj", "mlp.fc1")]
+    torch.testing.assert_close(ours(X), theirs(X), rtol=0, atol=1e-5)
+    config = tmp_path / "p" / CONFIG_NAME
+    config.write_text(json.dumps({**json.loads(config.read_text()), "exclude_modules": "blocks\\.1\\..*"}))
+    with pytest.raises(InputError, match=r"less exclude_modules '.*' does not select \(blocks\.1\."):
+        load_peft_adapter(base_model(), tmp_path / "p")
+
 def test_generic_loader_reads_peft_folders(tmp_path):
     ours = trained_like(LoRAConfig(r=4, alpha=8))
     save_peft_adapter(ours, tmp_path / "a")
@@ -91,7 +113,12 @@ def test_peft_adapter_for_another_rank_names_keys(tmp_path):
 @pytest.mark.parametrize("field,value", [("use_dora", True), ("peft_type", "IA3"), ("rank_pattern", {"fc1": 2}),
                                          ("modules_to_save", ["lm_head"]), ("bias", "all"),
                                          ("layers_to_transform", [0]), ("layers_pattern", "blocks"),
-                                         ("task_type", "SEQ_CLS")])
+                                         ("task_type", "SEQ_CLS"), ("alora_invocation_tokens", [5, 6]),
+                                         ("target_parameters", ["blocks.0.mlp.fc1.weight"]),
+                                         ("trainable_token_indices", [1, 2]), ("use_qalora", True),
+                                         ("a_field_of_a_later_peft", {"on": True}), ("layer_replication", [[0, 1]]),
+                                         ("init_lora_weights", "pissa"), ("init_lora_weights", "loftq"),
+                                         ("init_lora_weights", 1)])
 def test_unsupported_peft_features_are_refused(tmp_path, field, value):
     save_peft_adapter(trained_like(LoRAConfig(r=4)), tmp_path / "a")
     cfg = json.loads((tmp_path / "a" / CONFIG_NAME).read_text())
@@ -108,12 +135,13 @@ def test_tensors_for_modules_the_config_does_not_target_are_refused(tmp_path):
     save_peft_adapter(trained_like(LoRAConfig(r=4, target_modules=["q_proj", "fc1"])), tmp_path / "a")
     config = tmp_path / "a" / CONFIG_NAME
     cfg = json.loads(config.read_text())
-    # (all-linear, or null, selects every Linear: those without tensors are refused, the test below)
+    # (all-linear selects every Linear: those without tensors are refused, the test below; null, PEFT's default
+    # targets for the model type, stands for the tensors' own modules)
     for targets, refused in [(["q_proj"], True), ("blocks\\.0\\..*", True), (["q_proj", "fc1"], False),
-                             (".*\\.(q_proj|fc1)", False), ("all-linear", True), (None, True), ("(", True)]:
+                             (".*\\.(q_proj|fc1)", False), ("all-linear", True), (None, False), ("(", True)]:
         config.write_text(json.dumps({**cfg, "target_modules": targets}))
         if refused:
-            with pytest.raises(InputError, match="does not name|not a regular expression|holds no tensors for"):
+            with pytest.raises(InputError, match="does not select|not a regular expression|holds no tensors for"):
                 load_peft_adapter(base_model(), tmp_path / "a")
         else:
             loaded = load_peft_adapter(base_model(), tmp_path / "a")
