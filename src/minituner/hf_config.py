@@ -144,7 +144,9 @@ def decoder_config_from_hf(cfg: dict, where: str = "config.json", check_rope: bo
     dflt = DEFAULTS[family]
     h = config_int(cfg, "hidden_size", dflt["hidden_size"], where)
     n_head = config_int(cfg, "num_attention_heads", dflt["num_attention_heads"], where)
-    n_kv = config_int(cfg, "num_key_value_heads", dflt["num_key_value_heads"] or n_head, where)
+    # absent: the family's default; null: one K/V head per query head, as the configs' __init__ read None
+    kv_default = n_head if "num_key_value_heads" in cfg else dflt["num_key_value_heads"] or n_head
+    n_kv = config_int(cfg, "num_key_value_heads", kv_default, where)
     if n_head % n_kv:
         raise InputError(f"{where}: num_key_value_heads={n_kv} does not divide num_attention_heads={n_head}")
     head_dim = config_int(cfg, "head_dim", h // n_head or None, where)  # the config's, else hidden // heads

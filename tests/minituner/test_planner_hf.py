@@ -127,6 +127,17 @@ def test_family_defaults_match_config_class(family):
     assert shape.n_kv_head == {"gpt2": 2, "llama": 8, "mistral": 8, "qwen2": 32}[family]
 
 
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_null_kv_heads_mean_one_per_query_head_as_transformers_reads_them(family):
+    """num_key_value_heads given as null is num_attention_heads in the config classes' __init__ (Qwen2's default
+    when the key is absent is 32); the count follows transformers either way."""
+    config = {"model_type": family, "hidden_size": 128, "intermediate_size": 24, "num_hidden_layers": 1,
+              "num_attention_heads": 64, "num_key_value_heads": None, "vocab_size": 50}
+    shape = shape_from_config(config, family)
+    assert shape.n_kv_head == 64
+    assert total_params(shape) == numel(build_meta(config))
+
 def test_qwen2_biases_on_q_k_v_only():
     config = {"model_type": "qwen2", "hidden_size": 16, "intermediate_size": 8, "num_hidden_layers": 2,
               "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 9}
