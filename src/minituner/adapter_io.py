@@ -125,8 +125,9 @@ def _check_tensors_match_metadata(sd: dict[str, torch.Tensor], cfg: LoRAConfig, 
     """InputError where a minituner adapter file's tensors and its metadata's target_modules (the paths its run
     wrapped, ``adapter_config``) name different modules: a file cut short or pieced together."""
     held, named = module_paths(sd), list(cfg.target_modules)
-    lacking = [p for p in named if p not in set(held)]
-    unnamed = [p for p in held if p not in set(named)]
+    held_set, named_set = set(held), set(named)
+    lacking = [p for p in named if p not in held_set]
+    unnamed = [p for p in held if p not in named_set]
     if lacking:
         raise InputError(f"{path}: damaged adapter: its metadata names {len(lacking)} module(s) it holds no tensors "
                          f"for ({_first(lacking)})")
