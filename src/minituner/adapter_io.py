@@ -11,7 +11,9 @@ A ``.pt`` / ``.pth`` / ``.bin`` adapter is read only with ``torch.load(weights_o
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -25,7 +27,7 @@ from miniquant import QuantizedLinear
 from .adapter_tensors import load_pickled_tensors, module_paths, normalize_keys
 from .lora import (LoRAConfig, adapter_config, apply_lora, linear_candidates, load_lora_state_dict, lora_state_dict,
                    mismatch_error)
-from .peft_format import CONFIG_NAME, read_peft_adapter, targets_name
+from .peft_format import CONFIG_NAME, peft_selection, read_peft_adapter, targets_name
 from .zoo import delete_adapter
 
 FORMAT = "minituner-lora-v1"
@@ -99,13 +101,12 @@ def read_adapter(path: str | Path) -> tuple[dict[str, torch.Tensor], LoRAConfig 
     `path` may be a minituner run folder, a PEFT folder, a .safetensors file or a legacy .pt file.
     """
     path = Path(path)
+    if _is_peft_folder(path):
+        return read_peft_adapter(path)
     if path.is_dir():
-        if (path / ADAPTER_FILE).is_file():
-            path = path / ADAPTER_FILE
-        elif (path / CONFIG_NAME).is_file():
-            return read_peft_adapter(path)
-        else:
+        if not (path / ADAPTER_FILE).is_file():
             raise InputError(f"{path}: no {ADAPTER_FILE} or {CONFIG_NAME} in this folder")
+        path = path / ADAPTER_FILE
     if not path.exists():
         raise InputError(f"{path}: adapter file not found")
     if path.suffix.lower() in PICKLE_SUFFIXES:
@@ -119,6 +120,11 @@ def read_adapter(path: str | Path) -> tuple[dict[str, torch.Tensor], LoRAConfig 
     if cfg is not None:
         _check_tensors_match_metadata(sd, cfg, path)
     return sd, cfg
+
+
+def _is_peft_folder(path: Path) -> bool:
+    """A folder holding a PEFT adapter and not a minituner run's (which may hold both: ours is read)."""
+    return path.is_dir() and not (path / ADAPTER_FILE).is_file() and (path / CONFIG_NAME).is_file()
 
 
 def _check_tensors_match_metadata(sd: dict[str, torch.Tensor], cfg: LoRAConfig, path: Path) -> None:
@@ -140,17 +146,26 @@ def _first(paths: list[str]) -> str:
     return paths[0] + (", ..." if len(paths) > 1 else "")
 
 
-def _check_targets_held(sd: dict[str, torch.Tensor], cfg: LoRAConfig, candidates: dict[str, nn.Module],
-                        path: Path) -> None:
-    """InputError where the adapter's own target_modules select modules of this model (as PEFT selects them,
-    ``targets_name``) that its tensors leave out: an adapter for a deeper model of the same widths, or one cut
-    short. PEFT would load it with a warning, those modules' LoRA left at its initialization (B = 0: no change),
-    so part of what was trained would be missing without a word."""
+def _check_targets_held(sd: dict[str, torch.Tensor], selects: Callable[[str], bool],
+                        candidates: dict[str, nn.Module], path: Path) -> None:
+    """InputError where the adapter's own selection (``_selection``) takes modules of this model that its
+    tensors leave out: an adapter for a deeper model of the same widths, or one cut short. PEFT would load it with
+    a warning, those modules' LoRA left at its initialization (B = 0: no change), so part of what was trained would
+    be missing without a word."""
     held = set(module_paths(sd))
-    lacking = [n for n in candidates if targets_name(cfg.target_modules, n) and n not in held]
+    lacking = [n for n in candidates if selects(n) and n not in held]
     if lacking:
         raise InputError(f"{path}: the adapter's target_modules select {len(lacking)} module(s) of this model it "
                          f"holds no tensors for ({_first(lacking)}): an adapter for another model, or one cut short")
+
+
+def _selection(path: Path, sd: dict[str, torch.Tensor], cfg: LoRAConfig, model: nn.Module) -> Callable[[str], bool]:
+    """path -> whether the adapter at `path` puts LoRA on that module of `model`, as its config selects them: a
+    PEFT folder's as PEFT does (``peft_format.peft_selection``: null target_modules, exclude_modules), ours by the
+    paths its metadata names."""
+    if _is_peft_folder(path):
+        return peft_selection(path, model, module_paths(sd))
+    return partial(targets_name, cfg.target_modules)
 
 
 def load_adapter(model: nn.Module, path: str | Path, config: LoRAConfig | None = None,
@@ -172,7 +187,7 @@ def load_adapter(model: nn.Module, path: str | Path, config: LoRAConfig | None =
         present = [p for p in module_paths(sd) if p in candidates]
         if not present:
             raise mismatch_error([], sorted(sd), [])
-        _check_targets_held(sd, file_cfg, candidates, Path(path))
+        _check_targets_held(sd, _selection(Path(path), sd, file_cfg, model), candidates, Path(path))
         config = replace(file_cfg, target_modules=present)
     apply_lora(model, config, adapter_name)
     try:

@@ -7,7 +7,10 @@ per-module rank/alpha patterns, LoRA biases, extra saved modules, a subset of la
 initialization that changed the base such as PiSSA, and any field this file does not know) is refused with a
 one-line error rather than silently dropped, and so is an adapter for another task than a causal LM
 (``task_type``). The tensors say which modules get LoRA; each must be one the config's ``target_modules`` select
-as PEFT matches them (``targets_name``), less its ``exclude_modules``, since PEFT would leave the others out.
+as PEFT matches them (``targets_name``), less its ``exclude_modules``, since PEFT would leave the others out, and
+every module of the model so selected must have its tensors (``peft_selection``, applied where the model is known).
+``target_modules`` null is PEFT's default for the base's model type (q_proj and v_proj for Llama, Mistral and
+Qwen2); a MiniGPT has none, as PEFT then asks for target_modules.
 """
 from __future__ import annotations
 
@@ -93,6 +96,9 @@ FEATURE_OFF = (None, False, {}, [], "none")  # what PEFT writes for a feature no
 # init_lora_weights that leave the base as it was; PiSSA, OLoRA, CorDA, LoftQ and LoRA-GA train on a base they
 # changed (the residual of W), which an adapter saved without PEFT's conversion needs
 PLAIN_INITS = (True, False, "gaussian", "orthogonal", "eva")
+# what PEFT puts LoRA on when target_modules is null: its default for the base's model type (peft.utils.constants'
+# TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING), for the Hugging Face families minituner.hf_load builds
+PEFT_DEFAULT_TARGETS = {"llama": ["q_proj", "v_proj"], "mistral": ["q_proj", "v_proj"], "qwen2": ["q_proj", "v_proj"]}
 TASK_TYPES = (None, "CAUSAL_LM")  # a causal LM's adapter (None: a plain nn.Module's, as PEFT writes for MiniGPT)
 
 
@@ -166,25 +172,51 @@ def read_peft_adapter(folder: str | Path) -> tuple[dict[str, torch.Tensor], LoRA
     else:
         raise InputError(f"{folder}: no {WEIGHTS_NAME} beside {CONFIG_NAME}")
     sd = normalize_keys(sd)
-    selected = _peft_selection(cfg.target_modules, d.get("exclude_modules") or None, folder / CONFIG_NAME)
     held = module_paths(sd)
-    unselected = [p for p in held if not selected(p)]
-    if unselected:
-        chosen = f"target_modules {cfg.target_modules!r}" + (
-            f" less exclude_modules {d['exclude_modules']!r}" if d.get("exclude_modules") else "")
-        raise InputError(f"{folder}: its tensors adapt {len(unselected)} module(s) that {CONFIG_NAME}'s {chosen} does "
-                         f"not select ({unselected[0]}{', ...' if len(unselected) > 1 else ''}); PEFT would leave "
-                         "them out: select them there, or remove their tensors")
+    if d.get("target_modules") is not None:  # null: PEFT's default for the model type, checked by peft_selection
+        check_selected(held, _peft_selection(d["target_modules"], d, folder / CONFIG_NAME), d, folder)
     if d.get("target_modules") is None or d.get("exclude_modules"):
-        # null (PEFT's default targets for the model type) or a selection with exclusions: the tensors' own modules
-        # stand for it, so modules the config selects but the tensors lack are not looked for (load_adapter)
+        # null or a selection with exclusions: the tensors' own modules stand for it (peft_selection has PEFT's)
         cfg = replace(cfg, target_modules=held)
     return sd, cfg
 
 
-def _peft_selection(targets: str | list[str], exclude: str | list[str] | None, where: Path) -> Callable[[str], bool]:
-    """path -> whether PEFT puts LoRA on that module: target_modules select it (``targets_name``) and
+def peft_selection(folder: Path, model: nn.Module, held: list[str]) -> Callable[[str], bool]:
+    """path -> whether PEFT puts LoRA on that module of `model` for the adapter in `folder`, whose tensors adapt
+    `held`: its target_modules (null: PEFT's default for the model's type, ``PEFT_DEFAULT_TARGETS``) less its
+    exclude_modules. InputError for a null target_modules on a model PEFT has no default for (a MiniGPT: PEFT asks
+    for target_modules), or for tensors of modules outside the selection, which PEFT would leave out."""
+    where = folder / CONFIG_NAME
+    d = read_json(where)
+    targets = d.get("target_modules")
+    if targets is None:
+        model_type = model.config.model_type if isinstance(model, Decoder) else None
+        if model_type not in PEFT_DEFAULT_TARGETS:
+            raise InputError(f"{where}: target_modules is null, which PEFT replaces by its default for the base's "
+                             "model type, and it has none for a MiniGPT: name the adapted modules in target_modules")
+        targets = PEFT_DEFAULT_TARGETS[model_type]
+    selects = _peft_selection(targets, d, where)
+    check_selected(held, selects, d, folder)
+    return selects
+
+
+def check_selected(held: list[str], selects: Callable[[str], bool], d: dict, folder: Path) -> None:
+    """InputError where the tensors adapt modules the config's selection leaves out (PEFT would drop them)."""
+    unselected = [p for p in held if not selects(p)]
+    if unselected:
+        targets = d.get("target_modules")
+        chosen = (f"target_modules {targets!r}" if targets is not None else "target_modules null (PEFT's default "
+                  "for the model type)") + (f" less exclude_modules {d['exclude_modules']!r}"
+                                            if d.get("exclude_modules") else "")
+        raise InputError(f"{folder}: its tensors adapt {len(unselected)} module(s) that {CONFIG_NAME}'s {chosen} does "
+                         f"not select ({unselected[0]}{', ...' if len(unselected) > 1 else ''}); PEFT would leave "
+                         "them out: select them there, or remove their tensors")
+
+
+def _peft_selection(targets: str | list[str], d: dict, where: Path) -> Callable[[str], bool]:
+    """path -> whether PEFT puts LoRA on that module: `targets` select it (``targets_name``) and d's
     exclude_modules, matched the same way, do not; InputError for a string that is no regular expression."""
+    exclude = d.get("exclude_modules") or None
     for key, value in (("target_modules", targets), ("exclude_modules", exclude)):
         if isinstance(value, str) and value.lower() != ALL_LINEAR:
             try:

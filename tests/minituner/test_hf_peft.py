@@ -8,7 +8,9 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
-from safetensors.torch import load_file  # noqa: E402
+from safetensors.torch import load_file, save_file  # noqa: E402
+
+from minigpt.errors import InputError  # noqa: E402
 
 from minituner.adapter_io import load_adapter  # noqa: E402
 from minituner.hf_load import load_hf_decoder  # noqa: E402
@@ -79,3 +81,38 @@ def test_peft_adapter_on_a_streamed_nf4_base(hf_folder, hf_ref, tmp_path):
     assert len(lora_modules(ours)) == len(quantized_modules(ours)) == 2 * 7
     with torch.no_grad():
         assert (ours(IDS) - theirs(input_ids=IDS).logits).abs().max() < 1e-4
+
+
+def test_null_target_modules_are_peft_default_for_the_model_type(hf_folder, hf_ref, tmp_path):
+    """target_modules null in adapter_config.json: PEFT takes its default for the base's model type (q_proj and
+    v_proj for a Llama) and leaves other tensors out. Ours loads the same modules with PEFT's logits; tensors for
+    another module (k_proj, which PEFT would drop) and a selected module without tensors are refused by name."""
+    folder = hf_folder("llama", name="llama-null-targets")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        made = peft.get_peft_model(hf_ref(folder),
+                                   peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    randomize_b(made)
+    made.save_pretrained(tmp_path / "peft")
+    config = tmp_path / "peft" / "adapter_config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "target_modules": None}))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        theirs = peft.PeftModel.from_pretrained(hf_ref(folder), tmp_path / "peft").eval()
+    assert set(theirs.peft_config["default"].target_modules) == {"q_proj", "v_proj"}
+    ours = load_hf_decoder(folder)
+    load_adapter(ours, tmp_path / "peft")
+    assert sorted(p.rsplit(".", 1)[-1] for p in lora_modules(ours)) == ["q_proj"] * 2 + ["v_proj"] * 2
+    with torch.no_grad():
+        assert (ours(IDS) - theirs(input_ids=IDS).logits).abs().max() < 1e-4
+    weights = tmp_path / "peft" / "adapter_model.safetensors"
+    sd = load_file(weights)
+    extra = {k.replace("q_proj", "k_proj"): v.clone() for k, v in sd.items() if "q_proj" in k}
+    save_file({**sd, **extra}, weights)
+    with pytest.raises(InputError, match=r"target_modules null \(PEFT's default for the model type\) does not select"):
+        load_adapter(load_hf_decoder(folder), tmp_path / "peft")
+    save_file({k: v for k, v in sd.items() if "layers.1.self_attn.v_proj" not in k}, weights)
+    model = load_hf_decoder(folder)
+    with pytest.raises(InputError, match=r"holds no tensors for \(model\.layers\.1\.self_attn\.v_proj\)"):
+        load_adapter(model, tmp_path / "peft")
+    assert not lora_modules(model)

@@ -3,6 +3,7 @@ import json
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 peft = pytest.importorskip("peft")
 
@@ -94,6 +95,16 @@ def test_peft_exclude_modules_select_as_in_peft_with_equal_logits(tmp_path):
     config.write_text(json.dumps({**json.loads(config.read_text()), "exclude_modules": "blocks\\.1\\..*"}))
     with pytest.raises(InputError, match=r"less exclude_modules '.*' does not select \(blocks\.1\."):
         load_peft_adapter(base_model(), tmp_path / "p")
+    # a module the selection takes (target_modules less exclude_modules) without tensors: refused, model untouched
+    config.write_text(json.dumps({**json.loads(config.read_text()), "exclude_modules": ["fc2"]}))
+    weights = tmp_path / "p" / WEIGHTS_NAME
+    sd = load_file(weights)
+    save_file({k: v for k, v in sd.items() if "blocks.1.mlp.fc1" not in k}, weights)
+    model = base_model()
+    with pytest.raises(InputError, match=r"select 1 module\(s\) of this model it holds no tensors for "
+                                         r"\(blocks\.1\.mlp\.fc1\)"):
+        load_peft_adapter(model, tmp_path / "p")
+    assert not lora_modules(model)
 
 def test_generic_loader_reads_peft_folders(tmp_path):
     ours = trained_like(LoRAConfig(r=4, alpha=8))
@@ -135,13 +146,14 @@ def test_tensors_for_modules_the_config_does_not_target_are_refused(tmp_path):
     save_peft_adapter(trained_like(LoRAConfig(r=4, target_modules=["q_proj", "fc1"])), tmp_path / "a")
     config = tmp_path / "a" / CONFIG_NAME
     cfg = json.loads(config.read_text())
-    # (all-linear selects every Linear: those without tensors are refused, the test below; null, PEFT's default
-    # targets for the model type, stands for the tensors' own modules)
+    # (all-linear selects every Linear: those without tensors are refused, the test below; null is PEFT's default
+    # targets for the model type, and PEFT has none for a MiniGPT: test_hf_peft has null on a Llama)
     for targets, refused in [(["q_proj"], True), ("blocks\\.0\\..*", True), (["q_proj", "fc1"], False),
-                             (".*\\.(q_proj|fc1)", False), ("all-linear", True), (None, False), ("(", True)]:
+                             (".*\\.(q_proj|fc1)", False), ("all-linear", True), (None, True), ("(", True)]:
         config.write_text(json.dumps({**cfg, "target_modules": targets}))
         if refused:
-            with pytest.raises(InputError, match="does not select|not a regular expression|holds no tensors for"):
+            with pytest.raises(InputError, match="does not select|not a regular expression|holds no tensors for|"
+                                                 "target_modules is null"):
                 load_peft_adapter(base_model(), tmp_path / "a")
         else:
             loaded = load_peft_adapter(base_model(), tmp_path / "a")
