@@ -178,6 +178,17 @@ def test_malformed_json_array(tmp_path):
         read_file(p)
 
 
+@pytest.mark.parametrize("after,line", [('\n[{"text": "c"}]\n', 3), ('\n{"text": "c"}', 3), (" xyz", 2)])
+def test_anything_after_the_json_array_is_refused(tmp_path, after, line):
+    """Records past the array's ']' (a second array, an object) would go unread; json.load refuses them too."""
+    p = tmp_path / "a.json"
+    p.write_text('[{"text": "a"},\n {"text": "b"}]' + after)
+    with pytest.raises(InputError, match=rf"a\.json:{line}: more after the JSON array's closing"):
+        read_file(p)
+    p.write_text('[{"text": "a"},\n {"text": "b"}] \r\n\n')
+    assert [r.text for r in read_file(p)] == ["a", "b"]
+
+
 def test_non_utf8_bytes_are_refused_with_the_line(tmp_path):
     p = tmp_path / "a.jsonl"
     p.write_bytes(b'{"text": "fine"}\n{"text": "caf\xe9"}\n')

@@ -118,6 +118,16 @@ def _decode(path: Path) -> str:
         raise InputError(f"{path}:{line}: not UTF-8 (byte 0x{data[e.start]:02x} at column {col})") from None
 
 
+def _check_nothing_after(path: Path, text: str, i: int) -> None:
+    """InputError where anything but whitespace follows a .json file's array (a second array, an object): json.load
+    refuses it too, and records past the first array would otherwise go unread without a word."""
+    while i < len(text) and text[i] in " \t\r\n":  # JSON's whitespace
+        i += 1
+    if i < len(text):
+        raise InputError(f"{path}:{text.count(chr(10), 0, i) + 1}: more after the JSON array's closing ']' "
+                         "(a .json file holds one array of objects; one object per line is a .jsonl file)")
+
+
 def _json_values(path: Path, text: str):
     """(line, value) for each record: the elements of a JSON array, or one JSON value per non-blank line."""
     stripped = text.lstrip()
@@ -127,6 +137,7 @@ def _json_values(path: Path, text: str):
             while i < len(text) and text[i] in " \t\r\n":
                 i += 1
             if i < len(text) and text[i] == "]":
+                _check_nothing_after(path, text, i + 1)
                 return
             line = text.count("\n", 0, i) + 1
             try:
