@@ -7,6 +7,7 @@ and its window.
                                     # records it too, for a file read without its run)
     trained_precision(adapter)      # "fp32" or "bf16", what the run computed in
     trained_selection(adapter, data)  # the run's --data-config, --data-split and --columns, for its own --data
+    trained_reading(adapter, data)    # the run's --format, --train-on-inputs and --overlong, for its own --data
 
 A run's manifest.json records ``base_sha256`` (``base_model.base_weights_sha256``: every checkpoint file's bytes)
 and ``base_files``, each checkpoint file's size, modification time, inode and status change time. An adapter
@@ -29,7 +30,8 @@ from .adapter_io import adapter_file_base, adapter_file_scheme
 from .base_model import base_weights_sha256
 from .hf_load import checkpoint_files
 from .qlora import check_scheme
-from .sft.formats import DataSelection, check_columns, check_data_splits
+from .sft.examples import OVERLONG
+from .sft.formats import FORMATS, DataSelection, check_columns, check_data_splits
 
 
 def base_file_stats(folder: str | Path) -> dict[str, list[int]]:
@@ -118,12 +120,19 @@ def _same_data(recorded: str, data: str) -> bool:
     return on_disk and Path(recorded).resolve() == Path(data).resolve()
 
 
+def _config_for_data(adapter: str | Path | None, data: str) -> dict:
+    """The run manifest's config where `data` names the data the run holding `adapter` recorded (the path it
+    recorded, or the same file or folder); else {}."""
+    config = _run_config(adapter)
+    recorded = config.get("data")
+    return config if isinstance(recorded, str) and _same_data(recorded, data) else {}
+
+
 def trained_selection(adapter: str | Path | None, data: str) -> DataSelection:
     """The --data-config, --data-split and --columns the finetune run holding `adapter` read its data with, when
     `data` names that same data (the path it recorded, or the same file or folder); else the flags' defaults."""
-    config = _run_config(adapter)
-    recorded = config.get("data")
-    if not isinstance(recorded, str) or not _same_data(recorded, data):
+    config = _config_for_data(adapter, data)
+    if not config:
         return DataSelection()
     where = f"{adapter}'s run manifest"
     name = config.get("data_config")
@@ -131,3 +140,17 @@ def trained_selection(adapter: str | Path | None, data: str) -> DataSelection:
         raise InputError(f"{where}: data_config is a config's name, got {name!r}")
     return DataSelection(name, check_data_splits(_pairs(config.get("data_splits", {}), "data_splits", where)),
                          check_columns(_pairs(config.get("columns", {}), "columns", where)))
+
+
+def trained_reading(adapter: str | Path | None, data: str) -> dict:
+    """{"format", "train_on_inputs", "overlong"}: how the finetune run holding `adapter` read `data` when that is
+    its own data (``trained_selection``), each as its manifest recorded it ({} for other data, or no run). An
+    InputError for a value finetune never records (an edited manifest)."""
+    config = _config_for_data(adapter, data)
+    where = f"{adapter}'s run manifest"
+    reading = {k: config[k] for k in ("format", "train_on_inputs", "overlong") if k in config}
+    for key, valid in (("format", (None, *FORMATS)), ("train_on_inputs", (False, True)), ("overlong", OVERLONG)):
+        if key in reading and not any(reading[key] is v if v in (None, False, True) else reading[key] == v
+                                      for v in valid):
+            raise InputError(f"{where}: {key} is {reading[key]!r}; valid: {', '.join(map(str, valid))}")
+    return reading

@@ -295,3 +295,30 @@ def test_a_cards_config_and_its_splits_through_finetune_and_eval(root, tmp_path,
     code, _, err = cli("finetune", "--base", root / "base", "--data", root / "plain.txt", "--out", tmp_path / "bad",
                        "--data-config", "short", *TRAIN)
     assert code == 2 and "--data-config applies to .jsonl/.json/.parquet/.arrow data" in err
+
+
+def test_eval_reads_the_runs_own_data_as_it_trained(root, tmp_path, cli):
+    """--format, --train-on-inputs and --overlong not given to eval are the run's for its own data, so
+    `eval --adapter RUN --split val` is the run's val_loss_after; given, they win; other data: the defaults."""
+    both = write(tmp_path / "both.jsonl", [{"text": f"the wind is force {i % 7} today", "prompt": q + " ",
+                                            "completion": a} for i, (q, a) in enumerate(QUESTIONS)])
+    for run_flags, said in ((["--train-on-inputs"], "--train-on-inputs"), (["--format", "text"], "--format text"),
+                            (["--overlong", "drop", "--train-on-inputs"], "--train-on-inputs, --overlong drop")):
+        out = tmp_path / "run"
+        code, _, err = cli("finetune", "--base", root / "base", "--data", both, "--out", out, "--overwrite",
+                           *run_flags, *TRAIN)
+        assert code == 0, err
+        val_loss = json.loads((out / "manifest.json").read_text())["results"]["val_loss_after"]
+        code, stdout, err = cli("eval", "--base", root / "base", "--adapter", out, "--data", both, "--split", "val",
+                                "--json")
+        assert code == 0 and json.loads(stdout)["loss"] == pytest.approx(val_loss, rel=1e-6), (run_flags, err)
+        assert f"eval: reading {both} with its run's {said} (as it trained on it)" in err
+        code, stdout, err = cli("eval", "--base", root / "base", "--adapter", out, "--data", both, "--split", "val",
+                                "--format", "prompt-completion", "--no-train-on-inputs", "--overlong", "truncate",
+                                "--json")  # every flag given: the run's are not taken
+        assert code == 0 and "its run's" not in err
+        assert json.loads(stdout)["loss"] != pytest.approx(val_loss, rel=1e-6)
+    shutil.copy(both, tmp_path / "other.jsonl")  # the same records in another file: not the run's data
+    code, stdout, err = cli("eval", "--base", root / "base", "--adapter", tmp_path / "run", "--data",
+                            tmp_path / "other.jsonl", "--split", "val", "--json")
+    assert code == 0 and "its run's" not in err

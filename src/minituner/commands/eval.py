@@ -16,7 +16,7 @@ from ..evaluation import SPLITS, evaluate_data
 from ..finetune import training_window
 from ..precision import compute_in_bf16, inference_precision
 from ..qlora import quantized_modules
-from ..run_record import check_run_base, trained_precision, trained_selection, trained_seq_len
+from ..run_record import check_run_base, trained_precision, trained_reading, trained_selection, trained_seq_len
 from ..sft import FORMATS, SFTConfig, is_sft_source, trained_template
 from ..sft.examples import OVERLONG
 from ..trained_model import load_trained
@@ -36,19 +36,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="text file or folder, .jsonl/.json/.parquet/.arrow instruction or chat data, or builtin:NAME")
     p.add_argument("--split", choices=SPLITS, default="all",
                    help="evaluate one split as finetune splits the data, or all of it (default %(default)s)")
-    p.add_argument("--format", choices=FORMATS, help="a data file's shape (default: recognised per file)")
+    p.add_argument("--format", choices=FORMATS,
+                   help="a data file's shape (default: the --adapter run's for its own data, else recognised per "
+                        "file)")
     add_selection_arguments(p, from_run=True)
     p.add_argument("--chat-template", type=Path, metavar="FILE",
                    help="a Jinja chat template for the chats (default: the one the --adapter run trained with, else "
                         "the base's)")
-    p.add_argument("--train-on-inputs", action="store_true",
-                   help="instruction data: count the prompt and user tokens too (default: answers only)")
+    p.add_argument("--train-on-inputs", action=argparse.BooleanOptionalAction, default=None,
+                   help="instruction data: count the prompt and user tokens too (default: as the --adapter run "
+                        "counted its own data, else answers only)")
     p.add_argument("--seq-len", type=positive_int, metavar="N",
                    help="window in tokens: text is cut into windows of N, a longer example is truncated or dropped "
                         "(default: the --adapter run's --seq-len, else finetune's default: a MiniGPT base's block "
                         "size, for a Hugging Face base the smaller of its context and 512)")
-    p.add_argument("--overlong", choices=OVERLONG, default="truncate",
-                   help="an example longer than the window is truncated or dropped (default %(default)s)")
+    p.add_argument("--overlong", choices=OVERLONG,
+                   help="an example longer than the window is truncated or dropped (default: the --adapter run's "
+                        "for its own data, else truncate)")
     p.add_argument("--batch-size", type=positive_int, default=32, help="sequences per forward (default %(default)s)")
     p.add_argument("--device", choices=DEVICES, default="cpu", help="cpu (default), cuda, or auto")
     add_inference_precision_arguments(p, "the precision the --adapter run trained in (so its val loss is the run's), "
@@ -84,11 +88,12 @@ def run(args: argparse.Namespace) -> int:
     model.eval()
     selection = data_selection(args, trained_selection(args.adapter, args.data))  # the run's, for its own data
     taken = [f for f in selection.flags() if f not in data_selection(args).flags()]
+    data_format, sft, read_as_run = _reading(args)
+    taken += read_as_run
     if taken:
         print(f"eval: reading {args.data} with its run's {', '.join(taken)} (as it trained on it)", file=sys.stderr)
-    result = evaluate_data(model, tokenizer, args.base, args.data, args.split, args.format,
-                           SFTConfig(args.train_on_inputs, args.overlong), args.batch_size, window,
-                           log=lambda m: print(m, file=sys.stderr),
+    result = evaluate_data(model, tokenizer, args.base, args.data, args.split, data_format, sft, args.batch_size,
+                           window, log=lambda m: print(m, file=sys.stderr),
                            template_file=args.chat_template or (trained_template(args.adapter)
                                                                 if is_sft_source(args.data) else None),
                            selection=selection)
@@ -101,3 +106,23 @@ def run(args: argparse.Namespace) -> int:
         print(f"{args.data} ({args.split}): loss {result.loss:.4f} nats/token, perplexity {result.perplexity:.3f}, "
               f"{result.examples} examples, {result.tokens} counted tokens")
     return 0
+
+
+def _reading(args: argparse.Namespace) -> tuple[str | None, SFTConfig, list[str]]:
+    """--format, and --train-on-inputs and --overlong as an SFTConfig: each flag not given is what the --adapter run
+    read its own data with (``trained_reading``), else the default; and those taken from the run, as flags."""
+    run = trained_reading(args.adapter, args.data)
+    taken = []
+    data_format = args.format
+    if data_format is None and run.get("format") is not None:
+        data_format = run["format"]
+        taken.append(f"--format {data_format}")
+    train_on_inputs = args.train_on_inputs
+    if train_on_inputs is None:
+        train_on_inputs = run.get("train_on_inputs", False)
+        taken += ["--train-on-inputs"] if train_on_inputs else []
+    overlong = args.overlong
+    if overlong is None:
+        overlong = run.get("overlong", OVERLONG[0])
+        taken += [f"--overlong {overlong}"] if overlong != OVERLONG[0] else []
+    return data_format, SFTConfig(train_on_inputs, overlong), taken
