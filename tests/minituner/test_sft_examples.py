@@ -144,3 +144,22 @@ def test_evaluate_examples_is_the_mean_over_counted_tokens():
     assert r.loss == pytest.approx(total / n, rel=1e-5) and r.perplexity == pytest.approx(math.exp(total / n))
     assert set(r.as_dict()) == {"loss", "perplexity", "examples", "tokens"}
     assert model.training  # restored
+
+
+@pytest.mark.parametrize("generation_blocks", [False, True])
+def test_a_turn_of_weight_0_is_not_counted(generation_blocks):
+    """axolotl's per-turn weight: an answer of weight 0 is context, not trained on (its tokens stay in the input);
+    weight 1 counts as a turn without one. With {% generation %} blocks as without."""
+    template = TEMPLATE
+    if generation_blocks:
+        template = ChatTemplate("{% for m in messages %}{{ m['role'] | capitalize }}: {% if m['role'] == 'assistant' %}"
+                                "{% generation %}{{ m['content'] }}<|end|>{% endgeneration %}{% else %}"
+                                "{{ m['content'] }}<|end|>{% endif %}\n{% endfor %}"
+                                "{% if add_generation_prompt %}Assistant: {% endif %}")
+        assert template.marks_answers
+    weighted = tuple({**m, "weight": 0} if m["content"] == "Hello." else {**m, "weight": 1} if m["content"] == "4"
+                     else m for m in CHAT)
+    ex = tokenize_record(Record("messages", "f:1", messages=weighted), TOK.encode, template)
+    plain = tokenize_record(Record("messages", "f:1", messages=CHAT), TOK.encode, template)
+    assert ex.input_ids == plain.input_ids
+    assert counted_ids(ex) == TOK.encode("4<|end|>") and counted_ids(plain) == TOK.encode("Hello.<|end|>4<|end|>")

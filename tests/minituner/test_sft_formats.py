@@ -5,7 +5,7 @@ import pytest
 
 from minigpt.errors import InputError
 from minituner.sft.files import is_structured, read_file, read_records
-from minituner.sft.formats import FORMATS, split_records
+from minituner.sft.formats import FORMATS, DataSelection, split_records
 
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi?"},
         {"role": "assistant", "content": "Hello."}]
@@ -220,3 +220,60 @@ def test_split_records_is_deterministic_and_disjoint(tmp_path):
     assert [r.text for r in s["val"]] == ["18", "38"] and [r.text for r in s["test"]] == ["19", "39"]
     small = split_records(recs[:7])
     assert [r.text for r in small["val"]] == ["4"] and len(small["train"]) == 6 and small["test"] == []
+
+
+def test_a_system_field_is_the_first_turn_of_a_chat_and_refused_where_nothing_renders_it(tmp_path):
+    """alpaca (LLaMA-Factory's system and history), messages and conversational prompt-completion read a record's
+    system field as the first turn; it may repeat the chat's own first system turn, not contradict it; a text or
+    plain prompt-completion record has no template to render it, so it is refused rather than dropped."""
+    alpaca = {"instruction": "wind?", "input": "Bergen", "output": "7", "system": "be brief",
+              "history": [["hi", "hello"]]}
+    (r,) = read_file(write_jsonl(tmp_path / "a.jsonl", [alpaca]))
+    assert [(m["role"], m["content"]) for m in r.messages] == [
+        ("system", "be brief"), ("user", "hi"), ("assistant", "hello"), ("user", "wind?\n\nBergen"),
+        ("assistant", "7")]
+    (r,) = read_file(write_jsonl(tmp_path / "m.jsonl", [{"messages": CHAT[1:], "system": "Be brief."}]))
+    assert r.messages == tuple(CHAT)
+    (r,) = read_file(write_jsonl(tmp_path / "same.jsonl", [{"messages": CHAT, "system": "Be brief."}]))
+    assert r.messages == tuple(CHAT)
+    (r,) = read_file(write_jsonl(tmp_path / "c.jsonl", [{"prompt": CHAT[1:2], "completion": CHAT[2:], "system": "s"}]))
+    assert r.messages[0] == {"role": "system", "content": "s"} and r.answers_from == 2
+    for name, record, message in (
+            ("x.jsonl", {"messages": CHAT, "system": "Be long."}, "a 'system' field and a first system turn that differ"),
+            ("t.jsonl", {"text": "abc", "system": "s"}, "a 'system' field in a text record"),
+            ("p.jsonl", {"prompt": "a", "completion": "b", "system": "s"}, "in a prompt-completion record"),
+            ("h.jsonl", {**alpaca, "history": [["only a question"]]}, "'history' must be a list of"),
+            ("s.jsonl", {**alpaca, "system": 3}, "field 'system' must be a string, got int")):
+        with pytest.raises(InputError, match=rf"{name}:1: .*{message}"):
+            read_file(write_jsonl(tmp_path / name, [record]))
+    (r,) = read_file(write_jsonl(tmp_path / "empty.jsonl", [{"text": "abc", "system": ""}]))  # an empty column
+    assert r.text == "abc"
+
+
+def test_a_system_column_named_by_columns_is_read(tmp_path):
+    rows = [{"q": "wind?", "a": "7", "sys": "be brief"}]
+    recs = read_records(write_jsonl(tmp_path / "a.jsonl", rows),
+                        selection=DataSelection(columns=(("instruction", "q"), ("output", "a"), ("system", "sys"))))
+    assert recs[0].messages[0] == {"role": "system", "content": "be brief"}
+
+
+@pytest.mark.parametrize("turn,message", [
+    ({"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {"name": "f"}}]},
+     r"messages\[1\] is an assistant's tool call \('tool_calls'\)"),
+    ({"role": "assistant", "content": [{"type": "text", "text": "hi"}]}, r"messages\[1\] .*\('content' is a list\)"),
+    ({"role": "assistant", "content": None}, r"\('content' is null\)"),
+    ({"role": "assistant", "content": "7", "weight": 0.5}, r"messages\[1\]: weight 0\.5; a turn's weight is 0"),
+    ({"role": "assistant", "content": "7", "weight": True}, r"weight True"),
+])
+def test_turns_refused_say_what_is_wrong(tmp_path, turn, message):
+    with pytest.raises(InputError, match=message):
+        read_file(write_jsonl(tmp_path / "a.jsonl", [{"messages": [{"role": "user", "content": "q"}, turn]}]))
+
+
+def test_weight_1_on_a_user_turn_is_refused(tmp_path):
+    conv = [{"from": "human", "value": "q", "weight": 1}, {"from": "gpt", "value": "a", "weight": 0}]
+    with pytest.raises(InputError, match=r"conversations\[0\]: weight 1 on a user turn: only answers count"):
+        read_file(write_jsonl(tmp_path / "a.jsonl", [{"conversations": conv}]))
+    conv[0]["weight"] = 0
+    with pytest.raises(InputError, match=r"a\.jsonl:1: every assistant turn of the conversation has weight 0"):
+        read_file(write_jsonl(tmp_path / "a.jsonl", [{"conversations": conv}]))

@@ -33,7 +33,8 @@ def _turn_end(turn: str, markers: Sequence[str]) -> int:
 def chat_answers(messages: list[dict], template: ChatTemplate, where: str = "",
                  answers_from: int = 0) -> tuple[str, list[Span]]:
     """The rendered conversation and the span of each assistant answer in it (its content and end of turn), from
-    message `answers_from` on (TRL's conversational prompt-completion: the completion's).
+    message `answers_from` on (TRL's conversational prompt-completion: the completion's), less those of a turn whose
+    "weight" is 0 (axolotl's: a turn not trained on; sft.formats allows 0 and 1).
 
     A template with {% generation %} blocks says where they are (transformers' assistant mask, what TRL's
     assistant_only_loss trains on). Otherwise the prefix up to assistant turn k is the template rendered on the
@@ -47,14 +48,20 @@ def chat_answers(messages: list[dict], template: ChatTemplate, where: str = "",
         except InputError as e:
             raise InputError(f"{where}: {e}") from None
 
+    counted = [m.get("weight", 1) != 0 for m in messages[answers_from:] if m["role"] == "assistant"]  # per answer
     if template.marks_answers:
         try:
             full, spans = template.render_answers(messages)
         except InputError as e:
             raise InputError(f"{where}: {e}") from None
         before = sum(m["role"] == "assistant" for m in messages[:answers_from])  # the prompt's answers
-        if not before or len(spans) == sum(m["role"] == "assistant" for m in messages):  # one block per answer
-            return full, [(a, b) for a, b in spans[before:] if b > a]
+        if len(spans) == sum(m["role"] == "assistant" for m in messages):  # one block per answer
+            return full, [(a, b) for (a, b), c in zip(spans[before:], counted) if b > a and c]
+        if not before:
+            if not all(counted):
+                raise InputError(f"{where}: a turn of weight 0, and a chat template whose {{% generation %}} blocks "
+                                 "are not one per answer: which answer to leave out cannot be told")
+            return full, [(a, b) for a, b in spans if b > a]
     full = render(messages)
     spans, pos = [], 0
     for k, m in enumerate(messages):
@@ -64,10 +71,11 @@ def chat_answers(messages: list[dict], template: ChatTemplate, where: str = "",
         upto = render(messages[: k + 1])
         end = len(before) + _turn_end(upto[len(before):], template.end_markers)
         if not (upto.startswith(before) and full[:end] == upto[:end] and len(before) >= pos):
-            return full, _answers_by_marker(messages, full, render, template.end_markers, where, answers_from)
+            spans = _answers_by_marker(messages, full, render, template.end_markers, where, answers_from)
+            return full, [span for span, c in zip(spans, counted) if c]
         spans.append((len(before), end))
         pos = end
-    return full, spans
+    return full, [span for span, c in zip(spans, counted) if c]
 
 
 ANSWER_MARKER = "MinituneRAnswerMarker7f3a9c"  # marks an answer's content (no space, no template syntax)

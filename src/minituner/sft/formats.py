@@ -8,14 +8,19 @@ The shapes are the ones TRL's SFTTrainer, axolotl and torchtune agree on:
   completion-only loss counts them: an assistant turn inside the prompt is context);
 - ``messages``: ``{"messages": [{"role": "user", "content": "..."}, ...]}``, rendered with a chat template;
 - ``alpaca``: ``{"instruction": "...", "input": "..." (optional), "output": "..."}``, read as a conversation of
-  one user turn (instruction, then a blank line and the input when there is one) and one assistant turn;
+  one user turn (instruction, then a blank line and the input when there is one) and one assistant turn, after
+  LLaMA-Factory's ``history`` ([[instruction, answer], ...]) as earlier turns where there is one;
 - ``sharegpt``: ``{"conversations": [{"from": "human", "value": "..."}, {"from": "gpt", "value": "..."}, ...],
   "system": "..." (optional)}``, as FastChat, axolotl and LLaMA-Factory write it, read as ``messages`` with the
   roles of SHAREGPT_ROLES (turns written ``{"role", "content"}`` are read too; a ``system`` field becomes the
   first turn).
 
+A record's ``system`` field opens a chat (every shape but text and plain prompt-completion, where no template
+would render it and it is refused) unless the chat opens with that system turn itself; one that says otherwise is
+refused. A turn's ``weight`` (axolotl's) is 0 (an answer left out of the loss) or 1; tool calls are refused.
+
 The shape is recognised per file from the fields of its first record (or forced with ``fmt``); every record of
-the file must then fit it. Fields beyond the shape's are ignored. Mistakes name the file and the line
+the file must then fit it. Other fields of a record are ignored. Mistakes name the file and the line
 (``files`` reads them).
 """
 from __future__ import annotations
@@ -92,15 +97,64 @@ def _messages(value, where: str, key: str = "messages") -> tuple[dict, ...]:
         raise InputError(f"{where}: {key!r} must be a non-empty list of {{role, content}} objects")
     out = []
     for i, m in enumerate(value):
+        if isinstance(m, dict) and m.get("tool_calls") and m.get("role") == "assistant":
+            raise InputError(f"{where}: {key}[{i}] is an assistant's tool call ('tool_calls'): tool-calling turns "
+                             "are not supported (their answers cannot be located in the rendered chat)")
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-            found = _fields(m) if isinstance(m, dict) else type(m).__name__
-            raise InputError(f"{where}: {key}[{i}] must be an object with string 'role' and 'content' (found {found})")
+            raise InputError(f"{where}: {key}[{i}] must be an object with string 'role' and 'content' "
+                             f"({_found(m, ('role', 'content'))})")
         if m["role"] not in ROLES:
             raise InputError(f"{where}: {key}[{i}] has role {m['role']!r}; roles are {', '.join(ROLES)}")
         if m["role"] == "assistant" and not m["content"].strip():
             raise InputError(f"{where}: {key}[{i}] is an empty assistant message")
+        _check_weight(m, f"{where}: {key}[{i}]")
         out.append({k: v for k, v in m.items() if v is not None})  # other fields (name, ...) reach the template
     return tuple(out)
+
+
+def _found(value, keys: tuple[str, ...]) -> str:
+    """What a turn holds instead of string `keys`: the type of a key's value that is no string, else its fields."""
+    if not isinstance(value, dict):
+        return f"found a {type(value).__name__}"
+    wrong = [f"{k!r} is {'null' if value[k] is None else 'a ' + type(value[k]).__name__}" for k in keys
+             if k in value and not isinstance(value[k], str)]
+    return ", ".join(wrong) if wrong else f"found {_fields(value)}"
+
+
+WEIGHTS = (0, 1)  # a turn's "weight" (axolotl's): 0 leaves an answer out of the loss, 1 counts it
+
+
+def _check_weight(turn: dict, where: str) -> None:
+    """InputError for a turn's weight other than 0 or 1 (no loss is weighted here), or 1 on a turn that is not an
+    answer (--train-on-inputs counts every turn)."""
+    weight = turn.get("weight")
+    if weight is None:
+        return
+    if isinstance(weight, bool) or weight not in WEIGHTS:
+        raise InputError(f"{where}: weight {weight!r}; a turn's weight is 0 (its answer left out of the loss) or 1")
+    if weight == 1 and turn.get("role") != "assistant":
+        raise InputError(f"{where}: weight 1 on a {turn.get('role')} turn: only answers count (--train-on-inputs "
+                         "counts every turn)")
+
+
+def _system_field(obj: dict, where: str) -> str:
+    """A record's `system` field ("" where there is none); InputError for one that is no string."""
+    system = obj.get("system")
+    if system is not None and not isinstance(system, str):
+        raise InputError(f"{where}: field 'system' must be a string, got {type(system).__name__}")
+    return system or ""
+
+
+def _with_system(messages: tuple[dict, ...], system: str, where: str) -> tuple[dict, ...]:
+    """A record's `system` field as the conversation's first turn; InputError where the conversation opens with a
+    system turn of its own that says something else."""
+    if not system:
+        return messages
+    if messages and messages[0]["role"] == "system":
+        if messages[0]["content"] != system:
+            raise InputError(f"{where}: a 'system' field and a first system turn that differ: keep one")
+        return messages
+    return ({"role": "system", "content": system}, *messages)
 
 
 def _sharegpt(obj: dict, where: str) -> tuple[dict, ...]:
@@ -112,28 +166,25 @@ def _sharegpt(obj: dict, where: str) -> tuple[dict, ...]:
     for i, t in enumerate(turns):
         keys = ("from", "value") if isinstance(t, dict) and t.get("from") is not None else ("role", "content")
         if not isinstance(t, dict) or not isinstance(t.get(keys[0]), str) or not isinstance(t.get(keys[1]), str):
-            found = _fields(t) if isinstance(t, dict) else type(t).__name__
             raise InputError(f"{where}: conversations[{i}] must be an object with string 'from' and 'value' "
-                             f"(found {found})")
+                             f"({_found(t, keys)})")
         role = SHAREGPT_ROLES.get(t[keys[0]].lower())
         if role is None:
             raise InputError(f"{where}: conversations[{i}] is from {t[keys[0]]!r}; speakers are "
                              f"{', '.join(SHAREGPT_ROLES)}")
         extra = {k: v for k, v in t.items() if k not in keys}  # other fields (name, ...) reach the template
         messages.append({**extra, "role": role, "content": t[keys[1]]})
-    system = obj.get("system")
-    if system is not None and not isinstance(system, str):
-        raise InputError(f"{where}: field 'system' must be a string, got {type(system).__name__}")
-    checked = _messages(messages, where, "conversations")  # before the system turn: indices as in the file
-    if system and checked[0]["role"] != "system":
-        return ({"role": "system", "content": system}, *checked)
-    return checked
+    system = _system_field(obj, where)
+    return _with_system(_messages(messages, where, "conversations"), system, where)  # indices as in the file
 
 
 def _conversation(messages: tuple[dict, ...], fmt: str, where: str, answers_from: int = 0) -> Record:
-    if not any(m["role"] == "assistant" for m in messages[answers_from:]):
-        part = "the completion" if answers_from else "the conversation"
+    answers = [m for m in messages[answers_from:] if m["role"] == "assistant"]
+    part = "the completion" if answers_from else "the conversation"
+    if not answers:
         raise InputError(f"{where}: {part} has no assistant turn (nothing to learn from)")
+    if all(m.get("weight") == 0 for m in answers):
+        raise InputError(f"{where}: every assistant turn of {part} has weight 0 (nothing to learn from)")
     return Record(fmt, where, messages=messages, answers_from=answers_from)
 
 
@@ -142,7 +193,8 @@ def parse_record(obj, fmt: str, where: str) -> Record:
     if not isinstance(obj, dict):
         raise InputError(f"{where}: expected a JSON object, got {type(obj).__name__}")
     if fmt == "messages" and obj.get("messages") is not None:
-        return _conversation(_messages(obj["messages"], where), fmt, where)
+        return _conversation(_with_system(_messages(obj["messages"], where), _system_field(obj, where), where), fmt,
+                             where)
     if fmt == "sharegpt" and obj.get("conversations") is not None:
         return _conversation(_sharegpt(obj, where), fmt, where)
     if fmt == "prompt-completion" and "prompt" in obj and "completion" in obj:
@@ -152,9 +204,10 @@ def parse_record(obj, fmt: str, where: str) -> Record:
                              f"{{role, content}} messages (got a {type(prompt).__name__} and a "
                              f"{type(completion).__name__})")
         if isinstance(prompt, list):  # TRL's conversational prompt-completion
-            prompt_messages = _messages(prompt, where, "prompt")
+            prompt_messages = _with_system(_messages(prompt, where, "prompt"), _system_field(obj, where), where)
             messages = prompt_messages + _messages(completion, where, "completion")
             return _conversation(messages, fmt, where, answers_from=len(prompt_messages))
+        _no_system(obj, fmt, where)
         prompt, completion = _string(obj, "prompt", where), _string(obj, "completion", where)
         if not completion.strip():
             raise InputError(f"{where}: empty completion (nothing to learn from)")
@@ -165,9 +218,11 @@ def parse_record(obj, fmt: str, where: str) -> Record:
         if not output.strip():
             raise InputError(f"{where}: empty output (nothing to learn from)")
         user = f"{instruction}\n\n{extra}" if extra.strip() else instruction
-        messages = ({"role": "user", "content": user}, {"role": "assistant", "content": output})
-        return Record(fmt, where, messages=messages)
+        messages = (*_alpaca_history(obj, where), {"role": "user", "content": user},
+                    {"role": "assistant", "content": output})
+        return Record(fmt, where, messages=_with_system(messages, _system_field(obj, where), where))
     if fmt == "text" and "text" in obj:
+        _no_system(obj, fmt, where)
         text = _string(obj, "text", where)
         if not text.strip():
             raise InputError(f"{where}: empty text")
@@ -177,8 +232,30 @@ def parse_record(obj, fmt: str, where: str) -> Record:
     raise InputError(f"{where}: fields found: {_fields(obj)}; expected {fmt} ({why})")
 
 
+def _alpaca_history(obj: dict, where: str) -> tuple[dict, ...]:
+    """LLaMA-Factory's alpaca `history`, [[instruction, answer], ...] before the record's own, as earlier turns
+    (their answers count, as LLaMA-Factory trains them by default)."""
+    history = obj.get("history")
+    if history is None:
+        return ()
+    if not isinstance(history, list) or not all(isinstance(pair, list) and len(pair) == 2 and all(
+            isinstance(x, str) for x in pair) for pair in history):
+        raise InputError(f"{where}: field 'history' must be a list of [instruction, answer] pairs of strings")
+    turns = [{"role": role, "content": text} for pair in history for role, text in zip(("user", "assistant"), pair)]
+    return _messages(turns, where, "history")
+
+
+def _no_system(obj: dict, fmt: str, where: str) -> None:
+    """InputError for a non-empty `system` field in a record no chat template renders (text, plain
+    prompt-completion): it would be dropped without a word."""
+    if _system_field(obj, where).strip():
+        raise InputError(f"{where}: a 'system' field in a {fmt} record, which no chat template renders: write the "
+                         "records as messages (or alpaca) to use it, or leave the field out")
+
+
 # the fields the shapes read, which --columns may take from a data set's own columns
-FIELDS = ("text", "prompt", "completion", "messages", "conversations", "instruction", "input", "output", "system")
+FIELDS = ("text", "prompt", "completion", "messages", "conversations", "instruction", "input", "output", "system",
+          "history")
 Columns = tuple[tuple[str, str], ...]  # (the field a shape reads, the data set's column it comes from)
 SplitNames = tuple[tuple[str, str], ...]  # (train, val or test; the data set's own name for that split)
 
