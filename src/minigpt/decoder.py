@@ -344,6 +344,9 @@ class Decoder(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         # RoPE frequencies: a plain float32 tensor, not a buffer, so no dtype cast of the model touches it.
         self._inv_freq = rope_inv_freq(cfg) if cfg.positions == "rope" else None
+        if self._inv_freq is not None and not bool(torch.isfinite(self._inv_freq * cfg.block_size).all()):
+            raise InputError(f"rope_theta {cfg.rope_theta!r} makes the rotary angles overflow (inf within "
+                             f"{cfg.block_size} positions): nan at every query")
         self.grad_checkpoint = False  # recompute each layer in backward (training only); no state, no new module
         # the dtype q and k are in when RoPE meets them (None: the stream's); bf16 compute sets it
         # (minituner.precision), so cos and sin are made once in fp32 and rounded to it once

@@ -34,13 +34,15 @@ def generate(model: nn.Module, idx: torch.Tensor, max_new_tokens: int, temperatu
         else:  # the prompt on the first step, then only the token sampled last
             logits = model(idx[:, cache.length:], cache=cache)
         logits = logits[:, -1, :].float()  # (B, V)
-        if bool(torch.isnan(logits).any()) or bool(torch.isinf(logits).all(dim=-1).any()):
-            raise FloatingPointError("the model's logits are not finite (nan, or inf at every token): its weights "
-                                     "hold nan or inf, or its config's numbers make them (norm eps, rope theta)")
-        if temperature <= 0:
-            nxt = logits.argmax(dim=-1, keepdim=True)  # (B, 1)
-        else:
-            logits = logits / temperature
+        if (bool(torch.isnan(logits).any()) or bool(torch.isposinf(logits).any())
+                or bool(torch.isneginf(logits).all(dim=-1).any())):  # (-inf at some tokens: those are never drawn)
+            raise FloatingPointError("the model's logits are not finite (nan, +inf, or -inf at every token): its "
+                                     "weights hold nan or inf, or its config's numbers make them (norm eps, rope theta)")
+        scaled = logits / temperature if temperature > 0 else None
+        if scaled is None or not bool(torch.isfinite(scaled.amax(dim=-1)).all()):
+            nxt = logits.argmax(dim=-1, keepdim=True)  # (B, 1): greedy, or a temperature so small that l / t
+        else:  # overflows (1e-45: the softmax is greedy's one-hot there)
+            logits = scaled
             if top_k is not None:
                 kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
                 logits = logits.masked_fill(logits < kth, float("-inf"))

@@ -168,3 +168,19 @@ def base_weights_sha256(folder: str | Path) -> tuple[str, int]:
         return sha256_file(files[0]), files[0].stat().st_size
     lines = "".join(f"{sha256_file(f)}  {f.name}\n" for f in files)
     return hashlib.sha256(lines.encode()).hexdigest(), sum(f.stat().st_size for f in files)
+
+
+FINITE_CHUNK = 1 << 24  # values checked at once by check_weights_finite (a 16 MiB bool mask at most)
+
+
+def check_weights_finite(model: nn.Module, folder: str | Path) -> None:
+    """InputError naming the first weight of `model` (loaded from `folder`, with any adapter) that holds nan or inf.
+    Generation cannot be trusted to show one: PyTorch's CPU attention gives zeros for a query of nan, so a nan in a
+    q_proj weight yields finite logits (one read of every floating-point weight, in chunks)."""
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        if not t.is_floating_point() or t.numel() == 0:
+            continue
+        flat = t.detach().reshape(-1)
+        for i in range(0, flat.numel(), FINITE_CHUNK):
+            if not bool(torch.isfinite(flat[i:i + FINITE_CHUNK]).all()):
+                raise InputError(f"{folder}: {name} holds nan or inf (a damaged checkpoint or adapter)")

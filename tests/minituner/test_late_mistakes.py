@@ -118,10 +118,19 @@ def test_nan_weights_and_config_numbers_that_make_nan(hf_folder, data, tmp_path,
     base = hf_folder("llama")
     nan = copy_with(base, tmp_path / "nan", tensor=("lm_head.weight", float("nan")))
     capsys.readouterr()  # what building the fixture printed
-    one_line_error(capsys, main(["generate", "--base", str(nan), "--prompt", "hello"]), "not finite")
+    one_line_error(capsys, main(["generate", "--base", str(nan), "--prompt", "hello"]), "lm_head.weight holds nan")
     one_line_error(capsys, main(["generate", "--base", str(nan), "--prompt", "hello", "--temperature", "0"]),
-                   "not finite")
-    one_line_error(capsys, main(["eval", "--base", str(nan), "--data", str(data)]), "loss is nan")
+                   "lm_head.weight holds nan or inf")
+    one_line_error(capsys, main(["eval", "--base", str(nan), "--data", str(data)]), "lm_head.weight holds nan")
+    # a nan in a query weight: PyTorch's CPU attention gives zeros for a nan query, so the logits stay finite
+    q_nan = copy_with(base, tmp_path / "q-nan", tensor=("model.layers.0.self_attn.q_proj.weight", float("nan")))
+    one_line_error(capsys, main(["generate", "--base", str(q_nan), "--prompt", "hello"]),
+                   "model.layers.0.self_attn.q_proj.weight holds nan or inf")
+    # a rope theta so small that the rotary frequencies overflow
+    tiny_theta = copy_with(base, tmp_path / "tiny-theta",
+                           config={"rope_parameters": {"rope_theta": 1e-300, "rope_type": "default"}})
+    one_line_error(capsys, main(["generate", "--base", str(tiny_theta), "--prompt", "hello"]),
+                   "rope_theta 1e-300 makes the rotary angles overflow")
     for i, (config, needle) in enumerate([({"rms_norm_eps": 0}, "norm_eps must be a positive finite number"),
                                           ({"rope_parameters": {"rope_theta": -1.0, "rope_type": "default"}},
                                            "rope_theta must be a positive finite number"),

@@ -11,7 +11,7 @@ from minigpt.bf16_support import bf16_support
 from minigpt.device import DEVICES, check_precision, resolve_device
 from minigpt.errors import InputError
 
-from ..base_model import base_config, load_base, load_tokenizer
+from ..base_model import base_config, check_weights_finite, load_base, load_tokenizer
 from ..evaluation import SPLITS, evaluate_data
 from ..finetune import training_window
 from ..precision import compute_in_bf16, inference_precision
@@ -81,6 +81,7 @@ def run(args: argparse.Namespace) -> int:
         model, tokenizer = load_trained(args.base, args.adapter, scheme, device)
     if tokenizer is None:
         raise InputError(load_tokenizer(args.base, model.config.vocab_size)[1])
+    check_weights_finite(model, args.base)
     if inference_precision(args.precision, trained_precision(args.adapter), bf16_support(device)) == "bf16":
         compute_in_bf16(model)  # as finetune computes in bf16
     elif device.type == "cpu" or args.precision == "fp32" or quantized_modules(model):

@@ -11,7 +11,7 @@ from minigpt.bf16_support import bf16_support
 from minigpt.device import check_precision
 from minigpt.errors import InputError
 
-from ..base_model import load_base, load_tokenizer
+from ..base_model import check_weights_finite, load_base, load_tokenizer
 from ..precision import compute_in_bf16, inference_precision, stored_precision
 from ..run_record import check_run_base
 from ..sft import answer, load_chat_template, trained_template
@@ -65,6 +65,7 @@ def run(args: argparse.Namespace) -> int:
         model, tokenizer = load_trained(args.base, args.adapter, scheme)
     if tokenizer is None:
         raise InputError(load_tokenizer(args.base, model.config.vocab_size)[1])
+    check_weights_finite(model, args.base)
     if inference_precision(args.precision, stored_precision(model), bf16_support("cpu")) == "bf16":
         compute_in_bf16(model)
     elif not compute_in_fp32_for_generation(model, available_memory().bytes):  # fp32: upcast once where it fits
