@@ -179,7 +179,20 @@ def load_checkpoint(path: Path) -> TrainState:
     except Exception as e:  # noqa: BLE001 - safetensors raises several types for a damaged file
         why = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise InputError(f"{path}: not a readable checkpoint ({why})") from None
-    return from_file(tensors, metadata, path)
+    state = from_file(tensors, metadata, path)
+    _check_finite(state, path)
+    return state
+
+
+def _check_finite(state: TrainState, where: Path) -> None:
+    """InputError where a parameter or an optimizer moment holds nan or inf (a damaged checkpoint: resumed, a nan
+    moment would make every parameter it updates nan at the next step)."""
+    named = [(f"parameter {n}", t) for n, t in state.params.items()]
+    named += [(f"optimizer state {i}.{k}", t) for i, st in state.optimizer["state"].items() for k, t in st.items()
+              if torch.is_tensor(t)]
+    bad = [n for n, t in named if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    if bad:
+        raise InputError(f"{where}: {bad[0]} holds nan or inf (a damaged checkpoint); --overwrite starts over")
 
 
 def latest_checkpoint(folder: Path, log: Callable[[str], None] = print) -> tuple[TrainState, Path] | None:
@@ -251,9 +264,7 @@ def restore(state: TrainState, named_params: list[tuple[str, nn.Parameter]], opt
         unexpected = sorted(set(state.params) - set(names))[:3]
         raise InputError(f"{where} does not fit this model: missing {missing}, unexpected {unexpected}, "
                          f"wrong shape {wrong[:2]}")
-    bad = [n for n, t in state.params.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
-    if bad:
-        raise InputError(f"{where}: parameter {bad[0]} holds nan or inf (a damaged checkpoint); --overwrite starts over")
+    _check_finite(state, where)
     with torch.no_grad():
         for n, p in named_params:
             p.copy_(state.params[n])

@@ -140,6 +140,11 @@ def test_nan_weights_and_config_numbers_that_make_nan(hf_folder, data, tmp_path,
         one_line_error(capsys, main(["generate", "--base", str(folder), "--prompt", "hello"]), needle)
 
 
+def _metadata(path: Path) -> dict:
+    with open(path, "rb") as f:  # a safetensors file's metadata as written
+        return json.loads(f.read(int.from_bytes(f.read(8), "little")))["__metadata__"]
+
+
 def test_a_damaged_checkpoint_is_named_on_resume(hf_folder, data, tmp_path, capsys):
     base = hf_folder("llama")
     run = tmp_path / "run"
@@ -157,9 +162,23 @@ def test_a_damaged_checkpoint_is_named_on_resume(hf_folder, data, tmp_path, caps
         one_line_error(capsys, main([*args, "--resume"]), "damaged checkpoint info")
     save_file(tensors, newest, metadata={**metadata, "state": json.dumps({**state, "step": 10**6})})
     one_line_error(capsys, main([*args, "--resume"]), "outside this run's 1..2")
-    nan = {k: (torch.full_like(v, float("nan")) if "lora_A" in k else v) for k, v in tensors.items()}
-    save_file(nan, newest, metadata=metadata)
-    one_line_error(capsys, main([*args, "--resume"]), "holds nan or inf")
+    # nan in a parameter or an optimizer moment: damaged, skipped like a truncated file, the one before resumed
+    for part in ("param.", "optim."):
+        nan = {k: (torch.full_like(v, float("nan")) if k.startswith(part) and v.is_floating_point() else v)
+               for k, v in tensors.items()}
+        save_file(nan, newest, metadata=metadata)
+        assert main([*args, "--resume"]) == 0
+        out, err = capsys.readouterr()
+        assert f"warning: skipping {newest}: " in out + err and "holds nan or inf" in out + err
+        assert f"resuming from checkpoints/{sorted((run / 'checkpoints').iterdir())[0].name}" in out + err
+        save_file(nan, newest, metadata=metadata)  # (the resumed run wrote it afresh)
+        for older in sorted((run / "checkpoints").iterdir())[:-1]:
+            older.unlink()
+        one_line_error(capsys, main([*args, "--resume"]), "no checkpoint to resume from")
+        assert main(args[:-2] + ["--checkpoint-every", "1", "--overwrite"]) == 0  # two checkpoints again
+        capsys.readouterr()
+        newest = sorted((run / "checkpoints").iterdir())[-1]
+        tensors, metadata = load_file(newest), _metadata(newest)
 
 
 @pytest.mark.parametrize("flag,value", [("--seed", str(2**70)), ("--lr", "1e39")])
