@@ -43,8 +43,11 @@ def check_run_dir(out: Path, markers: tuple[str, ...], overwrite: bool = False, 
     check_creatable(out)
     if resume:
         if not list_checkpoints(out / CHECKPOINT_DIR):
-            raise InputError(f"{out}: no checkpoint to resume from in {CHECKPOINT_DIR}/; "
-                             "start a new run (--overwrite replaces what is there)")
+            waiting = _replaced_runs(out)
+            raise InputError(f"{out}: no checkpoint to resume from in {CHECKPOINT_DIR}/; start a new run (--overwrite "
+                             "replaces what is there)" + (f"; the run an --overwrite stopped before its first "
+                                                          f"checkpoint replaced waits in {waiting[0]}: move its files "
+                                                          "back to keep it" if waiting else ""))
         return
     held = _run_files_held(out, markers)
     if held and not overwrite:
@@ -86,12 +89,13 @@ def replacing_run(out: Path, patterns: Sequence[str], markers: Sequence[str], ac
         return
     if resuming:  # the run that replaced an earlier one (killed, then resumed): once it succeeds, that one goes
         yield
-        for old in out.glob(".replaced-run.*"):
+        for old in _replaced_runs(out):
             shutil.rmtree(old, ignore_errors=True)
         return
     existed = out.exists()
     held = existed and bool(_run_files_held(out, markers))
-    aside = Path(tempfile.mkdtemp(dir=out, prefix=".replaced-run.")) if held else None
+    earlier = _replaced_runs(out) if existed else []  # runs an --overwrite killed before its checkpoint replaced
+    aside = Path(tempfile.mkdtemp(dir=out, prefix=REPLACED_PREFIX)) if held else None
     for path in _matching(out, patterns) if held else []:
         os.replace(path, aside / path.name)
     before = set(out.iterdir()) if existed else set()  # the user's own files, and the hidden folder
@@ -99,8 +103,9 @@ def replacing_run(out: Path, patterns: Sequence[str], markers: Sequence[str], ac
         yield
     except BaseException as e:
         if list_checkpoints(out / CHECKPOINT_DIR):  # the new run can go on (--resume, --skip-nonfinite): kept
-            if aside is not None and isinstance(e, (InputError, FloatingPointError)) and e.args:
-                e.args = (f"{e.args[0]}; the run it replaced waits in {aside}",)
+            if aside is not None and isinstance(e, (InputError, FloatingPointError, KeyboardInterrupt)):
+                said = f"{e.args[0]}; " if e.args else ""
+                e.args = (f"{said}the run it replaced waits in {aside}",)
             raise
         if not existed:
             shutil.rmtree(out, ignore_errors=True)
@@ -112,8 +117,16 @@ def replacing_run(out: Path, patterns: Sequence[str], markers: Sequence[str], ac
                     os.replace(path, out / path.name)
                 aside.rmdir()
         raise
-    if aside is not None:
-        shutil.rmtree(aside, ignore_errors=True)
+    for replaced in ([aside] if aside is not None else []) + earlier:  # the new run stands: what it replaced goes
+        shutil.rmtree(replaced, ignore_errors=True)
+
+
+REPLACED_PREFIX = ".replaced-run."
+
+
+def _replaced_runs(out: Path) -> list[Path]:
+    """The hidden folders in `out` holding runs an --overwrite replaced (``replacing_run``), oldest name first."""
+    return sorted(p for p in Path(out).glob(REPLACED_PREFIX + "*") if p.is_dir())
 
 
 def _run_files_held(out: Path, markers: Sequence[str]) -> list[str]:

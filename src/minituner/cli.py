@@ -8,7 +8,9 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import signal
 import sys
+import threading
 
 from minigpt.errors import InputError
 
@@ -48,6 +50,7 @@ def out_of_memory(e: BaseException) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    before = _terminate_as_interrupt()
     try:
         return int(args._run(args) or 0)
     except BrokenPipeError:  # e.g. `minituner count --json | head`: the reader left, not an error
@@ -63,9 +66,29 @@ def main(argv: list[str] | None = None) -> int:
         print(f"minituner {args.command}: error: out of memory ({' '.join(str(e).split())[:160]}); "
               "minituner count plans what a run needs", file=sys.stderr)
         return EXIT_USAGE
-    except KeyboardInterrupt:
-        print("minituner: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (_terminate_as_interrupt)
+        said = f" ({e.args[0]})" if e.args else ""
+        print(f"minituner: interrupted{said}", file=sys.stderr)
+        return 128 + (signal.SIGTERM if isinstance(e, Terminated) else signal.SIGINT)
+    finally:
+        if before is not None:
+            signal.signal(signal.SIGTERM, before)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (a scheduler's or `kill`'s stop), raised where Python is, so a run cleans up as after Ctrl-C."""
+
+
+def _terminate_as_interrupt():
+    """SIGTERM raises Terminated in the main thread while a command runs: a run stopped that way restores the
+    folder an --overwrite replaced, as after Ctrl-C (the default handler ends the process with nothing cleaned up).
+    The handler it replaces (None off the main thread, where none is set)."""
+    def stop(signum, frame):
+        raise Terminated("SIGTERM")
+
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    return signal.signal(signal.SIGTERM, stop)
 
 
 if __name__ == "__main__":

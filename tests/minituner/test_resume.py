@@ -7,6 +7,7 @@ checkpoint N's temporary file and renaming it (a kill in the middle of a checkpo
 """
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -84,9 +85,9 @@ def run(root, mode, out, *extra):
     return subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=300, env=env())
 
 
-def start_and_kill(root, mode, out):
-    """Start a run that pauses at `mode`, wait until it says so, then SIGKILL it."""
-    cmd = [str(c) for c in (sys.executable, root / "driver.py", mode, *finetune_args(root, out))]
+def start_and_kill(root, mode, out, *extra, sig=signal.SIGKILL) -> str:
+    """Start a run that pauses at `mode`, wait until it says so, then send it `sig` (SIGKILL); its stderr."""
+    cmd = [str(c) for c in (sys.executable, root / "driver.py", mode, *finetune_args(root, out), *extra)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env())
     watchdog = threading.Timer(300, proc.kill)  # a run that never pauses must not hang the test
     watchdog.start()
@@ -96,8 +97,9 @@ def start_and_kill(root, mode, out):
             line = proc.stdout.readline()
             assert line, f"the run ended before pausing: {lines} {proc.stderr.read()}"
             lines.append(line.strip())
-        os.kill(proc.pid, signal.SIGKILL)
-        assert proc.wait(timeout=60) == -signal.SIGKILL
+        os.kill(proc.pid, sig)
+        assert proc.wait(timeout=60) == (-signal.SIGKILL if sig == signal.SIGKILL else 128 + sig)
+        return proc.stderr.read()
     finally:
         watchdog.cancel()
         proc.stdout.close()
@@ -173,3 +175,38 @@ def test_a_diverging_run_stops_naming_the_step_and_keeps_the_last_good_checkpoin
     assert "the last good checkpoint is checkpoints/step-00000001.safetensors (step 1)" in err
     assert [s for s, _ in list_checkpoints(out / CHECKPOINT_DIR)] == [1]
     assert not (out / ADAPTER_FILE).exists()
+
+
+def tree(folder) -> dict:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_sigterm_during_an_overwrite_brings_the_earlier_run_back_as_ctrl_c_does(setup, tmp_path):
+    """SIGTERM (a scheduler's stop, `kill`) is handled as Ctrl-C: before the first checkpoint the folder is as it
+    was; after one, the checkpoint stays for --resume and the message names where the replaced run waits."""
+    out = tmp_path / "run"
+    shutil.copytree(setup / "ref", out)
+    before = tree(out)
+    err = start_and_kill(setup, "step:3", out, "--overwrite", sig=signal.SIGTERM)  # before checkpoint 5
+    assert err.strip().splitlines()[-1] == "minituner: interrupted (SIGTERM)" and "Traceback" not in err
+    assert tree(out) == before and not list(out.glob(".replaced-run.*"))
+    err = start_and_kill(setup, "step:8", out, "--overwrite", sig=signal.SIGTERM)  # after checkpoint 5
+    (aside,) = out.glob(".replaced-run.*")
+    assert f"minituner: interrupted (SIGTERM; the run it replaced waits in {aside})" in err
+    assert [s for s, _ in list_checkpoints(out / CHECKPOINT_DIR)] == [5]
+
+
+def test_a_run_an_overwrite_replaced_is_named_after_a_sigkill_and_goes_once_another_run_stands(setup, tmp_path):
+    """SIGKILL before the first checkpoint of an --overwrite run leaves the earlier run in the hidden folder (nothing
+    can clean up): --resume names it; the next --overwrite run that succeeds replaces it for good."""
+    out = tmp_path / "run"
+    shutil.copytree(setup / "ref", out)
+    start_and_kill(setup, "step:3", out, "--overwrite")
+    (aside,) = out.glob(".replaced-run.*")
+    assert (aside / ADAPTER_FILE).read_bytes() == (setup / "ref" / ADAPTER_FILE).read_bytes()
+    resumed = run(setup, "plain", out, "--resume")
+    assert resumed.returncode == 2 and len(resumed.stderr.strip().splitlines()) == 1
+    assert f"replaced waits in {aside}: move its files back to keep it" in resumed.stderr
+    again = run(setup, "plain", out, "--overwrite")
+    assert again.returncode == 0, again.stderr
+    assert not list(out.glob(".replaced-run.*")) and (out / ADAPTER_FILE).is_file()
