@@ -37,7 +37,8 @@ def generate(model: nn.Module, idx: torch.Tensor, max_new_tokens: int, temperatu
         if (bool(torch.isnan(logits).any()) or bool(torch.isposinf(logits).any())
                 or bool(torch.isneginf(logits).all(dim=-1).any())):  # (-inf at some tokens: those are never drawn)
             raise FloatingPointError("the model's logits are not finite (nan, +inf, or -inf at every token): its "
-                                     "weights hold nan or inf, or its config's numbers make them (norm eps, rope theta)")
+                                     "weights hold nan or inf, or its config's numbers make them (norm eps, "
+                                     "rope theta)")
         scaled = logits / temperature if temperature > 0 else None
         if scaled is None or not bool(torch.isfinite(scaled.amax(dim=-1)).all()):
             nxt = logits.argmax(dim=-1, keepdim=True)  # (B, 1): greedy, or a temperature so small that l / t

@@ -24,7 +24,7 @@ from minigpt.io import atomic_save_safetensors, load_safetensors
 from minigpt.train_state import FORMAT as CHECKPOINT_FORMAT
 from miniquant import QuantizedLinear
 
-from .adapter_tensors import load_pickled_tensors, module_paths, normalize_keys
+from .adapter_tensors import check_rank_held, load_pickled_tensors, module_paths, normalize_keys
 from .lora import (LoRAConfig, adapter_config, apply_lora, linear_candidates, load_lora_state_dict, lora_state_dict,
                    mismatch_error)
 from .peft_format import CONFIG_NAME, peft_selection, read_peft_adapter, targets_name
@@ -119,6 +119,7 @@ def read_adapter(path: str | Path) -> tuple[dict[str, torch.Tensor], LoRAConfig 
     cfg = config_from_metadata(meta, path)
     if cfg is not None:
         _check_tensors_match_metadata(sd, cfg, path)
+        check_rank_held(sd, cfg.r, path)
     return sd, cfg
 
 
@@ -140,6 +141,21 @@ def _check_tensors_match_metadata(sd: dict[str, torch.Tensor], cfg: LoRAConfig, 
     if unnamed:
         raise InputError(f"{path}: damaged adapter: it holds tensors for {len(unnamed)} module(s) its metadata "
                          f"does not name ({_first(unnamed)})")
+
+
+def check_same_scaling(path: str | Path, lora: LoRAConfig) -> None:
+    """InputError where the adapter at `path` (finetune's --init-adapter) records another rank, alpha or rsLoRA than
+    the run's `lora`: started from with those, its update alpha / r (or alpha / sqrt(r)) would not be the one it was
+    trained with. An adapter that records no config (a .pt file) is not checked."""
+    recorded = read_adapter(path)[1]
+    if recorded is None:
+        return
+    differ = [f"{name} {mine} (the adapter's {theirs})" for name, mine, theirs in (
+        ("rank", lora.r, recorded.r), ("alpha", float(lora.alpha), recorded.alpha),
+        ("use_rslora", lora.use_rslora, recorded.use_rslora)) if mine != theirs]
+    if differ:
+        raise InputError(f"--init-adapter {path}: this run's {', '.join(differ)} would scale the adapter's update "
+                         "otherwise than it was trained: give the adapter's values (--rank, --alpha, --use-rslora)")
 
 
 def _first(paths: list[str]) -> str:

@@ -49,3 +49,13 @@ def normalize_keys(sd: dict[str, torch.Tensor], adapter_name: str = "default") -
 def module_paths(sd: dict[str, torch.Tensor]) -> list[str]:
     """The module paths an adapter's keys name, in key order."""
     return list(dict.fromkeys(k.rsplit(".lora_", 1)[0] for k in sd if ".lora_" in k))
+
+
+def check_rank_held(sd: dict[str, torch.Tensor], r: int, path: Path) -> None:
+    """InputError where a factor's rank is not the r an adapter's config records (a config edited, or tensors of
+    another adapter): alpha / r would scale its update by another r than the one it was trained with."""
+    for key, t in sd.items():
+        if t.dim() == 2 and key.endswith((".lora_A.weight", ".lora_B.weight")):
+            rank = t.shape[0] if key.endswith(".lora_A.weight") else t.shape[1]
+            if rank != r:
+                raise InputError(f"{path}: damaged adapter: its config records r {r}, {key} has rank {rank}")

@@ -41,7 +41,7 @@ from .base_model import (Tokenizer, base_config, base_kind, base_weights_file, b
                          load_base)
 from .build import FULL_IN_BF16, build_for_training
 from .dropout import config_dropout, set_model_dropout
-from .adapter_io import ADAPTER_FILE, save_adapter
+from .adapter_io import ADAPTER_FILE, check_same_scaling, save_adapter
 from .export import write_hf_folder
 from .finetune_data import (  # noqa: F401 (steps_for_epochs: API)
     domain_unknown_fraction, encode_domain, steps_for_epochs, training_data)
@@ -181,6 +181,8 @@ def finetune(base: str | Path, out: str | Path, cfg: FinetuneConfig, progress: b
         check_inputs_outside_run(out, files, RUN_MARKERS, {
             "--data": cfg.data, "--init-adapter": cfg.init_adapter, "--chat-template": cfg.chat_template,
             "--base-domain": cfg.base_domain})
+    if cfg.init_adapter is not None:
+        check_same_scaling(cfg.init_adapter, cfg.lora)
     barrier()  # every rank has checked the folder before rank 0 writes to it
     writer = is_writer()
     progress, log = progress and writer, log if writer else (lambda *a, **k: None)

@@ -26,7 +26,7 @@ from minigpt.decoder import Decoder
 from minigpt.errors import InputError
 from minigpt.io import atomic_save_safetensors, load_safetensors, read_json, write_json
 
-from .adapter_tensors import PEFT_PREFIX, load_pickled_tensors, module_paths, normalize_keys
+from .adapter_tensors import PEFT_PREFIX, check_rank_held, load_pickled_tensors, module_paths, normalize_keys
 from .lora import ALL_LINEAR, LoRAConfig, adapter_config, lora_modules, lora_state_dict
 
 CONFIG_NAME = "adapter_config.json"
@@ -172,6 +172,7 @@ def read_peft_adapter(folder: str | Path) -> tuple[dict[str, torch.Tensor], LoRA
     else:
         raise InputError(f"{folder}: no {WEIGHTS_NAME} beside {CONFIG_NAME}")
     sd = normalize_keys(sd)
+    check_rank_held(sd, cfg.r, folder)
     held = module_paths(sd)
     if d.get("target_modules") is not None:  # null: PEFT's default for the model type, checked by peft_selection
         check_selected(held, _peft_selection(d["target_modules"], d, folder / CONFIG_NAME), d, folder)

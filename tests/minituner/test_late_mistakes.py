@@ -358,3 +358,27 @@ def test_a_training_checkpoint_given_as_an_adapter_is_named_as_one(hf_folder, da
                   "--init-adapter", str(checkpoint)]):
         one_line_error(capsys, main(argv), "a training checkpoint (the trained tensors with the optimizer's state)")
     assert not (tmp_path / "next").exists()
+
+
+def test_init_adapter_with_another_scaling_and_an_adapter_of_another_rank_are_refused(hf_folder, data, tmp_path,
+                                                                                       capsys):
+    """--init-adapter starts from the adapter as trained: another --alpha, --rank or --use-rslora would scale its
+    update otherwise, and is refused naming the adapter's value; a config whose r is not its tensors' is damaged."""
+    base, first = hf_folder("llama"), tmp_path / "first"
+    assert main(["finetune", "--base", str(base), "--data", str(data), "--out", str(first), *TRAIN, "--alpha",
+                 "4"]) == 0
+    capsys.readouterr()
+    start = ["finetune", "--base", str(base), "--data", str(data), "--out", str(tmp_path / "second"), *TRAIN,
+             "--init-adapter"]
+    for source in (first, first / "adapter_peft"):
+        one_line_error(capsys, main([*start, str(source)]), "this run's alpha 16.0 (the adapter's 4.0) would scale")
+        one_line_error(capsys, main([*start, str(source), "--alpha", "4", "--use-rslora"]),
+                       "use_rslora True (the adapter's False)")
+    assert not (tmp_path / "second").exists()
+    assert main([*start, str(first), "--alpha", "4"]) == 0
+    capsys.readouterr()
+    config = first / "adapter_peft" / "adapter_config.json"
+    rank = json.loads(config.read_text())["r"]
+    config.write_text(json.dumps({**json.loads(config.read_text()), "r": rank * 2}))
+    one_line_error(capsys, main(["generate", "--base", str(base), "--adapter", str(first / "adapter_peft"),
+                                 "--prompt", "hi"]), f"damaged adapter: its config records r {rank * 2}")
