@@ -63,7 +63,11 @@ def check_run_base(base: str | Path, adapter: str | Path, use: str = "merge") ->
     manifest's record, else (an adapter file without its run) the file's own; nothing to check for a PEFT folder
     without its run or an older file. `use` names what --allow-other-base would do anyway ("merge", "use")."""
     manifest = run_manifest(adapter)
-    recorded, where = (manifest.get("base_sha256"), "manifest") if manifest else (adapter_file_base(adapter), "file")
+    recorded, where = (manifest.get("base_sha256"), "manifest") if manifest else (None, "")
+    if not recorded:  # no run manifest, or one without the record (older, or edited): the adapter file's own
+        # (a run's adapter_peft/ holds none: its run's adapter file, beside it, records the same base)
+        recorded = adapter_file_base(adapter) or (adapter_file_base(Path(adapter).parent) if manifest else None)
+        where, manifest = "file", None
     if not recorded or (manifest and manifest.get("base_files") == base_file_stats(base)):
         return
     sha, _ = base_weights_sha256(base)

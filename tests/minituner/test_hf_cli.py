@@ -265,6 +265,13 @@ def test_export_refuses_a_base_other_than_the_runs(hf_folder, data, tmp_path, ca
     assert main([*argv, str(tmp_path / "b"), "--allow-other-base"]) == 0
     assert main(["export", "--base", str(base), "--adapter", str(tmp_path / "run"), "--out", str(tmp_path / "c")]) == 0
     capsys.readouterr()
+    # a manifest without the record (edited, or damaged): the run's adapter file records the base too
+    manifest = tmp_path / "run" / "manifest.json"
+    manifest.write_text(json.dumps({k: v for k, v in json.loads(manifest.read_text()).items() if k != "base_sha256"}))
+    for adapter in (tmp_path / "run", tmp_path / "run" / "adapter_peft"):
+        assert main(["export", "--base", str(other), "--adapter", str(adapter), "--out", str(tmp_path / "d")]) == 2
+        err = capsys.readouterr().err
+        assert "not the base this adapter's run trained on (its file records" in err, err
 
 
 
