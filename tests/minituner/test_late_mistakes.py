@@ -299,6 +299,14 @@ def test_a_pretrain_overwrite_that_fails_leaves_the_base_as_it_was(data, tmp_pat
     assert hashes(out) == before and not list(out.glob(".replaced-run.*"))
     assert main(["pretrain", *tiny, "--overwrite", "--seed", "5"]) == 0  # a run that succeeds replaces it
     assert hashes(out) != before and not list(out.glob(".replaced-run.*"))
+    # a finetune run's folder: pretrain would leave its adapter beside the new base, so it is refused
+    run = tmp_path / "run"
+    assert main(["finetune", "--base", str(out), "--data", str(data), "--out", str(run), *TRAIN]) == 0
+    capsys.readouterr()
+    before = hashes(run)
+    one_line_error(capsys, main(["pretrain", *tiny[:2], "--out", str(run), *tiny[4:], "--overwrite"]),
+                   f"{run} holds a finetune run (adapter_final.safetensors); pretrain --overwrite replaces only")
+    assert hashes(run) == before
 
 
 @pytest.mark.parametrize("edit", [("seq_len", "eight", "records seq_len 'eight', not a positive integer"),

@@ -4,9 +4,12 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from minigpt.errors import InputError
 from minigpt.pretrain import DEFAULT_DATA, pretrain
 from minigpt.train import TrainConfig
 
+from ..adapter_io import ADAPTER_FILE
+from ..finetune import PEFT_DIR
 from ._common import add_run_arguments, checkpoint_options, positive_float, positive_int, seed
 
 HELP = "pretrain the base MiniGPT and write config.json, model.safetensors, tokenizer.json, manifest.json"
@@ -33,6 +36,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.overwrite and args.out.is_dir():
+        held = [name for name in (ADAPTER_FILE, PEFT_DIR) if (args.out / name).exists()]
+        if held:  # pretrain replaces a pretraining run's files only: the adapter would stay beside the new base
+            raise InputError(f"{args.out} holds a finetune run ({held[0]}); pretrain --overwrite replaces only a "
+                             "pretraining run: choose another --out, or remove that run first")
     cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
                       eval_every=max(1, min(250, args.steps)), **checkpoint_options(args))
     overrides = {"block_size": args.block_size, "n_layer": args.n_layer, "n_head": args.n_head, "d_model": args.d_model}
