@@ -32,6 +32,14 @@ def test_pretrain_and_generate(tiny_base):
     r = run_cli("generate", "--base", str(tiny_base / "base"), "--prompt", "hel", "--max-new-tokens", "10")
     assert r.returncode == 0, r.stderr
     assert "sample 1" in r.stdout
+    # many samples are drawn SAMPLES_AT_ONCE at a time (memory bounded), numbered on
+    r = run_cli("generate", "--base", str(tiny_base / "base"), "--prompt", "hel", "--max-new-tokens", "3",
+                "--num-samples", "19", "--temperature", "1e-300")
+    assert r.returncode == 0, r.stderr
+    headers = [line for line in r.stdout.splitlines() if line.startswith("--- sample")]
+    assert headers == [f"--- sample {i} ---" for i in range(1, 20)]
+    samples = r.stdout.split("--- sample ")[1:]
+    assert len({s.split("---", 1)[1] for s in samples}) == 1  # a temperature that small: greedy, every sample alike
 
 
 @pytest.mark.parametrize(
