@@ -24,6 +24,7 @@ import shutil
 import tempfile
 from collections import Counter
 from dataclasses import replace
+from fnmatch import fnmatch
 from pathlib import Path
 from typing import Callable
 
@@ -160,7 +161,8 @@ def _check_options(dtype: torch.dtype | None, max_shard_bytes: int) -> None:
 
 def check_out(out: Path, overwrite: bool, keep: tuple[str | Path, ...] = ()) -> None:
     """An existing OUT is refused unless `overwrite`; one that is not a folder always; so is an OUT that is or holds
-    a path of `keep` (the base, the adapter) or the current folder, which replacing OUT would delete."""
+    a path of `keep` (the base, the adapter) or the current folder, which replacing OUT would delete, and one that
+    holds anything an export does not write (``_not_exported``): --overwrite replaces an earlier export only."""
     if out.exists() and not overwrite:
         raise InputError(f"{out}: already exists (pass --overwrite to replace it)")
     check_creatable(out)
@@ -169,6 +171,19 @@ def check_out(out: Path, overwrite: bool, keep: tuple[str | Path, ...] = ()) -> 
         held = Path(path).resolve()
         if held == target or target in held.parents:
             raise InputError(f"--out {out} is or holds {what}, which writing it would replace: choose another --out")
+    foreign = _not_exported(out) if out.is_dir() else []
+    if foreign:
+        raise InputError(f"--out {out} holds what an export does not write ({foreign[0]}"
+                         f"{', ...' if len(foreign) > 1 else ''}): --overwrite replaces an earlier export only; "
+                         "choose another --out")
+
+
+EXPORTED = (CONFIG, WEIGHTS, WEIGHTS_INDEX, "model-*-of-*.safetensors", *COPIED)  # what an export writes
+
+
+def _not_exported(folder: Path) -> list[str]:
+    """The entries of `folder` that write_hf_folder never writes (a run's adapter, the user's own files)."""
+    return sorted(p.name for p in folder.iterdir() if p.is_dir() or not any(fnmatch(p.name, e) for e in EXPORTED))
 
 
 def write_hf_folder(model: nn.Module, base_folder: str | Path, folder: str | Path, dtype: torch.dtype | None = None,

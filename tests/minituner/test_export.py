@@ -1,6 +1,7 @@
 """export_merged: AutoModelForCausalLM loads the export with our logits (base + adapter) within 1e-4."""
 import json
 import os
+import shutil
 import stat
 
 import pytest
@@ -101,9 +102,23 @@ def test_existing_out_needs_overwrite(hf_folder, tmp_path):
     with pytest.raises(InputError, match="already exists"):
         export_merged(model, folder, out)
     assert (out / "keep.txt").read_text() == "mine"  # untouched
-    export_merged(model, folder, out, overwrite=True)
-    assert not (out / "keep.txt").exists() and (out / "model.safetensors").is_file()
+    # --overwrite replaces an earlier export, never a folder holding what an export does not write (the user's
+    # files, a run's PEFT adapter): those would be deleted with it
+    with pytest.raises(InputError, match=r"holds what an export does not write \(keep\.txt\): --overwrite replaces"):
+        export_merged(model, folder, out, overwrite=True)
+    assert (out / "keep.txt").read_text() == "mine"
+    (out / "keep.txt").unlink()
+    export_merged(model, folder, out, overwrite=True)  # an empty folder
+    first = (out / "model.safetensors").read_bytes()
+    export_merged(with_adapter(load_hf_decoder(folder), ["v_proj"]), folder, out, overwrite=True)  # an export
+    assert (out / "model.safetensors").is_file() and (out / "model.safetensors").read_bytes() != first
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no temporary folder left behind
+    peft_like = tmp_path / "adapter_peft"
+    peft_like.mkdir()
+    (peft_like / "adapter_config.json").write_text("{}")
+    with pytest.raises(InputError, match=r"\(adapter_config\.json\)"):
+        export_merged(model, folder, peft_like, overwrite=True)
+    shutil.rmtree(peft_like)
     (tmp_path / "afile").write_text("x")
     with pytest.raises(InputError, match="cannot be created, .*afile is a file, not a folder"):
         export_merged(model, folder, tmp_path / "afile" / "sub")  # was an OSError: [Errno 17] File exists
