@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from minigpt.base_folder import save_base
+from minigpt.errors import InputError
 from minigpt.model import GPTConfig, MiniGPT
 from minigpt.tokenizer import CharTokenizer
 from minituner.sft.templates import TEMPLATE_FILE, load_chat_template
@@ -148,6 +149,13 @@ def test_a_chat_run_evaluates_plain_text_and_its_peft_folder_finds_the_template(
 
     assert trained_template(run / "adapter_peft") == trained_template(run / "adapter_final.safetensors") \
         == run / TEMPLATE_FILE
+    odd = tmp_path / "odd-run"  # a run whose template is a folder: named, not passed over for the base's
+    (odd / "adapter_peft").mkdir(parents=True)
+    (odd / "manifest.json").write_text("{}")
+    (odd / TEMPLATE_FILE).mkdir()
+    for adapter in (odd, odd / "adapter_peft"):
+        with pytest.raises(InputError, match="the run's chat template is not a file"):
+            trained_template(adapter)
     out_dir = tmp_path / "merged"
     code, _, err = cli("export", "--base", root / "base", "--adapter", run / "adapter_peft", "--out", out_dir)
     assert code == 0, err

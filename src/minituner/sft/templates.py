@@ -287,10 +287,15 @@ def trained_template(adapter: str | Path | None) -> Path | None:
     if adapter is None:
         return None
     adapter = Path(adapter)
-    if adapter.is_dir() and (adapter / TEMPLATE_FILE).is_file():
-        return adapter / TEMPLATE_FILE
-    run = adapter.parent
-    return run / TEMPLATE_FILE if (run / "manifest.json").is_file() and (run / TEMPLATE_FILE).is_file() else None
+    for run in ([adapter] if adapter.is_dir() else []) + [adapter.parent]:
+        if run != adapter and not (run / "manifest.json").is_file():
+            continue
+        found = run / TEMPLATE_FILE
+        if found.exists() and not found.is_file():  # (not the run's template dropped without a word)
+            raise InputError(f"{found}: the run's chat template is not a file")
+        if found.is_file():
+            return found
+    return None
 
 
 def default_template(eos_token: str | None = None, bos_token: str | None = None) -> ChatTemplate:
