@@ -167,11 +167,12 @@ def test_generation_blocks_give_transformers_assistant_mask(tmp_path):
 
 def test_text_and_completions_start_with_bos_and_end_with_one_eos(tmp_path):
     """The BOS the tokenizer's post-processor writes (minituner's own HFTokenizer too), as TRL's tokenizer(text);
-    an EOS already at the end is not doubled."""
+    an EOS already at the end is not doubled, nor a BOS already at the start (text a chat template rendered)."""
     hf, ours, template = folder_with(tmp_path, "base", byte_level(LLAMA3, bos="<|begin_of_text|>"),
                                      LLAMA3_GENERATION, "<|begin_of_text|>", "<|eot_id|>")
-    for text in ("Bonjour.", "Bonjour.<|eot_id|>"):
-        ex, _ = example(Record("text", "x:1", text=text), ours, template)
+    bos = "<|begin_of_text|>"
+    for text in ("Bonjour.", "Bonjour.<|eot_id|>", f"{bos}Bonjour.", f"{bos}Bonjour.<|eot_id|>"):
+        ex, _ = example(Record("text", "x:1", text=text), ours, template)  # one BOS and one EOS, whatever the text
         assert ex.input_ids == hf("Bonjour.<|eot_id|>")["input_ids"]
         assert hf.convert_ids_to_tokens(ex.input_ids)[0] == "<|begin_of_text|>" and ex.labels[0] == IGNORE
     ex, _ = example(Record("prompt-completion", "x:1", prompt="What is the weather in Bergen? ",

@@ -9,7 +9,9 @@ assistant-only losses, axolotl's ``train_on_inputs: false``); ``train_on_inputs=
 What counts (``record_answers``: the string a record trains on and the character spans that count): a text
 counts whole; a prompt-completion counts its completion. Either ends with the EOS (added only where it does not
 end with it already), tokenized on its own as TRL appends the EOS id, and starts with what the tokenizer itself
-puts before text (``special_prefix``: Llama's BOS), uncounted, as ``tokenizer(text)`` in TRL. A chat counts its
+puts before text (``special_prefix``: Llama's BOS), uncounted, as ``tokenizer(text)`` in TRL, added only where the
+text does not start with it already (text rendered with a chat template writes its own BOS; tokenizer(text) would
+then give two). A chat counts its
 answers, found as ``sft.answers`` says; a turn with no end marker still counts (SFTStats.without_eos says how
 often); TRL's conversational prompt-completion counts the completion's turns only (``Record.answers_from``).
 
@@ -184,6 +186,9 @@ def tokenize_record(record: Record, encode: Callable[[str], list[int]], template
     tail_ids = list(encode(tail)) if tail else []
     ids += tail_ids
     labels += tail_ids
+    n = len(prefix_ids) if record.kind != "chat" else 0
+    if n and ids[n:2 * n] == list(prefix_ids):  # the text starts with the prefix itself: not twice
+        ids, labels = ids[n:], labels[n:]
     if labels:
         labels[0] = IGNORE  # nothing predicts the first token
     without_eos = record.kind == "chat" and any(not text[a:b].endswith(template.end_markers) for a, b in spans)
