@@ -53,6 +53,10 @@ def check_run_dir(out: Path, markers: tuple[str, ...], overwrite: bool = False, 
     if held and not overwrite:
         raise InputError(f"{out} already holds a run ({held[0]}); "
                          "pass --overwrite to replace it or --resume to continue it")
+    waiting = _replaced_runs(out) if out.is_dir() else []
+    if waiting and not overwrite:  # an --overwrite killed before it wrote a file left it: a new run would delete it
+        raise InputError(f"{out} holds a run an --overwrite stopped before its first checkpoint replaced, in "
+                         f"{waiting[0]}: move its files back to keep it, or pass --overwrite to replace it")
 
 
 def check_inputs_outside_run(out: Path, patterns: Sequence[str], markers: Sequence[str],
@@ -94,7 +98,8 @@ def replacing_run(out: Path, patterns: Sequence[str], markers: Sequence[str], ac
         return
     existed = out.exists()
     held = existed and bool(_run_files_held(out, markers))
-    earlier = _replaced_runs(out) if existed else []  # runs an --overwrite killed before its checkpoint replaced
+    # runs an --overwrite killed before its first checkpoint replaced (check_run_dir let this run in: --overwrite)
+    earlier = _replaced_runs(out) if existed else []
     aside = Path(tempfile.mkdtemp(dir=out, prefix=REPLACED_PREFIX)) if held else None
     for path in _matching(out, patterns) if held else []:
         os.replace(path, aside / path.name)
@@ -125,8 +130,9 @@ REPLACED_PREFIX = ".replaced-run."
 
 
 def _replaced_runs(out: Path) -> list[Path]:
-    """The hidden folders in `out` holding runs an --overwrite replaced (``replacing_run``), oldest name first."""
-    return sorted(p for p in Path(out).glob(REPLACED_PREFIX + "*") if p.is_dir())
+    """The hidden folders in `out` holding runs an --overwrite replaced (``replacing_run``), newest first."""
+    return sorted((p for p in Path(out).glob(REPLACED_PREFIX + "*") if p.is_dir()),
+                  key=lambda p: p.stat().st_mtime_ns, reverse=True)
 
 
 def _run_files_held(out: Path, markers: Sequence[str]) -> list[str]:

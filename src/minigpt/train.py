@@ -370,8 +370,9 @@ def train(
     first, elapsed, skipped, resumes, loss_val = 0, 0.0, 0, [], float("nan")
     if resume:
         found = latest_checkpoint(ckpt_dir, log)
-        if found is None:
-            raise InputError(f"{ckpt_dir}: no checkpoint to resume from")
+        if found is None:  # (check_run_dir found one: each was damaged, as the warnings said)
+            raise InputError(f"{ckpt_dir}: no checkpoint to resume from (every one is damaged); --overwrite starts "
+                             "over")
         state, path = found
         check_compatible(state.info, identity, path)
         restore(state, named, opt, gen, path)

@@ -192,7 +192,7 @@ def _check_finite(state: TrainState, where: Path) -> None:
               if torch.is_tensor(t)]
     bad = [n for n, t in named if t.is_floating_point() and not bool(torch.isfinite(t).all())]
     if bad:
-        raise InputError(f"{where}: {bad[0]} holds nan or inf (a damaged checkpoint); --overwrite starts over")
+        raise InputError(f"{where}: {bad[0]} holds nan or inf (a damaged checkpoint)")
 
 
 def latest_checkpoint(folder: Path, log: Callable[[str], None] = print) -> tuple[TrainState, Path] | None:

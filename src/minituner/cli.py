@@ -82,12 +82,12 @@ class Terminated(KeyboardInterrupt):
 def _terminate_as_interrupt():
     """SIGTERM raises Terminated in the main thread while a command runs: a run stopped that way restores the
     folder an --overwrite replaced, as after Ctrl-C (the default handler ends the process with nothing cleaned up).
-    The handler it replaces (None off the main thread, where none is set)."""
+    The handler it replaces (None where none is set: off the main thread, or SIGTERM already handled)."""
     def stop(signum, frame):
         raise Terminated("SIGTERM")
 
-    if threading.current_thread() is not threading.main_thread():
-        return None
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) != signal.SIG_DFL:
+        return None  # (a handler of the caller's, or SIGTERM ignored by the parent: left as it is)
     return signal.signal(signal.SIGTERM, stop)
 
 

@@ -40,6 +40,11 @@ def test_pretrain_and_generate(tiny_base):
     assert headers == [f"--- sample {i} ---" for i in range(1, 20)]
     samples = r.stdout.split("--- sample ")[1:]
     assert len({s.split("---", 1)[1] for s in samples}) == 1  # a temperature that small: greedy, every sample alike
+    r = run_cli("generate", "--base", str(tiny_base / "base"), "--prompt", "hel", "--max-new-tokens", "12",
+                "--num-samples", "16", "--temperature", "2")
+    texts = [s.split("---", 1)[1] for s in r.stdout.split("--- sample ")[1:]]
+    assert r.returncode == 0 and len(texts) == 16
+    assert texts[8:] != texts[:8] and len(set(texts)) > 8  # the second batch draws on, not from the same seed again
 
 
 @pytest.mark.parametrize(

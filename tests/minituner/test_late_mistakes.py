@@ -174,7 +174,7 @@ def test_a_damaged_checkpoint_is_named_on_resume(hf_folder, data, tmp_path, caps
         save_file(nan, newest, metadata=metadata)  # (the resumed run wrote it afresh)
         for older in sorted((run / "checkpoints").iterdir())[:-1]:
             older.unlink()
-        one_line_error(capsys, main([*args, "--resume"]), "no checkpoint to resume from")
+        one_line_error(capsys, main([*args, "--resume"]), "no checkpoint to resume from (every one is damaged)")
         assert main(args[:-2] + ["--checkpoint-every", "1", "--overwrite"]) == 0  # two checkpoints again
         capsys.readouterr()
         newest = sorted((run / "checkpoints").iterdir())[-1]
@@ -307,6 +307,13 @@ def test_a_pretrain_overwrite_that_fails_leaves_the_base_as_it_was(data, tmp_pat
     one_line_error(capsys, main(["pretrain", *tiny[:2], "--out", str(run), *tiny[4:], "--overwrite"]),
                    f"{run} holds a finetune run (adapter_final.safetensors); pretrain --overwrite replaces only")
     assert hashes(run) == before
+    full = tmp_path / "full"  # a full fine-tune's folder is a base folder too: its manifest says whose
+    assert main(["finetune", "--base", str(out), "--data", str(data), "--out", str(full), *TRAIN, "--full"]) == 0
+    capsys.readouterr()
+    before = hashes(full)
+    one_line_error(capsys, main(["pretrain", *tiny[:2], "--out", str(full), *tiny[4:], "--overwrite"]),
+                   f"{full} holds a finetune run (manifest.json)")
+    assert hashes(full) == before
 
 
 @pytest.mark.parametrize("edit", [("seq_len", "eight", "records seq_len 'eight', not a positive integer"),

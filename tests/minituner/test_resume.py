@@ -207,6 +207,13 @@ def test_a_run_an_overwrite_replaced_is_named_after_a_sigkill_and_goes_once_anot
     resumed = run(setup, "plain", out, "--resume")
     assert resumed.returncode == 2 and len(resumed.stderr.strip().splitlines()) == 1
     assert f"replaced waits in {aside}: move its files back to keep it" in resumed.stderr
+    shutil.rmtree(out / CHECKPOINT_DIR, ignore_errors=True)
+    for entry in out.iterdir():  # only the hidden folder left (killed before the new run wrote a file)
+        if entry != aside:
+            shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+    plain = run(setup, "plain", out)  # a new run without --overwrite would delete it on success: refused
+    assert plain.returncode == 2 and len(plain.stderr.strip().splitlines()) == 1, plain.stderr
+    assert f"in {aside}: move its files back to keep it, or pass --overwrite" in plain.stderr and aside.is_dir()
     again = run(setup, "plain", out, "--overwrite")
     assert again.returncode == 0, again.stderr
     assert not list(out.glob(".replaced-run.*")) and (out / ADAPTER_FILE).is_file()

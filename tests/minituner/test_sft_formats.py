@@ -277,3 +277,6 @@ def test_weight_1_on_a_user_turn_is_refused(tmp_path):
     conv[0]["weight"] = 0
     with pytest.raises(InputError, match=r"a\.jsonl:1: every assistant turn of the conversation has weight 0"):
         read_file(write_jsonl(tmp_path / "a.jsonl", [{"conversations": conv}]))
+    prompt = [CHAT[1], {**CHAT[2], "weight": 1}, CHAT[1]]  # an answer inside a prompt is context
+    with pytest.raises(InputError, match=r"weight 1 on prompt turn 1: only the completion's answers count"):
+        read_file(write_jsonl(tmp_path / "a.jsonl", [{"prompt": prompt, "completion": [CHAT[2]]}]))

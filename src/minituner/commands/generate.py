@@ -43,7 +43,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=positive_int, default=200,
                    help="tokens to sample at most; an eos id stops sooner (default %(default)s)")
     p.add_argument("--num-samples", type=positive_int, default=1,
-                   help="samples to print, drawn 8 at a time (default %(default)s)")
+                   help="samples to print (--prompt: drawn 8 at a time) (default %(default)s)")
     p.add_argument("--temperature", type=non_negative_float, default=None,
                    help="sampling temperature; 0 is greedy (default 0.8 with --prompt, 0 with --chat)")
     p.add_argument("--top-k", type=positive_int, default=None,

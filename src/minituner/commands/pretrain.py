@@ -4,7 +4,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from minigpt.base_folder import MANIFEST
 from minigpt.errors import InputError
+from minigpt.io import read_json
 from minigpt.pretrain import DEFAULT_DATA, pretrain
 from minigpt.train import TrainConfig
 
@@ -37,8 +39,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.overwrite and args.out.is_dir():
-        held = [name for name in (ADAPTER_FILE, PEFT_DIR) if (args.out / name).exists()]
-        if held:  # pretrain replaces a pretraining run's files only: the adapter would stay beside the new base
+        held = [name for name in (ADAPTER_FILE, PEFT_DIR) if (args.out / name).exists()] + (
+            [MANIFEST] if "method" in ((read_json(args.out / MANIFEST).get("config") or {})
+                                       if (args.out / MANIFEST).is_file() else {}) else [])
+        if held:  # pretrain replaces a pretraining run's files only: the adapter, a full fine-tune's tokenizer
+            # files and template would stay beside the new base
             raise InputError(f"{args.out} holds a finetune run ({held[0]}); pretrain --overwrite replaces only a "
                              "pretraining run: choose another --out, or remove that run first")
     cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed,

@@ -179,6 +179,9 @@ def _sharegpt(obj: dict, where: str) -> tuple[dict, ...]:
 
 
 def _conversation(messages: tuple[dict, ...], fmt: str, where: str, answers_from: int = 0) -> Record:
+    prompt_answer = next((i for i, m in enumerate(messages[:answers_from]) if m.get("weight") == 1), None)
+    if prompt_answer is not None:  # a prompt's turns are context (TRL's conversational prompt-completion)
+        raise InputError(f"{where}: weight 1 on prompt turn {prompt_answer}: only the completion's answers count")
     answers = [m for m in messages[answers_from:] if m["role"] == "assistant"]
     part = "the completion" if answers_from else "the conversation"
     if not answers:
