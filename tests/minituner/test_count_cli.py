@@ -43,7 +43,10 @@ def test_default_is_the_seeds_five_regimes_for_minigpt(capsys):
 
 def test_json_contract_is_exact(capsys):
     d = count_json(capsys, "--preset", "llama-7b", "--rank", "8", "--rank", "16", "--target", "q_proj,v_proj")
-    assert list(d) == ["model", "total_params", "regimes", "batch"]
+    assert list(d) == ["model", "total_params", "regimes", "settings", "batch"]
+    assert d["settings"] == {"targets": "q_proj,v_proj", "quantize": "targets", "double_quant": False,
+                             "full_precision": "mixed", "master_copy": "weights", "activations": "exact",
+                             "grad_checkpoint": False, "alpha": None, "lora_dropout": 0.0, "model_dropout": None}
     assert d["batch"] == {"batch_size": 16, "seq_len": 32, "counted_targets": 16 * 32, "grad_accum": 1}  # all count
     assert [(r["name"], r["rank"]) for r in d["regimes"]] == [
         ("full", None), ("lora", 8), ("lora", 16), ("qlora", 8), ("qlora", 16)]
@@ -54,6 +57,10 @@ def test_json_contract_is_exact(capsys):
         assert isinstance(r["ratio_vs_full"], float)
     assert d["regimes"][1]["trainable_params"] == 4_194_304
     assert d == count_json(capsys, "--preset", "llama-7b", "--rank", "8,16", "--target", "q_proj", "--target", "v_proj")
+    assert d == count_json(capsys, "--preset", "llama-7b", "--rank", "8,16,8", "--target", "q_proj,v_proj")  # once each
+    zero = count_json(capsys, "--preset", "llama-7b", "--rank", "8", "--target", "q_proj,v_proj", "--master-copy",
+                      "optimizer", "--grad-checkpoint")
+    assert zero["settings"]["master_copy"] == "optimizer" and zero["settings"]["grad_checkpoint"] is True
 
 
 def test_flags_change_only_their_bucket(capsys):
@@ -123,6 +130,7 @@ def test_minigpt_base_config(capsys, tmp_path):
     (["--config", "{tmp}/neg.json"], "hidden_size must be a positive integer"),
     (["--tokenizer", "{tmp}/missing.json"], "tokenizer file not found"),
     (["--batch-size", "0"], "positive integer"),
+    (["--full-precision", "fp32", "--master-copy", "optimizer"], "--master-copy applies to --full-precision mixed"),
     (["--preset", "llama-13b"], "invalid choice"),
     (["--rank", "65"], "LoRA rank r=65 exceeds min(in, out) = 64 of attn.q_proj"),  # MiniGPT's d_model 64
     (["--grad-checkpoint", "--activations", "seed"], "--grad-checkpoint needs --activations exact, got --activations seed"),

@@ -95,7 +95,8 @@ def parse_ranks(values: list[str] | None) -> list[int] | None:
             r = None
         if r is None or r < 1:
             raise InputError(f"--rank must be positive integers such as 8 or 8,16, got {text!r}")
-        ranks.append(r)
+        if r not in ranks:  # (8,8: one row each)
+            ranks.append(r)
     return ranks
 
 
@@ -234,6 +235,8 @@ def run(args: argparse.Namespace) -> int:
     counted = args.counted_targets
     if batch is not None:
         seq_len, counted = batch.seq_len, batch.counted
+    if args.full_precision == "fp32" and args.master_copy != MemoryConfig.master_copy:
+        raise InputError("--master-copy applies to --full-precision mixed (plain fp32 keeps no master copy)")
     cfg = MemoryConfig(batch_size=batch_size, seq_len=seq_len, double_quant=args.double_quant,
                        full_precision=args.full_precision, activations=activations, quantize=args.quantize,
                        master_copy=args.master_copy, grad_checkpoint=args.grad_checkpoint, counted_targets=counted,
@@ -254,7 +257,11 @@ def run(args: argparse.Namespace) -> int:
         data = {"data": {"source": args.data, **asdict(batch)}} if batch is not None else {}
         batch_json = {"batch_size": batch_size, "seq_len": seq_len, "counted_targets": counted or batch_size * seq_len,
                       "grad_accum": args.grad_accum}
-        print(json.dumps({**result.to_dict(), "batch": batch_json, **data,
+        settings = {"targets": targets, "quantize": args.quantize, "double_quant": args.double_quant,
+                    "full_precision": args.full_precision, "master_copy": args.master_copy,
+                    "activations": activations, "grad_checkpoint": args.grad_checkpoint, "alpha": args.alpha,
+                    "lora_dropout": args.dropout, "model_dropout": args.model_dropout}  # what the plan was made with
+        print(json.dumps({**result.to_dict(), "settings": settings, "batch": batch_json, **data,
                           **({"finetune_cpu": finetune_run} if finetune_run else {})}, indent=2))
     else:
         print(describe(result, args.alpha))

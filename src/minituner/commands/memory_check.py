@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 import json
 from pathlib import Path
 
@@ -33,7 +34,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokenizer", type=Path, help="tokenizer.json giving a --preset its vocab_size")
     d = CheckConfig()
     p.add_argument("--regime", choices=REGIMES, default=d.regime, help="what trains (default %(default)s)")
-    p.add_argument("--rank", type=positive_int, default=d.rank, help="LoRA rank (default %(default)s)")
+    p.add_argument("--rank", type=positive_int, help=f"LoRA rank (default {d.rank}; lora and qlora)")
     p.add_argument("--alpha", type=positive_float, default=d.alpha, help="lora_alpha (default %(default)s)")
     p.add_argument("--target", default=ALL_LINEAR, help="LoRA targets, e.g. q_proj,v_proj (default %(default)s)")
     p.add_argument("--batch-size", type=positive_int, default=d.batch_size,
@@ -84,7 +85,10 @@ def run(args: argparse.Namespace) -> int:
             with device:
                 return Decoder(cfg) if isinstance(cfg, DecoderConfig) else MiniGPT(cfg)
 
-    check = CheckConfig(regime=args.regime, rank=args.rank, alpha=args.alpha, targets=args.target,
+    if args.regime == "full" and args.rank is not None:  # (a loop over regimes may pass it to each: a note)
+        print("note: --rank applies to --regime lora and qlora; full fine-tuning has none", file=sys.stderr)
+    check = CheckConfig(regime=args.regime, rank=args.rank or CheckConfig().rank, alpha=args.alpha,
+                        targets=args.target,
                         batch_size=args.batch_size, seq_len=args.seq_len, grad_accum=args.grad_accum,
                         steps=args.steps, seed=args.seed,
                         precision=args.precision, allow_slow_bf16=args.allow_slow_bf16,

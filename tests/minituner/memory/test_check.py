@@ -137,6 +137,9 @@ def test_cli_gpt2_config_json(tmp_path, capsys):
     assert isinstance(p, int) and isinstance(m, int) and out["error"]["peak"] == pytest.approx((p - m) / m)
     assert out["details"]["trainable_params"] == out["details"]["params"]
     assert out["details"]["measured_peak_phase"] in ("forward", "backward", "optimizer step")
+    assert main(["memory-check", "--config", str(tmp_path), "--regime", "full", "--rank", "4", "--batch-size", "2",
+                 "--seq-len", "8", "--device", "cpu", "--json"]) == 0  # a rank is not dropped without a word
+    assert "note: --rank applies to --regime lora and qlora" in capsys.readouterr().err
 
 
 def test_cli_base_folder_and_table(tmp_path, capsys):
