@@ -107,6 +107,11 @@ def read_json(path: Path) -> dict:
     return d
 
 
+def same_json(a, b) -> bool:
+    """Whether two values read from JSON are the same value of the same JSON type (0 is not false, 1 not true)."""
+    return type(a) is type(b) and a == b
+
+
 def write_json(path: Path, d: dict) -> None:
     atomic_write_text(Path(path), json.dumps(d, indent=2, sort_keys=False) + "\n")
 

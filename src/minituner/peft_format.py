@@ -24,7 +24,7 @@ import torch.nn as nn
 
 from minigpt.decoder import Decoder
 from minigpt.errors import InputError
-from minigpt.io import atomic_save_safetensors, load_safetensors, read_json, write_json
+from minigpt.io import atomic_save_safetensors, load_safetensors, read_json, same_json, write_json
 
 from .adapter_tensors import PEFT_PREFIX, check_rank_held, load_pickled_tensors, module_paths, normalize_keys
 from .lora import ALL_LINEAR, LoRAConfig, adapter_config, lora_modules, lora_state_dict
@@ -126,12 +126,6 @@ def _field(d: dict, key: str, kinds: type | tuple[type, ...], where: Path, defau
     return value
 
 
-def _is_off(value) -> bool:
-    """Whether a field holds one of FEATURE_OFF (by type too: 0 is not False)."""
-    return any(value is off if off is None or isinstance(off, bool) else type(value) is type(off) and value == off
-               for off in FEATURE_OFF)
-
-
 def config_from_peft(d: dict, where: Path) -> LoRAConfig:
     if d.get("peft_type") != "LORA":
         raise InputError(f"{where}: peft_type is {d.get('peft_type')!r}, only LORA adapters are supported")
@@ -139,10 +133,10 @@ def config_from_peft(d: dict, where: Path) -> LoRAConfig:
         raise InputError(f"{where}: task_type {d['task_type']!r} is not supported (a causal language model's "
                          "adapter: CAUSAL_LM)")
     for key, value in d.items():
-        if key not in READ_FIELDS | INERT_FIELDS and not _is_off(value):
+        if key not in READ_FIELDS | INERT_FIELDS and not any(same_json(value, off) for off in FEATURE_OFF):
             raise InputError(f"{where}: {key}={value!r} is not supported (plain LoRA only)")
     init = d.get("init_lora_weights", True)
-    if not any(init is p if isinstance(p, bool) else init == p for p in PLAIN_INITS):
+    if not any(same_json(init, p) for p in PLAIN_INITS):
         raise InputError(f"{where}: init_lora_weights={init!r} trains on a base PEFT changed (the residual of its "
                          "weights): convert the adapter to plain LoRA with PEFT first (save_pretrained with "
                          "path_initial_model_for_weight_conversion)")
@@ -189,14 +183,13 @@ def peft_selection(folder: Path, model: nn.Module, held: list[str]) -> Callable[
     for target_modules), or for tensors of modules outside the selection, which PEFT would leave out."""
     where = folder / CONFIG_NAME
     d = read_json(where)
-    targets = d.get("target_modules")
-    if targets is None:
-        model_type = model.config.model_type if isinstance(model, Decoder) else None
-        if model_type not in PEFT_DEFAULT_TARGETS:
-            raise InputError(f"{where}: target_modules is null, which PEFT replaces by its default for the base's "
-                             "model type, and it has none for a MiniGPT: name the adapted modules in target_modules")
-        targets = PEFT_DEFAULT_TARGETS[model_type]
-    selects = _peft_selection(targets, d, where)
+    if d.get("target_modules") is not None:  # (its tensors checked against it by read_peft_adapter)
+        return _peft_selection(d["target_modules"], d, where)
+    model_type = model.config.model_type if isinstance(model, Decoder) else None
+    if model_type not in PEFT_DEFAULT_TARGETS:
+        raise InputError(f"{where}: target_modules is null, which PEFT replaces by its default for the base's "
+                         "model type, and it has none for a MiniGPT: name the adapted modules in target_modules")
+    selects = _peft_selection(PEFT_DEFAULT_TARGETS[model_type], d, where)
     check_selected(held, selects, d, folder)
     return selects
 

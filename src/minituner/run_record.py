@@ -24,7 +24,7 @@ from pathlib import Path
 from minigpt.base_folder import MANIFEST
 from minigpt.device import PRECISIONS
 from minigpt.errors import InputError
-from minigpt.io import read_json
+from minigpt.io import read_json, same_json
 
 from .adapter_io import adapter_file_base, adapter_file_scheme
 from .base_model import base_weights_sha256
@@ -154,7 +154,6 @@ def trained_reading(adapter: str | Path | None, data: str) -> dict:
     where = f"{adapter}'s run manifest"
     reading = {k: config[k] for k in ("format", "train_on_inputs", "overlong") if k in config}
     for key, valid in (("format", (None, *FORMATS)), ("train_on_inputs", (False, True)), ("overlong", OVERLONG)):
-        if key in reading and not any(reading[key] is v if v in (None, False, True) else reading[key] == v
-                                      for v in valid):
+        if key in reading and not any(same_json(reading[key], v) for v in valid):
             raise InputError(f"{where}: {key} is {reading[key]!r}; valid: {', '.join(map(str, valid))}")
     return reading

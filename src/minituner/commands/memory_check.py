@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 import argparse
-import sys
 import json
+import sys
 from pathlib import Path
 
 from minigpt.device import DEVICES, resolve_device

@@ -118,11 +118,17 @@ def _decode(path: Path) -> str:
         raise InputError(f"{path}:{line}: not UTF-8 (byte 0x{data[e.start]:02x} at column {col})") from None
 
 
+def _past_space(text: str, i: int) -> int:
+    """The index of the first character at or after i that is not JSON's whitespace."""
+    while i < len(text) and text[i] in " \t\r\n":
+        i += 1
+    return i
+
+
 def _check_nothing_after(path: Path, text: str, i: int) -> None:
     """InputError where anything but whitespace follows a .json file's array (a second array, an object): json.load
     refuses it too, and records past the first array would otherwise go unread without a word."""
-    while i < len(text) and text[i] in " \t\r\n":  # JSON's whitespace
-        i += 1
+    i = _past_space(text, i)
     if i < len(text):
         raise InputError(f"{path}:{text.count(chr(10), 0, i) + 1}: more after the JSON array's closing ']' "
                          "(a .json file holds one array of objects; one object per line is a .jsonl file)")
@@ -134,8 +140,7 @@ def _json_values(path: Path, text: str):
     if _inner_suffix(path) == ".json" and stripped.startswith("["):
         decoder, i = json.JSONDecoder(), text.index("[") + 1
         while True:
-            while i < len(text) and text[i] in " \t\r\n":
-                i += 1
+            i = _past_space(text, i)
             if i < len(text) and text[i] == "]":
                 _check_nothing_after(path, text, i + 1)
                 return
@@ -145,8 +150,7 @@ def _json_values(path: Path, text: str):
             except json.JSONDecodeError as e:
                 raise InputError(f"{path}:{text.count(chr(10), 0, e.pos) + 1}: not valid JSON ({e.msg})") from None
             yield line, value
-            while i < len(text) and text[i] in " \t\r\n":
-                i += 1
+            i = _past_space(text, i)
             if i < len(text) and text[i] == ",":
                 i += 1
             elif i >= len(text) or text[i] != "]":
